@@ -1,0 +1,30 @@
+// Compiled only in CUDA builds: reports what nvcc compiled, for build_info(). It also proves,
+// in every CI run, that the CUDA toolchain path of the build works.
+#include <cuda_runtime_api.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "safeattn.h"
+
+namespace safeattn::cuda {
+
+std::vector<std::string> compiled_archs() {
+  std::vector<std::string> archs;
+#ifdef __CUDA_ARCH_LIST__
+  // nvcc defines __CUDA_ARCH_LIST__ as e.g. 800,900 (arch * 10) in every compilation pass.
+  for (int arch : {__CUDA_ARCH_LIST__}) {
+    archs.push_back(std::to_string(arch / 10));
+  }
+#endif
+  return archs;
+}
+
+std::string toolkit_version() {
+  std::ostringstream s;
+  s << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10;
+  return s.str();
+}
+
+}  // namespace safeattn::cuda

@@ -1,0 +1,67 @@
+// Lives in csrc/common/ and is compiled once (not per ISA): it holds the shared registry.
+#include "common/isa_dispatch.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include <ATen/Version.h>
+
+namespace safeattn::cpu {
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::DEFAULT:
+      return "DEFAULT";
+    case Isa::AVX2:
+      return "AVX2";
+    case Isa::AVX512:
+      return "AVX512";
+  }
+  return "?";
+}
+
+Isa runtime_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  // ATen's exported query (its enum-valued twin is internal); computed once, as ATen does.
+  static const Isa isa = [] {
+    const std::string capability = at::get_cpu_capability();
+    if (capability == "AVX512") {
+      return Isa::AVX512;
+    }
+    return capability == "AVX2" ? Isa::AVX2 : Isa::DEFAULT;
+  }();
+  return isa;
+#else
+  // aarch64 and others: only the DEFAULT variant is built (NEON comes with the default flags).
+  return Isa::DEFAULT;
+#endif
+}
+
+namespace {
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::array<bool, kNumIsas>& compiled_flags() {
+  static std::array<bool, kNumIsas> flags{};
+  return flags;
+}
+}  // namespace
+
+void note_compiled_isa(Isa isa) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  compiled_flags()[static_cast<int>(isa)] = true;
+}
+
+std::vector<std::string> compiled_isas() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::string> names;
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (compiled_flags()[i]) {
+      names.emplace_back(isa_name(static_cast<Isa>(i)));
+    }
+  }
+  return names;
+}
+
+}  // namespace safeattn::cpu

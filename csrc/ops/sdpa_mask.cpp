@@ -1,0 +1,237 @@
+// Schema, validation, the CPU entry point and the typed C++ entry point of sdpa_mask.
+#include "ops/sdpa_mask.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+
+namespace safeattn {
+
+SAFEATTN_DEFINE_ISA_STUB(sdpa_mask_cpu_stub, SdpaMaskCpuFn);
+
+namespace {
+
+constexpr const char* kOp = "sdpa_mask";
+
+void check_ids(const std::optional<at::Tensor>& ids, const char* name, int64_t batch_size) {
+  if (!ids.has_value()) {
+    return;
+  }
+  TORCH_CHECK(at::isIntegralType(ids->scalar_type(), /*includeBool=*/false), kOp, ": ", name,
+              " must have an integer dtype, got ", dtype_name(ids->scalar_type()));
+  TORCH_CHECK(ids->dim() == 2, kOp, ": ", name, " must be 2-D [batch_size, length], got ", ids->dim(), "-D");
+  TORCH_CHECK(ids->size(0) == batch_size, kOp, ": ", name, " has batch ", ids->size(0), " but batch_size is ",
+              batch_size);
+}
+
+at::Tensor as_long(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->to(at::kLong).contiguous() : at::Tensor();
+}
+
+}  // namespace
+
+c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                            int64_t kv_offset, const std::optional<at::Tensor>& q_positions,
+                            std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                            const std::optional<at::Tensor>& chunk_left_padding,
+                            const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
+                            const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                            bool use_finfo_min, std::optional<c10::Device> device) {
+  TORCH_CHECK(batch_size >= 0, kOp, ": batch_size must be >= 0, got ", batch_size);
+  TORCH_CHECK(q_length >= 0, kOp, ": q_length must be >= 0, got ", q_length);
+  TORCH_CHECK(kv_length >= 0, kOp, ": kv_length must be >= 0, got ", kv_length);
+  TORCH_CHECK(q_offset >= 0, kOp, ": q_offset must be >= 0, got ", q_offset);
+  TORCH_CHECK(kv_offset >= 0, kOp, ": kv_offset must be >= 0, got ", kv_offset);
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window > 0, kOp, ": sliding_window must be > 0, got ",
+              sliding_window.value_or(0));
+  TORCH_CHECK(!chunk_size.has_value() || *chunk_size > 0, kOp, ": chunk_size must be > 0, got ",
+              chunk_size.value_or(0));
+
+  const at::ScalarType out_dtype = dtype.value_or(at::kBool);
+  TORCH_CHECK(out_dtype == at::kBool || at::isFloatingType(out_dtype), kOp,
+              ": dtype must be torch.bool or a floating dtype, got ", dtype_name(out_dtype));
+  TORCH_CHECK(!use_finfo_min || out_dtype != at::kBool, kOp, ": use_finfo_min needs a floating dtype");
+
+  if (q_positions.has_value()) {
+    const at::Tensor& pos = *q_positions;
+    TORCH_CHECK(at::isIntegralType(pos.scalar_type(), /*includeBool=*/false), kOp,
+                ": q_positions must have an integer dtype, got ", dtype_name(pos.scalar_type()));
+    TORCH_CHECK(pos.dim() <= 2, kOp, ": q_positions must be 0-D, [q_length] or [batch_size, q_length], got ",
+                pos.dim(), "-D");
+    TORCH_CHECK(pos.dim() != 1 || pos.size(0) == q_length, kOp, ": q_positions has ", pos.dim() == 1 ? pos.size(0) : 0,
+                " positions but q_length is ", q_length);
+    TORCH_CHECK(pos.dim() != 2 || (pos.size(0) == batch_size && pos.size(1) == q_length), kOp,
+                ": q_positions must be [batch_size, q_length] = [", batch_size, ", ", q_length, "], got ", pos.sizes());
+    TORCH_CHECK(q_offset == 0, kOp, ": q_offset must be 0 when q_positions is given, got ", q_offset);
+  }
+  if (chunk_left_padding.has_value()) {
+    const at::Tensor& pad = *chunk_left_padding;
+    TORCH_CHECK(chunk_size.has_value(), kOp, ": chunk_left_padding needs chunk_size");
+    TORCH_CHECK(at::isIntegralType(pad.scalar_type(), /*includeBool=*/false), kOp,
+                ": chunk_left_padding must have an integer dtype, got ", dtype_name(pad.scalar_type()));
+    TORCH_CHECK(pad.dim() == 1 && pad.size(0) == batch_size, kOp, ": chunk_left_padding must be [batch_size] = [",
+                batch_size, "], got ", pad.sizes());
+  }
+  if (padding_mask.has_value()) {
+    const at::Tensor& pad = *padding_mask;
+    TORCH_CHECK(pad.scalar_type() == at::kBool || at::isIntegralType(pad.scalar_type(), /*includeBool=*/false), kOp,
+                ": padding_mask must be bool or integer, got ", dtype_name(pad.scalar_type()));
+    TORCH_CHECK(pad.dim() == 2, kOp, ": padding_mask must be 2-D [batch_size, length], got ", pad.dim(), "-D");
+    TORCH_CHECK(pad.size(0) == batch_size, kOp, ": padding_mask has batch ", pad.size(0), " but batch_size is ",
+                batch_size);
+  }
+  check_ids(packed_ids, "packed_ids", batch_size);
+  if (packed_ids.has_value()) {
+    const int64_t needed = std::max(kv_offset + kv_length, q_positions.has_value() ? 0 : q_offset + q_length);
+    TORCH_CHECK(packed_ids->size(1) >= needed, kOp, ": packed_ids is too short: ", packed_ids->size(1),
+                " positions, needs ", needed);
+  }
+  check_ids(block_ids, "block_ids", batch_size);
+
+  return common_device(kOp, device,
+                       {{"q_positions", q_positions},
+                        {"chunk_left_padding", chunk_left_padding},
+                        {"padding_mask", padding_mask},
+                        {"packed_ids", packed_ids},
+                        {"block_ids", block_ids}});
+}
+
+SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                                 int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+                                 std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                                 const std::optional<at::Tensor>& chunk_left_padding,
+                                 const std::optional<at::Tensor>& padding_mask,
+                                 const std::optional<at::Tensor>& packed_ids,
+                                 const std::optional<at::Tensor>& block_ids) {
+  SdpaMaskInputs in;
+  SdpaMaskParams& p = in.params;
+  p.batch_size = batch_size;
+  p.q_length = q_length;
+  p.kv_length = kv_length;
+  p.q_offset = q_offset;
+  p.kv_offset = kv_offset;
+  p.causal = causal;
+  p.sliding_window = sliding_window.value_or(0);
+  p.chunk_size = chunk_size.value_or(0);
+  // These tensors are [B, L] or smaller: converting them costs nothing next to the mask.
+  in.q_positions = as_long(q_positions);
+  in.chunk_left_padding = as_long(chunk_left_padding);
+  in.packed_ids = as_long(packed_ids);
+  in.block_ids = as_long(block_ids);
+  if (padding_mask.has_value()) {
+    in.padding_mask = padding_mask->to(at::kBool).contiguous();
+  }
+  if (in.q_positions.defined()) {
+    p.q_positions = in.q_positions.data_ptr<int64_t>();
+    p.q_positions_rank = static_cast<int>(in.q_positions.dim());
+  }
+  if (in.chunk_left_padding.defined()) {
+    p.chunk_left_padding = in.chunk_left_padding.data_ptr<int64_t>();
+  }
+  if (in.padding_mask.defined()) {
+    p.padding_mask = in.padding_mask.data_ptr<bool>();
+    p.padding_width = in.padding_mask.size(1);
+  }
+  if (in.packed_ids.defined()) {
+    p.packed_ids = in.packed_ids.data_ptr<int64_t>();
+    p.packed_width = in.packed_ids.size(1);
+  }
+  if (in.block_ids.defined()) {
+    p.block_ids = in.block_ids.data_ptr<int64_t>();
+    p.block_width = in.block_ids.size(1);
+  }
+  return in;
+}
+
+namespace {
+
+at::Tensor sdpa_mask_cpu(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                         int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+                         std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                         const std::optional<at::Tensor>& chunk_left_padding,
+                         const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
+                         const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                         bool use_finfo_min, std::optional<c10::Device> device) {
+  const c10::Device where = check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions,
+                                            sliding_window, chunk_size, chunk_left_padding, padding_mask,
+                                            packed_ids, block_ids, dtype, use_finfo_min, device);
+  TORCH_CHECK(where.is_cpu(), kOp, ": the CPU kernel was asked to build on ", where.str());
+  SdpaMaskInputs in = prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal,
+                                        sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids,
+                                        block_ids);
+  at::Tensor out = at::empty({batch_size, 1, q_length, kv_length}, at::TensorOptions().dtype(dtype.value_or(at::kBool)));
+  sdpa_mask_cpu_stub().pick()(in.params, out, use_finfo_min);
+  return out;
+}
+
+// The op may have no tensor argument at all (plain causal mask), so the backend comes from
+// `device` (or the tensors) here: BackendSelect runs before any backend kernel.
+at::Tensor sdpa_mask_backend_select(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                                    int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+                                    std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                                    const std::optional<at::Tensor>& chunk_left_padding,
+                                    const std::optional<at::Tensor>& padding_mask,
+                                    const std::optional<at::Tensor>& packed_ids,
+                                    const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                                    bool use_finfo_min, std::optional<c10::Device> device) {
+  const c10::Device where = common_device(kOp, device,
+                                          {{"q_positions", q_positions},
+                                           {"chunk_left_padding", chunk_left_padding},
+                                           {"padding_mask", padding_mask},
+                                           {"packed_ids", packed_ids},
+                                           {"block_ids", block_ids}});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("safeattn::sdpa_mask", "")
+                       .typed<decltype(sdpa_mask_backend_select)>();
+  const c10::DispatchKeySet keys(c10::computeDispatchKey(std::nullopt, std::nullopt, where));
+  return op.redispatch(keys, batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal,
+                       sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids, dtype,
+                       use_finfo_min, device);
+}
+
+}  // namespace
+
+at::Tensor sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
+                     const std::optional<at::Tensor>& q_positions, bool causal, std::optional<int64_t> sliding_window,
+                     std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
+                     const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
+                     const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                     bool use_finfo_min, std::optional<c10::Device> device) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("safeattn::sdpa_mask", "")
+                       .typed<at::Tensor(c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
+                                         const std::optional<at::Tensor>&, bool, std::optional<int64_t>,
+                                         std::optional<int64_t>, const std::optional<at::Tensor>&,
+                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                         const std::optional<at::Tensor>&, std::optional<at::ScalarType>, bool,
+                                         std::optional<c10::Device>)>();
+  return op.call(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
+                 chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
+}
+
+TORCH_LIBRARY_FRAGMENT(safeattn, m) {
+  m.def(
+      "sdpa_mask(SymInt batch_size, SymInt q_length, SymInt kv_length, SymInt q_offset=0, SymInt kv_offset=0, *, "
+      "Tensor? q_positions=None, bool causal=True, int? sliding_window=None, int? chunk_size=None, "
+      "Tensor? chunk_left_padding=None, Tensor? padding_mask=None, Tensor? packed_ids=None, "
+      "Tensor? block_ids=None, ScalarType? dtype=None, bool use_finfo_min=False, Device? device=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(safeattn, BackendSelect, m) {
+  m.impl("sdpa_mask", &sdpa_mask_backend_select);
+}
+
+TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
+  m.impl("sdpa_mask", &sdpa_mask_cpu);
+}
+
+// A mask has no gradient: if an input ever requires grad, autograd raises "not implemented"
+// naming safeattn::sdpa_mask instead of silently producing a tensor without history.
+TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
+  m.impl("sdpa_mask", torch::autograd::autogradNotImplementedFallback());
+}
+
+}  // namespace safeattn

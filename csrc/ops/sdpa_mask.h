@@ -1,0 +1,202 @@
+// safeattn::sdpa_mask: builds every attention mask Transformers' masking_utils builds, in one
+// pass over the [B, 1, Q, KV] output.
+//
+// Query i of batch b sits at position q_offset + i, or at q_positions (rank 0: a start
+// position on the device, rank 1: [Q], rank 2: [B, Q]); key j sits at kv_offset + j.
+// Element (b, q, kv) attends when
+//     ((base AND packed) OR block) AND padding
+// with, on positions (q, kv):
+//   base     causal: kv <= q, else true
+//            AND sliding window w: kv > q - w when causal, |q - kv| <= w otherwise
+//            AND chunk c with left padding p[b]: floor((kv - p) / c) == floor((q - p) / c)
+//   packed   packed_ids[b, q] == packed_ids[b, kv]
+//   block    block_ids[b, q] == block_ids[b, kv] and block_ids[b, q] >= 0
+//   padding  padding_mask[b, kv] (columns past the mask's width count as False)
+// A query position outside the ids' width (possible only with q_positions) counts as -1 for
+// block_ids and matches nothing in packed_ids; block_ids narrower than kv_offset + kv_length
+// are read as -1 past their end (as Transformers pads them). No index leaves its tensor.
+//
+// base is one interval of key columns per row (intervals intersect), so kernels write it as a
+// fill and look at single elements only for packed, block and padding.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+#include "common/isa_dispatch.h"
+
+namespace safeattn {
+
+// Everything a kernel needs, as plain data (usable on the device). Optional tensors are
+// already contiguous int64 (ids, positions) or bool (padding); nullptr when absent.
+struct SdpaMaskParams {
+  int64_t batch_size = 0;
+  int64_t q_length = 0;
+  int64_t kv_length = 0;
+  int64_t q_offset = 0;
+  int64_t kv_offset = 0;
+  bool causal = true;
+  int64_t sliding_window = 0;  // 0: none
+  int64_t chunk_size = 0;      // 0: none
+  const int64_t* q_positions = nullptr;
+  int q_positions_rank = 0;                  // 0: start position, 1: [Q], 2: [B, Q]
+  const int64_t* chunk_left_padding = nullptr;  // [B]
+  const bool* padding_mask = nullptr;        // [B, padding_width]
+  int64_t padding_width = 0;
+  const int64_t* packed_ids = nullptr;       // [B, packed_width]
+  int64_t packed_width = 0;
+  const int64_t* block_ids = nullptr;        // [B, block_width]
+  int64_t block_width = 0;
+};
+
+namespace sdpa_mask_detail {
+
+// Python's floor division (chunk indices of left-padded positions are negative).
+C10_HOST_DEVICE inline int64_t floor_div(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+C10_HOST_DEVICE inline int64_t query_position(const SdpaMaskParams& p, int64_t b, int64_t i) {
+  if (p.q_positions == nullptr) {
+    return p.q_offset + i;
+  }
+  switch (p.q_positions_rank) {
+    case 0:
+      return p.q_positions[0] + i;
+    case 1:
+      return p.q_positions[i];
+    default:
+      return p.q_positions[b * p.q_length + i];
+  }
+}
+
+// ids[b, position], or `outside` when the position is not inside the tensor.
+C10_HOST_DEVICE inline int64_t id_at(const int64_t* ids, int64_t width, int64_t b, int64_t position,
+                                     int64_t outside) {
+  return (position >= 0 && position < width) ? ids[b * width + position] : outside;
+}
+
+// Columns [begin, end) of the row's base interval (empty when begin >= end).
+struct Interval {
+  int64_t begin;
+  int64_t end;
+};
+
+C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b, int64_t q_pos) {
+  // Inclusive key positions; start unbounded and intersect.
+  int64_t lo = INT64_MIN / 2;
+  int64_t hi = INT64_MAX / 2;
+  if (p.causal) {
+    hi = q_pos;
+  }
+  if (p.sliding_window > 0) {
+    if (p.causal) {
+      lo = q_pos - p.sliding_window + 1;
+    } else {
+      lo = q_pos - p.sliding_window;
+      hi = hi < q_pos + p.sliding_window ? hi : q_pos + p.sliding_window;
+    }
+  }
+  if (p.chunk_size > 0) {
+    const int64_t pad = p.chunk_left_padding != nullptr ? p.chunk_left_padding[b] : 0;
+    const int64_t first = pad + floor_div(q_pos - pad, p.chunk_size) * p.chunk_size;
+    lo = lo > first ? lo : first;
+    hi = hi < first + p.chunk_size - 1 ? hi : first + p.chunk_size - 1;
+  }
+  // Positions to columns, clipped to [0, kv_length].
+  int64_t begin = lo - p.kv_offset;
+  int64_t end = hi - p.kv_offset + 1;
+  begin = begin < 0 ? 0 : (begin > p.kv_length ? p.kv_length : begin);
+  end = end < begin ? begin : (end > p.kv_length ? p.kv_length : end);
+  return {begin, end};
+}
+
+// What a row needs beyond its interval: the query's packed id and block group.
+struct RowKeys {
+  int64_t packed_id;
+  bool packed_known;    // false: the query position is outside packed_ids
+  int64_t block_group;  // < 0: the query is in no block
+};
+
+C10_HOST_DEVICE inline RowKeys row_keys(const SdpaMaskParams& p, int64_t b, int64_t q_pos) {
+  RowKeys keys{0, false, -1};
+  if (p.packed_ids != nullptr) {
+    keys.packed_known = q_pos >= 0 && q_pos < p.packed_width;
+    keys.packed_id = keys.packed_known ? p.packed_ids[b * p.packed_width + q_pos] : 0;
+  }
+  if (p.block_ids != nullptr) {
+    keys.block_group = id_at(p.block_ids, p.block_width, b, q_pos, -1);
+  }
+  return keys;
+}
+
+// True when the row is not just its interval (some element needs its own test).
+C10_HOST_DEVICE inline bool needs_elementwise(const SdpaMaskParams& p) {
+  return p.packed_ids != nullptr || p.block_ids != nullptr || p.padding_mask != nullptr;
+}
+
+// The full rule for one element (column j) of a row.
+C10_HOST_DEVICE inline bool element_attends(const SdpaMaskParams& p, int64_t b, const Interval& base,
+                                            const RowKeys& keys, int64_t j) {
+  const int64_t kv_pos = p.kv_offset + j;
+  bool attend = j >= base.begin && j < base.end;
+  if (attend && p.packed_ids != nullptr) {
+    // Validation guarantees kv_pos < packed_width; an unknown query position matches nothing.
+    attend = keys.packed_known && kv_pos < p.packed_width && p.packed_ids[b * p.packed_width + kv_pos] == keys.packed_id;
+  }
+  if (!attend && keys.block_group >= 0) {
+    attend = id_at(p.block_ids, p.block_width, b, kv_pos, -1) == keys.block_group;
+  }
+  if (attend && p.padding_mask != nullptr) {
+    attend = kv_pos < p.padding_width && p.padding_mask[b * p.padding_width + kv_pos];
+  }
+  return attend;
+}
+
+}  // namespace sdpa_mask_detail
+
+// The per-ISA CPU kernel: writes `out` ([B, 1, Q, KV], contiguous, bool or floating).
+using SdpaMaskCpuFn = void (*)(const SdpaMaskParams& params, at::Tensor& out, bool use_finfo_min);
+SAFEATTN_DECLARE_ISA_STUB(sdpa_mask_cpu_stub, SdpaMaskCpuFn);
+
+// Validates the arguments (shared by every backend; the fake in _fake.py raises the same
+// messages) and returns the device the mask is built on.
+c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                            int64_t kv_offset, const std::optional<at::Tensor>& q_positions,
+                            std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                            const std::optional<at::Tensor>& chunk_left_padding,
+                            const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
+                            const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                            bool use_finfo_min, std::optional<c10::Device> device);
+
+// Converts the optional tensors to the layout SdpaMaskParams points into. The returned
+// holder keeps those tensors alive while a kernel runs.
+struct SdpaMaskInputs {
+  SdpaMaskParams params;
+  at::Tensor q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids;
+};
+SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                                 int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+                                 std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                                 const std::optional<at::Tensor>& chunk_left_padding,
+                                 const std::optional<at::Tensor>& padding_mask,
+                                 const std::optional<at::Tensor>& packed_ids, const std::optional<at::Tensor>& block_ids);
+
+// Typed C++ entry point: calls the dispatcher (so it works for every backend and under
+// autograd/tracing exactly as torch.ops.safeattn.sdpa_mask does from Python).
+at::Tensor sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset = 0,
+                     int64_t kv_offset = 0, const std::optional<at::Tensor>& q_positions = std::nullopt,
+                     bool causal = true, std::optional<int64_t> sliding_window = std::nullopt,
+                     std::optional<int64_t> chunk_size = std::nullopt,
+                     const std::optional<at::Tensor>& chunk_left_padding = std::nullopt,
+                     const std::optional<at::Tensor>& padding_mask = std::nullopt,
+                     const std::optional<at::Tensor>& packed_ids = std::nullopt,
+                     const std::optional<at::Tensor>& block_ids = std::nullopt,
+                     std::optional<at::ScalarType> dtype = std::nullopt, bool use_finfo_min = false,
+                     std::optional<c10::Device> device = std::nullopt);
+
+}  // namespace safeattn

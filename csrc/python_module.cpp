@@ -1,0 +1,25 @@
+// The pybind11 module safeattn._C. Loading it runs the static registrations of every op and
+// kernel (TORCH_LIBRARY*, the CPU ISA stubs); its only Python function reports the build.
+#include <torch/extension.h>
+
+#include "safeattn.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "safeattn native library; the ops are torch.ops.safeattn.*";
+  m.def(
+      "build_info",
+      [] {
+        const safeattn::BuildInfo info = safeattn::build_info();
+        pybind11::dict d;
+        d["version"] = info.version;
+        d["torch_version"] = info.torch_version;
+        d["cpu_isas"] = info.cpu_isas;
+        d["cpu_isa_in_use"] = info.cpu_isa_in_use;
+        d["with_cuda"] = info.with_cuda;
+        d["cuda_version"] = info.cuda_version;
+        d["cuda_archs"] = info.cuda_archs;
+        d["op_kernels"] = info.op_kernels;
+        return d;
+      },
+      "Version, torch built against, CPU ISA variants, CUDA archs and each op's kernels.");
+}

@@ -1,0 +1,34 @@
+// What this build of safeattn holds: version, the torch it was built against, CPU ISA
+// variants, CUDA architectures, and which ops have which kernels.
+#pragma once
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace safeattn {
+
+struct BuildInfo {
+  std::string version;
+  std::string torch_version;       // the torch headers this was compiled against
+  std::vector<std::string> cpu_isas;  // variants compiled (DEFAULT, AVX2, AVX512)
+  std::string cpu_isa_in_use;         // the variant this CPU runs (honours ATEN_CPU_CAPABILITY)
+  bool with_cuda = false;
+  std::string cuda_version;           // CUDA toolkit the kernels were compiled with
+  std::vector<std::string> cuda_archs;  // e.g. "90"
+  // op name -> dispatch keys with a kernel ("CPU", "CUDA", "Meta", ...)
+  std::map<std::string, std::vector<std::string>> op_kernels;
+};
+
+BuildInfo build_info();
+
+#ifdef SAFEATTN_WITH_CUDA
+namespace cuda {
+// From nvcc's __CUDA_ARCH_LIST__ and CUDART_VERSION (csrc/common/cuda_info.cu).
+std::vector<std::string> compiled_archs();
+std::string toolkit_version();
+}  // namespace cuda
+#endif
+
+}  // namespace safeattn

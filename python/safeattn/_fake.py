@@ -1,0 +1,146 @@
+"""Fake (meta) implementations: output shapes and dtypes with symbolic sizes, and the same
+argument checks as the C++ kernels (same messages), so ``torch.compile`` and
+``torch.library.opcheck`` see one opaque node that fails as eagerly as the real op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# c10's names for dtypes, as the C++ checks print them.
+_C10_NAMES = {
+    torch.bool: "Bool",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype))
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def common_device(op: str, device, named: dict) -> torch.device:
+    """The device all tensor arguments share (see csrc/common/checks.h)."""
+    found, found_from = device, "device"
+    for name, t in named.items():
+        if t is None:
+            continue
+        if found is None:
+            found, found_from = t.device, name
+            continue
+        same = t.device.type == found.type and (found.index is None or t.device.index == found.index)
+        torch._check(same, lambda: f"{op}: {name} is on {t.device}, expected {found} (from {found_from})")
+    return found if found is not None else torch.device("cpu")
+
+
+def _check_ids(op, ids, name, batch_size):
+    if ids is None:
+        return
+    torch._check(_is_integer(ids.dtype), lambda: f"{op}: {name} must have an integer dtype, got {dtype_name(ids.dtype)}")
+    torch._check(ids.dim() == 2, lambda: f"{op}: {name} must be 2-D [batch_size, length], got {ids.dim()}-D")
+    torch._check(ids.shape[0] == batch_size, lambda: f"{op}: {name} has batch {ids.shape[0]} but batch_size is {batch_size}")
+
+
+@torch.library.register_fake("safeattn::sdpa_mask")
+def _sdpa_mask_fake(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    *,
+    q_positions=None,
+    causal=True,
+    sliding_window=None,
+    chunk_size=None,
+    chunk_left_padding=None,
+    padding_mask=None,
+    packed_ids=None,
+    block_ids=None,
+    dtype=None,
+    use_finfo_min=False,
+    device=None,
+):
+    op = "sdpa_mask"
+    torch._check(batch_size >= 0, lambda: f"{op}: batch_size must be >= 0, got {batch_size}")
+    torch._check(q_length >= 0, lambda: f"{op}: q_length must be >= 0, got {q_length}")
+    torch._check(kv_length >= 0, lambda: f"{op}: kv_length must be >= 0, got {kv_length}")
+    torch._check(q_offset >= 0, lambda: f"{op}: q_offset must be >= 0, got {q_offset}")
+    torch._check(kv_offset >= 0, lambda: f"{op}: kv_offset must be >= 0, got {kv_offset}")
+    torch._check(sliding_window is None or sliding_window > 0, lambda: f"{op}: sliding_window must be > 0, got {sliding_window}")
+    torch._check(chunk_size is None or chunk_size > 0, lambda: f"{op}: chunk_size must be > 0, got {chunk_size}")
+    out_dtype = torch.bool if dtype is None else dtype
+    torch._check(
+        out_dtype == torch.bool or out_dtype.is_floating_point,
+        lambda: f"{op}: dtype must be torch.bool or a floating dtype, got {dtype_name(out_dtype)}",
+    )
+    torch._check(not use_finfo_min or out_dtype != torch.bool, lambda: f"{op}: use_finfo_min needs a floating dtype")
+    if q_positions is not None:
+        pos = q_positions
+        torch._check(_is_integer(pos.dtype), lambda: f"{op}: q_positions must have an integer dtype, got {dtype_name(pos.dtype)}")
+        torch._check(
+            pos.dim() <= 2, lambda: f"{op}: q_positions must be 0-D, [q_length] or [batch_size, q_length], got {pos.dim()}-D"
+        )
+        if pos.dim() == 1:
+            torch._check(pos.shape[0] == q_length, lambda: f"{op}: q_positions has {pos.shape[0]} positions but q_length is {q_length}")
+        if pos.dim() == 2:
+            torch._check(
+                pos.shape[0] == batch_size and pos.shape[1] == q_length,
+                lambda: f"{op}: q_positions must be [batch_size, q_length] = [{batch_size}, {q_length}], got {_shape(pos)}",
+            )
+        torch._check(q_offset == 0, lambda: f"{op}: q_offset must be 0 when q_positions is given, got {q_offset}")
+    if chunk_left_padding is not None:
+        pad = chunk_left_padding
+        torch._check(chunk_size is not None, lambda: f"{op}: chunk_left_padding needs chunk_size")
+        torch._check(
+            _is_integer(pad.dtype), lambda: f"{op}: chunk_left_padding must have an integer dtype, got {dtype_name(pad.dtype)}"
+        )
+        torch._check(
+            pad.dim() == 1 and pad.shape[0] == batch_size,
+            lambda: f"{op}: chunk_left_padding must be [batch_size] = [{batch_size}], got {_shape(pad)}",
+        )
+    if padding_mask is not None:
+        pad = padding_mask
+        torch._check(
+            pad.dtype == torch.bool or _is_integer(pad.dtype),
+            lambda: f"{op}: padding_mask must be bool or integer, got {dtype_name(pad.dtype)}",
+        )
+        torch._check(pad.dim() == 2, lambda: f"{op}: padding_mask must be 2-D [batch_size, length], got {pad.dim()}-D")
+        torch._check(pad.shape[0] == batch_size, lambda: f"{op}: padding_mask has batch {pad.shape[0]} but batch_size is {batch_size}")
+    _check_ids(op, packed_ids, "packed_ids", batch_size)
+    if packed_ids is not None:
+        needed = kv_offset + kv_length if q_positions is not None else torch.sym_max(kv_offset + kv_length, q_offset + q_length)
+        torch._check(
+            packed_ids.shape[1] >= needed,
+            lambda: f"{op}: packed_ids is too short: {packed_ids.shape[1]} positions, needs {needed}",
+        )
+    _check_ids(op, block_ids, "block_ids", batch_size)
+    where = common_device(
+        op,
+        device,
+        {
+            "q_positions": q_positions,
+            "chunk_left_padding": chunk_left_padding,
+            "padding_mask": padding_mask,
+            "packed_ids": packed_ids,
+            "block_ids": block_ids,
+        },
+    )
+    return torch.empty((batch_size, 1, q_length, kv_length), dtype=out_dtype, device=where)

@@ -1,0 +1,97 @@
+"""Public functions: thin wrappers over ``torch.ops.safeattn.*`` with their documentation."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sdpa_mask"]
+
+
+def sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    *,
+    q_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    chunk_left_padding: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    packed_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    use_finfo_min: bool = False,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Build a ``[batch_size, 1, q_length, kv_length]`` attention mask in one native pass.
+
+    It gives what ``transformers.masking_utils.sdpa_mask`` (bool) and ``eager_mask`` (float)
+    give for every mask Transformers composes, without evaluating Python mask functions.
+
+    Positions: query ``i`` sits at ``q_offset + i`` (or at ``q_positions``), key ``j`` at
+    ``kv_offset + j``. An element attends when ``((base and packed) or block) and padding``:
+
+    - base: ``kv <= q`` if ``causal``; with ``sliding_window=w`` also ``kv > q - w`` (causal)
+      or ``|q - kv| <= w`` (not causal); with ``chunk_size=c`` also
+      ``(kv - p) // c == (q - p) // c`` where ``p = chunk_left_padding[b]`` (0 if not given).
+    - packed: ``packed_ids[b, q] == packed_ids[b, kv]`` (packed sequences).
+    - block: ``block_ids[b, q] == block_ids[b, kv] and block_ids[b, q] >= 0`` (ORed on:
+      bidirectional blocks such as image tokens).
+    - padding: ``padding_mask[b, kv]``; keys past its width count as padding.
+
+    Example: ``sdpa_mask(1, 5, 5, sliding_window=3, padding_mask=torch.tensor([[0, 1, 1, 1, 1]]))``
+    (``■`` attends, ``⬚`` does not)::
+
+        q\\kv 0 1 2 3 4
+          0  ⬚ ⬚ ⬚ ⬚ ⬚     <- fully masked row (left padding)
+          1  ⬚ ■ ⬚ ⬚ ⬚
+          2  ⬚ ■ ■ ⬚ ⬚
+          3  ⬚ ■ ■ ■ ⬚
+          4  ⬚ ⬚ ■ ■ ■
+
+    Args:
+        batch_size, q_length, kv_length: output sizes (ints or SymInts).
+        q_offset, kv_offset: positions of the first query and key (>= 0).
+        q_positions: integer tensor of query positions instead of ``q_offset``: 0-D (the first
+            position, kept on the device: no host sync), ``[q_length]`` (Transformers 4.57's
+            ``cache_position``) or ``[batch_size, q_length]``. ``q_offset`` must then be 0.
+        causal: causal (True) or bidirectional (False) base mask.
+        sliding_window: window size ``w > 0``.
+        chunk_size: chunk size ``c > 0``; ``chunk_left_padding``: ``[batch_size]`` integers.
+        padding_mask: ``[batch_size, L]`` bool or integer (nonzero attends). ``L`` may be
+            shorter than ``kv_offset + kv_length``: the rest counts as padding, as in
+            Transformers.
+        packed_ids: ``[batch_size, L]`` integer sequence ids, ``L >= kv_offset + kv_length``
+            (and ``>= q_offset + q_length``).
+        block_ids: ``[batch_size, L]`` integer block ids, ``-1`` for tokens in no block; read
+            as ``-1`` past its width.
+        dtype: ``torch.bool`` (default; True attends) or a floating dtype (additive: 0
+            attends, ``-inf`` blocks).
+        use_finfo_min: with a floating dtype, block with ``torch.finfo(dtype).min`` instead of
+            ``-inf``, as Transformers' ``eager_mask`` does.
+        device: where to build the mask when no tensor argument says it (default CPU).
+
+    Returns:
+        A contiguous ``[batch_size, 1, q_length, kv_length]`` tensor. The op has no gradient.
+    """
+    return torch.ops.safeattn.sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        q_positions=q_positions,
+        causal=causal,
+        sliding_window=sliding_window,
+        chunk_size=chunk_size,
+        chunk_left_padding=chunk_left_padding,
+        padding_mask=padding_mask,
+        packed_ids=packed_ids,
+        block_ids=block_ids,
+        dtype=dtype,
+        use_finfo_min=use_finfo_min,
+        device=torch.device(device) if isinstance(device, str) else device,
+    )

@@ -1,0 +1,82 @@
+"""Slow, obviously-correct references used by the tests and benchmarks.
+
+They evaluate each formula of DESIGN.md on broadcast index grids (masks) or in float64
+(softmax, attention), sharing no code with the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sdpa_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    *,
+    q_positions: torch.Tensor | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    chunk_left_padding: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    packed_ids: torch.Tensor | None = None,
+    block_ids: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    use_finfo_min: bool = False,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Reference for ``safeattn.sdpa_mask``: the element rule on a [B, 1, Q, KV] grid."""
+    dev = torch.device("cpu")
+    b = torch.arange(batch_size, device=dev)[:, None, None, None]
+    if q_positions is None:
+        q = (torch.arange(q_length, device=dev) + q_offset)[None, None, :, None].expand(batch_size, 1, q_length, 1)
+    else:
+        pos = q_positions.to(dev, torch.int64)
+        if pos.dim() == 0:
+            pos = pos + torch.arange(q_length)
+        q = pos.expand(batch_size, q_length)[:, None, :, None]
+    kv = (torch.arange(kv_length, device=dev) + kv_offset)[None, None, None, :]
+
+    def lookup(ids: torch.Tensor, positions: torch.Tensor, outside: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # ids[b, position] where 0 <= position < width, else `outside`; also says which were inside.
+        ids = ids.to(dev, torch.int64)
+        width = ids.shape[1]
+        inside = (positions >= 0) & (positions < width)
+        values = ids[b, positions.clamp(0, max(width - 1, 0))] if width > 0 else torch.zeros_like(positions)
+        return torch.where(inside, values, torch.full_like(values, outside)), inside
+
+    ones = torch.ones(batch_size, 1, q_length, kv_length, dtype=torch.bool)
+    base = ones & ((kv <= q) if causal else True)
+    if sliding_window is not None:
+        base = base & ((kv > q - sliding_window) if causal else ((q - kv).abs() <= sliding_window))
+    if chunk_size is not None:
+        pad = (
+            torch.zeros(batch_size, dtype=torch.int64)
+            if chunk_left_padding is None
+            else chunk_left_padding.to(dev, torch.int64)
+        )[:, None, None, None]
+        base = base & (torch.div(kv - pad, chunk_size, rounding_mode="floor") == torch.div(q - pad, chunk_size, rounding_mode="floor"))
+    if packed_ids is not None:
+        q_id, q_inside = lookup(packed_ids, q, 0)
+        kv_id, kv_inside = lookup(packed_ids, kv.expand_as(ones), 0)
+        base = base & q_inside & kv_inside & (q_id == kv_id)
+    if block_ids is not None:
+        q_group, _ = lookup(block_ids, q, -1)
+        kv_group, _ = lookup(block_ids, kv.expand_as(ones), -1)
+        base = base | ((q_group == kv_group) & (q_group >= 0))
+    if padding_mask is not None:
+        pad_value, _ = lookup(padding_mask.to(torch.int64) != 0, kv.expand_as(ones), 0)
+        base = base & (pad_value != 0)
+
+    out_device = device if device is not None else next(
+        (t.device for t in (q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids) if t is not None),
+        torch.device("cpu"),
+    )
+    base = base.to(out_device)
+    if dtype is None or dtype == torch.bool:
+        return base
+    blocked = torch.finfo(dtype).min if use_finfo_min else float("-inf")
+    return torch.zeros(base.shape, dtype=dtype, device=out_device).masked_fill(~base, blocked)

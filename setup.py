@@ -1,0 +1,161 @@
+"""Builds safeattn._C with torch.utils.cpp_extension.
+
+Sources are found by folder, so adding an op needs no edit here:
+  csrc/*.cpp, csrc/ops/*.cpp          compiled once
+  csrc/ops/cpu/*_kernel.cpp           compiled once per CPU ISA (see CPU_ISAS)
+  csrc/*.cu, csrc/ops/cuda/*.cu       compiled by nvcc when CUDA is enabled
+
+Environment switches:
+  SAFEATTN_CUDA=auto|0|1        auto: build CUDA when nvcc and a CUDA build of torch are present
+  SAFEATTN_CUDA_ARCHS="90"      semicolon or comma separated compute capabilities (default sm_90)
+  SAFEATTN_CPU_ISAS="DEFAULT;AVX2;AVX512"  restrict the CPU variants (x86 only; faster dev builds)
+  SAFEATTN_OPS="sdpa_mask,..."  compile only these ops' kernels (dev builds; schemas always built)
+  MAX_JOBS                      parallel compile jobs (default: from cores and memory)
+"""
+
+import os
+import platform
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+# torch.utils.cpp_extension reads CUDA_HOME at import; a bare `nvcc` on PATH in /usr/local/bin
+# would make it guess /usr/local, which has no CUDA libraries.
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+ROOT = Path(__file__).parent.resolve()
+VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "python/safeattn/_version.py").read_text()).group(1)
+
+# CPU ISA variants and their compiler flags. at::vec keys on CPU_CAPABILITY / CPU_CAPABILITY_<X>.
+X86_ISAS = {
+    "DEFAULT": [],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+
+
+def cpu_isas():
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return {"DEFAULT": []}  # aarch64: the default build is NEON
+    wanted = os.environ.get("SAFEATTN_CPU_ISAS")
+    if not wanted:
+        return X86_ISAS
+    names = [n for n in re.split(r"[;, ]+", wanted) if n]
+    unknown = set(names) - set(X86_ISAS)
+    if unknown or "DEFAULT" not in names:
+        raise SystemExit(f"SAFEATTN_CPU_ISAS must list DEFAULT and only {sorted(X86_ISAS)}; got {wanted!r}")
+    return {n: X86_ISAS[n] for n in names}
+
+
+def want_cuda():
+    mode = os.environ.get("SAFEATTN_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"SAFEATTN_CUDA must be auto, 0 or 1; got {mode!r}")
+    available = torch.version.cuda is not None and CUDA_HOME is not None and (Path(CUDA_HOME) / "bin/nvcc").exists()
+    if mode == "1" and not available:
+        raise SystemExit("SAFEATTN_CUDA=1 but nvcc or a CUDA build of torch is missing")
+    return available if mode == "auto" else mode == "1"
+
+
+def cuda_archs():
+    archs = [a for a in re.split(r"[;, ]+", os.environ.get("SAFEATTN_CUDA_ARCHS", "90")) if a]
+    for a in archs:
+        if not re.fullmatch(r"\d+a?", a):
+            raise SystemExit(f"SAFEATTN_CUDA_ARCHS entries look like 90 or 90a; got {a!r}")
+    return archs
+
+
+def op_filter(paths):
+    ops = [o for o in re.split(r"[;, ]+", os.environ.get("SAFEATTN_OPS", "")) if o]
+    if not ops:
+        return paths
+    return [p for p in paths if any(Path(p).name.startswith(o + "_") or Path(p).stem == o for o in ops)]
+
+
+def rel(paths):
+    return sorted(str(p.relative_to(ROOT)) for p in paths)
+
+
+def default_jobs():
+    # Each C++ TU that includes torch headers peaks at roughly 1.5 GB.
+    cores = os.cpu_count() or 1
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = 8
+    return str(max(1, min(cores, int(mem_gb // 1.5))))
+
+
+os.environ.setdefault("MAX_JOBS", default_jobs())
+
+WITH_CUDA = want_cuda()
+ISAS = cpu_isas()
+ARCHS = cuda_archs() if WITH_CUDA else []
+
+common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
+isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
+cuda_sources = rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+
+defines = [
+    f'-DSAFEATTN_VERSION="{VERSION}"',
+    f'-DSAFEATTN_CPU_ISAS="{";".join(ISAS)}"',
+    f'-DSAFEATTN_CUDA_ARCHS="{";".join(ARCHS)}"',
+    "-DSAFEATTN_PYTHON_MODULE",
+]
+cxx_flags = ["-O3", "-fvisibility=hidden", *defines]
+if WITH_CUDA:
+    cxx_flags.append("-DSAFEATTN_WITH_CUDA")
+nvcc_flags = [
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    *defines,
+    "-DSAFEATTN_WITH_CUDA",
+    *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
+]
+
+
+class Build(BuildExtension):
+    """Compiles each CPU kernel once per ISA with its own flags, then links everything."""
+
+    def build_extension(self, ext):
+        # BuildExtension has added its own defines to ext.extra_compile_args by now.
+        base = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        objects = []
+        for isa, flags in ISAS.items():
+            objects += self.compiler.compile(
+                isa_sources,
+                output_dir=os.path.join(self.build_temp, "isa", isa),
+                macros=[("CPU_CAPABILITY", isa), (f"CPU_CAPABILITY_{isa}", None)],
+                include_dirs=ext.include_dirs,
+                extra_postargs={"cxx": base + flags},
+                depends=ext.depends,
+            )
+        ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+Extension = CUDAExtension if WITH_CUDA else CppExtension
+ext = Extension(
+    "safeattn._C",
+    sources=common_sources + (cuda_sources if WITH_CUDA else []),
+    include_dirs=[str(ROOT / "csrc")],
+    depends=rel((ROOT / "csrc").rglob("*.h")),
+    extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if WITH_CUDA else {"cxx": cxx_flags},
+)
+
+setup(
+    name="safeattn",
+    version=VERSION,
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[ext],
+    cmdclass={"build_ext": Build},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6"],
+)
