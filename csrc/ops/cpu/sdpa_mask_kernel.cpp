@@ -36,6 +36,9 @@ void write_row(const SdpaMaskParams& p, int64_t b, int64_t i, T* row, T on, T of
   }
   const RowKeys keys = row_keys(p, b, q_pos);
   if (p.packed_ids == nullptr && keys.block_group < 0) {
+    if (p.padding_mask == nullptr) {
+      return;  // block ids exist but this query is in no block: the row is its interval
+    }
     // Padding only: inside the interval the row is the padding row; past the padding mask's
     // width every key counts as padded.
     const bool* pad = p.padding_mask + b * p.padding_width;

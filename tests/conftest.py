@@ -1,0 +1,14 @@
+import pytest
+import torch
+
+import safeattn  # noqa: F401  registers torch.ops.safeattn.*
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

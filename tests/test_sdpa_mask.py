@@ -1,0 +1,313 @@
+"""sdpa_mask against Transformers' masking_utils (independent reference), against our own
+broadcasting reference, under opcheck and torch.compile, and on bad input."""
+
+import random
+import re
+
+import pytest
+import torch
+import transformers.masking_utils as mu
+from conftest import DEVICES
+
+import safeattn
+from safeattn import reference
+
+# --------------------------------------------------------------------------- helpers
+
+
+def random_case(rng: random.Random, device: str, batch_size: int = 3):
+    """A random combination of every mask feature, as both our kwargs and Transformers' mask function."""
+    q_length = rng.choice([1, 2, 7, 33, 130])
+    prefix = rng.choice([0, 0, 5, 64])  # cached tokens before the queries (decode / chunked prefill)
+    kv_length = q_length + prefix + rng.choice([0, 0, 3])  # static caches are longer than what was seen
+    kv_offset = rng.choice([0, 0, prefix // 2])
+    kv_length -= kv_offset
+    q_offset = prefix
+    total = kv_offset + kv_length
+    kwargs = {"causal": rng.random() < 0.7}
+    fn = mu.causal_mask_function if kwargs["causal"] else mu.bidirectional_mask_function
+    kind = rng.choice(["plain", "sliding", "chunked", "packed", "block", "sliding+packed"])
+    if "sliding" in kind:
+        w = rng.choice([1, 3, 16])
+        kwargs["sliding_window"] = w
+        overlay = mu.sliding_window_overlay(w) if kwargs["causal"] else mu.sliding_window_bidirectional_overlay(w)
+        fn = mu.and_masks(fn, overlay)
+    # Left and right padding, with some rows padded entirely up to a point.
+    width = total - rng.choice([0, 0, 2]) if total > 2 else total  # narrower masks are padded with False
+    pad = torch.ones(batch_size, width, dtype=torch.bool)
+    for b in range(batch_size):
+        left = rng.choice([0, 0, 1, min(9, width)])
+        pad[b, :left] = False
+        if rng.random() < 0.3 and width > 2:
+            pad[b, -rng.randint(1, 2) :] = False
+    if kind == "chunked":
+        c = rng.choice([2, 5, 32])
+        left_padding = (pad.cumsum(-1) == 0).sum(-1)
+        kwargs["chunk_size"] = c
+        kwargs["chunk_left_padding"] = left_padding.to(device)
+        fn = mu.and_masks(fn, mu.chunked_overlay(c, left_padding))
+    if "packed" in kind:
+        length = max(total, q_offset + q_length)
+        ids = torch.sort(torch.randint(0, 4, (batch_size, length)), dim=-1).values
+        kwargs["packed_ids"] = ids.to(device)
+        fn = mu.and_masks(fn, mu.packed_sequence_mask_function(ids))
+    if kind == "block":
+        length = max(total, q_offset + q_length)
+        ids = torch.randint(-1, 3, (batch_size, length))
+        kwargs["block_ids"] = ids.to(device)
+        fn = mu.or_masks(fn, mu.blockwise_overlay(ids))
+    if rng.random() < 0.85:
+        kwargs["padding_mask"] = pad.to(device)
+    sizes = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset)
+    return sizes, kwargs, fn
+
+
+def transformers_mask(sizes, kwargs, fn):
+    pad = kwargs.get("padding_mask")
+    return mu.sdpa_mask(
+        **sizes,
+        mask_function=fn,
+        attention_mask=None if pad is None else pad.cpu(),
+        allow_is_causal_skip=False,
+        device="cpu",
+    )
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(60))
+def test_matches_transformers(device, seed):
+    rng = random.Random(seed)
+    sizes, kwargs, fn = random_case(rng, device)
+    expected = transformers_mask(sizes, kwargs, fn).expand(sizes["batch_size"], 1, -1, -1)
+    ours = safeattn.sdpa_mask(**sizes, **kwargs, device=device)
+    assert ours.shape == expected.shape, f"shape {ours.shape} != {expected.shape} for {sizes} {kwargs.keys()}"
+    assert ours.is_contiguous(), "the mask must be contiguous"
+    mismatch = (ours.cpu() != expected).nonzero()
+    assert mismatch.numel() == 0, f"{len(mismatch)} elements differ, first at {mismatch[:3].tolist()} for {sizes} {list(kwargs)}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(60))
+def test_matches_reference(device, seed):
+    rng = random.Random(1000 + seed)
+    sizes, kwargs, _ = random_case(rng, device)
+    expected = reference.sdpa_mask(**sizes, **kwargs)
+    ours = safeattn.sdpa_mask(**sizes, **kwargs, device=device)
+    assert torch.equal(ours.cpu(), expected.cpu()), f"differs from the reference for {sizes} {list(kwargs)}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("use_finfo_min", [False, True])
+def test_float_output_matches_eager_mask(device, dtype, use_finfo_min):
+    rng = random.Random(7)
+    for _ in range(8):
+        sizes, kwargs, fn = random_case(rng, device)
+        ours = safeattn.sdpa_mask(**sizes, **kwargs, dtype=dtype, use_finfo_min=use_finfo_min, device=device)
+        allowed = transformers_mask(sizes, kwargs, fn).expand(sizes["batch_size"], 1, -1, -1)
+        blocked = torch.finfo(dtype).min if use_finfo_min else float("-inf")
+        expected = torch.where(allowed, torch.tensor(0.0, dtype=dtype), torch.tensor(blocked, dtype=dtype))
+        assert ours.dtype == dtype, f"dtype {ours.dtype} != {dtype}"
+        assert torch.equal(ours.cpu(), expected), f"float mask differs for {sizes} {list(kwargs)}"
+        if use_finfo_min:
+            # Exactly what Transformers' eager_mask produces.
+            pad = kwargs.get("padding_mask")
+            eager = mu.eager_mask(
+                **sizes, mask_function=fn, attention_mask=None if pad is None else pad.cpu(), dtype=dtype
+            )
+            assert torch.equal(ours.cpu(), eager.expand_as(ours)), "differs from transformers eager_mask"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_q_positions_forms(device):
+    """0-D start, [Q] (4.57's cache_position) and [B, Q] positions give what q_offset gives."""
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool, device=device)
+    common = dict(batch_size=2, q_length=3, kv_length=9, sliding_window=4, padding_mask=pad, device=device)
+    expected = safeattn.sdpa_mask(q_offset=6, **common)
+    start = torch.tensor(6, device=device)
+    assert torch.equal(safeattn.sdpa_mask(q_positions=start, **common), expected), "0-D q_positions"
+    assert torch.equal(safeattn.sdpa_mask(q_positions=torch.arange(6, 9, device=device), **common), expected), "[Q]"
+    per_batch = torch.arange(6, 9, device=device).expand(2, 3).contiguous()
+    assert torch.equal(safeattn.sdpa_mask(q_positions=per_batch, **common), expected), "[B, Q]"
+    # Different positions per batch row (ragged decode) against the reference.
+    ragged = torch.tensor([[3, 4, 5], [6, 7, 8]], device=device, dtype=torch.int32)
+    got = safeattn.sdpa_mask(q_positions=ragged, **common)
+    assert torch.equal(got.cpu(), reference.sdpa_mask(q_positions=ragged, **common).cpu()), "ragged positions"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_outside_ids_never_read(device):
+    """q_positions past the ids' width: packed matches nothing, block counts as -1 (no out-of-bounds read)."""
+    ids = torch.tensor([[0, 0, 1, 1]], device=device)
+    pos = torch.tensor([2, 9, -3], device=device)
+    for name in ("packed_ids", "block_ids"):
+        kwargs = {name: ids, "q_positions": pos, "causal": name == "packed_ids"}
+        got = safeattn.sdpa_mask(1, 3, 4, **kwargs, device=device)
+        expected = reference.sdpa_mask(1, 3, 4, **kwargs)
+        assert torch.equal(got.cpu(), expected.cpu()), f"{name}: {got.int()} vs {expected.int()}"
+
+
+def test_docstring_example():
+    got = safeattn.sdpa_mask(1, 5, 5, sliding_window=3, padding_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+    drawn = """
+        ⬚ ⬚ ⬚ ⬚ ⬚
+        ⬚ ■ ⬚ ⬚ ⬚
+        ⬚ ■ ■ ⬚ ⬚
+        ⬚ ■ ■ ■ ⬚
+        ⬚ ⬚ ■ ■ ■"""
+    expected = torch.tensor([[c == "■" for c in line.split()] for line in drawn.strip().splitlines()])
+    assert torch.equal(got[0, 0], expected), f"the docstring's drawing is wrong:\n{got[0, 0].int()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_and_degenerate_sizes(device):
+    for b, q, kv in [(0, 4, 4), (2, 0, 4), (2, 4, 0), (1, 1, 1)]:
+        got = safeattn.sdpa_mask(b, q, kv, device=device)
+        assert got.shape == (b, 1, q, kv), f"shape for {(b, q, kv)}"
+        assert torch.equal(got.cpu(), reference.sdpa_mask(b, q, kv)), f"values for {(b, q, kv)}"
+
+
+def test_isa_variants_agree(monkeypatch):
+    """The op gives the same mask whichever CPU ISA variant ATen selects (checked in a subprocess,
+    since ATen reads ATEN_CPU_CAPABILITY once)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, safeattn, random\n"
+        "torch.manual_seed(0)\n"
+        "pad = torch.rand(3, 300) > 0.2\n"
+        "ids = torch.sort(torch.randint(0, 3, (3, 300)), -1).values\n"
+        "m = [safeattn.sdpa_mask(3, 97, 300, 203, sliding_window=50, padding_mask=pad),\n"
+        "     safeattn.sdpa_mask(3, 97, 300, 203, chunk_size=16, packed_ids=ids, dtype=torch.bfloat16),\n"
+        "     safeattn.sdpa_mask(3, 97, 300, 203, causal=False, block_ids=ids - 1, padding_mask=pad, dtype=torch.float32)]\n"
+        "torch.save(m, __import__('sys').argv[1])\n"
+    )
+    info = safeattn.build_info()
+    results = {}
+    for isa in info["cpu_isas"]:
+        path = f"/tmp/safeattn_isa_{isa}.pt"
+        env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY=isa.lower())
+        subprocess.run([sys.executable, "-c", script, path], check=True, env=env)
+        results[isa] = torch.load(path)
+    first = next(iter(results.values()))
+    for isa, masks in results.items():
+        for a, b in zip(masks, first, strict=True):
+            assert torch.equal(a, b), f"ISA variant {isa} differs"
+
+
+# --------------------------------------------------------------------------- dispatcher integration
+
+
+def _opcheck_samples(device):
+    rng = random.Random(3)
+    for _ in range(4):
+        sizes, kwargs, _ = random_case(rng, device)
+        yield sizes, kwargs
+    yield dict(batch_size=2, q_length=5, kv_length=9, q_offset=0, kv_offset=0), {"q_positions": torch.tensor(4, device=device)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for sizes, kwargs in _opcheck_samples(device):
+        args = (sizes["batch_size"], sizes["q_length"], sizes["kv_length"], sizes["q_offset"], sizes["kv_offset"])
+        torch.library.opcheck(torch.ops.safeattn.sdpa_mask.default, args, dict(kwargs, device=torch.device(device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_dynamic_no_recompile(device):
+    torch._dynamo.reset()
+    counts = {"frames": 0}
+
+    def counting_backend(gm, example_inputs):
+        counts["frames"] += 1
+        return gm.forward
+
+    def build(pad, q_length, kv_length):
+        return safeattn.sdpa_mask(pad.shape[0], q_length, kv_length, kv_length - q_length, padding_mask=pad, sliding_window=8)
+
+    compiled = torch.compile(build, fullgraph=True, dynamic=True, backend=counting_backend)
+    for n in (17, 33, 64, 100):
+        pad = torch.rand(2, n, device=device) > 0.2
+        got = compiled(pad, n // 2, n)
+        assert torch.equal(got, build(pad, n // 2, n)), f"compiled result differs at length {n}"
+    assert counts["frames"] == 1, f"compiled {counts['frames']} graphs for 4 lengths, expected 1"
+
+
+def test_compile_inductor_cpu():
+    torch._dynamo.reset()
+
+    def build(pad):
+        n = pad.shape[1]
+        m = safeattn.sdpa_mask(pad.shape[0], n, n, padding_mask=pad, dtype=torch.float32)
+        return m + 1.0
+
+    pad = torch.rand(2, 19) > 0.3
+    compiled = torch.compile(build, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(pad), build(pad)), "inductor result differs"
+
+
+def test_no_gradient():
+    out = safeattn.sdpa_mask(1, 3, 3, dtype=torch.float32)
+    assert not out.requires_grad, "a mask never requires grad"
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = [
+    (dict(batch_size=-1), "batch_size must be >= 0"),
+    (dict(q_length=-2), "q_length must be >= 0"),
+    (dict(kv_length=-2), "kv_length must be >= 0"),
+    (dict(kv_offset=-1), "kv_offset must be >= 0"),
+    (dict(sliding_window=0), "sliding_window must be > 0"),
+    (dict(chunk_size=-4), "chunk_size must be > 0"),
+    (dict(dtype=torch.int32), "dtype must be torch.bool or a floating dtype, got Int"),
+    (dict(use_finfo_min=True), "use_finfo_min needs a floating dtype"),
+    (dict(q_positions=torch.zeros(4)), "q_positions must have an integer dtype, got Float"),
+    (dict(q_positions=torch.zeros(1, 1, 4, dtype=torch.long)), "q_positions must be 0-D, \\[q_length\\]"),
+    (dict(q_positions=torch.zeros(5, dtype=torch.long)), "q_positions has 5 positions but q_length is 4"),
+    (dict(q_positions=torch.zeros(3, 4, dtype=torch.long)), "q_positions must be \\[batch_size, q_length\\]"),
+    (dict(q_positions=torch.tensor(1), q_offset=2), "q_offset must be 0 when q_positions is given"),
+    (dict(chunk_left_padding=torch.zeros(2, dtype=torch.long)), "chunk_left_padding needs chunk_size"),
+    (dict(chunk_size=2, chunk_left_padding=torch.zeros(3, dtype=torch.long)), "chunk_left_padding must be \\[batch_size\\]"),
+    (dict(padding_mask=torch.ones(2, 6)), "padding_mask must be bool or integer, got Float"),
+    (dict(padding_mask=torch.ones(2, 6, 1, dtype=torch.bool)), "padding_mask must be 2-D"),
+    (dict(padding_mask=torch.ones(3, 6, dtype=torch.bool)), "padding_mask has batch 3 but batch_size is 2"),
+    (dict(packed_ids=torch.zeros(2, 6)), "packed_ids must have an integer dtype"),
+    (dict(packed_ids=torch.zeros(2, 5, dtype=torch.long)), "packed_ids is too short: 5 positions, needs 6"),
+    (dict(packed_ids=torch.zeros(1, 6, dtype=torch.long)), "packed_ids has batch 1 but batch_size is 2"),
+    (dict(block_ids=torch.zeros(6, dtype=torch.long)), "block_ids must be 2-D"),
+]
+
+
+def _call(overrides, device=None):
+    args = dict(batch_size=2, q_length=4, kv_length=6)
+    args.update(overrides)
+    if device is not None:
+        args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+        args["device"] = device
+    return safeattn.sdpa_mask(**args)
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_eager(overrides, message):
+    with pytest.raises(RuntimeError, match=message):
+        _call(overrides)
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_fake(overrides, message):
+    """The fake (meta) implementation raises the same message."""
+    with pytest.raises(RuntimeError, match=message):
+        _call(overrides, device="meta")
+
+
+def test_device_mismatch():
+    if torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=re.escape("padding_mask is on cpu, expected cuda")):
+            safeattn.sdpa_mask(1, 2, 2, padding_mask=torch.ones(1, 2, dtype=torch.bool), device="cuda")
+    with pytest.raises(RuntimeError, match=re.escape("padding_mask is on meta, expected cpu (from q_positions)")):
+        safeattn.sdpa_mask(1, 2, 2, q_positions=torch.tensor(0), padding_mask=torch.ones(1, 2, dtype=torch.bool, device="meta"))
