@@ -103,8 +103,6 @@ cuda_sources = rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / 
 
 defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',
-    f'-DSAFEATTN_CPU_ISAS="{";".join(ISAS)}"',
-    f'-DSAFEATTN_CUDA_ARCHS="{";".join(ARCHS)}"',
     "-DSAFEATTN_PYTHON_MODULE",
 ]
 cxx_flags = ["-O3", "-fvisibility=hidden", *defines]
