@@ -1,9 +1,9 @@
 // CPU kernel of sdpa_mask, compiled once per ISA (see common/isa_dispatch.h).
 //
-// A row is its base interval plus per-element fixes: the kernel writes three fills (before,
-// inside, after the interval), then revisits only the elements that packed ids, block ids or
-// padding can change. With padding alone that revisit is a select over the padding row, which
-// the ISA flags vectorise; with a bool output it is a plain copy.
+// A row is its base interval plus per-element rules: the kernel fills what lies outside the
+// interval and writes the inside either as a fill or, with packed ids and padding, as one
+// branch-free pass that the ISA flags vectorise. Only a query inside a bidirectional block
+// needs the general rule over the whole row.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -23,38 +23,61 @@ using namespace safeattn::sdpa_mask_detail;
 // Rows per task: enough elements that a task amortises its scheduling.
 constexpr int64_t kElementsPerTask = 1 << 15;
 
+// Columns [begin, end) of a row that is inside its interval, for the common features: a
+// branch-free loop (the ISA flags vectorise it) over the packed ids and padding rows.
+template <bool kPacked, bool kPadding, typename T>
+void write_span(T* row, int64_t begin, int64_t end, const int64_t* ids, int64_t query_id, const bool* pad,
+                int64_t pad_end, T on, T off) {
+  const int64_t stop = kPadding ? std::min(end, pad_end) : end;
+  for (int64_t j = begin; j < stop; ++j) {
+    bool attend = true;
+    if constexpr (kPacked) {
+      attend = ids[j] == query_id;
+    }
+    if constexpr (kPadding) {
+      attend = attend && pad[j];
+    }
+    row[j] = attend ? on : off;
+  }
+  // Keys past the padding mask's width count as padded.
+  std::fill(row + std::max(begin, stop), row + end, off);
+}
+
 template <typename T>
 void write_row(const SdpaMaskParams& p, int64_t b, int64_t i, T* row, T on, T off) {
   const int64_t kv_length = p.kv_length;
   const int64_t q_pos = query_position(p, b, i);
   const Interval base = base_interval(p, b, q_pos);
   std::fill(row, row + base.begin, off);
-  std::fill(row + base.begin, row + base.end, on);
   std::fill(row + base.end, row + kv_length, off);
   if (!needs_elementwise(p)) {
+    std::fill(row + base.begin, row + base.end, on);
     return;
   }
   const RowKeys keys = row_keys(p, b, q_pos);
-  if (p.packed_ids == nullptr && keys.block_group < 0) {
-    if (p.padding_mask == nullptr) {
-      return;  // block ids exist but this query is in no block: the row is its interval
+  if (keys.block_group >= 0) {
+    // Block ids can open elements anywhere in the row: the general rule, element by element.
+    for (int64_t j = 0; j < kv_length; ++j) {
+      row[j] = element_attends(p, b, base, keys, j) ? on : off;
     }
-    // Padding only: inside the interval the row is the padding row; past the padding mask's
-    // width every key counts as padded.
-    const bool* pad = p.padding_mask + b * p.padding_width;
-    const int64_t pad_end = std::clamp<int64_t>(p.padding_width - p.kv_offset, 0, kv_length);
-    const int64_t end = std::min(base.end, pad_end);
-    for (int64_t j = base.begin; j < end; ++j) {
-      row[j] = pad[p.kv_offset + j] ? on : off;
-    }
-    std::fill(row + std::max(base.begin, end), row + base.end, off);
     return;
   }
-  // Block ids can open elements anywhere in the row; packed ids only close them inside it.
-  const int64_t begin = keys.block_group >= 0 ? 0 : base.begin;
-  const int64_t end = keys.block_group >= 0 ? kv_length : base.end;
-  for (int64_t j = begin; j < end; ++j) {
-    row[j] = element_attends(p, b, base, keys, j) ? on : off;
+  if (p.packed_ids != nullptr && !keys.packed_known) {
+    std::fill(row + base.begin, row + base.end, off);  // an unknown query position matches nothing
+    return;
+  }
+  // Row views shifted so that column j reads position kv_offset + j.
+  const int64_t* ids = p.packed_ids != nullptr ? p.packed_ids + b * p.packed_width + p.kv_offset : nullptr;
+  const bool* pad = p.padding_mask != nullptr ? p.padding_mask + b * p.padding_width + p.kv_offset : nullptr;
+  const int64_t pad_end = std::clamp<int64_t>(p.padding_width - p.kv_offset, 0, kv_length);
+  if (ids != nullptr && pad != nullptr) {
+    write_span<true, true>(row, base.begin, base.end, ids, keys.packed_id, pad, pad_end, on, off);
+  } else if (ids != nullptr) {
+    write_span<true, false>(row, base.begin, base.end, ids, keys.packed_id, pad, pad_end, on, off);
+  } else if (pad != nullptr) {
+    write_span<false, true>(row, base.begin, base.end, ids, keys.packed_id, pad, pad_end, on, off);
+  } else {
+    std::fill(row + base.begin, row + base.end, on);  // block ids given, but this query is in none
   }
 }
 

@@ -1,0 +1,22 @@
+# Sourced by scripts/test.sh and scripts/demo.sh: creates (once) and activates a virtual
+# environment outside the clone, keyed by the pinned requirements, then builds safeattn into it.
+# Override the location with SAFEATTN_CACHE; choose requirements with SAFEATTN_REQUIREMENTS.
+set -euo pipefail
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_reqs="${SAFEATTN_REQUIREMENTS:-$_root/requirements-dev.txt}"
+_py="${PYTHON:-python3}"
+_key="$("$_py" -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')-$(sha256sum "$_reqs" | cut -c1-12)"
+SAFEATTN_VENV="${SAFEATTN_CACHE:-$HOME/.cache/safeattn}/venv-$_key"
+if [ ! -x "$SAFEATTN_VENV/bin/python" ] || [ ! -f "$SAFEATTN_VENV/.complete" ]; then
+  echo "== creating $SAFEATTN_VENV from $(basename "$_reqs")"
+  rm -rf "$SAFEATTN_VENV"
+  "$_py" -m venv "$SAFEATTN_VENV"
+  "$SAFEATTN_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+  "$SAFEATTN_VENV/bin/python" -m pip install -q -r "$_reqs"
+  touch "$SAFEATTN_VENV/.complete"
+fi
+# shellcheck disable=SC1091
+source "$SAFEATTN_VENV/bin/activate"
+echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
+(cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true)
+python -c "import safeattn" || { echo "safeattn failed to build or import" >&2; exit 1; }

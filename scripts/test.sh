@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs every test: the Python suite (pytest) and the C++ suite (Catch2 through CTest).
+# Works on a fresh machine: sets up the environment and builds first (scripts/env.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+echo "== pytest"
+python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" "$@"
+
+echo "== C++ tests (Catch2 + CTest)"
+if ! dpkg -s catch2 >/dev/null 2>&1; then
+  (apt-get update -qq && apt-get install -y -qq catch2) >/dev/null
+fi
+cmake -S . -B build/cmake -G Ninja -DCUDA_TOOLKIT_ROOT_DIR=/usr/local/cuda \
+  -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
+cmake --build build/cmake -j"$(nproc)"
+ctest --test-dir build/cmake --output-on-failure --no-tests=error
