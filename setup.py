@@ -138,11 +138,18 @@ class Build(BuildExtension):
         super().build_extension(ext)
 
 
+def cuda_library_includes():
+    # pip's CUDA builds of torch ship cuBLAS/cuSPARSE headers (which ATen/cuda/CUDAContext.h
+    # includes) in nvidia/*/include rather than in the toolkit; a bare nvcc install lacks them.
+    site = Path(torch.__file__).parent.parent / "nvidia"
+    return sorted(str(p) for p in site.glob("*/include") if (p / "cusparse.h").exists())
+
+
 Extension = CUDAExtension if WITH_CUDA else CppExtension
 ext = Extension(
     "safeattn._C",
     sources=common_sources + (cuda_sources if WITH_CUDA else []),
-    include_dirs=[str(ROOT / "csrc")],
+    include_dirs=[str(ROOT / "csrc")] + (cuda_library_includes() if WITH_CUDA else []),
     depends=rel((ROOT / "csrc").rglob("*.h")),
     extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if WITH_CUDA else {"cxx": cxx_flags},
 )

@@ -311,3 +311,24 @@ def test_device_mismatch():
             safeattn.sdpa_mask(1, 2, 2, padding_mask=torch.ones(1, 2, dtype=torch.bool), device="cuda")
     with pytest.raises(RuntimeError, match=re.escape("padding_mask is on meta, expected cpu (from q_positions)")):
         safeattn.sdpa_mask(1, 2, 2, q_positions=torch.tensor(0), padding_mask=torch.ones(1, 2, dtype=torch.bool, device="meta"))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_properties(0).total_memory < 16 * 2**30,
+    reason="needs a CUDA GPU with 16 GiB",
+)
+def test_more_than_2_pow_31_elements_cuda():
+    """B=8, Q=KV=16384: 2^31 elements, so every offset must be 64-bit. Sampled rows are checked
+    against the reference (which builds only those rows, through q_positions)."""
+    batch, length = 8, 16384
+    pad = torch.rand(batch, length, device="cuda") > 0.05
+    pad[:, :100] = False  # left padding: fully masked rows at the start
+    ids = (torch.arange(length, device="cuda") * 3 // length).expand(batch, length).contiguous()
+    got = safeattn.sdpa_mask(batch, length, length, sliding_window=5000, padding_mask=pad, packed_ids=ids)
+    assert got.numel() >= 2**31, "the case must cross 2^31 elements"
+    rows = torch.tensor([0, 1, 99, 100, 5000, 10922, 10923, length - 2, length - 1], device="cuda")
+    expected = reference.sdpa_mask(
+        batch, len(rows), length, q_positions=rows, sliding_window=5000, padding_mask=pad, packed_ids=ids
+    )
+    assert torch.equal(got[:, :, rows].cpu(), expected.cpu()), "sampled rows differ from the reference"
+    assert got[-1, 0, -1].sum().item() > 0, "the last row must have been written"
