@@ -18,8 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["with_cuda"] = info.with_cuda;
         d["cuda_version"] = info.cuda_version;
         d["cuda_archs"] = info.cuda_archs;
-        d["op_kernels"] = info.op_kernels;
         return d;
       },
-      "Version, torch built against, CPU ISA variants, CUDA archs and each op's kernels.");
+      "Version, torch built against, CPU ISA variants and CUDA archs.");
 }

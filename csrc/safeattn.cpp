@@ -2,7 +2,8 @@
 // csrc/ops/<op>.cpp and its kernels with TORCH_LIBRARY_IMPL in the backend files.
 #include "safeattn.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
+#include <algorithm>
+
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -37,27 +38,6 @@ BuildInfo build_info() {
   info.cuda_version = cuda::toolkit_version();
   info.cuda_archs = cuda::compiled_archs();
 #endif
-  const std::pair<c10::DispatchKey, const char*> keys[] = {
-      {c10::DispatchKey::CPU, "CPU"},
-      {c10::DispatchKey::CUDA, "CUDA"},
-      {c10::DispatchKey::Meta, "Meta"},
-      {c10::DispatchKey::Autograd, "Autograd"},
-  };
-  for (const c10::OperatorName& name : c10::Dispatcher::singleton().getAllOpNames()) {
-    if (name.name.rfind("safeattn::", 0) != 0) {
-      continue;
-    }
-    auto handle = c10::Dispatcher::singleton().findOp(name);
-    if (!handle.has_value() || !handle->hasSchema()) {
-      continue;
-    }
-    std::vector<std::string>& found = info.op_kernels[name.name.substr(10)];
-    for (const auto& [key, label] : keys) {
-      if (handle->hasKernelForDispatchKey(key)) {
-        found.emplace_back(label);
-      }
-    }
-  }
   return info;
 }
 

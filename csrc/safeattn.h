@@ -1,9 +1,9 @@
 // What this build of safeattn holds: version, the torch it was built against, CPU ISA
-// variants, CUDA architectures, and which ops have which kernels.
+// variants and CUDA architectures. (Which ops have which kernels is read from the dispatcher
+// in Python: safeattn.build_info().)
 #pragma once
 
 #include <algorithm>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -17,8 +17,6 @@ struct BuildInfo {
   bool with_cuda = false;
   std::string cuda_version;           // CUDA toolkit the kernels were compiled with
   std::vector<std::string> cuda_archs;  // e.g. "90"
-  // op name -> dispatch keys with a kernel ("CPU", "CUDA", "Meta", ...)
-  std::map<std::string, std::vector<std::string>> op_kernels;
 };
 
 BuildInfo build_info();

@@ -4,7 +4,7 @@ The ops are PyTorch dispatcher ops (``torch.ops.safeattn.*``) with CPU and CUDA 
 implementations and autograd formulas, so they run eagerly and under ``torch.compile``.
 """
 
-import torch  # noqa: F401  loads libtorch, which _C links against
+import torch  # loads libtorch, which _C links against
 
 from . import _C  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
 from . import _autograd, _fake  # noqa: F401  registrations
@@ -16,4 +16,11 @@ __all__ = ["__version__", "build_info", "sdpa_mask"]
 
 def build_info() -> dict:
     """What this build holds: versions, CPU ISA variants, CUDA archs, each op's kernels."""
-    return _C.build_info()
+    info = dict(_C.build_info())
+    op_kernels: dict[str, list[str]] = {}
+    for key in ("CPU", "CUDA", "Meta", "Autograd"):
+        for name in torch._C._dispatch_get_registrations_for_dispatch_key(key):
+            if name.startswith("safeattn::"):
+                op_kernels.setdefault(name.split("::", 1)[1], []).append(key)
+    info["op_kernels"] = op_kernels
+    return info

@@ -1,7 +1,8 @@
 // CUDA kernel of sdpa_mask. Each thread owns 16 bytes of one row (16 bool or 4 float
-// elements) and computes the row's interval once; rows whose every feature is an interval
-// need no memory read at all, and padding / ids are read from small [B, L] tensors that stay
-// in L2. Rows whose byte length is a multiple of 16 are written with 16-byte stores.
+// elements) and computes the row's interval once; an interval-only mask reads no memory, a
+// padding mask is read as one vector per thread and only where the interval leaves something
+// to decide, and ids are read from small [B, L] tensors that stay in L2. The kernel is
+// specialised per rule (interval, padding, packed, general) so absent features cost nothing.
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -21,38 +22,95 @@ using namespace safeattn::sdpa_mask_detail;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
+// Elements per thread: 16 bytes of output.
 template <typename T>
 constexpr int vec_of() {
   return 16 / static_cast<int>(sizeof(T));
 }
 
-// grid.x covers a row's 16-byte chunks, grid.y (strided) covers the B * Q rows.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    sdpa_mask_rows_kernel(const SdpaMaskParams p, T* __restrict__ out, const T on, const T off, const bool aligned) {
+template <int kBytes>
+struct alignas(kBytes) Bytes {
+  uint8_t v[kBytes];
+};
+
+// What the host knows about alignment, so the kernel can use vector memory operations.
+struct Alignment {
+  bool out;      // every row start is 16-byte aligned
+  bool padding;  // padding row segments at multiples of the vector width are vector aligned
+};
+
+// Which row rule a launch uses; chosen on the host so the common cases carry no branches
+// for features that are absent.
+enum class RowRule { kInterval, kPadding, kPacked, kGeneral };
+
+// grid.x covers a row's 16-byte chunks, grid.y (strided) covers the B * Q rows. Each thread
+// computes its row's interval, then its kVec elements.
+template <typename T, RowRule kRule>
+__global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMaskParams p, T* __restrict__ out,
+                                                                  const T on, const T off, const Alignment aligned) {
   constexpr int kVec = vec_of<T>();
   const int64_t col0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
   if (col0 >= p.kv_length) {
     return;
   }
   const int64_t rows = p.batch_size * p.q_length;
-  const bool elementwise = needs_elementwise(p);
   for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
-    const int64_t b = row / p.q_length;
+    // 32-bit division where it fits (the common case): 64-bit division is a long sequence.
+    const int64_t b = rows <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) /
+                                                               static_cast<uint32_t>(p.q_length))
+                                         : row / p.q_length;
     const int64_t q_pos = query_position(p, b, row - b * p.q_length);
     const Interval base = base_interval(p, b, q_pos);
-    const RowKeys keys = elementwise ? row_keys(p, b, q_pos) : RowKeys{0, false, -1};
     alignas(16) T vals[kVec];
+    if constexpr (kRule == RowRule::kGeneral) {
+      const RowKeys keys = row_keys(p, b, q_pos);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const int64_t j = col0 + k;
-      // element_attends bounds-checks every index, so the columns past kv_length in the last
-      // chunk read nothing outside the inputs (and are not stored).
-      const bool attend = elementwise ? element_attends(p, b, base, keys, j) : (j >= base.begin && j < base.end);
-      vals[k] = attend ? on : off;
+      for (int k = 0; k < kVec; ++k) {
+        // element_attends bounds-checks every index: columns past kv_length read nothing
+        // outside the inputs (and are not stored).
+        vals[k] = element_attends(p, b, base, keys, col0 + k) ? on : off;
+      }
+    } else {
+      const bool any_inside = col0 < base.end && col0 + kVec > base.begin;
+      uint8_t pad[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        pad[k] = 1;
+      }
+      if constexpr (kRule == RowRule::kPadding) {
+        // Read the padding only where the interval leaves something to decide.
+        const int64_t pos0 = p.kv_offset + col0;
+        const bool* src = p.padding_mask + b * p.padding_width + pos0;
+        if (any_inside && aligned.padding && pos0 + kVec <= p.padding_width) {
+          const Bytes<kVec> loaded = *reinterpret_cast<const Bytes<kVec>*>(src);
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            pad[k] = loaded.v[k];
+          }
+        } else if (any_inside) {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            pad[k] = pos0 + k < p.padding_width ? src[k] : 0;  // past the mask's width: padding
+          }
+        }
+      }
+      if constexpr (kRule == RowRule::kPacked) {
+        // Packed ids, possibly with padding: per element, only inside the interval.
+        const RowKeys keys = row_keys(p, b, q_pos);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const int64_t j = col0 + k;
+          pad[k] = any_inside && element_attends(p, b, base, keys, j);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const int64_t j = col0 + k;
+        vals[k] = (j >= base.begin && j < base.end && pad[k]) ? on : off;
+      }
     }
     T* dst = out + row * p.kv_length + col0;
-    if (aligned && col0 + kVec <= p.kv_length) {
+    if (aligned.out && col0 + kVec <= p.kv_length) {
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
     } else {
 #pragma unroll
@@ -65,19 +123,35 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T>
-void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
+template <typename T, RowRule kRule>
+void launch_rule(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
   constexpr int kVec = vec_of<T>();
   const int64_t rows = p.batch_size * p.q_length;
   const int64_t chunks = (p.kv_length + kVec - 1) / kVec;
   const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads),
                   static_cast<unsigned>(std::min(rows, kMaxGridY)));
+  Alignment aligned;
   // Row starts are 16-byte aligned when a row's bytes are (the allocation itself is).
-  const bool aligned = (p.kv_length * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
-  sdpa_mask_rows_kernel<T><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  aligned.out = (p.kv_length * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
+                reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  aligned.padding = p.padding_mask != nullptr && p.padding_width % kVec == 0 && p.kv_offset % kVec == 0 &&
+                    reinterpret_cast<uintptr_t>(p.padding_mask) % kVec == 0;
+  sdpa_mask_rows_kernel<T, kRule><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<T*>(out.data_ptr()), on, off, aligned);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
+  if (p.block_ids != nullptr) {
+    launch_rule<T, RowRule::kGeneral>(p, out, on, off);
+  } else if (p.packed_ids != nullptr) {
+    launch_rule<T, RowRule::kPacked>(p, out, on, off);
+  } else if (p.padding_mask != nullptr) {
+    launch_rule<T, RowRule::kPadding>(p, out, on, off);
+  } else {
+    launch_rule<T, RowRule::kInterval>(p, out, on, off);
+  }
 }
 
 at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
