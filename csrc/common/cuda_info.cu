@@ -2,7 +2,6 @@
 // in every CI run, that the CUDA toolchain path of the build works.
 #include <cuda_runtime_api.h>
 
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,9 +21,8 @@ std::vector<std::string> compiled_archs() {
 }
 
 std::string toolkit_version() {
-  std::ostringstream s;
-  s << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10;
-  return s.str();
+  // No iostreams in .cu files: on some hosts nvcc's host pass pulls in a second copy of them.
+  return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string((CUDART_VERSION % 1000) / 10);
 }
 
 }  // namespace safeattn::cuda
