@@ -3,6 +3,7 @@
 // padding mask is read as one vector per thread and only where the interval leaves something
 // to decide, and ids are read from small [B, L] tensors that stay in L2. The kernel is
 // specialised per rule (interval, padding, packed, general) so absent features cost nothing.
+#include <algorithm>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -43,14 +44,17 @@ struct Alignment {
 // for features that are absent.
 enum class RowRule { kInterval, kPadding, kPacked, kGeneral };
 
-// grid.x covers a row's 16-byte chunks, grid.y (strided) covers the B * Q rows. Each thread
-// computes its row's interval, then its kVec elements.
+// grid.x covers a row's chunks of kUnroll x 16 bytes, grid.y (strided) covers the B * Q rows.
+// Each thread computes its row's interval once, then kUnroll x kVec elements with 32-bit
+// column arithmetic (the host sends rows of 2^31 keys or more to the general rule).
+constexpr int kUnroll = 4;
+
 template <typename T, RowRule kRule>
 __global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMaskParams p, T* __restrict__ out,
                                                                   const T on, const T off, const Alignment aligned) {
   constexpr int kVec = vec_of<T>();
-  const int64_t col0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kVec;
-  if (col0 >= p.kv_length) {
+  const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x) * kVec;
+  if (first_col >= p.kv_length) {
     return;
   }
   const int64_t rows = p.batch_size * p.q_length;
@@ -61,62 +65,75 @@ __global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMask
                                          : row / p.q_length;
     const int64_t q_pos = query_position(p, b, row - b * p.q_length);
     const Interval base = base_interval(p, b, q_pos);
-    alignas(16) T vals[kVec];
-    if constexpr (kRule == RowRule::kGeneral) {
-      const RowKeys keys = row_keys(p, b, q_pos);
+    RowKeys keys{0, false, -1};
+    if constexpr (kRule == RowRule::kGeneral || kRule == RowRule::kPacked) {
+      keys = row_keys(p, b, q_pos);
+    }
+    T* out_row = out + row * p.kv_length;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        // element_attends bounds-checks every index: columns past kv_length read nothing
-        // outside the inputs (and are not stored).
-        vals[k] = element_attends(p, b, base, keys, col0 + k) ? on : off;
+    for (int u = 0; u < kUnroll; ++u) {
+      // Consecutive threads own consecutive 16-byte chunks, so each store instruction of a
+      // warp covers 512 contiguous bytes.
+      const int64_t col0 = first_col + static_cast<int64_t>(u) * kThreads * kVec;
+      if (col0 >= p.kv_length) {
+        break;
       }
-    } else {
-      const bool any_inside = col0 < base.end && col0 + kVec > base.begin;
-      uint8_t pad[kVec];
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        pad[k] = 1;
-      }
-      if constexpr (kRule == RowRule::kPadding) {
-        // Read the padding only where the interval leaves something to decide.
-        const int64_t pos0 = p.kv_offset + col0;
-        const bool* src = p.padding_mask + b * p.padding_width + pos0;
-        if (any_inside && aligned.padding && pos0 + kVec <= p.padding_width) {
-          const Bytes<kVec> loaded = *reinterpret_cast<const Bytes<kVec>*>(src);
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            pad[k] = loaded.v[k];
-          }
-        } else if (any_inside) {
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            pad[k] = pos0 + k < p.padding_width ? src[k] : 0;  // past the mask's width: padding
-          }
-        }
-      }
-      if constexpr (kRule == RowRule::kPacked) {
-        // Packed ids, possibly with padding: per element, only inside the interval.
-        const RowKeys keys = row_keys(p, b, q_pos);
+      alignas(16) T vals[kVec];
+      if constexpr (kRule == RowRule::kGeneral) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          const int64_t j = col0 + k;
-          pad[k] = any_inside && element_attends(p, b, base, keys, j);
+          // element_attends bounds-checks every index: columns past kv_length read nothing
+          // outside the inputs (and are not stored).
+          vals[k] = element_attends(p, b, base, keys, col0 + k) ? on : off;
+        }
+      } else {
+        // Columns relative to this chunk, in 32 bits.
+        const int32_t lo = static_cast<int32_t>(std::max<int64_t>(base.begin - col0, -1));
+        const int32_t hi = static_cast<int32_t>(std::min<int64_t>(base.end - col0, kVec + 1));
+        const bool any_inside = lo < kVec && hi > 0;
+        uint8_t keep[kVec];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          keep[k] = 1;
+        }
+        if constexpr (kRule == RowRule::kPadding) {
+          // Read the padding only where the interval leaves something to decide.
+          const int64_t pos0 = p.kv_offset + col0;
+          const bool* src = p.padding_mask + b * p.padding_width + pos0;
+          if (any_inside && aligned.padding && pos0 + kVec <= p.padding_width) {
+            const Bytes<kVec> loaded = *reinterpret_cast<const Bytes<kVec>*>(src);
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              keep[k] = loaded.v[k];
+            }
+          } else if (any_inside) {
+#pragma unroll
+            for (int k = 0; k < kVec; ++k) {
+              keep[k] = pos0 + k < p.padding_width ? src[k] : 0;  // past the mask's width: padding
+            }
+          }
+        }
+        if constexpr (kRule == RowRule::kPacked) {
+          // Packed ids, possibly with padding: per element, only inside the interval.
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            keep[k] = any_inside && element_attends(p, b, base, keys, col0 + k);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          vals[k] = (k >= lo && k < hi && keep[k]) ? on : off;
         }
       }
+      T* dst = out_row + col0;
+      if (aligned.out && col0 + kVec <= p.kv_length) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
+      } else {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const int64_t j = col0 + k;
-        vals[k] = (j >= base.begin && j < base.end && pad[k]) ? on : off;
-      }
-    }
-    T* dst = out + row * p.kv_length + col0;
-    if (aligned.out && col0 + kVec <= p.kv_length) {
-      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        if (col0 + k < p.kv_length) {
-          dst[k] = vals[k];
+        for (int k = 0; k < kVec; ++k) {
+          if (col0 + k < p.kv_length) {
+            dst[k] = vals[k];
+          }
         }
       }
     }
@@ -127,8 +144,8 @@ template <typename T, RowRule kRule>
 void launch_rule(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
   constexpr int kVec = vec_of<T>();
   const int64_t rows = p.batch_size * p.q_length;
-  const int64_t chunks = (p.kv_length + kVec - 1) / kVec;
-  const dim3 grid(static_cast<unsigned>((chunks + kThreads - 1) / kThreads),
+  const int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll * kVec;
+  const dim3 grid(static_cast<unsigned>((p.kv_length + per_block - 1) / per_block),
                   static_cast<unsigned>(std::min(rows, kMaxGridY)));
   Alignment aligned;
   // Row starts are 16-byte aligned when a row's bytes are (the allocation itself is).
@@ -143,7 +160,7 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
 
 template <typename T>
 void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
-  if (p.block_ids != nullptr) {
+  if (p.block_ids != nullptr || p.kv_length > INT32_MAX - 64) {
     launch_rule<T, RowRule::kGeneral>(p, out, on, off);
   } else if (p.packed_ids != nullptr) {
     launch_rule<T, RowRule::kPacked>(p, out, on, off);
