@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+import safeattn
 import torch
 import transformers.masking_utils as mu
-
-import safeattn
 from safeattn._bench import mask_workload, time_ms
 
 KINDS = ("causal", "sliding", "chunked", "packed")
@@ -22,7 +21,7 @@ def run(device: str, batches, lengths, repeats: int) -> list[dict]:
     for batch in batches:
         for length in lengths:
             numel = batch * length * length
-            fill_ms = time_ms(lambda: torch.empty(numel, dtype=torch.bool, device=device).fill_(True), device, repeats)
+            fill_ms = time_ms(lambda numel=numel: torch.empty(numel, dtype=torch.bool, device=device).fill_(True), device, repeats)
             for kind in KINDS:
                 ours, theirs = mask_workload(kind, batch, length, device)
                 got = safeattn.sdpa_mask(**ours)

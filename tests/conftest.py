@@ -1,7 +1,6 @@
 import pytest
-import torch
-
 import safeattn  # noqa: F401  registers torch.ops.safeattn.*
+import torch
 
 DEVICES = [
     "cpu",

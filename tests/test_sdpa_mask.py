@@ -5,11 +5,10 @@ import random
 import re
 
 import pytest
+import safeattn
 import torch
 import transformers.masking_utils as mu
 from conftest import DEVICES
-
-import safeattn
 from safeattn import reference
 
 # --------------------------------------------------------------------------- helpers

@@ -6,8 +6,11 @@ implementations and autograd formulas, so they run eagerly and under ``torch.com
 
 import torch  # loads libtorch, which _C links against
 
-from . import _C  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
-from . import _autograd, _fake  # noqa: F401  registrations
+from . import (  # noqa: F401  registrations
+    _C,  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
+    _autograd,
+    _fake,
+)
 from ._version import __version__
 from .ops import sdpa_mask
 

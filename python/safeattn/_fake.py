@@ -46,7 +46,12 @@ def common_device(op: str, device, named: dict) -> torch.device:
             found, found_from = t.device, name
             continue
         same = t.device.type == found.type and (found.index is None or t.device.index == found.index)
-        torch._check(same, lambda: f"{op}: {name} is on {t.device}, expected {found} (from {found_from})")
+        torch._check(
+            same,
+            lambda name=name, t=t, found=found, found_from=found_from: (
+                f"{op}: {name} is on {t.device}, expected {found} (from {found_from})"
+            ),
+        )
     return found if found is not None else torch.device("cpu")
 
 
