@@ -11,12 +11,14 @@ if [ ! -x "$SAFEATTN_VENV/bin/python" ] || [ ! -f "$SAFEATTN_VENV/.complete" ]; 
   echo "== creating $SAFEATTN_VENV from $(basename "$_reqs")"
   rm -rf "$SAFEATTN_VENV"
   "$_py" -m venv "$SAFEATTN_VENV"
-  "$SAFEATTN_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
-  "$SAFEATTN_VENV/bin/python" -m pip install -q -r "$_reqs"
+  _log="$(mktemp)"
+  { "$SAFEATTN_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel &&
+    "$SAFEATTN_VENV/bin/python" -m pip install -q -r "$_reqs"; } >"$_log" 2>&1 || { cat "$_log"; exit 1; }
   touch "$SAFEATTN_VENV/.complete"
 fi
 # shellcheck disable=SC1091
 source "$SAFEATTN_VENV/bin/activate"
 echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
-(cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true)
+_log="$(mktemp)"
+(cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
 python -c "import safeattn" || { echo "safeattn failed to build or import" >&2; exit 1; }
