@@ -105,7 +105,7 @@ defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',
     "-DSAFEATTN_PYTHON_MODULE",
 ]
-cxx_flags = ["-O3", "-fvisibility=hidden", *defines]
+cxx_flags = ["-O3", *defines]
 if WITH_CUDA:
     cxx_flags.append("-DSAFEATTN_WITH_CUDA")
 nvcc_flags = [
