@@ -152,6 +152,10 @@ ext = Extension(
     include_dirs=[str(ROOT / "csrc")] + (cuda_library_includes() if WITH_CUDA else []),
     depends=rel((ROOT / "csrc").rglob("*.h")),
     extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if WITH_CUDA else {"cxx": cxx_flags},
+    # A private, hidden copy of libstdc++: on some hosts (seen: Ubuntu 24.04, g++ 13, torch
+    # 2.11) the extension otherwise carries its own uninitialised instances of iostream facet
+    # templates and crashes the first time it formats an error message.
+    extra_link_args=["-static-libstdc++", "-Wl,--exclude-libs,ALL"],
 )
 
 setup(
