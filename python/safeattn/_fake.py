@@ -149,3 +149,101 @@ def _sdpa_mask_fake(
         },
     )
     return torch.empty((batch_size, 1, q_length, kv_length), dtype=out_dtype, device=where)
+
+
+# ---- softmax family (csrc/ops/softmax.cpp) ---------------------------------------------
+
+_SOFTMAX_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _check_softmax_float(op, name, dtype):
+    torch._check(
+        dtype in _SOFTMAX_FLOATS,
+        lambda: f"{op}: {name} must be Float, Double, Half or BFloat16, got {dtype_name(dtype)}",
+    )
+
+
+def _wrap_softmax_dim(op, dim, ndim):
+    n = max(ndim, 1)
+    torch._check(
+        -n <= dim < n,
+        lambda: f"{op}: dim {dim} is out of range for a {ndim}-D tensor (expected in [{-n}, {n - 1}])",
+    )
+    return dim + n if dim < 0 else dim
+
+
+def _check_softmax_backward_pair(op, grad_out, out):
+    _check_softmax_float(op, "out", out.dtype)
+    _check_softmax_float(op, "grad_out", grad_out.dtype)
+    torch._check(
+        grad_out.shape == out.shape,
+        lambda: f"{op}: grad_out has shape {_shape(grad_out)} but out has shape {_shape(out)}",
+    )
+    common_device(op, None, {"grad_out": grad_out, "out": out})
+
+
+@torch.library.register_fake("safeattn::safe_softmax")
+def _safe_softmax_fake(self, dim, dtype=None):
+    op = "safe_softmax"
+    _check_softmax_float(op, "self", self.dtype)
+    if dtype is not None:
+        _check_softmax_float(op, "dtype", dtype)
+    _wrap_softmax_dim(op, dim, self.dim())
+    return torch.empty(self.shape, dtype=self.dtype if dtype is None else dtype, device=self.device)
+
+
+@torch.library.register_fake("safeattn::_safe_softmax_backward")
+def _safe_softmax_backward_fake(grad_out, out, dim, input_dtype):
+    op = "_safe_softmax_backward"
+    _check_softmax_backward_pair(op, grad_out, out)
+    _check_softmax_float(op, "input_dtype", input_dtype)
+    _wrap_softmax_dim(op, dim, out.dim())
+    return torch.empty(out.shape, dtype=input_dtype, device=out.device)
+
+
+@torch.library.register_fake("safeattn::masked_softmax")
+def _masked_softmax_fake(scores, mask=None, scale=1.0, dim=-1, dtype=None):
+    op = "masked_softmax"
+    _check_softmax_float(op, "scores", scores.dtype)
+    if dtype is not None:
+        _check_softmax_float(op, "dtype", dtype)
+    _wrap_softmax_dim(op, dim, scores.dim())
+    if mask is not None:
+        torch._check(
+            mask.dtype == torch.bool or mask.dtype in _SOFTMAX_FLOATS,
+            lambda: (
+                f"{op}: mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got {dtype_name(mask.dtype)}"
+            ),
+        )
+        broadcastable = mask.dim() <= scores.dim()
+        if broadcastable:
+            for k in range(1, mask.dim() + 1):
+                broadcastable = broadcastable and (mask.shape[-k] == 1 or mask.shape[-k] == scores.shape[-k])
+        torch._check(
+            broadcastable,
+            lambda: (
+                f"{op}: mask of shape {_shape(mask)} is not broadcastable to scores of shape {_shape(scores)}"
+            ),
+        )
+        common_device(op, None, {"scores": scores, "mask": mask})
+    return torch.empty(scores.shape, dtype=scores.dtype if dtype is None else dtype, device=scores.device)
+
+
+@torch.library.register_fake("safeattn::_masked_softmax_backward")
+def _masked_softmax_backward_fake(grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad):
+    op = "_masked_softmax_backward"
+    _check_softmax_backward_pair(op, grad_out, out)
+    _check_softmax_float(op, "input_dtype", input_dtype)
+    _wrap_softmax_dim(op, dim, out.dim())
+    torch._check(
+        not mask_requires_grad or (mask is not None and mask.dtype.is_floating_point),
+        lambda: f"{op}: mask_requires_grad needs a floating mask",
+    )
+    if mask is not None:
+        common_device(op, None, {"out": out, "mask": mask})
+    grad_scores = torch.empty(out.shape, dtype=input_dtype, device=out.device)
+    if mask_requires_grad:
+        grad_mask = torch.empty(mask.shape, dtype=mask.dtype, device=out.device)
+    else:
+        grad_mask = torch.empty((0,), dtype=out.dtype, device=out.device)
+    return grad_scores, grad_mask

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sdpa_mask"]
+__all__ = ["masked_softmax", "safe_softmax", "sdpa_mask"]
 
 
 def sdpa_mask(
@@ -95,3 +95,74 @@ def sdpa_mask(
         use_finfo_min=use_finfo_min,
         device=torch.device(device) if isinstance(device, str) else device,
     )
+
+
+# ---- softmax family --------------------------------------------------------------------
+
+
+def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Softmax over ``dim`` that gives 0, not NaN, on a slice whose every element is ``-inf``.
+
+    Otherwise it is ``torch.softmax``: any rank, any ``dim``, non-contiguous input accepted; a
+    slice holding a NaN or ``+inf`` gives NaN (NaN is never hidden); ``dtype`` casts the input
+    before the op and the result comes out in it. float16 and bfloat16 accumulate in float32.
+    Example (``-inf`` row)::
+
+        x = [[0., 0.],        safe_softmax(x, -1) = [[0.5, 0.5],
+             [-inf, -inf]]                          [0.0, 0.0]]   # torch.softmax: NaN
+
+    Gradient: ``out * (grad - sum(grad * out))``, exactly 0 on every element whose output is 0
+    (so 0 on fully masked slices, never NaN). Double backward is not supported: it raises
+    "derivative for safeattn::_safe_softmax_backward is not implemented".
+
+    Args:
+        input: floating tensor (float32, float64, float16, bfloat16), any shape.
+        dim: the dim to normalise over (negative counts from the end).
+        dtype: optional floating dtype to compute and return in.
+
+    Returns:
+        A contiguous tensor of ``input``'s shape, in ``dtype`` or ``input.dtype``.
+    """
+    return torch.ops.safeattn.safe_softmax(input, dim, dtype)
+
+
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    dim: int = -1,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``safe_softmax(scores * scale + mask, dim)`` in one pass, never materialising the sum.
+
+    ``mask`` is broadcastable to ``scores`` (e.g. ``[B, 1, Q, KV]`` against scores
+    ``[B, H, Q, KV]``) and is read through broadcast strides, never expanded in memory:
+
+    - bool: True attends, False masks. A masked element is excluded whatever its score holds
+      (a NaN or inf score there does not leak).
+    - floating: additive (a bias, possibly learnable: it gets a gradient, summed over the
+      broadcast dims in a fixed order, so deterministic). A float32 mask on float16/bfloat16
+      scores is added in float32; other float masks are cast to the scores' dtype.
+
+    A slice that is fully masked (or all ``-inf``) gives 0 and gradient 0; NaN or ``+inf`` in a
+    slice's unmasked values gives NaN, as ``torch.softmax``. Example, one query row over 4 keys
+    (``■`` attends, ``⬚`` masked)::
+
+        mask  ■ ■ ⬚ ⬚    ->  softmax over the first two keys, 0 on the others
+        mask  ⬚ ⬚ ⬚ ⬚    ->  0 0 0 0 (torch.softmax with -inf: NaN)
+
+    Double backward is not supported (raises "derivative for
+    safeattn::_masked_softmax_backward is not implemented").
+
+    Args:
+        scores: floating tensor ``[..., dim, ...]`` (float32, float64, float16, bfloat16).
+        mask: None, bool or floating tensor broadcastable to ``scores``, same device.
+        scale: multiplies the scores before the mask is applied.
+        dim: the dim to normalise over (default the last).
+        dtype: optional floating dtype: ``scores`` is cast to it first, the result comes out
+            in it (as ``torch.softmax``).
+
+    Returns:
+        A contiguous tensor of ``scores``' shape, in ``dtype`` or ``scores.dtype``.
+    """
+    return torch.ops.safeattn.masked_softmax(scores, mask, scale, dim, dtype)

@@ -80,3 +80,53 @@ def sdpa_mask(
         return base
     blocked = torch.finfo(dtype).min if use_finfo_min else float("-inf")
     return torch.zeros(base.shape, dtype=dtype, device=out_device).masked_fill(~base, blocked)
+
+
+def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference for ``safeattn.safe_softmax``, computed in float64, returned in float64.
+
+    Rows whose every element is -inf give 0; a NaN or +inf anywhere in a row gives NaN.
+    """
+    x = input.to(dtype) if dtype is not None else input
+    x = x.to(torch.float64)
+    if x.dim() == 0:
+        x = x.reshape(1)
+        return safe_softmax(x, 0).reshape(())
+    all_neg_inf = (x == float("-inf")).all(dim, keepdim=True)
+    row_max = x.amax(dim, keepdim=True)
+    # Shift empty rows by 0: exp(-inf - (-inf)) would be NaN. A NaN or +inf max stays and
+    # makes its row NaN, as torch.softmax does.
+    row_max = torch.where(all_neg_inf, torch.zeros_like(row_max), row_max)
+    e = torch.exp(x - row_max)
+    out = e / e.sum(dim, keepdim=True)
+    return torch.where(all_neg_inf, torch.zeros_like(out), out)
+
+
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    dim: int = -1,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Reference for ``safeattn.masked_softmax`` in float64: bool masks select, float masks add."""
+    s = scores.to(dtype) if dtype is not None else scores
+    x = s.to(torch.float64) * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            x = torch.where(mask, x, torch.tensor(float("-inf"), dtype=torch.float64))
+        else:
+            x = x + mask.to(torch.float64)
+    return safe_softmax(x, dim)
+
+
+def safe_softmax_backward(grad_out: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tensor:
+    """Reference gradient of a safe softmax at ``out`` in float64: 0 wherever ``out`` is 0."""
+    g = grad_out.to(torch.float64)
+    o = out.to(torch.float64)
+    if o.dim() == 0:
+        return torch.zeros_like(o)
+    zero = o == 0
+    g = torch.where(zero, torch.zeros_like(g), g)
+    dot = (g * o).sum(dim, keepdim=True)
+    return torch.where(zero, torch.zeros_like(o), o * (g - dot))

@@ -1,0 +1,237 @@
+"""Benchmark safe_softmax / masked_softmax (forward and backward) against PyTorch peers.
+
+CPU (default: 2 threads): rows of 1k, 8k and 64k columns, float32 and bfloat16, about 16M
+elements per case. Peers measured in the same run: torch.softmax, torch.ops.aten._safe_softmax,
+and softmax followed by a where that zeroes all -inf rows (what users write by hand). Backward
+peers: aten._softmax_backward_data (the backward of both torch.softmax and _safe_softmax) and,
+for softmax+where, a where then that op.
+
+CUDA (--device cuda): the issue-4 shapes [1M x 1024], [131k x 8192], [4096 x 65536],
+[4M x 128], float32 and bfloat16; peers: a device-to-device copy (dst.copy_(src), the
+bandwidth floor), torch.softmax, aten._safe_softmax. Bandwidth counts the bytes an ideal
+kernel moves: forward read + write, backward two reads + one write.
+
+Times are medians of repeats over rotating fresh random inputs (never zeros).
+
+    python benchmarks/bench_softmax.py [--device cpu|cuda] [--threads 2] [--elements 16777216]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import safeattn  # noqa: F401  registers torch.ops.safeattn.*
+import torch
+
+NEG_INF = float("-inf")
+
+
+def softmax_where(x, dim=-1):
+    out = torch.softmax(x, dim)
+    return torch.where(x.isneginf().all(dim, keepdim=True), 0, out)
+
+
+def softmax_where_backward(grad, out, x_is_empty_row, dim, dtype):
+    grad = torch.where(x_is_empty_row, 0, grad)
+    return torch.ops.aten._softmax_backward_data(grad, out, dim, dtype)
+
+
+class Timer:
+    def __init__(self, device, repeats, warmup):
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+
+    def __call__(self, fn, inputs):
+        """Median seconds of fn(*inputs[i % len(inputs)])."""
+        for i in range(self.warmup):
+            fn(*inputs[i % len(inputs)])
+        times = []
+        if self.device == "cuda":
+            for i in range(self.repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(*inputs[i % len(inputs)])
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+        else:
+            for i in range(self.repeats):
+                t0 = time.perf_counter()
+                fn(*inputs[i % len(inputs)])
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def fresh(shape, dtype, device, n):
+    """n random inputs with a few all -inf rows (the case safe softmax exists for)."""
+    xs = []
+    for _ in range(n):
+        x = torch.randn(shape, device=device, dtype=torch.float32).mul_(2).to(dtype)
+        x[:: max(1, shape[0] // 7)] = NEG_INF
+        xs.append(x)
+    return xs
+
+
+def print_table(title, header, rows):
+    print(f"\n{title}")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print("  ".join(str(h).rjust(w) for h, w in zip(header, widths, strict=True)))
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)))
+
+
+def bench_cpu(args):
+    torch.set_num_threads(args.threads)
+    timer = Timer("cpu", args.repeats, 2)
+    ms = lambda t: f"{t * 1e3:.2f}"  # noqa: E731
+    fwd_rows, bwd_rows = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        for cols in (1024, 8192, 65536):
+            shape = (max(1, args.elements // cols), cols)
+            xs = fresh(shape, dtype, "cpu", 2)
+            ours = timer(lambda x: torch.ops.safeattn.safe_softmax(x, -1), [(x,) for x in xs])
+            soft = timer(lambda x: torch.softmax(x, -1), [(x,) for x in xs])
+            safe = timer(lambda x: torch.ops.aten._safe_softmax(x, -1), [(x,) for x in xs])
+            where = timer(softmax_where, [(x,) for x in xs])
+            name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+            fwd_rows.append(
+                [name, f"{shape[0]}x{cols}", ms(ours), ms(soft), ms(safe), ms(where)]
+                + [f"{soft / ours:.2f}x", f"{safe / ours:.2f}x", f"{where / ours:.2f}x"]
+            )
+            outs = [torch.ops.safeattn.safe_softmax(x, -1) for x in xs]
+            grads = [torch.randn(shape, dtype=dtype) for _ in xs]
+            empty = [x.isneginf().all(-1, keepdim=True) for x in xs]
+            bargs = list(zip(grads, outs, strict=True))
+            ours_b = timer(
+                lambda g, y, dt=dtype: torch.ops.safeattn._safe_softmax_backward(g, y, -1, dt), bargs
+            )
+            torch_b = timer(lambda g, y, dt=dtype: torch.ops.aten._softmax_backward_data(g, y, -1, dt), bargs)
+            where_b = timer(
+                lambda g, y, e, dt=dtype: softmax_where_backward(g, y, e, -1, dt),
+                list(zip(grads, outs, empty, strict=True)),
+            )
+            bwd_rows.append(
+                [name, f"{shape[0]}x{cols}", ms(ours_b), ms(torch_b), ms(where_b)]
+                + [f"{torch_b / ours_b:.2f}x", f"{where_b / ours_b:.2f}x"]
+            )
+        # masked_softmax with a [B, 1, Q, KV] bool mask over [B, H, Q, KV] scores, against the
+        # PyTorch composition (scale, masked_fill, _safe_softmax).
+        kv = 1024
+        b, h = 2, 4
+        q = max(1, args.elements // (b * h * kv))
+        scores = [torch.randn(b, h, q, kv).to(dtype) for _ in range(2)]
+        masks = [torch.rand(b, 1, q, kv) > 0.2 for _ in range(2)]
+        margs = list(zip(scores, masks, strict=True))
+        ours_m = timer(lambda s, m: torch.ops.safeattn.masked_softmax(s, m, 0.125, -1, None), margs)
+        torch_m = timer(
+            lambda s, m: torch.ops.aten._safe_softmax((s * 0.125).masked_fill(~m, NEG_INF), -1), margs
+        )
+        fwd_rows.append(
+            [
+                name,
+                f"masked {b}x{h}x{q}x{kv}",
+                ms(ours_m),
+                "",
+                ms(torch_m),
+                "",
+                "",
+                f"{torch_m / ours_m:.2f}x",
+                "",
+            ]
+        )
+    print(f"CPU, {args.threads} threads, ~{args.elements} elements per case, median of {args.repeats} (ms)")
+    print_table(
+        "forward",
+        [
+            "dtype",
+            "shape",
+            "ours",
+            "softmax",
+            "_safe_softmax",
+            "softmax+where",
+            "vs softmax",
+            "vs _safe",
+            "vs +where",
+        ],
+        fwd_rows,
+    )
+    print("  (masked row: the peer in the _safe_softmax column is scale + masked_fill + _safe_softmax)")
+    print_table(
+        "backward",
+        ["dtype", "shape", "ours", "softmax bwd", "where+softmax bwd", "vs softmax/_safe", "vs +where"],
+        bwd_rows,
+    )
+
+
+def bench_cuda(args):
+    timer = Timer("cuda", args.repeats, 5)
+    shapes = [(1 << 20, 1024), (131072, 8192), (4096, 65536), (1 << 22, 128)]
+    fwd_rows, bwd_rows = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        size = torch.tensor([], dtype=dtype).element_size()
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+        for shape in shapes:
+            numel = shape[0] * shape[1]
+            xs = fresh(shape, dtype, "cuda", 2)
+            dst = torch.empty_like(xs[0])
+            copy = timer(lambda x, dst=dst: dst.copy_(x), [(x,) for x in xs])
+            ours = timer(lambda x: torch.ops.safeattn.safe_softmax(x, -1), [(x,) for x in xs])
+            soft = timer(lambda x: torch.softmax(x, -1), [(x,) for x in xs])
+            safe = timer(lambda x: torch.ops.aten._safe_softmax(x, -1), [(x,) for x in xs])
+
+            def gbs(t, reads, numel=numel, size=size):
+                return f"{(reads + 1) * numel * size / t / 1e9:.0f}"
+
+            fwd_rows.append(
+                [name, f"{shape[0]}x{shape[1]}", gbs(copy, 1), gbs(ours, 1), gbs(soft, 1), gbs(safe, 1)]
+                + [f"{copy / ours:.0%}", f"{soft / ours:.2f}x", f"{safe / ours:.2f}x"]
+            )
+            del dst
+            outs = [torch.ops.safeattn.safe_softmax(x, -1) for x in xs]
+            del xs
+            grads = [torch.randn(shape, device="cuda", dtype=dtype) for _ in outs]
+            bargs = list(zip(grads, outs, strict=True))
+            ours_b = timer(
+                lambda g, y, dt=dtype: torch.ops.safeattn._safe_softmax_backward(g, y, -1, dt), bargs
+            )
+            torch_b = timer(lambda g, y, dt=dtype: torch.ops.aten._softmax_backward_data(g, y, -1, dt), bargs)
+            # The copy floor for a two-input kernel: the same bytes per element moved by copies.
+            bwd_rows.append(
+                [name, f"{shape[0]}x{shape[1]}", gbs(ours_b, 2), gbs(torch_b, 2)]
+                + [f"{(3 / 2) * copy / ours_b:.0%}", f"{torch_b / ours_b:.2f}x"]
+            )
+            del outs, grads, bargs
+            torch.cuda.empty_cache()
+    print(f"CUDA, {torch.cuda.get_device_name()}, median of {args.repeats} (GB/s)")
+    print_table(
+        "forward",
+        ["dtype", "shape", "copy", "ours", "softmax", "_safe_softmax", "of copy", "vs softmax", "vs _safe"],
+        fwd_rows,
+    )
+    print_table(
+        "backward (torch's _softmax_backward_data is also _safe_softmax's backward)",
+        ["dtype", "shape", "ours", "softmax bwd", "of copy", "vs softmax/_safe"],
+        bwd_rows,
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--elements", type=int, default=1 << 24, help="elements per CPU case")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9 CPU, 50 CUDA)")
+    args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 9 if args.device == "cpu" else 50
+    if args.device == "cuda":
+        bench_cuda(args)
+    else:
+        bench_cpu(args)
+
+
+if __name__ == "__main__":
+    main()
