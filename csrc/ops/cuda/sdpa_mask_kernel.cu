@@ -4,6 +4,7 @@
 // to decide, and ids are read from small [B, L] tensors that stay in L2. The kernel is
 // specialised per rule (interval, padding, packed, general) so absent features cost nothing.
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -23,17 +24,6 @@ using namespace safeattn::sdpa_mask_detail;
 constexpr int kThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 
-// Elements per thread: 16 bytes of output.
-template <typename T>
-constexpr int vec_of() {
-  return 16 / static_cast<int>(sizeof(T));
-}
-
-template <int kBytes>
-struct alignas(kBytes) Bytes {
-  uint8_t v[kBytes];
-};
-
 // What the host knows about alignment, so the kernel can use vector memory operations.
 struct Alignment {
   bool out;      // every row start is 16-byte aligned
@@ -44,15 +34,46 @@ struct Alignment {
 // for features that are absent.
 enum class RowRule { kInterval, kPadding, kPacked, kGeneral };
 
+// The kernel works on raw bits: an element of kBytes bytes is `on_bits` or `off_bits`, and a
+// thread's 16 bytes are built in four 32-bit registers (a local array reinterpreted as a
+// vector would live in local memory).
+template <int kBytes>
+__device__ __forceinline__ void put(uint32_t (&words)[4], int k, bool attend, uint64_t on_bits, uint64_t off_bits) {
+  const uint64_t bits = attend ? on_bits : off_bits;
+  if constexpr (kBytes == 8) {
+    words[2 * k] = static_cast<uint32_t>(bits);
+    words[2 * k + 1] = static_cast<uint32_t>(bits >> 32);
+  } else {
+    words[(k * kBytes) / 4] |= static_cast<uint32_t>(bits) << (((k * kBytes) % 4) * 8);
+  }
+}
+
+// kVec padding bytes (one per element) as 32-bit words, with one vector load.
+template <int kVec>
+__device__ __forceinline__ void load_padding(const bool* src, uint32_t (&words)[4]) {
+  if constexpr (kVec == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    words[0] = v.x, words[1] = v.y, words[2] = v.z, words[3] = v.w;
+  } else if constexpr (kVec == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    words[0] = v.x, words[1] = v.y;
+  } else if constexpr (kVec == 4) {
+    words[0] = *reinterpret_cast<const uint32_t*>(src);
+  } else {
+    words[0] = *reinterpret_cast<const uint16_t*>(src);
+  }
+}
+
 // grid.x covers a row's chunks of kUnroll x 16 bytes, grid.y (strided) covers the B * Q rows.
 // Each thread computes its row's interval once, then kUnroll x kVec elements with 32-bit
 // column arithmetic (the host sends rows of 2^31 keys or more to the general rule).
 constexpr int kUnroll = 4;
 
-template <typename T, RowRule kRule>
-__global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMaskParams p, T* __restrict__ out,
-                                                                  const T on, const T off, const Alignment aligned) {
-  constexpr int kVec = vec_of<T>();
+template <int kBytes, RowRule kRule>
+__global__ void __launch_bounds__(kThreads)
+    sdpa_mask_rows_kernel(const SdpaMaskParams p, uint8_t* __restrict__ out, const uint64_t on_bits,
+                          const uint64_t off_bits, const Alignment aligned) {
+  constexpr int kVec = 16 / kBytes;
   const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x) * kVec;
   if (first_col >= p.kv_length) {
     return;
@@ -69,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMask
     if constexpr (kRule == RowRule::kGeneral || kRule == RowRule::kPacked) {
       keys = row_keys(p, b, q_pos);
     }
-    T* out_row = out + row * p.kv_length;
+    uint8_t* out_row = out + row * p.kv_length * kBytes;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       // Consecutive threads own consecutive 16-byte chunks, so each store instruction of a
@@ -78,61 +99,53 @@ __global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMask
       if (col0 >= p.kv_length) {
         break;
       }
-      alignas(16) T vals[kVec];
+      uint32_t words[4] = {0, 0, 0, 0};
       if constexpr (kRule == RowRule::kGeneral) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           // element_attends bounds-checks every index: columns past kv_length read nothing
           // outside the inputs (and are not stored).
-          vals[k] = element_attends(p, b, base, keys, col0 + k) ? on : off;
+          put<kBytes>(words, k, element_attends(p, b, base, keys, col0 + k), on_bits, off_bits);
         }
       } else {
-        // Columns relative to this chunk, in 32 bits.
+        // The interval relative to this chunk, in 32 bits.
         const int32_t lo = static_cast<int32_t>(std::max<int64_t>(base.begin - col0, -1));
         const int32_t hi = static_cast<int32_t>(std::min<int64_t>(base.end - col0, kVec + 1));
         const bool any_inside = lo < kVec && hi > 0;
-        uint8_t keep[kVec];
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          keep[k] = 1;
-        }
+        uint32_t keep[4] = {~0u, ~0u, ~0u, ~0u};  // one byte per element, nonzero: attend
         if constexpr (kRule == RowRule::kPadding) {
           // Read the padding only where the interval leaves something to decide.
           const int64_t pos0 = p.kv_offset + col0;
           const bool* src = p.padding_mask + b * p.padding_width + pos0;
           if (any_inside && aligned.padding && pos0 + kVec <= p.padding_width) {
-            const Bytes<kVec> loaded = *reinterpret_cast<const Bytes<kVec>*>(src);
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) {
-              keep[k] = loaded.v[k];
-            }
+            load_padding<kVec>(src, keep);
           } else if (any_inside) {
 #pragma unroll
             for (int k = 0; k < kVec; ++k) {
-              keep[k] = pos0 + k < p.padding_width ? src[k] : 0;  // past the mask's width: padding
+              const uint32_t byte = pos0 + k < p.padding_width ? src[k] : 0;  // past the width: padding
+              keep[k / 4] = (keep[k / 4] & ~(0xffu << ((k % 4) * 8))) | (byte << ((k % 4) * 8));
             }
           }
         }
-        if constexpr (kRule == RowRule::kPacked) {
-          // Packed ids, possibly with padding: per element, only inside the interval.
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            keep[k] = any_inside && element_attends(p, b, base, keys, col0 + k);
-          }
-        }
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
-          vals[k] = (k >= lo && k < hi && keep[k]) ? on : off;
+          bool attend = k >= lo && k < hi && ((keep[k / 4] >> ((k % 4) * 8)) & 0xffu) != 0;
+          if constexpr (kRule == RowRule::kPacked) {
+            // Packed ids, possibly with padding: per element, only inside the interval.
+            attend = attend && element_attends(p, b, base, keys, col0 + k);
+          }
+          put<kBytes>(words, k, attend, on_bits, off_bits);
         }
       }
-      T* dst = out_row + col0;
+      uint8_t* dst = out_row + col0 * kBytes;
       if (aligned.out && col0 + kVec <= p.kv_length) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(vals);
+        *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
       } else {
+        // A row end that is not 16-byte aligned: byte stores (rare shapes only).
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          if (col0 + k < p.kv_length) {
-            dst[k] = vals[k];
+        for (int k = 0; k < 16; ++k) {
+          if (col0 + k / kBytes < p.kv_length) {
+            dst[k] = static_cast<uint8_t>(words[k / 4] >> ((k % 4) * 8));
           }
         }
       }
@@ -140,35 +153,47 @@ __global__ void __launch_bounds__(kThreads) sdpa_mask_rows_kernel(const SdpaMask
   }
 }
 
-template <typename T, RowRule kRule>
-void launch_rule(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
-  constexpr int kVec = vec_of<T>();
+template <int kBytes, RowRule kRule>
+void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uint64_t off_bits) {
+  constexpr int kVec = 16 / kBytes;
   const int64_t rows = p.batch_size * p.q_length;
   const int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll * kVec;
   const dim3 grid(static_cast<unsigned>((p.kv_length + per_block - 1) / per_block),
                   static_cast<unsigned>(std::min(rows, kMaxGridY)));
   Alignment aligned;
   // Row starts are 16-byte aligned when a row's bytes are (the allocation itself is).
-  aligned.out = (p.kv_length * static_cast<int64_t>(sizeof(T))) % 16 == 0 &&
-                reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
+  aligned.out = (p.kv_length * kBytes) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   aligned.padding = p.padding_mask != nullptr && p.padding_width % kVec == 0 && p.kv_offset % kVec == 0 &&
                     reinterpret_cast<uintptr_t>(p.padding_mask) % kVec == 0;
-  sdpa_mask_rows_kernel<T, kRule><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<T*>(out.data_ptr()), on, off, aligned);
+  sdpa_mask_rows_kernel<kBytes, kRule><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kBytes>
+void launch_bytes(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uint64_t off_bits) {
+  if (p.block_ids != nullptr || p.kv_length > INT32_MAX - 64) {
+    launch_rule<kBytes, RowRule::kGeneral>(p, out, on_bits, off_bits);
+  } else if (p.packed_ids != nullptr) {
+    launch_rule<kBytes, RowRule::kPacked>(p, out, on_bits, off_bits);
+  } else if (p.padding_mask != nullptr) {
+    launch_rule<kBytes, RowRule::kPadding>(p, out, on_bits, off_bits);
+  } else {
+    launch_rule<kBytes, RowRule::kInterval>(p, out, on_bits, off_bits);
+  }
+}
+
+// The raw bits of a value, zero-extended.
+template <typename T>
+uint64_t bits_of(T value) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  return bits;
 }
 
 template <typename T>
 void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
-  if (p.block_ids != nullptr || p.kv_length > INT32_MAX - 64) {
-    launch_rule<T, RowRule::kGeneral>(p, out, on, off);
-  } else if (p.packed_ids != nullptr) {
-    launch_rule<T, RowRule::kPacked>(p, out, on, off);
-  } else if (p.padding_mask != nullptr) {
-    launch_rule<T, RowRule::kPadding>(p, out, on, off);
-  } else {
-    launch_rule<T, RowRule::kInterval>(p, out, on, off);
-  }
+  launch_bytes<sizeof(T)>(p, out, bits_of(on), bits_of(off));
 }
 
 at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
