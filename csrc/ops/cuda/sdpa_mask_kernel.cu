@@ -74,7 +74,8 @@ __global__ void __launch_bounds__(kThreads)
     sdpa_mask_rows_kernel(const SdpaMaskParams p, uint8_t* __restrict__ out, const uint64_t on_bits,
                           const uint64_t off_bits, const Alignment aligned) {
   constexpr int kVec = 16 / kBytes;
-  const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x) * kVec;
+  const int64_t threads = blockDim.x;
+  const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * threads * kUnroll + threadIdx.x) * kVec;
   if (first_col >= p.kv_length) {
     return;
   }
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u) {
       // Consecutive threads own consecutive 16-byte chunks, so each store instruction of a
       // warp covers 512 contiguous bytes.
-      const int64_t col0 = first_col + static_cast<int64_t>(u) * kThreads * kVec;
+      const int64_t col0 = first_col + static_cast<int64_t>(u) * threads * kVec;
       if (col0 >= p.kv_length) {
         break;
       }
@@ -127,14 +128,29 @@ __global__ void __launch_bounds__(kThreads)
             }
           }
         }
+        if constexpr (kBytes == 1 && kRule != RowRule::kPacked) {
+          // Bool-sized elements, four per word with SIMD byte compares: the element count per
+          // instruction is what keeps this kernel at store bandwidth.
+          const uint32_t lo4 = static_cast<uint32_t>(std::min(std::max(lo, 0), 16)) * 0x01010101u;
+          const uint32_t hi4 = static_cast<uint32_t>(std::max(std::min(hi, 16), 0)) * 0x01010101u;
+          const uint32_t on4 = static_cast<uint32_t>(on_bits & 0xffu) * 0x01010101u;
+          const uint32_t off4 = static_cast<uint32_t>(off_bits & 0xffu) * 0x01010101u;
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          bool attend = k >= lo && k < hi && ((keep[k / 4] >> ((k % 4) * 8)) & 0xffu) != 0;
-          if constexpr (kRule == RowRule::kPacked) {
-            // Packed ids, possibly with padding: per element, only inside the interval.
-            attend = attend && element_attends(p, b, base, keys, col0 + k);
+          for (int w = 0; w < 4; ++w) {
+            const uint32_t index4 = 0x03020100u + static_cast<uint32_t>(4 * w) * 0x01010101u;
+            const uint32_t attend = __vcmpgeu4(index4, lo4) & __vcmpltu4(index4, hi4) & __vcmpne4(keep[w], 0u);
+            words[w] = (attend & on4) | (~attend & off4);
           }
-          put<kBytes>(words, k, attend, on_bits, off_bits);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            bool attend = k >= lo && k < hi && ((keep[k / 4] >> ((k % 4) * 8)) & 0xffu) != 0;
+            if constexpr (kRule == RowRule::kPacked) {
+              // Packed ids, possibly with padding: per element, only inside the interval.
+              attend = attend && element_attends(p, b, base, keys, col0 + k);
+            }
+            put<kBytes>(words, k, attend, on_bits, off_bits);
+          }
         }
       }
       uint8_t* dst = out_row + col0 * kBytes;
@@ -157,7 +173,10 @@ template <int kBytes, RowRule kRule>
 void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uint64_t off_bits) {
   constexpr int kVec = 16 / kBytes;
   const int64_t rows = p.batch_size * p.q_length;
-  const int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll * kVec;
+  // Short rows get narrower blocks, so no thread of a block starts past the row's end.
+  const int64_t chunks = (p.kv_length + kVec - 1) / kVec;
+  const int threads = static_cast<int>(std::clamp<int64_t>((chunks / kUnroll + 31) / 32 * 32, 32, kThreads));
+  const int64_t per_block = static_cast<int64_t>(threads) * kUnroll * kVec;
   const dim3 grid(static_cast<unsigned>((p.kv_length + per_block - 1) / per_block),
                   static_cast<unsigned>(std::min(rows, kMaxGridY)));
   Alignment aligned;
@@ -165,7 +184,7 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   aligned.out = (p.kv_length * kBytes) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   aligned.padding = p.padding_mask != nullptr && p.padding_width % kVec == 0 && p.kv_offset % kVec == 0 &&
                     reinterpret_cast<uintptr_t>(p.padding_mask) % kVec == 0;
-  sdpa_mask_rows_kernel<kBytes, kRule><<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  sdpa_mask_rows_kernel<kBytes, kRule><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
