@@ -23,7 +23,20 @@ import torch
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, keyset, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks
+        ctx,
+        keyset,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        q_offset,
+        kv_offset,
+        softcap,
+        sinks,
     ):
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.safeattn.attention.default.redispatch(
@@ -104,7 +117,19 @@ def _attention_autograd(
     sinks=None,
 ):
     return _AttentionFunction.apply(
-        keyset, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks
+        keyset,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        q_offset,
+        kv_offset,
+        softcap,
+        sinks,
     )
 
 
