@@ -9,9 +9,9 @@ import torch  # noqa: F401  loads libtorch, which _C links against
 from . import _C  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
 from . import _autograd, _fake  # noqa: F401  registrations
 from ._version import __version__
-from .ops import sdpa_mask
+from .ops import attention, sdpa_mask
 
-__all__ = ["__version__", "build_info", "sdpa_mask"]
+__all__ = ["__version__", "attention", "build_info", "sdpa_mask"]
 
 
 def build_info() -> dict:
