@@ -207,3 +207,54 @@ def test_patch_masks_keeps_sdpa_and_eager_models_equal():
     for impl in before:
         # Same masks, so the same logits everywhere (padded rows included).
         torch.testing.assert_close(after[impl], before[impl], atol=0, rtol=0, msg=lambda m, i=impl: f"{i}: {m}")
+
+
+def test_attention_runs_the_op_with_native_gqa(monkeypatch):
+    op = st._attention_op()
+    if op is None:
+        pytest.skip("this build has no attention op")
+    calls = []
+
+    def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
+        calls.append((query.shape, key.shape, enable_gqa, is_causal, attn_mask is None, kwargs))
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
+
+    def no_composite(*args, **kwargs):
+        raise AssertionError("the composite fallback ran although the op exists")
+
+    monkeypatch.setattr(st, "_attention_op", lambda: spy)
+    monkeypatch.setattr(st, "_composite_attention", no_composite)
+    config = make_config("gemma2")
+    kwargs, _ = model_inputs("left")
+    logits(make_model(config, "safeattn"), kwargs)
+    assert len(calls) == config.num_hidden_layers, "one op call per layer"
+    for q_shape, k_shape, enable_gqa, is_causal, no_mask, extra in calls:
+        assert k_shape[1] == config.num_key_value_heads < q_shape[1], "K/V reach the op at the KV-head count"
+        assert enable_gqa, "grouped-query attention is native (enable_gqa)"
+        assert not no_mask and not is_causal, "left padding: a mask, not is_causal"
+        assert extra["softcap"] == config.attn_logit_softcapping, "Gemma2's softcap reaches the op"
+
+
+def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
+    # No padding: the mask is None, so the op runs is_causal (prefill) or not (decode), and a
+    # static-cache prefill drops the unused cache slots as sdpa does.
+    op = st._attention_op()
+    if op is None:
+        pytest.skip("this build has no attention op")
+    calls = []
+
+    def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
+        calls.append((query.shape[2], key.shape[2], is_causal, attn_mask is None))
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
+
+    monkeypatch.setattr(st, "_attention_op", lambda: spy)
+    config = make_config("llama")
+    input_ids = torch.randint(3, 100, (2, 6))
+    model = make_model(config, "safeattn")
+    with torch.no_grad():
+        model.generate(input_ids=input_ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                       cache_implementation="static")
+    prefill = calls[0]
+    assert prefill == (6, 6, True, True), f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
+    for q_length, _, is_causal, _ in calls[config.num_hidden_layers:]:
+        assert q_length == 1 and not is_causal, "decode steps are never causal"

@@ -30,9 +30,10 @@ time from the keywords of each call.
 ``patch_masks()`` also serves Transformers' ``"sdpa"`` and ``"eager"`` masks from the native op,
 process-wide, for models that keep their attention implementation.
 
-Dropout: the attention function passes ``dropout`` to the ``attention`` op; if the op does not
-support dropout it raises, so training with ``config.attention_dropout > 0`` needs that set to 0
-(``"sdpa"`` or ``"eager"`` otherwise). Evaluation mode always passes 0.
+Dropout: the ``attention`` op implements none, so a non-zero ``dropout`` (a model in training
+mode with ``config.attention_dropout > 0``) raises ``NotImplementedError`` saying so, instead of
+silently training without it. Set ``config.attention_dropout = 0`` (most configs' default) or
+train with ``"sdpa"``. Models in eval mode always pass 0.
 """
 
 from __future__ import annotations
@@ -612,6 +613,12 @@ def attention_forward(
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
         is_causal = False
 
+    if dropout:
+        # The op has no dropout; say what to change rather than let training run without it.
+        raise NotImplementedError(
+            f"safeattn attention: dropout is not implemented (got dropout={dropout}); set "
+            "config.attention_dropout = 0, or use attn_implementation='sdpa' to train with attention dropout"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = float(softcap) if softcap else 0.0
     enable_gqa = query.shape[1] != key.shape[1]
@@ -622,7 +629,7 @@ def attention_forward(
             key,
             value,
             attention_mask,
-            dropout,
+            0.0,
             is_causal,
             scale,
             enable_gqa,
@@ -630,10 +637,6 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        if dropout:
-            raise NotImplementedError(
-                "safeattn attention: dropout is not supported in this build; set config.attention_dropout = 0"
-            )
         _log_fallback("this build has no attention op; attention runs as composite PyTorch ops")
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
