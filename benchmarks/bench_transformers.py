@@ -19,12 +19,11 @@ import copy
 import statistics
 import time
 
+import safeattn
+import safeattn.transformers  # noqa: F401  registers "safeattn"
 import torch
 import transformers
 from transformers.masking_utils import AttentionMaskInterface
-
-import safeattn
-import safeattn.transformers  # noqa: F401  registers "safeattn"
 
 IMPLEMENTATIONS = ("safeattn", "sdpa", "eager")
 
@@ -129,7 +128,9 @@ def time_decode(model, args, device, timer: MaskTimer):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

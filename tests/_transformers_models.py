@@ -91,7 +91,9 @@ def make_model(config, attn_implementation: str, dtype=torch.float32, seed: int 
     """The same random weights for every attention implementation (same seed, same config)."""
     torch.manual_seed(seed)
     # from_config writes the implementation into the config it is given: work on a copy.
-    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attn_implementation
+    )
     return model.to(dtype).eval()
 
 

@@ -53,7 +53,9 @@ def test_logits_match_reference_fp32(name, layout):
     ours = logits(make_model(config, "safeattn"), kwargs)
     theirs = logits(make_model(config, reference_impl(name)), kwargs)
     assert not ours.isnan().any(), "no NaN anywhere, padded positions included"
-    torch.testing.assert_close(ours[real], theirs[real], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {layout}: {m}")
+    torch.testing.assert_close(
+        ours[real], theirs[real], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {layout}: {m}"
+    )
 
 
 @pytest.mark.parametrize("layout", ["left", "packed"])
@@ -69,7 +71,9 @@ def test_logits_match_reference_bf16(name, layout):
     assert not ours.isnan().any(), "no NaN anywhere, padded positions included"
     our_error = (ours[real] - exact).abs().max().item()
     their_error = (theirs - exact).abs().max().item()
-    assert our_error <= 2 * their_error + 1e-2, f"{name} {layout}: bf16 error {our_error} vs reference's {their_error}"
+    assert our_error <= 2 * their_error + 1e-2, (
+        f"{name} {layout}: bf16 error {our_error} vs reference's {their_error}"
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -89,7 +93,9 @@ def test_padded_query_rows_give_zero_attention(name, monkeypatch):
     assert len(records) == config.num_hidden_layers, "every layer ran the safeattn attention"
     pad_rows = ~real  # left padding: a padded query sees no key at all
     for layer, (mask, attn) in enumerate(records):
-        assert mask is not None and mask.dtype == torch.bool, f"layer {layer}: a native bool mask with padding"
+        assert mask is not None and mask.dtype == torch.bool, (
+            f"layer {layer}: a native bool mask with padding"
+        )
         assert not attn.isnan().any(), f"layer {layer}: no NaN in the attention output"
         padded = attn[pad_rows]  # attn: [B, Q, H, D]
         assert padded.numel() > 0 and torch.all(padded == 0), f"layer {layer}: fully padded query rows are 0"
@@ -158,7 +164,9 @@ def test_training_step_same_gradients(name, layout):
     ours, theirs = grads.values()
     assert ours.keys() == theirs.keys(), "the same parameters get gradients"
     for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}")
+        torch.testing.assert_close(
+            ours[key], theirs[key], atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{name} {k}: {m}"
+        )
 
 
 def test_dropout_in_training_is_rejected_or_applied():
@@ -192,7 +200,9 @@ def test_compile_fullgraph_dynamic(name):
             got = compiled(**kwargs).logits
             want = model(**kwargs).logits
         assert not got.isnan().any(), f"{name} {layout}: no NaN compiled"
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=lambda m, lay=layout: f"{name} {lay}: {m}")
+        torch.testing.assert_close(
+            got, want, atol=2e-5, rtol=1e-4, msg=lambda m, lay=layout: f"{name} {lay}: {m}"
+        )
 
 
 def test_patch_masks_keeps_sdpa_and_eager_models_equal():
@@ -206,7 +216,9 @@ def test_patch_masks_keeps_sdpa_and_eager_models_equal():
         st.unpatch_masks()
     for impl in before:
         # Same masks, so the same logits everywhere (padded rows included).
-        torch.testing.assert_close(after[impl], before[impl], atol=0, rtol=0, msg=lambda m, i=impl: f"{i}: {m}")
+        torch.testing.assert_close(
+            after[impl], before[impl], atol=0, rtol=0, msg=lambda m, i=impl: f"{i}: {m}"
+        )
 
 
 def test_attention_runs_the_op_with_native_gqa(monkeypatch):
@@ -252,9 +264,22 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
     input_ids = torch.randint(3, 100, (2, 6))
     model = make_model(config, "safeattn")
     with torch.no_grad():
-        model.generate(input_ids=input_ids, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                       cache_implementation="static")
+        model.generate(
+            input_ids=input_ids,
+            max_new_tokens=3,
+            min_new_tokens=3,
+            do_sample=False,
+            cache_implementation="static",
+        )
     prefill = calls[0]
-    assert prefill == (6, 6, True, True), f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
-    for q_length, _, is_causal, _ in calls[config.num_hidden_layers:]:
+    if IS_TF4:
+        # 4.57 never skips the mask with a static cache: no causal flag, the full cache length.
+        assert not prefill[2] and not prefill[3] and prefill[1] > 6, (
+            f"4.57 static prefill has a mask: {prefill}"
+        )
+    else:
+        assert prefill == (6, 6, True, True), (
+            f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
+        )
+    for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"

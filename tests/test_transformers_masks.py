@@ -28,12 +28,23 @@ needs_tf5 = pytest.mark.skipif(not IS_TF5, reason=f"not in transformers {transfo
 def mask_kwargs(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **extra):
     """The keywords Transformers passes to a mask interface, in the installed version's form."""
     if IS_TF5:
-        kw = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                  kv_offset=kv_offset, use_vmap=False, device="cpu")
+        kw = dict(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            use_vmap=False,
+            device="cpu",
+        )
     else:
         start = int(q_offset)
-        kw = dict(batch_size=batch_size, cache_position=torch.arange(start, start + q_length), kv_length=kv_length,
-                  kv_offset=kv_offset)
+        kw = dict(
+            batch_size=batch_size,
+            cache_position=torch.arange(start, start + q_length),
+            kv_length=kv_length,
+            kv_offset=kv_offset,
+        )
     kw.update(dtype=torch.float32, config=None)
     kw.update(extra)
     return kw
@@ -71,7 +82,9 @@ def _mask_functions():
         "padding_inside": mu.and_masks(
             mu.causal_mask_function, mu.padding_mask_function(torch.arange(L).expand(B, L) % 5 != 1)
         ),
-        "chunk_and_sliding": mu.and_masks(mu.chunked_causal_mask_function(6, LEFT), mu.sliding_window_overlay(3)),
+        "chunk_and_sliding": mu.and_masks(
+            mu.chunked_causal_mask_function(6, LEFT), mu.sliding_window_overlay(3)
+        ),
     }
     if IS_TF5:
         fns.update(
@@ -99,8 +112,13 @@ def _padding_masks():
     left[0, :3] = False
     right = torch.ones(B, L, dtype=torch.bool)
     right[1, 11:] = False
-    return {"none": None, "all_ones": torch.ones(B, L, dtype=torch.bool), "left": left, "right": right,
-            "narrow": torch.ones(B, 6, dtype=torch.bool)}
+    return {
+        "none": None,
+        "all_ones": torch.ones(B, L, dtype=torch.bool),
+        "left": left,
+        "right": right,
+        "narrow": torch.ones(B, 6, dtype=torch.bool),
+    }
 
 
 # (q_length, kv_length, q_offset, kv_offset): prefill, decode, chunked prefill after a cache,
@@ -115,9 +133,20 @@ PADDINGS = _padding_masks()
 def test_mask_grid_matches_transformers(fn_name, allow_skip):
     fn = FUNCTIONS[fn_name]
     local_size = {"sliding": 3, "chunked": 4, "chunked_no_pad": 3, "sliding_packed": 4}.get(fn_name)
-    for (q_length, kv_length, q_offset, kv_offset), (pad_name, pad) in itertools.product(SIZES, PADDINGS.items()):
-        kw = mask_kwargs(B, q_length, kv_length, q_offset, kv_offset, mask_function=fn, attention_mask=pad,
-                         allow_is_causal_skip=allow_skip, local_size=local_size)
+    for (q_length, kv_length, q_offset, kv_offset), (pad_name, pad) in itertools.product(
+        SIZES, PADDINGS.items()
+    ):
+        kw = mask_kwargs(
+            B,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            mask_function=fn,
+            attention_mask=pad,
+            allow_is_causal_skip=allow_skip,
+            local_size=local_size,
+        )
         what = f"{fn_name} sizes={(q_length, kv_length, q_offset, kv_offset)} padding={pad_name}"
         assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), "sdpa " + what)
         assert_same_mask(st.eager_mask(**kw), mu.eager_mask(**kw), "eager " + what)
@@ -127,9 +156,16 @@ def test_mask_grid_matches_transformers(fn_name, allow_skip):
 def test_bidirectional_skip_flag_matches_transformers():
     for fn_name, pad_name in itertools.product(["bidirectional", "sliding_bidirectional"], PADDINGS):
         for allow in (True, False):
-            kw = mask_kwargs(B, 7, 7, mask_function=FUNCTIONS[fn_name], attention_mask=PADDINGS[pad_name],
-                             allow_is_causal_skip=False, allow_is_bidirectional_skip=allow,
-                             local_size=2 if fn_name == "sliding_bidirectional" else None)
+            kw = mask_kwargs(
+                B,
+                7,
+                7,
+                mask_function=FUNCTIONS[fn_name],
+                attention_mask=PADDINGS[pad_name],
+                allow_is_causal_skip=False,
+                allow_is_bidirectional_skip=allow,
+                local_size=2 if fn_name == "sliding_bidirectional" else None,
+            )
             what = f"{fn_name} padding={pad_name} allow_is_bidirectional_skip={allow}"
             assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), "sdpa " + what)
             assert_same_mask(st.eager_mask(**kw), mu.eager_mask(**kw), "eager " + what)
@@ -154,11 +190,14 @@ def test_unrecognised_mask_function_falls_back_and_logs_once(caplog):
     st._FALLBACK_LOGGED.clear()
     with caplog.at_level(logging.DEBUG, logger="safeattn.transformers"):
         for q_length, kv_length, q_offset, kv_offset in SIZES[:3]:
-            kw = mask_kwargs(B, q_length, kv_length, q_offset, kv_offset, mask_function=fn,
-                             attention_mask=PADDINGS["left"])
+            kw = mask_kwargs(
+                B, q_length, kv_length, q_offset, kv_offset, mask_function=fn, attention_mask=PADDINGS["left"]
+            )
             assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), "fallback sdpa")
             assert_same_mask(st.eager_mask(**kw), mu.eager_mask(**kw), "fallback eager")
-    records = [r for r in caplog.records if r.name == "safeattn.transformers" and "unrecognised" in r.getMessage()]
+    records = [
+        r for r in caplog.records if r.name == "safeattn.transformers" and "unrecognised" in r.getMessage()
+    ]
     assert len(records) == 1, f"the fallback is logged once at debug level, got {len(records)} records"
     assert records[0].levelno == logging.DEBUG, "the fallback log is at debug level"
 
@@ -170,7 +209,9 @@ def test_recognised_mask_functions_build_natively(monkeypatch):
     monkeypatch.setattr(st, "_TF_SDPA_MASK", no_fallback)
     monkeypatch.setattr(st, "_TF_EAGER_MASK", no_fallback)
     for fn in FUNCTIONS.values():
-        kw = mask_kwargs(B, 7, 7, mask_function=fn, attention_mask=PADDINGS["left"], allow_is_causal_skip=False)
+        kw = mask_kwargs(
+            B, 7, 7, mask_function=fn, attention_mask=PADDINGS["left"], allow_is_causal_skip=False
+        )
         assert st.sdpa_mask(**kw) is not None, "a padded mask is materialised"
         assert st.eager_mask(**kw) is not None, "a padded eager mask is materialised"
 
@@ -195,8 +236,17 @@ def test_tensor_q_offset_matches_int_on_cpu():
     for (q_length, kv_length, q_offset, kv_offset), allow in itertools.product(SIZES, (True, False)):
         for pad_name in ("none", "left"):
             fn = FUNCTIONS["sliding"]
-            kw_int = mask_kwargs(B, q_length, kv_length, q_offset, kv_offset, mask_function=fn,
-                                 attention_mask=PADDINGS[pad_name], allow_is_causal_skip=allow, local_size=3)
+            kw_int = mask_kwargs(
+                B,
+                q_length,
+                kv_length,
+                q_offset,
+                kv_offset,
+                mask_function=fn,
+                attention_mask=PADDINGS[pad_name],
+                allow_is_causal_skip=allow,
+                local_size=3,
+            )
             kw_tensor = dict(kw_int, q_offset=torch.tensor(q_offset))
             what = f"sizes={(q_length, kv_length, q_offset, kv_offset)} skip={allow} padding={pad_name}"
             assert_same_mask(st.sdpa_mask(**kw_tensor), mu.sdpa_mask(**kw_int), "tensor q_offset " + what)
@@ -208,8 +258,17 @@ def test_device_tensor_q_offset_is_never_read():
     # (skip disabled) and prefill (skip allowed) must both build their mask without reading it.
     offset = torch.tensor(6, device="meta")
     for q_length, allow in ((1, False), (4, True), (1, True)):
-        kw = mask_kwargs(B, q_length, 12, offset, 0, mask_function=mu.causal_mask_function, attention_mask=None,
-                         allow_is_causal_skip=allow, device="meta")
+        kw = mask_kwargs(
+            B,
+            q_length,
+            12,
+            offset,
+            0,
+            mask_function=mu.causal_mask_function,
+            attention_mask=None,
+            allow_is_causal_skip=allow,
+            device="meta",
+        )
         mask = st.sdpa_mask(**kw)
         if q_length == 1 and allow:
             assert mask is None, "a decode step with no padding may skip the mask"
@@ -237,12 +296,25 @@ def create(fn_name, config, inputs_embeds, attention_mask, past_key_values=None,
     """Calls masking_utils.<fn_name> with the installed version's keywords."""
     fn = getattr(mu, fn_name)
     if IS_TF5:
-        return fn(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                  past_key_values=past_key_values, position_ids=position_ids, **extra)
+        return fn(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+            **extra,
+        )
     past = past_key_values.get_seq_length() if past_key_values is not None else 0
     cache_position = torch.arange(past, past + inputs_embeds.shape[1])
-    return fn(config=config, input_embeds=inputs_embeds, attention_mask=attention_mask,
-              cache_position=cache_position, past_key_values=past_key_values, position_ids=position_ids, **extra)
+    return fn(
+        config=config,
+        input_embeds=inputs_embeds,
+        attention_mask=attention_mask,
+        cache_position=cache_position,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+        **extra,
+    )
 
 
 def for_each_implementation(build):
@@ -267,7 +339,9 @@ def test_packed_sequence_mask():
     )
     assert_same_mask(ours, theirs, "packed sequences")
     # Block diagonal: row 4 (the first token of the second sequence) sees only itself.
-    assert ours[0, 0, 4].tolist() == [False] * 4 + [True] + [False] * 5, "packed sequences do not see each other"
+    assert ours[0, 0, 4].tolist() == [False] * 4 + [True] + [False] * 5, (
+        "packed sequences do not see each other"
+    )
 
 
 def test_packed_sequence_mask_eager_after_patch():
@@ -310,8 +384,13 @@ def test_chunked_mask_with_left_padding_prefill():
     position_ids = torch.tensor([[1, 1, 1, 1, 0, 1, 2, 3], list(range(8))])
     embeds = torch.empty(2, 8, 8, dtype=torch.float16)
     ours, theirs = for_each_implementation(
-        lambda impl: create("create_chunked_causal_mask", llama_config(impl, attention_chunk_size=3), embeds,
-                            attention_mask, position_ids=position_ids)
+        lambda impl: create(
+            "create_chunked_causal_mask",
+            llama_config(impl, attention_chunk_size=3),
+            embeds,
+            attention_mask,
+            position_ids=position_ids,
+        )
     )
     assert_same_mask(ours, theirs, "chunked, left padding, prefill")
     # The padded row's chunks start after its 4 pads: token 7 starts a new chunk.
@@ -326,15 +405,23 @@ def test_chunked_mask_with_left_padding_decoding():
     embeds = torch.empty(2, 1, 8, dtype=torch.float16)
 
     def build(impl):
-        cache = transformers.DynamicCache(config=llama_config(impl, attention_chunk_size=4, num_hidden_layers=1))
+        cache = transformers.DynamicCache(
+            config=llama_config(impl, attention_chunk_size=4, num_hidden_layers=1)
+        )
         fake_kv = torch.rand(2, 4, prefill, 8)
         if IS_TF5:
             cache.update(fake_kv, fake_kv, 0)
         else:
             cache.update(fake_kv, fake_kv, 0, {"cache_position": torch.arange(prefill)})
         config._attn_implementation = impl
-        return create("create_chunked_causal_mask", config, embeds, attention_mask, past_key_values=cache,
-                      position_ids=position_ids)
+        return create(
+            "create_chunked_causal_mask",
+            config,
+            embeds,
+            attention_mask,
+            past_key_values=cache,
+            position_ids=position_ids,
+        )
 
     ours, theirs = for_each_implementation(build)
     assert_same_mask(ours, theirs, "chunked, left padding, decode")
@@ -350,14 +437,21 @@ def test_bidirectional_mask_skip(impl_pair):
     cases = {
         "full": (torch.ones(2, 10), torch.ones(2, 5)),
         "none": (None, None),
-        "padded": (torch.ones(2, 10).index_fill(1, torch.tensor([9]), 0), torch.ones(2, 5).index_fill(1, torch.tensor([4]), 0)),
+        "padded": (
+            torch.ones(2, 10).index_fill(1, torch.tensor([9]), 0),
+            torch.ones(2, 5).index_fill(1, torch.tensor([4]), 0),
+        ),
     }
 
     def run(impl, encoder_mask, cross_mask):
         config = llama_config(impl)
         own = mu.create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=encoder_mask)
-        cross = mu.create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=cross_mask,
-                                             encoder_hidden_states=encoder_states)
+        cross = mu.create_bidirectional_mask(
+            config=config,
+            inputs_embeds=embeds,
+            attention_mask=cross_mask,
+            encoder_hidden_states=encoder_states,
+        )
         return own, cross
 
     for name, (encoder_mask, cross_mask) in cases.items():
@@ -372,7 +466,9 @@ def test_bidirectional_mask_skip(impl_pair):
             ours = run(ours_impl, encoder_mask, cross_mask)
         for kind, a, b in zip(("encoder", "cross"), ours, theirs, strict=True):
             assert_same_mask(a, b, f"bidirectional {name} {kind} ({ours_impl})")
-            assert (a is None) == (name != "padded"), f"bidirectional {name} {kind}: None only without padding"
+            assert (a is None) == (name != "padded"), (
+                f"bidirectional {name} {kind}: None only without padding"
+            )
 
 
 def test_registration():

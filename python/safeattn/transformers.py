@@ -123,7 +123,9 @@ def _leaf_kind(code) -> str | None:
 _AND_CODE = _probe_code("and_masks", _mu.causal_mask_function)
 _OR_CODE = _probe_code("or_masks", _mu.causal_mask_function)
 _add_leaf(_probe_code("sliding_window_overlay", 1), "sliding", ("sliding_window",))
-_add_leaf(_probe_code("sliding_window_bidirectional_overlay", 1), "sliding_bidirectional", ("sliding_window",))
+_add_leaf(
+    _probe_code("sliding_window_bidirectional_overlay", 1), "sliding_bidirectional", ("sliding_window",)
+)
 _add_leaf(_probe_code("chunked_overlay", 1, _DUMMY_LEFT_PADDING), "chunked", ("chunk_size", "left_padding"))
 _add_leaf(_probe_code("_legacy_chunked_overlay", 1), "chunked", ("chunk_size",))
 _add_leaf(_probe_code("padding_mask_function", _DUMMY_IDS), "padding", ("padding_mask",))
@@ -166,7 +168,9 @@ def _self_check_leaves() -> None:
         except Exception:
             ok = False
         if not ok:
-            _logger.debug("safeattn: Transformers' %s overlay changed meaning; it will use the fallback", kind)
+            _logger.debug(
+                "safeattn: Transformers' %s overlay changed meaning; it will use the fallback", kind
+            )
             _LEAF_CODES.remove(entry)
     if not torch.equal(_CAUSAL_FN(b, h, q, kv), kv <= q):
         _LEAF_CODES.clear()  # causal itself changed: recognise nothing
@@ -249,8 +253,11 @@ def _and_forms(forms: list[_Form]) -> _Form | None:
             if theirs is None:
                 continue
             ours = getattr(out, field)
-            if ours is not None and ours is not theirs and ours != theirs:
-                return None  # two different windows / chunkings / id tensors: not one native mask
+            # Windows compare by value; chunkings and ids hold tensors, which must be the same
+            # object (comparing their values would read them). Otherwise: not one native mask.
+            same = ours == theirs if field == "sliding" else ours is theirs
+            if ours is not None and not same:
+                return None
             setattr(out, field, theirs)
     if out.block is not None:
         # Everything other than padding must have come from the same OR branch as the block.
@@ -270,7 +277,8 @@ def _or_forms(forms: list[_Form]) -> _Form | None:
         block_only = block.block is not None and not block.has_inner() and block.padding is None
         if block_only and base.block is None and base.padding is None:
             out = _Form()
-            out.causal, out.sliding, out.chunk, out.packed = base.causal, base.sliding, base.chunk, base.packed
+            for field in ("causal", "sliding", "chunk", "packed"):
+                setattr(out, field, getattr(base, field))
             out.block = block.block
             return out
     return None
@@ -368,7 +376,9 @@ def _skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_s
             # only turns off the static-cache prefill skip (a mask is built; same attention).
             q_offset = 1
     if "q_offset" in _IGNORE_CAUSAL_PARAMS:  # 5.x
-        return _mu._ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_size)
+        return _mu._ignore_causal_mask_sdpa(
+            padding_mask, q_length, kv_length, q_offset, kv_offset, local_size
+        )
     return _mu._ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, kv_offset, local_size)  # 4.57
 
 
@@ -590,7 +600,8 @@ def attention_forward(
         _log_fallback("output_attentions=True is not supported by safeattn attention (weights are None)")
     q_length = query.shape[2]
     kv_length = key.shape[2]
-    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] != kv_length:
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
+        # A mask built for a longer cache (as 4.57's sdpa integration allows): its first keys.
         attention_mask = attention_mask[:, :, :, :kv_length]
 
     # As Transformers' sdpa integration: the kwarg wins over the module; causal only for a
