@@ -1,7 +1,8 @@
 """``python -m safeattn bench``: the benchmark suite, over sequence lengths, with plots.
 
 Each op is timed against its peers in the same run, at every sequence length, on fresh random
-data (never zeros): the median of repeats (``_bench.time_ms``: CUDA events on the GPU). The
+data (never zeros): the median of repeats taken round-robin across the implementations
+(``_bench.time_ms`` per call: CUDA events on the GPU, perf_counter on the CPU). The
 tables give each peer's time divided by safeattn's (> 1: safeattn is faster); the plots
 (``--plot DIR``, one PNG per op) give throughput against sequence length.
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -284,6 +286,28 @@ def lengths(device: torch.device, quick: bool) -> tuple[int, ...]:
     return (256, 512, 1024, 2048) if device.type == "cpu" else (1024, 2048, 4096, 8192)
 
 
+# ---- timing, progress, tables, plots ----
+
+
+def time_interleaved(
+    impls: dict[str, Callable[[], object]], device: torch.device, repeats: int
+) -> dict[str, float]:
+    """Median ms of each callable, the repeats taken round-robin (a, b, c, a, b, c, ...).
+
+    Interleaving gives every implementation the same share of whatever else the machine is
+    doing, so the ratios stay fair on a shared or throttling machine. Each callable runs twice
+    untimed first (warm-up: allocator, caches, lazy initialisation).
+    """
+    for fn in impls.values():
+        for _ in range(2):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(repeats):
+        for name, fn in impls.items():
+            times[name].append(time_ms(fn, device, repeats=1, warmup=0))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 # ---- progress, tables, plots -------------------------------------------------------------
 
 
@@ -446,8 +470,7 @@ def run_bench(args: argparse.Namespace) -> int:
             for mode in suite.modes:
                 progress.begin(f"{suite.name} S={seq} {mode}")
                 case = suite.build(seq, mode, settings)
-                for impl, fn in case.impls.items():
-                    case.ms[impl] = time_ms(fn, device, repeats=repeats, warmup=2)
+                case.ms = time_interleaved(case.impls, device, repeats)
                 case.impls = {impl: None for impl in case.impls}  # free the inputs the closures hold
                 results.setdefault(suite.name, []).append(case)
                 progress.end()
