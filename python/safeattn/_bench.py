@@ -9,9 +9,7 @@ from collections.abc import Callable
 import torch
 
 
-def time_ms(
-    fn: Callable[[], object], device: str | torch.device, repeats: int = 20, warmup: int = 3
-) -> float:
+def time_ms(fn: Callable[[], object], device: str | torch.device, repeats: int = 20, warmup: int = 3) -> float:
     """Median wall time of fn() in milliseconds: CUDA events on the GPU, perf_counter on the CPU."""
     device = torch.device(device)
     for _ in range(warmup):
@@ -34,9 +32,7 @@ def time_ms(
     return statistics.median(times)
 
 
-def mask_workload(
-    kind: str, batch_size: int, length: int, device: str, pad_fraction: float = 0.1, seed: int = 0
-):
+def mask_workload(kind: str, batch_size: int, length: int, device: str, pad_fraction: float = 0.1, seed: int = 0):
     """A prefill mask case: (safeattn.sdpa_mask kwargs, Transformers sdpa_mask kwargs).
 
     kind: "causal", "sliding" (window 1024 or length/4), "chunked" (chunk 512 or length/8, with

@@ -32,9 +32,7 @@ def sdpa_mask(
     dev = torch.device("cpu")
     b = torch.arange(batch_size, device=dev)[:, None, None, None]
     if q_positions is None:
-        q = (torch.arange(q_length, device=dev) + q_offset)[None, None, :, None].expand(
-            batch_size, 1, q_length, 1
-        )
+        q = (torch.arange(q_length, device=dev) + q_offset)[None, None, :, None].expand(batch_size, 1, q_length, 1)
     else:
         pos = q_positions.to(dev, torch.int64)
         if pos.dim() == 0:
@@ -60,10 +58,7 @@ def sdpa_mask(
             if chunk_left_padding is None
             else chunk_left_padding.to(dev, torch.int64)
         )[:, None, None, None]
-        base = base & (
-            torch.div(kv - pad, chunk_size, rounding_mode="floor")
-            == torch.div(q - pad, chunk_size, rounding_mode="floor")
-        )
+        base = base & (torch.div(kv - pad, chunk_size, rounding_mode="floor") == torch.div(q - pad, chunk_size, rounding_mode="floor"))
     if packed_ids is not None:
         q_id, q_inside = lookup(packed_ids, q, 0)
         kv_id, kv_inside = lookup(packed_ids, kv.expand_as(ones), 0)
@@ -76,17 +71,9 @@ def sdpa_mask(
         pad_value, _ = lookup(padding_mask.to(torch.int64) != 0, kv.expand_as(ones), 0)
         base = base & (pad_value != 0)
 
-    out_device = (
-        device
-        if device is not None
-        else next(
-            (
-                t.device
-                for t in (q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids)
-                if t is not None
-            ),
-            torch.device("cpu"),
-        )
+    out_device = device if device is not None else next(
+        (t.device for t in (q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids) if t is not None),
+        torch.device("cpu"),
     )
     base = base.to(out_device)
     if dtype is None or dtype == torch.bool:
