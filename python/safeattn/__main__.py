@@ -38,10 +38,10 @@ def _info() -> int:
     keys = ("CPU", "CUDA", "Meta", "Autograd")
     ops = sorted(info["op_kernels"].items())
     width = max([len(name) for name, _ in ops] + [len("op")]) + 2
-    print("kernels         " + "op".ljust(width) + "".join(k.ljust(10) for k in keys))
+    print(("kernels         " + "op".ljust(width) + "".join(k.ljust(10) for k in keys)).rstrip())
     for name, have in ops:
         marks = "".join(("yes" if k in have else "-").ljust(10) for k in keys)
-        print(f"                {name.ljust(width)}{marks}")
+        print(f"                {name.ljust(width)}{marks}".rstrip())
     return 0
 
 

@@ -453,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> int:
     where = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else f"{machine_name()}, {torch.get_num_threads()} threads"
+        else f"{machine_name()}, {torch.get_num_threads()} thread{'' if torch.get_num_threads() == 1 else 's'}"
     )
     import safeattn
 

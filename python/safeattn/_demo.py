@@ -199,7 +199,7 @@ def model_section(device: torch.device, quick: bool, compile: bool) -> list[dict
         if r["nan"]:
             said.append(f"{r['impl']} NaN")
         elif r["nonzero"]:
-            said.append(f"{r['impl']} non-zero values (each an average over the padded keys)")
+            said.append(f"{r['impl']} non-zero values (a uniform average of the values)")
         else:
             said.append(f"{r['impl']} 0")
     print(f"  Padded query rows attend to no key. Measured there: {'; '.join(said)}.")
