@@ -1,15 +1,45 @@
-"""python -m safeattn {info,demo} run and print what they promise."""
+"""python -m safeattn {info,demo,bench} run on the CPU with small sizes and print what they promise."""
 
+import importlib.util
+import os
+import re
+import struct
 import subprocess
 import sys
+import zlib
 
+import pytest
 import safeattn
 
+NEEDS_MATPLOTLIB = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None,
+    reason="bench --plot needs matplotlib (pip install matplotlib; it is in requirements-dev.txt)",
+)
 
-def run(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "safeattn", *args], capture_output=True, text=True, timeout=600)
+
+def run(*args: str, env: dict | None = None) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "safeattn", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == 0, f"python -m safeattn {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
+
+
+def table_rows(out: str, first_cells: tuple[str, ...]) -> dict[str, list[str]]:
+    """{first cell: cells} of the demo's aligned tables (columns are 2+ spaces apart)."""
+    rows = {}
+    for line in out.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] in first_cells:
+            rows[cells[0]] = cells
+    return rows
+
+
+# ---- info --------------------------------------------------------------------------------
 
 
 def test_info_reports_build():
@@ -18,23 +48,152 @@ def test_info_reports_build():
     assert f"safeattn        {safeattn.__version__}" in out, out
     assert "CPU ISA in use  " + info["cpu_isa_in_use"] in out, out
     assert "DEFAULT" in info["cpu_isas"], f"the DEFAULT variant is always built: {info}"
-    assert "sdpa_mask" in out and "CPU" in info["op_kernels"]["sdpa_mask"], out
+    import torch
+
+    assert f"torch           {torch.__version__} (safeattn built against {info['torch_version']})" in out, out
+    kernel_lines = {
+        line.split()[0]: line.split()[1:] for line in out.splitlines()[1:] if line.startswith(" " * 16)
+    }
+    for op in ("sdpa_mask", "safe_softmax", "masked_softmax", "attention", "_attention_backward"):
+        assert op in kernel_lines, f"info lists every op's kernels, {op} missing:\n{out}"
+        assert kernel_lines[op][0] == "yes", f"{op} has a CPU kernel:\n{out}"
+        cuda = "yes" if "CUDA" in info["op_kernels"][op] else "-"
+        assert kernel_lines[op][1] == cuda, f"{op}'s CUDA column follows the dispatcher:\n{out}"
 
 
 def test_info_follows_aten_cpu_capability():
-    done = subprocess.run(
-        [sys.executable, "-m", "safeattn", "info"],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": "default"},
-        timeout=300,
+    out = run("info", env={"ATEN_CPU_CAPABILITY": "default"})
+    assert "CPU ISA in use  DEFAULT" in out, out
+
+
+# ---- demo --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_out() -> str:
+    return run("demo", "--quick", "--device", "cpu")
+
+
+def test_demo_model_table(demo_out):
+    rows = table_rows(demo_out, ("eager", "sdpa", "safeattn"))
+    assert set(rows) == {"eager", "sdpa", "safeattn"}, f"one row per attn_implementation:\n{demo_out}"
+    for impl, cells in rows.items():
+        assert len(cells) == 6, f"{impl}: diff, NaN, non-zero, eager ms, compiled ms:\n{demo_out}"
+        assert float(cells[4]) > 0 and float(cells[5]) > 0, f"{impl}: both timings measured:\n{demo_out}"
+    assert float(rows["sdpa"][1]) == 0.0, f"sdpa against itself:\n{demo_out}"
+    assert float(rows["safeattn"][1]) < 1e-4, f"safeattn's logits on real tokens match sdpa's:\n{demo_out}"
+    assert float(rows["eager"][1]) < 1e-4, f"eager's logits on real tokens match sdpa's:\n{demo_out}"
+    nan, total = map(int, rows["safeattn"][2].split("/"))
+    nonzero, _ = map(int, rows["safeattn"][3].split("/"))
+    assert total > 0 and nan == 0 and nonzero == 0, f"safeattn's padded rows are exactly 0:\n{demo_out}"
+    eager_nonzero, _ = map(int, rows["eager"][3].split("/"))
+    assert eager_nonzero > 0, (
+        f"eager's padded rows hold an average of the values (the demo shows it):\n{demo_out}"
     )
-    assert "CPU ISA in use  DEFAULT" in done.stdout, done.stdout + done.stderr
 
 
-def test_demo_quick():
-    out = run("demo", "--quick", "--device", "cpu")
-    assert "■" in out and "⬚" in out, "the demo draws a mask"
-    table = [line for line in out.splitlines() if line.strip().startswith(("causal", "sliding", "chunked", "packed"))]
-    assert len(table) == 4, f"one row per mask kind:\n{out}"
-    assert all(line.rstrip().endswith("yes") for line in table), f"every native mask equals Transformers':\n{out}"
+def test_demo_ops_table(demo_out):
+    names = (
+        "torch.softmax(-inf filled)",
+        "torch.softmax(finfo.min filled)",
+        "safeattn.safe_softmax(-inf filled)",
+        "safeattn.masked_softmax(scores, mask)",
+        "softmax(q @ k^T * scale, -inf filled) @ v",
+        "F.scaled_dot_product_attention(bool mask)",
+        "F.scaled_dot_product_attention(finfo.min bias)",
+        "safeattn.attention(bool mask)",
+    )
+    rows = table_rows(demo_out, names)
+    assert set(rows) == set(names), f"one row per call:\n{demo_out}"
+    for name, (_, out_nan, out_dead, grad_nan, grad_dead) in rows.items():
+        if name.startswith("safeattn"):
+            assert (out_nan, out_dead, grad_nan, grad_dead) == ("0", "0", "0", "0"), (
+                f"{name}: no NaN, empty rows and their gradient exactly 0:\n{demo_out}"
+            )
+    assert int(rows["torch.softmax(-inf filled)"][1]) > 0, (
+        f"torch.softmax makes NaN on empty rows:\n{demo_out}"
+    )
+    assert int(rows["softmax(q @ k^T * scale, -inf filled) @ v"][3]) > 0, (
+        f"hand-written attention's NaN reaches the value gradient:\n{demo_out}"
+    )
+    assert float(rows["torch.softmax(finfo.min filled)"][2]) > 0, (
+        f"finfo.min filling gives garbage:\n{demo_out}"
+    )
+
+
+def test_demo_masks(demo_out):
+    assert "■" in demo_out and "⬚" in demo_out, "the demo draws a mask"
+    kinds = ("causal", "sliding", "chunked", "packed")
+    table = [line for line in demo_out.splitlines() if line.strip().startswith(kinds)]
+    assert len(table) == 4, f"one row per mask kind:\n{demo_out}"
+    assert all(line.rstrip().endswith("yes") for line in table), (
+        f"every native mask equals Transformers':\n{demo_out}"
+    )
+
+
+# ---- bench -------------------------------------------------------------------------------
+
+
+def png_size(path) -> tuple[int, int]:
+    """(width, height) of a PNG, after checking its signature and the CRC of every chunk."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG signature"
+    pos, chunks = 8, []
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, f"{path}: bad CRC in chunk {kind}"
+        chunks.append(kind)
+        pos += 12 + length
+    assert chunks[0] == b"IHDR" and chunks[-1] == b"IEND" and b"IDAT" in chunks, f"{path}: chunks {chunks}"
+    return struct.unpack(">II", data[16:24])
+
+
+def ratio_tables(out: str) -> dict[str, list[list[str]]]:
+    """{op: table rows (cells)} from the bench's markdown tables."""
+    tables, op = {}, None
+    for line in out.splitlines():
+        if line.startswith("## "):
+            op = line.split()[1]
+            tables[op] = []
+        elif op and line.startswith("| ") and not line.startswith("| S "):
+            tables[op].append([c.strip() for c in line.strip("|").split("|")])
+    return tables
+
+
+@NEEDS_MATPLOTLIB
+def test_bench_all_ops_with_plots(tmp_path):
+    out = run("bench", "--device", "cpu", "--quick", "--seq", "64", "128", "--plot", str(tmp_path))
+    tables = ratio_tables(out)
+    expected = {"sdpa_mask", "safe_softmax", "masked_softmax", "attention", "transformers"}
+    assert set(tables) == expected, f"one section per op:\n{out}"
+    for op, rows in tables.items():
+        assert rows and all(r[0] in ("64", "128") for r in rows), f"{op}: a row per length and mode:\n{out}"
+        ratios = [c for r in rows for c in r if c.endswith("x")]
+        assert ratios and all(float(c[:-1]) > 0 for c in ratios), f"{op}: ratios against peers:\n{out}"
+        width, height = png_size(tmp_path / f"{op}.png")
+        assert (width, height) == (512, 320), f"{op}.png is the small 6.4x4 inch plot at 80 dpi"
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{op}.png" for op in expected), (
+        "a plot per op, nothing else"
+    )
+
+
+def test_bench_op_selection_without_plots(tmp_path):
+    out = run("bench", "--device", "cpu", "--quick", "--seq", "32", "--op", "safe_softmax", "masked_softmax")
+    assert set(ratio_tables(out)) == {"safe_softmax", "masked_softmax"}, f"only the ops asked for:\n{out}"
+    assert "plot:" not in out, f"no plots unless --plot:\n{out}"
+
+
+def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
+    from safeattn import _cli_bench
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` raise ImportError
+    progress = _cli_bench.Progress(2)
+    assert progress.bar is None, "no tqdm: the text counter"
+    for label in ("first case", "second case"):
+        progress.begin(label)
+        progress.end()
+    err = capsys.readouterr().err
+    assert "[1/2] first case" in err and "[2/2] second case" in err, f"text progress: {err!r}"
+    assert err.endswith("[2/2] done" + " " * 40 + "\n"), f"the counter ends its line: {err!r}"

@@ -12,9 +12,9 @@ from . import (  # noqa: F401  registrations
     _fake,
 )
 from ._version import __version__
-from .ops import masked_softmax, safe_softmax, sdpa_mask
+from .ops import attention, masked_softmax, safe_softmax, sdpa_mask
 
-__all__ = ["__version__", "build_info", "masked_softmax", "safe_softmax", "sdpa_mask"]
+__all__ = ["__version__", "attention", "build_info", "masked_softmax", "safe_softmax", "sdpa_mask"]
 
 
 def build_info() -> dict:

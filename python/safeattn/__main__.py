@@ -1,9 +1,12 @@
-"""``python -m safeattn {info,demo}``."""
+"""``python -m safeattn {info,demo,bench}``: what was built, what it changes, how fast it is."""
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
+
+from ._cli_bench import add_arguments, machine_name
 
 
 def _info() -> int:
@@ -13,17 +16,32 @@ def _info() -> int:
 
     info = safeattn.build_info()
     print(f"safeattn        {info['version']}")
-    print(f"torch           {torch.__version__} (built against {info['torch_version']})")
+    print(f"torch           {torch.__version__} (safeattn built against {info['torch_version']})")
+    print(f"python          {platform.python_version()}")
+    print(f"CPU             {machine_name()}, {torch.get_num_threads()} threads")
     print(f"CPU ISAs built  {', '.join(info['cpu_isas']) or 'none'}")
     print(f"CPU ISA in use  {info['cpu_isa_in_use']}  (set ATEN_CPU_CAPABILITY to change)")
+    print(f"torch's ISA     {torch.backends.cpu.get_cpu_capability()}")
     if info["with_cuda"]:
-        print(f"CUDA            {info['cuda_version']}, archs {', '.join('sm_' + a for a in info['cuda_archs'])}")
-        print(f"GPU             {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none visible'}")
+        archs = ", ".join("sm_" + a for a in info["cuda_archs"])
+        print(
+            f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), archs {archs}"
+        )
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            print(f"GPU             {torch.cuda.get_device_name()} (sm_{major}{minor})")
+        else:
+            print("GPU             none visible")
     else:
-        print("CUDA            not built")
-    print("ops             kernels")
-    for op, keys in sorted(info["op_kernels"].items()):
-        print(f"  {op:<14}{', '.join(keys)}")
+        print(f"CUDA            not built (torch's: {torch.version.cuda or 'none'})")
+    # Which backends each op has, read from the dispatcher (a kernel missing there is missing).
+    keys = ("CPU", "CUDA", "Meta", "Autograd")
+    ops = sorted(info["op_kernels"].items())
+    width = max([len(name) for name, _ in ops] + [len("op")]) + 2
+    print(("kernels         " + "op".ljust(width) + "".join(k.ljust(10) for k in keys)).rstrip())
+    for name, have in ops:
+        marks = "".join(("yes" if k in have else "-").ljust(10) for k in keys)
+        print(f"                {name.ljust(width)}{marks}".rstrip())
     return 0
 
 
@@ -31,15 +49,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m safeattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what this build holds")
-    demo = sub.add_parser("demo", help="native masks next to Transformers', with timings")
+    demo = sub.add_parser(
+        "demo", help="a tiny padded Llama, the ops on fully masked rows, native masks; with timings"
+    )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--quick", action="store_true", help="small sizes (CI)")
+    demo.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
+    bench = sub.add_parser("bench", help="the benchmark suite: ratio tables against peers, plots")
+    add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
-    from ._demo import run_demo
+    if args.command == "demo":
+        from ._demo import run_demo
 
-    return run_demo(device=args.device, quick=args.quick)
+        return run_demo(device=args.device, quick=args.quick, compile=not args.no_compile)
+    from ._cli_bench import run_bench
+
+    return run_bench(args)
 
 
 if __name__ == "__main__":

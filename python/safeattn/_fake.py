@@ -247,3 +247,168 @@ def _masked_softmax_backward_fake(grad_out, out, mask, scale, dim, input_dtype, 
     else:
         grad_mask = torch.empty((0,), dtype=out.dtype, device=out.device)
     return grad_scores, grad_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# attention (csrc/ops/attention.cpp: check_attention)
+
+_ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks):
+    op = "attention"
+    torch._check(
+        query.dim() == 4,
+        lambda: f"{op}: query must be 4-D [batch, heads, q_length, head_dim], got {query.dim()}-D",
+    )
+    torch._check(
+        key.dim() == 4,
+        lambda: f"{op}: key must be 4-D [batch, kv_heads, kv_length, head_dim], got {key.dim()}-D",
+    )
+    torch._check(
+        value.dim() == 4,
+        lambda: f"{op}: value must be 4-D [batch, kv_heads, kv_length, head_dim_v], got {value.dim()}-D",
+    )
+    torch._check(
+        query.dtype in _ATTENTION_DTYPES,
+        lambda: f"{op}: query must have dtype Float, Half, BFloat16 or Double, got {dtype_name(query.dtype)}",
+    )
+    torch._check(
+        key.dtype == query.dtype,
+        lambda: f"{op}: key has dtype {dtype_name(key.dtype)} but query has {dtype_name(query.dtype)}",
+    )
+    torch._check(
+        value.dtype == query.dtype,
+        lambda: f"{op}: value has dtype {dtype_name(value.dtype)} but query has {dtype_name(query.dtype)}",
+    )
+    common_device(
+        op, None, {"query": query, "key": key, "value": value, "attn_mask": attn_mask, "sinks": sinks}
+    )
+    torch._check(
+        key.shape[0] == query.shape[0],
+        lambda: f"{op}: key has batch {key.shape[0]} but query has {query.shape[0]}",
+    )
+    torch._check(
+        value.shape[0] == query.shape[0],
+        lambda: f"{op}: value has batch {value.shape[0]} but query has {query.shape[0]}",
+    )
+    torch._check(
+        value.shape[1] == key.shape[1],
+        lambda: f"{op}: value has {value.shape[1]} heads but key has {key.shape[1]}",
+    )
+    torch._check(
+        value.shape[2] == key.shape[2],
+        lambda: f"{op}: value has kv_length {value.shape[2]} but key has {key.shape[2]}",
+    )
+    torch._check(
+        key.shape[3] == query.shape[3],
+        lambda: f"{op}: key has head_dim {key.shape[3]} but query has {query.shape[3]}",
+    )
+    torch._check(query.shape[3] > 0, lambda: f"{op}: query head_dim must be > 0")
+    torch._check(value.shape[3] > 0, lambda: f"{op}: value head_dim must be > 0")
+    hq, hkv = query.shape[1], key.shape[1]
+    if enable_gqa:
+        torch._check(
+            hkv > 0 and hq % hkv == 0,
+            lambda: f"{op}: query heads ({hq}) must be a multiple of key/value heads ({hkv})",
+        )
+    else:
+        torch._check(
+            hq == hkv,
+            lambda: (
+                f"{op}: query has {hq} heads but key and value have {hkv}; pass enable_gqa=True for grouped-query attention"
+            ),
+        )
+    torch._check(
+        dropout_p == 0.0, lambda: f"{op}: dropout_p must be 0 (dropout is not implemented), got {dropout_p}"
+    )
+    torch._check(softcap >= 0.0, lambda: f"{op}: softcap must be >= 0, got {softcap}")
+    if attn_mask is not None:
+        m = attn_mask
+        torch._check(
+            m.dtype in (torch.bool, torch.float32, query.dtype),
+            lambda: (
+                f"{op}: attn_mask must be Bool, Float or the query dtype ({dtype_name(query.dtype)}), got {dtype_name(m.dtype)}"
+            ),
+        )
+        torch._check(2 <= m.dim() <= 4, lambda: f"{op}: attn_mask must be 2-D, 3-D or 4-D, got {m.dim()}-D")
+        target = (query.shape[0], hq, query.shape[2], key.shape[2])
+        for d in range(m.dim()):
+            size, want = m.shape[m.dim() - 1 - d], target[3 - d]
+            torch._check(
+                size == 1 or size == want,
+                lambda: (
+                    f"{op}: attn_mask of shape {_shape(m)} is not broadcastable to [batch, heads, q_length, kv_length] = "
+                    f"[{target[0]}, {target[1]}, {target[2]}, {target[3]}]"
+                ),
+            )
+    if sinks is not None:
+        torch._check(
+            sinks.dtype.is_floating_point,
+            lambda: f"{op}: sinks must have a floating dtype, got {dtype_name(sinks.dtype)}",
+        )
+        torch._check(
+            sinks.dim() == 1 and sinks.shape[0] == hq,
+            lambda: f"{op}: sinks must be [num_heads] = [{hq}], got {_shape(sinks)}",
+        )
+
+
+def _attention_acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("safeattn::attention")
+def _attention_fake(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    q_offset=0,
+    kv_offset=0,
+    softcap=0.0,
+    sinks=None,
+):
+    _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks)
+    batch, heads, q_length = query.shape[0], query.shape[1], query.shape[2]
+    # Same strides as the kernel: stored [B, Q, H, Dv], returned as the [B, H, Q, Dv] view.
+    out = query.new_empty((batch, q_length, heads, value.shape[3])).transpose(1, 2)
+    lse = query.new_empty((batch, heads, q_length), dtype=_attention_acc_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("safeattn::_attention_backward")
+def _attention_backward_fake(
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    attn_mask,
+    is_causal,
+    scale,
+    q_offset,
+    kv_offset,
+    softcap,
+    sinks,
+    grad_mask_needed,
+):
+    grad_mask = (
+        attn_mask.new_empty(attn_mask.shape)
+        if attn_mask is not None and grad_mask_needed
+        else query.new_empty((0,))
+    )
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty((0,))
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        grad_mask,
+        grad_sinks,
+    )

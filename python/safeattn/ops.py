@@ -166,3 +166,97 @@ def masked_softmax(
         A contiguous tensor of ``scores``' shape, in ``dtype`` or ``scores.dtype``.
     """
     return torch.ops.safeattn.masked_softmax(scores, mask, scale, dim, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+__all__ += ["attention"]
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused scaled-dot-product attention whose fully masked rows are 0, never NaN.
+
+    A drop-in for ``F.scaled_dot_product_attention`` (same argument order) that also returns
+    the log-sum-exp, accepts a bool mask or a float bias (with its gradient), grouped-query
+    attention, causal masks at any offset, logit soft-capping and attention sinks. The kernel is
+    tiled (flash-style): the ``Q x KV`` score matrix is never stored, and the backward
+    recomputes the probabilities from ``lse``.
+
+    Per query ``i`` and key ``j`` (scores in float32, float64 for float64 inputs)::
+
+        s_ij = scale * <query_i, key_j>                         scale defaults to 1/sqrt(D)
+        s_ij = softcap * tanh(s_ij / softcap)                   if softcap > 0 (Gemma2 order:
+        s_ij = s_ij + attn_mask_ij  (float)                      scale, softcap, then mask)
+        s_ij = -inf where attn_mask_ij is False (bool), or where is_causal and
+               kv_offset + j > q_offset + i
+        lse_i = log(sum_j exp(s_ij) + exp(sinks[h]))            sink term only with sinks
+        out_i = sum_j exp(s_ij - lse_i) * value_j
+
+    Causal alignment: key ``j`` is visible to query ``i`` iff ``kv_offset + j <= q_offset + i``.
+    The defaults (0, 0) align top-left, as SDPA's ``is_causal``; ``q_offset = KV - Q`` aligns
+    bottom-right (the queries are the last ``Q`` of the ``KV`` positions: KV-cache decoding,
+    chunked prefill). ``Q = 3, KV = 5`` (``■`` attends, ``⬚`` does not)::
+
+        top-left (q_offset=0)       bottom-right (q_offset=2)
+          ■ ⬚ ⬚ ⬚ ⬚                   ■ ■ ■ ⬚ ⬚
+          ■ ■ ⬚ ⬚ ⬚                   ■ ■ ■ ■ ⬚
+          ■ ■ ■ ⬚ ⬚                   ■ ■ ■ ■ ■
+
+    Unlike SDPA, ``is_causal`` may be combined with ``attn_mask``: both apply (AND).
+
+    Safe semantics: a row with no visible key (every key masked, or every score -inf) gives
+    ``out`` 0, ``lse`` -inf and 0 gradients; with ``sinks`` such a row gives ``out`` 0 and
+    ``lse = sinks[h]``. A NaN in a row's inputs gives NaN (it is never hidden).
+
+    Args:
+        query: ``[B, Hq, Q, D]`` float32, float16, bfloat16 (or float64). Any strides: a
+            transposed view such as Transformers' ``[B, S, H, D].transpose(1, 2)`` is read in place.
+        key: ``[B, Hkv, KV, D]``, same dtype. value: ``[B, Hkv, KV, Dv]``.
+        attn_mask: bool (True attends) or float (added; float32 or the query dtype), of shape
+            ``[Q, KV]``, ``[H|1, Q, KV]`` or ``[B|1, H|1, Q|1, KV|1]``; broadcast through strides,
+            never expanded in memory. A float mask that requires grad gets its gradient, reduced
+            to its own shape deterministically.
+        dropout_p: must be 0: dropout is not implemented (a non-zero value raises).
+        is_causal: apply the causal rule above.
+        scale: score scale, default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (query head ``h`` uses key/value head
+            ``h // (Hq // Hkv)``); K and V are never repeated in memory. Otherwise ``Hq == Hkv``.
+        q_offset, kv_offset: positions of the first query and key, for ``is_causal``.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the mask.
+        sinks: ``[Hq]`` float logits (GPT-OSS ``s_aux``): one extra logit per head in the softmax
+            denominator that takes no value. Differentiable.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``[B, Hq, Q, Dv]`` in the query dtype, stored as ``[B, Q, Hq, Dv]``
+        (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
+        float32 (float64 for float64 inputs). Both are differentiable.
+    """
+    return torch.ops.safeattn.attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        softcap=softcap,
+        sinks=sinks,
+    )

@@ -130,3 +130,65 @@ def safe_softmax_backward(grad_out: torch.Tensor, out: torch.Tensor, dim: int) -
     g = torch.where(zero, torch.zeros_like(g), g)
     dot = (g * o).sum(dim, keepdim=True)
     return torch.where(zero, torch.zeros_like(o), o * (g - dot))
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``safeattn.attention``: the dense formula, differentiable by autograd.
+
+    Computes in ``compute_dtype`` (float64 by default; the tests also run it in the low
+    precision of the inputs, as the yardstick of what PyTorch itself achieves in that dtype).
+    K/V heads are repeated for grouped-query attention; the [B, H, Q, KV] score matrix is dense.
+    Returns ``(out, lse)`` in ``compute_dtype``.
+    """
+    if dropout_p != 0.0:
+        raise ValueError("reference.attention: dropout is not supported")
+    q, k, v = (t.to(compute_dtype) for t in (query, key, value))
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    q_length, kv_length = q.shape[2], k.shape[2]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = torch.where(attn_mask, s, neg_inf)
+        else:
+            s = s + attn_mask.to(compute_dtype)
+    if is_causal:
+        rows = torch.arange(q_length)[:, None] + q_offset
+        cols = torch.arange(kv_length)[None, :] + kv_offset
+        s = torch.where(cols <= rows, s, neg_inf)
+    s = s.expand(q.shape[0], heads, q_length, kv_length)
+    if sinks is not None:
+        sink_col = sinks.to(compute_dtype).view(1, heads, 1, 1).expand(q.shape[0], heads, q_length, 1)
+        s = torch.cat([s, sink_col], dim=-1)
+    # A row whose every logit is -inf: softmax 0, lse -inf, and no NaN in any gradient (the
+    # row is replaced by constants before logsumexp/exp, so autograd sees finite values).
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    s = torch.where(empty, torch.zeros((), dtype=compute_dtype), s)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.where(empty, torch.zeros((), dtype=compute_dtype), torch.exp(s - lse))
+    p = p[..., :kv_length]
+    out = p @ v
+    lse = torch.where(empty, neg_inf, lse).squeeze(-1)
+    return out, lse

@@ -1,0 +1,181 @@
+"""attn_implementation="safeattn" against "sdpa" and "eager" in a small Llama-shaped model.
+
+Prefill (B=8, 2048 tokens, left padding averaging 10% of each row) and decode (64 new tokens,
+DynamicCache) forwards, each implementation timed in the same run on fresh random tokens:
+median time per forward, and the time spent building the attention mask (the mask interface
+function, timed around each call) with its share of the forward, and each implementation's
+time divided by safeattn's ("vs safeattn" > 1: safeattn is faster).
+
+    python benchmarks/bench_transformers.py [--device cpu] [--threads 2] [--batch 8] [--seq 2048]
+
+The model has random weights (no download): hidden 256, 2 layers, 8 query heads over 2
+key/value heads of dim 32, vocabulary 1000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import safeattn
+import safeattn.transformers  # noqa: F401  registers "safeattn"
+import torch
+import transformers
+from transformers.masking_utils import AttentionMaskInterface
+
+IMPLEMENTATIONS = ("safeattn", "sdpa", "eager")
+
+
+class MaskTimer:
+    """Wraps the mask interface functions so that each call's wall time is accumulated."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+        self.saved = {}
+
+    def __enter__(self):
+        mapping = AttentionMaskInterface._global_mapping
+        for name in IMPLEMENTATIONS:
+            self.saved[name] = fn = mapping[name]
+            mapping[name] = self._timed(fn)
+        return self
+
+    def __exit__(self, *exc):
+        AttentionMaskInterface._global_mapping.update(self.saved)
+
+    def _timed(self, fn):
+        def timed(**kwargs):
+            sync(self.device)
+            start = time.perf_counter()
+            out = fn(**kwargs)
+            sync(self.device)
+            self.seconds += time.perf_counter() - start
+            return out
+
+        return timed
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(impl: str, device, dtype):
+    config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def batch(batch_size: int, seq: int, device, seed: int):
+    """Random tokens with left padding of 0-20% of each row (10% on average)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 1000, (batch_size, seq), generator=g)
+    attention_mask = torch.ones(batch_size, seq, dtype=torch.long)
+    for row in range(batch_size):
+        pads = int(seq * 0.2 * row / max(batch_size - 1, 1))
+        attention_mask[row, :pads] = 0
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def time_prefill(model, args, device, timer: MaskTimer):
+    times, mask_times = [], []
+    for repeat in range(args.warmup + args.repeats):
+        input_ids, attention_mask = batch(args.batch, args.seq, device, seed=repeat)
+        timer.seconds = 0.0
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
+        sync(device)
+        if repeat >= args.warmup:
+            times.append(time.perf_counter() - start)
+            mask_times.append(timer.seconds)
+    return statistics.median(times), statistics.median(mask_times)
+
+
+def time_decode(model, args, device, timer: MaskTimer):
+    input_ids, attention_mask = batch(args.batch, args.seq, device, seed=100)
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    g = torch.Generator().manual_seed(1)
+    times, mask_times = [], []
+    for _ in range(args.new_tokens):
+        token = torch.randint(3, 1000, (args.batch, 1), generator=g).to(device)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(args.batch, 1)], dim=1)
+        timer.seconds = 0.0
+        sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        mask_times.append(timer.seconds)
+    return statistics.median(times[2:]), statistics.median(mask_times[2:])
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    rows = {}
+    with MaskTimer(device) as timer:
+        for impl in IMPLEMENTATIONS:
+            model = make_model(impl, device, dtype)
+            rows[impl] = {
+                "prefill": time_prefill(model, args, device, timer),
+                "decode": time_decode(model, args, device, timer),
+            }
+            del model
+
+    print(
+        f"# transformers {transformers.__version__}, torch {torch.__version__}, safeattn {safeattn.__version__}, "
+        f"{args.device} ({torch.get_num_threads()} threads), {args.dtype}"
+    )
+    print(
+        f"# Llama-shaped: hidden 256, 2 layers, 8 q heads / 2 kv heads, head dim 32; batch {args.batch}, "
+        f"prefill {args.seq} tokens (left padding 0-20%), decode {args.new_tokens} tokens"
+    )
+    print(
+        f"{'phase':8} {'attn_implementation':20} {'ms/forward':>11} {'mask ms':>9} {'mask share':>10} "
+        f"{'vs safeattn':>12}"
+    )
+    for phase in ("prefill", "decode"):
+        ours = rows["safeattn"][phase][0]
+        for impl in IMPLEMENTATIONS:
+            total, mask = rows[impl][phase]
+            print(
+                f"{phase:8} {impl:20} {total * 1e3:11.2f} {mask * 1e3:9.3f} {100 * mask / total:9.1f}% "
+                f"{total / ours:11.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()

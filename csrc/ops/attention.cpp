@@ -1,0 +1,270 @@
+// Schema, validation and CPU entry points of safeattn::attention and its backward.
+// The math and the layouts are described in attention.h; the kernels are in
+// cpu/attention_fwd_kernel.cpp and cpu/attention_bwd_kernel.cpp.
+#include "ops/attention.h"
+
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+
+namespace safeattn {
+
+SAFEATTN_DEFINE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdCpuFn);
+SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdCpuFn);
+
+namespace {
+
+constexpr const char* kOp = "attention";
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+at::ScalarType acc_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The mask as a 4-D view [B|1, H|1, Q|1, KV|1] (leading dims added, nothing copied).
+at::Tensor mask_as_4d(const at::Tensor& mask) {
+  at::Tensor m = mask;
+  while (m.dim() < 4) {
+    m = m.unsqueeze(0);
+  }
+  return m;
+}
+
+}  // namespace
+
+void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
+                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks) {
+  (void)scale;
+  TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [batch, heads, q_length, head_dim], got ", query.dim(),
+              "-D");
+  TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [batch, kv_heads, kv_length, head_dim], got ", key.dim(), "-D");
+  TORCH_CHECK(value.dim() == 4, kOp, ": value must be 4-D [batch, kv_heads, kv_length, head_dim_v], got ",
+              value.dim(), "-D");
+  TORCH_CHECK(is_supported_float(query.scalar_type()), kOp,
+              ": query must have dtype Float, Half, BFloat16 or Double, got ", dtype_name(query.scalar_type()));
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), kOp, ": key has dtype ", dtype_name(key.scalar_type()),
+              " but query has ", dtype_name(query.scalar_type()));
+  TORCH_CHECK(value.scalar_type() == query.scalar_type(), kOp, ": value has dtype ",
+              dtype_name(value.scalar_type()), " but query has ", dtype_name(query.scalar_type()));
+  common_device(kOp, std::nullopt,
+                {{"query", query}, {"key", key}, {"value", value}, {"attn_mask", attn_mask}, {"sinks", sinks}});
+  TORCH_CHECK(key.size(0) == query.size(0), kOp, ": key has batch ", key.size(0), " but query has ", query.size(0));
+  TORCH_CHECK(value.size(0) == query.size(0), kOp, ": value has batch ", value.size(0), " but query has ",
+              query.size(0));
+  TORCH_CHECK(value.size(1) == key.size(1), kOp, ": value has ", value.size(1), " heads but key has ", key.size(1));
+  TORCH_CHECK(value.size(2) == key.size(2), kOp, ": value has kv_length ", value.size(2), " but key has ",
+              key.size(2));
+  TORCH_CHECK(key.size(3) == query.size(3), kOp, ": key has head_dim ", key.size(3), " but query has ",
+              query.size(3));
+  TORCH_CHECK(query.size(3) > 0, kOp, ": query head_dim must be > 0");
+  TORCH_CHECK(value.size(3) > 0, kOp, ": value head_dim must be > 0");
+  const int64_t hq = query.size(1);
+  const int64_t hkv = key.size(1);
+  if (enable_gqa) {
+    TORCH_CHECK(hkv > 0 && hq % hkv == 0, kOp, ": query heads (", hq, ") must be a multiple of key/value heads (",
+                hkv, ")");
+  } else {
+    TORCH_CHECK(hq == hkv, kOp, ": query has ", hq, " heads but key and value have ", hkv,
+                "; pass enable_gqa=True for grouped-query attention");
+  }
+  TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p must be 0 (dropout is not implemented), got ", dropout_p);
+  TORCH_CHECK(softcap >= 0.0, kOp, ": softcap must be >= 0, got ", softcap);
+  if (attn_mask.has_value()) {
+    const at::Tensor& m = *attn_mask;
+    const at::ScalarType t = m.scalar_type();
+    TORCH_CHECK(t == at::kBool || t == at::kFloat || t == query.scalar_type(), kOp,
+                ": attn_mask must be Bool, Float or the query dtype (", dtype_name(query.scalar_type()), "), got ",
+                dtype_name(t));
+    TORCH_CHECK(m.dim() >= 2 && m.dim() <= 4, kOp, ": attn_mask must be 2-D, 3-D or 4-D, got ", m.dim(), "-D");
+    const int64_t target[4] = {query.size(0), hq, query.size(2), key.size(2)};
+    bool ok = true;
+    for (int64_t d = 0; d < m.dim(); ++d) {
+      const int64_t size = m.size(m.dim() - 1 - d);
+      ok = ok && (size == 1 || size == target[3 - d]);
+    }
+    TORCH_CHECK(ok, kOp, ": attn_mask of shape ", m.sizes(), " is not broadcastable to [batch, heads, q_length, ",
+                "kv_length] = [", target[0], ", ", target[1], ", ", target[2], ", ", target[3], "]");
+  }
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->is_floating_point(), kOp, ": sinks must have a floating dtype, got ",
+                dtype_name(sinks->scalar_type()));
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq, kOp, ": sinks must be [num_heads] = [", hq, "], got ",
+                sinks->sizes());
+  }
+}
+
+double attention_scale(const at::Tensor& query, std::optional<double> scale) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(3)));
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                 double dropout_p, bool is_causal, std::optional<double> scale,
+                                                 bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
+                                                 const std::optional<at::Tensor>& sinks) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
+  const int64_t kv_len = key.size(2), dv = value.size(3);
+  const at::ScalarType acc = acc_type(query.scalar_type());
+  // [B, Q, Hq, Dv] storage so that out.transpose(1, 2) (what Transformers returns) is contiguous.
+  at::Tensor out = at::empty({batch, q_len, hq, dv}, query.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({batch, hq, q_len}, query.options().dtype(acc));
+  if (out.numel() == 0) {
+    return {out, lse};
+  }
+  AttentionFwdArgs args;
+  args.query = query;
+  args.key = key;
+  args.value = value;
+  if (attn_mask.has_value()) {
+    args.mask = mask_as_4d(*attn_mask).expand({batch, hq, q_len, kv_len});
+  }
+  if (sinks.has_value()) {
+    args.sinks = sinks->to(acc).contiguous();
+  }
+  args.out = out;
+  args.lse = lse;
+  args.scale = attention_scale(query, scale);
+  args.softcap = softcap;
+  args.is_causal = is_causal;
+  args.q_offset = q_offset;
+  args.kv_offset = kv_offset;
+  attention_fwd_cpu_stub().pick()(args);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), "_attention_backward: grad_out has shape ", grad_out.sizes(),
+              " but out has ", out.sizes());
+  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
+  const int64_t hkv = key.size(1), kv_len = key.size(2);
+  const at::ScalarType acc = acc_type(query.scalar_type());
+
+  // Written in full by the kernel; zeros only when it has nothing to run.
+  const bool empty = query.numel() == 0 || kv_len == 0;
+  auto make = [&](const at::Tensor& like) {
+    return empty ? at::zeros(like.sizes(), like.options()) : at::empty(like.sizes(), like.options());
+  };
+  at::Tensor grad_query = make(query);
+  at::Tensor grad_key = make(key);
+  at::Tensor grad_value = make(value);
+  at::Tensor grad_mask = at::empty({0}, query.options());
+  at::Tensor grad_sinks = at::empty({0}, query.options());
+
+  if (sinks.has_value()) {
+    // d(loss)/d(sink_h) = -sum_{b,i} exp(sink_h - lse[b,h,i]) * Delta[b,h,i], with
+    // Delta = rowsum(dO * O) - dlse (the row term of the softmax backward): O(B*H*Q), here.
+    at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);
+    if (grad_lse.has_value()) {
+      delta = delta - grad_lse->to(acc);
+    }
+    at::Tensor sink_prob = at::exp(sinks->to(acc).view({1, hq, 1}) - lse.to(acc));
+    grad_sinks = (-(sink_prob * delta).sum({0, 2})).to(sinks->scalar_type());
+  }
+
+  at::Tensor mask4;
+  at::Tensor partial;
+  if (attn_mask.has_value()) {
+    mask4 = mask_as_4d(*attn_mask);
+    if (grad_mask_needed) {
+      const int64_t mask_heads = mask4.size(1) == hq ? hq : hkv;
+      partial = at::zeros({batch, mask_heads, mask4.size(2), mask4.size(3)}, query.options().dtype(acc));
+    }
+  }
+  if (!empty) {
+    AttentionBwdArgs args;
+    args.grad_out = grad_out;
+    if (grad_lse.has_value()) {
+      args.grad_lse = *grad_lse;
+    }
+    args.query = query;
+    args.key = key;
+    args.value = value;
+    args.out = out;
+    args.lse = lse.to(acc);
+    if (mask4.defined()) {
+      args.mask = mask4.expand({batch, hq, q_len, kv_len});
+    }
+    args.grad_query = grad_query;
+    args.grad_key = grad_key;
+    args.grad_value = grad_value;
+    args.grad_mask_partial = partial;
+    args.scale = scale;
+    args.softcap = softcap;
+    args.is_causal = is_causal;
+    args.q_offset = q_offset;
+    args.kv_offset = kv_offset;
+    attention_bwd_cpu_stub().pick()(args);
+  }
+  if (partial.defined()) {
+    // Deterministic reduction of the per-task partial sums to the mask's own shape.
+    if (mask4.size(0) == 1 && batch != 1) {
+      partial = partial.sum(0, /*keepdim=*/true);
+    }
+    if (mask4.size(1) == 1 && partial.size(1) != 1) {
+      partial = partial.sum(1, /*keepdim=*/true);
+    }
+    grad_mask = partial.reshape(attn_mask->sizes()).to(attn_mask->scalar_type());
+  }
+  return {grad_query, grad_key, grad_value, grad_mask, grad_sinks};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                             const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                             bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                             int64_t q_offset, int64_t kv_offset, double softcap,
+                                             const std::optional<at::Tensor>& sinks) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("safeattn::attention", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           double, bool, std::optional<double>, bool, c10::SymInt, c10::SymInt, double,
+                           const std::optional<at::Tensor>&)>();
+  return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap,
+                 sinks);
+}
+
+TORCH_LIBRARY_FRAGMENT(safeattn, m) {
+  m.def(
+      "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
+      "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
+      "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+  // Private: the backward as its own op, so it stays traceable (register_autograd in
+  // python/safeattn/_autograd.py calls it). `scale` is already resolved. grad_mask and
+  // grad_sinks are empty when not asked for (no mask gradient needed, no sinks).
+  m.def(
+      "_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
+      "Tensor lse, Tensor? attn_mask, bool is_causal, float scale, SymInt q_offset, SymInt kv_offset, "
+      "float softcap, Tensor? sinks, bool grad_mask_needed) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
+}
+
+TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("_attention_backward", &attention_backward_cpu);
+}
+
+// No double backward: asking for one raises "not implemented" naming the op.
+TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
+  m.impl("_attention_backward", torch::autograd::autogradNotImplementedFallback());
+}
+
+}  // namespace safeattn

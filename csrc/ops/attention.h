@@ -1,0 +1,99 @@
+// safeattn::attention: fused scaled-dot-product attention with safe fully-masked rows.
+//
+// Shapes (B batch, Hq query heads, Hkv key/value heads, Q queries, KV keys):
+//   query [B, Hq, Q, D], key [B, Hkv, KV, D], value [B, Hkv, KV, Dv]
+//   attn_mask bool or float, broadcastable to [B, Hq, Q, KV] ([Q, KV], [H|1, Q, KV] or
+//             [B|1, H|1, Q|1, KV|1]); read through strides, never expanded in memory
+//   sinks     [Hq] float logits that join the softmax denominator (GPT-OSS s_aux)
+//   out       [B, Hq, Q, Dv] in query's dtype, stored as [B, Q, Hq, Dv] (a transposed view)
+//   lse       [B, Hq, Q] float32 (float64 for float64 inputs): log-sum-exp of each row,
+//             sink included
+//
+// Scores of query i and key j, in float32 (float64 for float64 inputs):
+//   s = scale * <q_i, k_j>;  s = softcap * tanh(s / softcap) if softcap > 0;
+//   s += mask (float) or s = -inf where mask is False (bool);
+//   s = -inf unless kv_offset + j <= q_offset + i when is_causal
+//   out_i = sum_j softmax_j(s) v_j, with the sink logit in the denominator only.
+// A row with no visible key gives out 0 and lse -inf (lse = the sink logit with sinks), and
+// 0 gradients. A NaN in a row's inputs gives NaN.
+//
+// Grouped-query attention: query head h reads key/value head h / (Hq / Hkv).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/isa_dispatch.h"
+
+namespace safeattn {
+
+// What the forward kernel reads and writes; prepared by attention_cpu (csrc/ops/attention.cpp).
+// "acc" is float32, or float64 for float64 inputs. Inputs are read through their strides;
+// the kernel packs K^T (and V when it is not already acc with a unit inner stride) itself,
+// inside its own parallel loop, so a call opens two parallel regions in all.
+struct AttentionFwdArgs {
+  at::Tensor query;  // [B, Hq, Q, D], input dtype, any strides
+  at::Tensor key;    // [B, Hkv, KV, D], input dtype, any strides
+  at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
+  at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  at::Tensor sinks;  // undefined, or [Hq] acc dtype contiguous
+  at::Tensor out;    // [B, Hq, Q, Dv], input dtype, strided view (written)
+  at::Tensor lse;    // [B, Hq, Q], acc dtype, contiguous (written)
+  double scale = 1.0;
+  double softcap = 0.0;  // 0: none
+  bool is_causal = false;
+  int64_t q_offset = 0;
+  int64_t kv_offset = 0;
+};
+
+// What the backward kernel reads and writes. It parallelises over (batch x kv-heads): each
+// task packs what it reads (in the acc dtype) and writes dK, dV of its kv-head and dQ of the
+// query heads of its group, so no element is written by two tasks: no atomics, and results
+// that do not depend on the thread count. One parallel region per call.
+struct AttentionBwdArgs {
+  at::Tensor grad_out;  // [B, Hq, Q, Dv], any strides
+  at::Tensor grad_lse;  // undefined, or [B, Hq, Q]
+  at::Tensor query;     // [B, Hq, Q, D], any strides
+  at::Tensor key;       // [B, Hkv, KV, D], any strides
+  at::Tensor value;     // [B, Hkv, KV, Dv], any strides
+  at::Tensor out;       // [B, Hq, Q, Dv], any strides
+  at::Tensor lse;       // [B, Hq, Q], acc dtype
+  at::Tensor mask;      // as in AttentionFwdArgs
+  at::Tensor grad_query;  // [B, Hq, Q, D], input dtype, contiguous (written)
+  at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous (written)
+  at::Tensor grad_value;  // [B, Hkv, KV, Dv], input dtype, contiguous (written)
+  // Undefined, or [B, Hm, Qm, KVm] acc dtype zero-initialised: the mask gradient before its
+  // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
+  // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
+  at::Tensor grad_mask_partial;
+  double scale = 1.0;
+  double softcap = 0.0;
+  bool is_causal = false;
+  int64_t q_offset = 0;
+  int64_t kv_offset = 0;
+};
+
+using AttentionFwdCpuFn = void (*)(const AttentionFwdArgs& args);
+using AttentionBwdCpuFn = void (*)(const AttentionBwdArgs& args);
+SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdCpuFn);
+SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdCpuFn);
+
+// Validates the arguments (shared by every backend; _fake.py raises the same messages).
+void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
+                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks);
+
+// The scale actually used: `scale`, or 1/sqrt(head_dim).
+double attention_scale(const at::Tensor& query, std::optional<double> scale);
+
+// Typed C++ entry points: call the dispatcher (autograd and tracing included).
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                             const std::optional<at::Tensor>& attn_mask = std::nullopt,
+                                             double dropout_p = 0.0, bool is_causal = false,
+                                             std::optional<double> scale = std::nullopt, bool enable_gqa = false,
+                                             int64_t q_offset = 0, int64_t kv_offset = 0, double softcap = 0.0,
+                                             const std::optional<at::Tensor>& sinks = std::nullopt);
+
+}  // namespace safeattn

@@ -1,0 +1,658 @@
+"""Hugging Face Transformers drop-in: ``attn_implementation="safeattn"``.
+
+Importing this module registers ``"safeattn"`` in Transformers' ``AttentionInterface`` (the
+attention function) and ``AttentionMaskInterface`` (the mask function); both are needed, since a
+model asks each interface for its part by the same name::
+
+    import safeattn.transformers  # registers "safeattn"
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="safeattn")
+
+What the model gets, compared with ``"sdpa"``:
+
+- the same outputs on real tokens; on fully padded query rows (left padding) the attention output
+  is exactly 0 and nothing is NaN;
+- masks built by the native ``safeattn.sdpa_mask`` op, which recognises Transformers' own mask
+  functions (causal, bidirectional, sliding window, chunked with left padding, padding, packed
+  sequences, bidirectional blocks, and ``and_masks`` / ``or_masks`` of those at any nesting). A
+  mask function it does not recognise (a user overlay) is evaluated by Transformers' own
+  ``sdpa_mask`` instead: correct and slower, and said once through ``logging`` at debug level
+  (logger ``safeattn.transformers``). The mask is None exactly where Transformers' sdpa mask is
+  None (so causal attention keeps its mask-free path), except with a static cache on an
+  accelerator, where the query offset is a device tensor and reading it would be a host sync: there
+  a mask is built instead (same result);
+- grouped-query attention without copying K/V, Gemma2's logit ``softcap`` and GPT-OSS's attention
+  sinks (``s_aux``), both of which ``"sdpa"`` ignores.
+
+Transformers 5.x and 4.57.x are supported; their mask-function keywords differ (5.x passes
+``q_length``, ``q_offset``, ``device``; 4.57 passes ``cache_position``) and are told apart at run
+time from the keywords of each call.
+
+``patch_masks()`` also serves Transformers' ``"sdpa"`` and ``"eager"`` masks from the native op,
+process-wide, for models that keep their attention implementation.
+
+Dropout: the ``attention`` op implements none, so a non-zero ``dropout`` (a model in training
+mode with ``config.attention_dropout > 0``) raises ``NotImplementedError`` saying so, instead of
+silently training without it. Set ``config.attention_dropout = 0`` (most configs' default) or
+train with ``"sdpa"``. Models in eval mode always pass 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+from transformers import masking_utils as _mu
+from transformers.masking_utils import AttentionMaskInterface
+
+try:  # 5.x and 4.57 both export it at the top level; the module moved between versions.
+    from transformers import AttentionInterface
+except ImportError:  # pragma: no cover
+    from transformers.modeling_utils import AttentionInterface
+
+from .ops import sdpa_mask as _native_sdpa_mask
+
+__all__ = ["NAME", "attention_forward", "eager_mask", "patch_masks", "sdpa_mask", "unpatch_masks"]
+
+NAME = "safeattn"
+
+_logger = logging.getLogger(__name__)
+
+# Transformers' own constructions, kept before anything here is registered: the fallback for
+# mask functions this module does not recognise, and what unpatch_masks() restores.
+_TF_SDPA_MASK = _mu.sdpa_mask
+_TF_EAGER_MASK = _mu.eager_mask
+
+
+# --------------------------------------------------------------------------------------------
+# Recognising Transformers' mask functions
+# --------------------------------------------------------------------------------------------
+# Transformers describes a mask as a Python predicate mask_function(b, h, q_idx, kv_idx) built
+# from a few factories; what is not passed as data (the window, the chunk size, the padding and
+# sequence-id tensors) lives in the closures. The inner function of a factory has one code
+# object for every closure it makes, so a closure is recognised by its code object, and its
+# parameters are read from its cells by free-variable name. A factory missing in this
+# Transformers version, or with other free-variable names, is simply not recognised.
+
+
+def _cells(fn) -> dict | None:
+    """{free variable name: value} of a closure, or None if it has none."""
+    closure = getattr(fn, "__closure__", None)
+    code = getattr(fn, "__code__", None)
+    if closure is None or code is None:
+        return None
+    try:
+        return dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
+    except ValueError:  # an empty cell
+        return None
+
+
+def _probe_code(factory_name: str, *args):
+    """The code object of the closures a masking_utils factory returns (None if absent)."""
+    factory = getattr(_mu, factory_name, None)
+    if factory is None:
+        return None
+    try:
+        fn = factory(*args)
+    except Exception:  # a factory whose arguments changed: leave it unrecognised
+        return None
+    return getattr(fn, "__code__", None)
+
+
+_DUMMY_LEFT_PADDING = torch.zeros(1, dtype=torch.long)
+_DUMMY_IDS = torch.zeros(1, 1, dtype=torch.long)
+
+# [(code object, leaf kind)]: a list compared by identity (code objects are not hashed, so
+# torch.compile traces the lookup as plain constants).
+_LEAF_CODES: list = []
+
+
+def _add_leaf(code, kind: str, freevars: tuple[str, ...]) -> None:
+    if code is not None and all(name in code.co_freevars for name in freevars):
+        _LEAF_CODES.append((code, kind))
+
+
+def _leaf_kind(code) -> str | None:
+    for leaf_code, kind in _LEAF_CODES:
+        if leaf_code is code:
+            return kind
+    return None
+
+
+_AND_CODE = _probe_code("and_masks", _mu.causal_mask_function)
+_OR_CODE = _probe_code("or_masks", _mu.causal_mask_function)
+_add_leaf(_probe_code("sliding_window_overlay", 1), "sliding", ("sliding_window",))
+_add_leaf(
+    _probe_code("sliding_window_bidirectional_overlay", 1), "sliding_bidirectional", ("sliding_window",)
+)
+_add_leaf(_probe_code("chunked_overlay", 1, _DUMMY_LEFT_PADDING), "chunked", ("chunk_size", "left_padding"))
+_add_leaf(_probe_code("_legacy_chunked_overlay", 1), "chunked", ("chunk_size",))
+_add_leaf(_probe_code("padding_mask_function", _DUMMY_IDS), "padding", ("padding_mask",))
+_add_leaf(_probe_code("packed_sequence_mask_function", _DUMMY_IDS), "packed", ("packed_sequence_mask",))
+_add_leaf(_probe_code("blockwise_overlay", _DUMMY_IDS), "block", ("block_sequence_ids",))
+
+_CAUSAL_FN = _mu.causal_mask_function
+_BIDIRECTIONAL_FN = getattr(_mu, "bidirectional_mask_function", None)
+
+
+def _self_check_leaves() -> None:
+    """Drops a leaf whose Transformers predicate does not mean what this module builds for it.
+
+    The factories are evaluated on a small grid of positions and compared with the formulas of
+    the native op; a Transformers release that changed a predicate then falls back instead of
+    giving a different mask.
+    """
+    q = torch.arange(-3, 12).view(1, 1, -1, 1)
+    kv = torch.arange(-3, 12).view(1, 1, 1, -1)
+    b = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    left = torch.tensor([2])
+    expected = {
+        "sliding": lambda: (_mu.sliding_window_overlay(3), kv > q - 3),
+        "sliding_bidirectional": lambda: (_mu.sliding_window_bidirectional_overlay(3), (q - kv).abs() <= 3),
+        "chunked": lambda: (
+            _mu.chunked_overlay(3, left),
+            torch.div(kv - 2, 3, rounding_mode="floor") == torch.div(q - 2, 3, rounding_mode="floor"),
+        ),
+    }
+    legacy_chunked = _probe_code("_legacy_chunked_overlay", 1)
+    for entry in list(_LEAF_CODES):
+        code, kind = entry
+        if kind not in expected or code is legacy_chunked:
+            continue
+        try:
+            fn, want = expected[kind]()
+            got = fn(b, h, q, kv)
+            ok = fn.__code__ is code and torch.equal(torch.as_tensor(got).expand_as(want), want)
+        except Exception:
+            ok = False
+        if not ok:
+            _logger.debug(
+                "safeattn: Transformers' %s overlay changed meaning; it will use the fallback", kind
+            )
+            _LEAF_CODES.remove(entry)
+    if not torch.equal(_CAUSAL_FN(b, h, q, kv), kv <= q):
+        _LEAF_CODES.clear()  # causal itself changed: recognise nothing
+
+
+_self_check_leaves()
+
+
+class _Form:
+    """A recognised mask in the native op's shape: ``((base AND packed) OR block) AND padding``.
+
+    base: ``causal`` (or everything), intersected with at most one sliding window and at most
+    one chunking. ``None`` fields are absent.
+    """
+
+    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "padding")
+
+    def __init__(self):
+        self.causal = False
+        self.sliding = None  # (kind, window): kind "causal" (kv > q - w) or "bidirectional" (|q - kv| <= w)
+        self.chunk = None  # (chunk_size, left_padding [B] tensor or None)
+        self.packed = None  # [B, L] sequence ids
+        self.block = None  # [B, L] block ids
+        self.padding = None  # list of [B, L] padding masks, ANDed
+
+    def has_inner(self) -> bool:
+        """True when the form constrains more than padding (so nothing may be ORed past it)."""
+        return self.causal or self.sliding is not None or self.chunk is not None or self.packed is not None
+
+
+def _leaf_form(fn) -> _Form | None:
+    form = _Form()
+    if fn is _CAUSAL_FN:
+        form.causal = True
+        return form
+    if fn is not None and fn is _BIDIRECTIONAL_FN:
+        return form  # every query attends every key
+    kind = _leaf_kind(getattr(fn, "__code__", None))
+    if kind is None:
+        return None
+    cells = _cells(fn)
+    if cells is None:
+        return None
+    if kind == "sliding":
+        form.sliding = ("causal", cells["sliding_window"])
+    elif kind == "sliding_bidirectional":
+        form.sliding = ("bidirectional", cells["sliding_window"])
+    elif kind == "chunked":
+        form.chunk = (cells["chunk_size"], cells.get("left_padding"))
+    elif kind == "padding":
+        form.padding = [cells["padding_mask"]]
+    elif kind == "packed":
+        form.packed = cells["packed_sequence_mask"]
+    elif kind == "block":
+        form.block = cells["block_sequence_ids"]
+    else:  # pragma: no cover
+        return None
+    # A window or chunk size that is not a plain int (a tensor, say) is not ours to read.
+    if form.sliding is not None and not isinstance(form.sliding[1], int):
+        return None
+    if form.chunk is not None and not isinstance(form.chunk[0], int):
+        return None
+    return form
+
+
+def _and_forms(forms: list[_Form]) -> _Form | None:
+    out = _Form()
+    for form in forms:
+        if form.block is not None:
+            # (X OR block) AND Y is representable only when Y is padding: padding is the
+            # outermost AND of the native rule.
+            if out.block is not None:
+                return None
+            out.block = form.block
+        if form.padding is not None:
+            out.padding = (out.padding or []) + form.padding
+        out.causal = out.causal or form.causal
+        for field in ("sliding", "chunk", "packed"):
+            theirs = getattr(form, field)
+            if theirs is None:
+                continue
+            ours = getattr(out, field)
+            # Windows compare by value; chunkings and ids hold tensors, which must be the same
+            # object (comparing their values would read them). Otherwise: not one native mask.
+            same = ours == theirs if field == "sliding" else ours is theirs
+            if ours is not None and not same:
+                return None
+            setattr(out, field, theirs)
+    if out.block is not None:
+        # Everything other than padding must have come from the same OR branch as the block.
+        inner = [f for f in forms if f.has_inner()]
+        if len(inner) > 1 or (inner and inner[0].block is None):
+            return None
+    return out
+
+
+def _or_forms(forms: list[_Form]) -> _Form | None:
+    if len(forms) == 1:
+        return forms[0]
+    if len(forms) != 2:
+        return None
+    first, second = forms
+    for base, block in ((first, second), (second, first)):
+        block_only = block.block is not None and not block.has_inner() and block.padding is None
+        if block_only and base.block is None and base.padding is None:
+            out = _Form()
+            for field in ("causal", "sliding", "chunk", "packed"):
+                setattr(out, field, getattr(base, field))
+            out.block = block.block
+            return out
+    return None
+
+
+def _recognise(fn, depth: int = 0) -> _Form | None:
+    """The native form of a Transformers mask function, or None when it is not recognised."""
+    if depth > 32 or not callable(fn):
+        return None
+    code = getattr(fn, "__code__", None)
+    if code is not None and (code is _AND_CODE or code is _OR_CODE):
+        cells = _cells(fn)
+        children = cells.get("mask_functions") if cells else None
+        if not isinstance(children, tuple) or not children:
+            return None
+        forms = []
+        for child in children:
+            form = _recognise(child, depth + 1)
+            if form is None:
+                return None
+            forms.append(form)
+        return _and_forms(forms) if code is _AND_CODE else _or_forms(forms)
+    return _leaf_form(fn)
+
+
+def _native_arguments(form: _Form, attention_mask):
+    """Keyword arguments of safeattn.sdpa_mask for a form, or None if it cannot express it."""
+    kwargs = {"causal": form.causal}
+    if form.sliding is not None:
+        kind, window = form.sliding
+        if kind == "causal":
+            if not form.causal:
+                return None  # kv > q - w alone is not a window the op builds
+            kwargs["sliding_window"] = window
+        elif form.causal:
+            # kv <= q and |q - kv| <= w is the causal window of w + 1 keys.
+            kwargs["sliding_window"] = window + 1
+        else:
+            kwargs["sliding_window"] = window
+        if kwargs["sliding_window"] <= 0:
+            return None
+    if form.chunk is not None:
+        chunk_size, left_padding = form.chunk
+        if chunk_size <= 0:
+            return None
+        kwargs["chunk_size"] = chunk_size
+        kwargs["chunk_left_padding"] = left_padding
+    kwargs["packed_ids"] = form.packed
+    kwargs["block_ids"] = form.block
+    paddings = list(form.padding or [])
+    if attention_mask is not None:
+        paddings.append(attention_mask)
+    if len(paddings) == 1:
+        kwargs["padding_mask"] = paddings[0]
+    elif paddings:
+        width = max(p.shape[-1] for p in paddings)
+        combined = None
+        for p in paddings:
+            p = p.bool()
+            if p.shape[-1] < width:  # narrower masks count as padding past their end
+                p = F.pad(p, (0, width - p.shape[-1]))
+            combined = p if combined is None else combined & p
+        kwargs["padding_mask"] = combined
+    return kwargs
+
+
+# --------------------------------------------------------------------------------------------
+# Skipping the mask where Transformers' sdpa mask does
+# --------------------------------------------------------------------------------------------
+_IGNORE_CAUSAL_PARAMS = tuple(inspect.signature(_mu._ignore_causal_mask_sdpa).parameters)
+_IGNORE_BIDIRECTIONAL = getattr(_mu, "_ignore_bidirectional_mask_sdpa", None)
+
+
+def _is_tracing(*tensors) -> bool:
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return True
+    return any(isinstance(t, torch.fx.Proxy) for t in tensors)
+
+
+def _padded(attention_mask, kv_length, kv_offset):
+    """The 2-D mask right-padded with False to kv_offset + kv_length, as Transformers pads it."""
+    if attention_mask is None:
+        return None
+    missing = kv_length + kv_offset - attention_mask.shape[-1]
+    return F.pad(attention_mask, (0, missing)) if missing > 0 else attention_mask
+
+
+def _skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_size) -> bool:
+    """Transformers' own _ignore_causal_mask_sdpa, called with this version's arguments."""
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.device.type == "cpu":
+            q_offset = int(q_offset)  # a CPU read, no device synchronisation
+        else:
+            # Reading a device tensor would be a host sync: treat it as a non-zero offset, which
+            # only turns off the static-cache prefill skip (a mask is built; same attention).
+            q_offset = 1
+    if "q_offset" in _IGNORE_CAUSAL_PARAMS:  # 5.x
+        return _mu._ignore_causal_mask_sdpa(
+            padding_mask, q_length, kv_length, q_offset, kv_offset, local_size
+        )
+    return _mu._ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, kv_offset, local_size)  # 4.57
+
+
+# --------------------------------------------------------------------------------------------
+# Mask functions
+# --------------------------------------------------------------------------------------------
+_FALLBACK_LOGGED: set = set()
+
+
+def _log_fallback(reason: str) -> None:
+    if torch.compiler.is_compiling() or reason in _FALLBACK_LOGGED:
+        return
+    _FALLBACK_LOGGED.add(reason)
+    _logger.debug("safeattn: %s; using Transformers' own mask construction (correct, slower)", reason)
+
+
+def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirectional_skip: bool):
+    """Shared body of the mask functions. ``float_dtype`` None: bool mask; else eager's float mask.
+
+    Returns (handled, mask). handled False: the caller falls back to Transformers.
+    """
+    batch_size = kwargs["batch_size"]
+    kv_length = kwargs["kv_length"]
+    kv_offset = kwargs.get("kv_offset", 0)
+    attention_mask = kwargs.get("attention_mask")
+    local_size = kwargs.get("local_size")
+    cache_position = kwargs.get("cache_position")
+    if cache_position is not None:  # 4.57: query positions as a [Q] tensor
+        q_length = cache_position.shape[0]
+        q_offset = 0
+        q_positions = cache_position
+        device = cache_position.device
+    else:  # 5.x
+        q_length = kwargs["q_length"]
+        q_offset = kwargs.get("q_offset", 0)
+        q_positions = None
+        if isinstance(q_offset, torch.Tensor):
+            # Static cache: the start position stays on the device (no host sync).
+            q_positions, q_offset = q_offset, 0
+        device = kwargs.get("device", "cpu")
+    device = torch.device(device)
+
+    form = _recognise(kwargs.get("mask_function", _CAUSAL_FN))
+    if form is None:
+        _log_fallback("unrecognised mask_function")
+        return False, None
+    native = _native_arguments(form, attention_mask)
+    if native is None:
+        _log_fallback("mask_function has no native equivalent")
+        return False, None
+
+    if not _is_tracing(attention_mask):
+        if skip_causal or allow_bidirectional_skip:
+            padding_mask = _padded(attention_mask, kv_length, kv_offset)
+            # 5.x's test reads the start position (a 0-d tensor with a static cache); 4.57's none.
+            start = q_positions if q_positions is not None and q_positions.dim() == 0 else q_offset
+            if skip_causal and _skip_causal(padding_mask, q_length, kv_length, start, kv_offset, local_size):
+                return True, None
+            if allow_bidirectional_skip and _IGNORE_BIDIRECTIONAL is not None:
+                if _IGNORE_BIDIRECTIONAL(padding_mask, kv_length, local_size):
+                    return True, None
+
+    if q_positions is not None and q_positions.dim() == 0:
+        q_positions = q_positions.to(torch.long)
+    mask = _native_sdpa_mask(
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        q_positions=q_positions,
+        dtype=float_dtype if float_dtype is not None else torch.bool,
+        use_finfo_min=float_dtype is not None,
+        device=device,
+        **native,
+    )
+    return True, mask
+
+
+def sdpa_mask(**kwargs) -> torch.Tensor | None:
+    """The ``"safeattn"`` mask function (and the ``"sdpa"`` one after ``patch_masks()``).
+
+    Takes the keywords Transformers passes to an ``AttentionMaskInterface`` function (5.x:
+    ``batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+    local_size, allow_is_causal_skip, allow_is_bidirectional_skip, use_vmap, device, dtype,
+    config``; 4.57: ``cache_position`` instead of ``q_length`` / ``q_offset`` / ``device``) and
+    returns what ``transformers.masking_utils.sdpa_mask`` returns: a bool ``[B, 1, Q, KV]`` mask
+    (True attends) or None where the attention may run causal without a mask. ``use_vmap`` only
+    matters for mask functions it does not recognise, which go to Transformers' construction.
+    """
+    handled, mask = _build_mask(
+        kwargs,
+        float_dtype=None,
+        skip_causal=kwargs.get("allow_is_causal_skip", True),
+        allow_bidirectional_skip=kwargs.get("allow_is_bidirectional_skip", False),
+    )
+    if handled:
+        return mask
+    return _TF_SDPA_MASK(**kwargs)
+
+
+def eager_mask(**kwargs) -> torch.Tensor | None:
+    """Transformers' ``"eager"`` mask built natively (served after ``patch_masks()``).
+
+    A float ``[B, 1, Q, KV]`` mask of ``dtype`` (default float32): 0 to attend,
+    ``torch.finfo(dtype).min`` to block, exactly as ``transformers.masking_utils.eager_mask``.
+    It is None only for a bidirectional mask with nothing to mask when
+    ``allow_is_bidirectional_skip`` is set (5.x), as Transformers'.
+    """
+    dtype = kwargs.get("dtype") or torch.float32
+    handled, mask = _build_mask(
+        kwargs,
+        float_dtype=dtype,
+        skip_causal=False,
+        allow_bidirectional_skip=kwargs.get("allow_is_bidirectional_skip", False),
+    )
+    if handled:
+        return mask
+    return _TF_EAGER_MASK(**kwargs)
+
+
+def patch_masks() -> None:
+    """Serve Transformers' ``"sdpa"`` and ``"eager"`` masks from the native op, process-wide.
+
+    For models that keep ``attn_implementation="sdpa"`` or ``"eager"``: their masks (same
+    values, same None cases) are then built by ``safeattn.sdpa_mask`` instead of by evaluating
+    Python mask functions. Mask functions it does not recognise still go to Transformers' own
+    construction. ``unpatch_masks()`` restores Transformers' functions.
+    """
+    AttentionMaskInterface.register("sdpa", sdpa_mask)
+    AttentionMaskInterface.register("eager", eager_mask)
+
+
+def unpatch_masks() -> None:
+    """Undo ``patch_masks()``: Transformers' own ``"sdpa"`` and ``"eager"`` masks again."""
+    AttentionMaskInterface.register("sdpa", _TF_SDPA_MASK)
+    AttentionMaskInterface.register("eager", _TF_EAGER_MASK)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention function
+# --------------------------------------------------------------------------------------------
+def _attention_op():
+    """torch.ops.safeattn.attention, or None in a build without it."""
+    try:
+        return torch.ops.safeattn.attention
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _composite_attention(query, key, value, attn_mask, scale, is_causal, softcap, sinks):
+    """Plain PyTorch attention with the op's semantics, for builds without the attention op.
+
+    query [B, Hq, Q, D]; key, value [B, Hkv, KV, D]; attn_mask bool or float, broadcastable to
+    [B, Hq, Q, KV]; sinks [Hq] or None. A query row with every key masked gives 0.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_length, kv_length = scores.shape[-2], scores.shape[-1]
+    if is_causal:
+        causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    row_max = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)  # a fully masked row: exp(-inf) = 0
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - row_max)
+    weights = torch.where(denom > 0, weights / denom.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return torch.matmul(weights, value.float()).to(query.dtype)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"safeattn"`` attention function (``AttentionInterface`` signature).
+
+    Args:
+        module: the attention layer (``is_causal`` is read from it when not passed).
+        query: ``[B, Hq, Q, D]``; key, value: ``[B, Hkv, KV, D]`` (``Hq`` a multiple of
+            ``Hkv``: grouped-query attention runs without copying K/V).
+        attention_mask: bool ``[B, 1, Q, KV]`` (True attends), an additive float mask, or None.
+        dropout: attention dropout probability (0 outside training).
+        scaling: score scale (default ``D ** -0.5``).
+        is_causal: overrides ``module.is_causal``; causal applies only with no mask and ``Q > 1``.
+        softcap: ``softcap * tanh(score / softcap)`` after scaling (Gemma2 / Gemma3).
+        s_aux: ``[Hq]`` attention-sink logits (GPT-OSS): an extra key with no value per head.
+        position_bias: ``[B or 1, H or 1, Q, KV]`` additive bias (T5-style), combined with the
+            mask as Transformers' sdpa integration does.
+
+    Returns:
+        ``(out [B, Q, Hq, D] contiguous, None)``; a query row with every key masked gives 0.
+    """
+    if kwargs.get("output_attentions", False):
+        _log_fallback("output_attentions=True is not supported by safeattn attention (weights are None)")
+    q_length = query.shape[2]
+    kv_length = key.shape[2]
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
+        # A mask built for a longer cache (as 4.57's sdpa integration allows): its first keys.
+        attention_mask = attention_mask[:, :, :, :kv_length]
+
+    # As Transformers' sdpa integration: the kwarg wins over the module; causal only for a
+    # multi-token query with no mask (a single decoded token attends every cached key). The
+    # shape test comes first so a SymInt q_length stays a plain bool under torch.compile.
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+
+    # Static-cache prefill (empty cache, keys longer than queries, no mask): causal top-left
+    # alignment already hides the unused cache slots; dropping them saves their work.
+    if is_causal and kv_length > q_length:
+        key = key[:, :, :q_length, :]
+        value = value[:, :, :q_length, :]
+        if position_bias is not None:
+            position_bias = position_bias[:, :, :, :q_length]
+
+    if position_bias is not None:
+        from transformers.integrations.sdpa_attention import create_position_bias_mask
+
+        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
+        is_causal = False
+
+    if dropout:
+        # The op has no dropout; say what to change rather than let training run without it.
+        raise NotImplementedError(
+            f"safeattn attention: dropout is not implemented (got dropout={dropout}); set "
+            "config.attention_dropout = 0, or use attn_implementation='sdpa' to train with attention dropout"
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = float(softcap) if softcap else 0.0
+    enable_gqa = query.shape[1] != key.shape[1]
+    op = _attention_op()
+    if op is not None:
+        out, _ = op(
+            query,
+            key,
+            value,
+            attention_mask,
+            0.0,
+            is_causal,
+            scale,
+            enable_gqa,
+            softcap=softcap,
+            sinks=s_aux,
+        )
+    else:
+        _log_fallback("this build has no attention op; attention runs as composite PyTorch ops")
+        out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
+    # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, attention_forward)
+AttentionMaskInterface.register(NAME, sdpa_mask)

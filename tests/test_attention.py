@@ -1,0 +1,523 @@
+"""safeattn.attention against the float64 reference (reference.attention), plus the safe
+semantics, gradients, opcheck, torch.compile and argument checks.
+
+Tolerance (FlashAttention's rule): the kernel's error against the float64 reference must be at
+most 2x (3x for gradients) the error of PyTorch computing the same formula in the same low
+precision (reference.attention with compute_dtype=<input dtype>), plus a small absolute floor.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import safeattn
+import torch
+import torch.nn.functional as F
+from safeattn import reference
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3, torch.float64: 1e-10}
+
+
+def _qkv(batch, hq, hkv, q_len, kv_len, head_dim, dtype, device, *, dv=None, transposed=False, seed=0):
+    """Random q, k, v (requires_grad). transposed: Transformers' [B, S, H, D].transpose(1, 2) views."""
+    gen = torch.Generator().manual_seed(seed)
+    dv = head_dim if dv is None else dv
+
+    def make(h, s, d):
+        if transposed:
+            t = torch.randn(batch, s, h, d, generator=gen).to(device=device, dtype=dtype).transpose(1, 2)
+        else:
+            t = torch.randn(batch, h, s, d, generator=gen).to(device=device, dtype=dtype)
+        return t.requires_grad_()
+
+    return make(hq, q_len, head_dim), make(hkv, kv_len, head_dim), make(hkv, kv_len, dv)
+
+
+def _max_err(got, want):
+    """Max |got - want| over elements, with matching infinities counted as equal."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    same = (got == want) | (got.isnan() & want.isnan())
+    diff = (got - want).abs().masked_fill(same, 0.0)
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def _compare(name, got, ref64, ref_low, factor, floor):
+    err = _max_err(got, ref64)
+    yard = _max_err(ref_low, ref64)
+    assert err <= factor * yard + floor, (
+        f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
+    )
+
+
+def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra_grad_inputs=(), **kwargs):
+    """Runs kernel, float64 reference and low-precision reference; compares out, lse and grads."""
+    dtype = q.dtype
+    out, lse = safeattn.attention(q, k, v, **kwargs)
+    assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    low_dtype = dtype if dtype != torch.float64 else torch.float32
+    low_out, low_lse = reference.attention(q, k, v, compute_dtype=low_dtype, **kwargs)
+    floor = FLOOR[dtype]
+    _compare("out", out, ref_out, low_out, 2, floor)
+    _compare("lse", lse, ref_lse, low_lse, 2, floor)
+    # -inf lse exactly where the reference has it (fully masked rows).
+    assert torch.equal(lse.isneginf().cpu(), ref_lse.isneginf().cpu()), (
+        "lse -inf rows differ from the reference"
+    )
+    if not grads:
+        return out, lse
+    inputs = (q, k, v, *extra_grad_inputs)
+    gen = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
+    grad_lse = torch.randn(lse.shape, generator=gen).to(lse.device) if check_lse_grad else None
+
+    def grads_of(o, lse_, cast):
+        outs, gs = [o], [grad_out.to(cast)]
+        if grad_lse is not None:
+            finite = lse_.isfinite()
+            outs.append(torch.where(finite, lse_, 0.0))
+            gs.append(grad_lse.to(cast))
+        return torch.autograd.grad(outs, inputs, gs)
+
+    got = grads_of(out, lse, dtype)
+    want = grads_of(ref_out, ref_lse, torch.float64)
+    low = grads_of(low_out, low_lse, low_dtype)
+    names = ["grad_query", "grad_key", "grad_value"] + [
+        f"grad_extra{i}" for i in range(len(extra_grad_inputs))
+    ]
+    for name, g, w, lo in zip(names, got, want, low, strict=True):
+        assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        # Gradients scale with the values they multiply: the floor follows their magnitude.
+        scale = max(1.0, w.abs().max().item())
+        _compare(name, g, w, lo, 3, floor * scale * 4)
+    return out, lse
+
+
+# Sampled grid: head dims 32, 64, 80, 128, 256; Q and KV lengths 1, 17, 128, 1000 taken
+# independently; GQA groups 1, 2, 8; every dtype; causal top-left and bottom-right.
+GRID = [
+    # (head_dim, q_len, kv_len, hq, hkv, dtype, causal)
+    (32, 1, 1, 2, 2, torch.float32, None),
+    (32, 17, 1000, 8, 1, torch.bfloat16, None),
+    (64, 1, 1000, 8, 1, torch.float32, "bottom_right"),
+    (64, 128, 128, 4, 2, torch.float16, "top_left"),
+    (64, 1000, 17, 2, 2, torch.float32, None),
+    (80, 17, 17, 2, 1, torch.bfloat16, "top_left"),
+    (80, 128, 1000, 2, 2, torch.float32, "bottom_right"),
+    (128, 1, 128, 8, 8, torch.bfloat16, None),
+    (128, 1000, 1000, 2, 1, torch.bfloat16, "top_left"),
+    (128, 17, 128, 16, 2, torch.float32, None),
+    (256, 128, 17, 2, 2, torch.float16, "bottom_right"),
+    (256, 17, 1000, 2, 1, torch.float32, "top_left"),
+    (256, 1000, 128, 2, 2, torch.bfloat16, None),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("head_dim", "q_len", "kv_len", "hq", "hkv", "dtype", "causal"), GRID)
+def test_matches_reference(device, head_dim, q_len, kv_len, hq, hkv, dtype, causal):
+    q, k, v = _qkv(1, hq, hkv, q_len, kv_len, head_dim, dtype, device)
+    kwargs = {"enable_gqa": hq != hkv}
+    if causal is not None:
+        kwargs["is_causal"] = True
+        kwargs["q_offset"] = kv_len - q_len if causal == "bottom_right" else 0
+    _check_against_reference(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_value_dim_and_transposed_views(device, dtype):
+    # Transformers' layout: [B, S, H, D] transposed to [B, H, S, D], read in place; Dv != D.
+    q, k, v = _qkv(3, 4, 2, 33, 70, 64, dtype, device, dv=40, transposed=True)
+    assert not q.is_contiguous()
+    out, _ = _check_against_reference(q, k, v, enable_gqa=True, is_causal=True)
+    assert out.shape == (3, 4, 33, 40)
+    assert out.transpose(1, 2).is_contiguous(), f"out must be stored [B, Q, H, Dv], strides {out.stride()}"
+
+
+def _sdpa_mask_cases(batch, q_len, kv_len):
+    pad = torch.ones(batch, kv_len, dtype=torch.bool)
+    pad[0, :5] = False  # left padding: the first queries of batch 0 see nothing
+    ids = torch.arange(kv_len).div(11, rounding_mode="floor").expand(batch, kv_len).contiguous()
+    blocks = torch.full((batch, kv_len), -1)
+    blocks[:, 10:20] = 3
+    return {
+        "causal": {},
+        "bidirectional": {"causal": False},
+        "sliding": {"sliding_window": 7},
+        "sliding_bidirectional": {"causal": False, "sliding_window": 5},
+        "chunked_left_padding": {"chunk_size": 8, "chunk_left_padding": torch.tensor([5, 0])[:batch]},
+        "padding": {"padding_mask": pad},
+        "sliding_padding": {"sliding_window": 4, "padding_mask": pad},
+        "packed": {"packed_ids": ids},
+        "blocks": {"block_ids": blocks},
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(_sdpa_mask_cases(2, 1, 1)))
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_sdpa_mask_kinds(device, kind, mask_dtype):
+    batch, q_len, kv_len = 2, 40, 40
+    kw = _sdpa_mask_cases(batch, q_len, kv_len)[kind]
+    mask = safeattn.sdpa_mask(batch, q_len, kv_len, dtype=mask_dtype, **kw).to(device)
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
+    out, lse = _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
+    if kind == "padding":
+        # Left-padded queries 0..4 of batch 0 see no key: out 0, lse -inf (the safe semantics).
+        assert torch.all(out[0, :, :5] == 0) and torch.all(lse[0, :, :5].isneginf()), (
+            "fully masked rows not 0/-inf"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_random_bool_mask_fully_masked_rows(device, dtype):
+    gen = torch.Generator().manual_seed(3)
+    q_len, kv_len = 37, 600  # several key tiles
+    mask = torch.rand(2, 1, q_len, kv_len, generator=gen) > 0.7
+    mask[0, 0, [0, 5, 36]] = False
+    mask[1, 0, 17] = False
+    q, k, v = _qkv(2, 2, 2, q_len, kv_len, 64, dtype, device)
+    mask = mask.to(device)
+    out, lse = _check_against_reference(q, k, v, attn_mask=mask)
+    rows = [(0, 0), (0, 5), (0, 36), (1, 17)]
+    for b, i in rows:
+        assert torch.all(out[b, :, i] == 0), f"out row ({b}, {i}) not 0"
+        assert torch.all(lse[b, :, i].isneginf()), f"lse row ({b}, {i}) not -inf"
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask)
+    gq, gk, gv = torch.autograd.grad(out.float().sum() + torch.where(lse.isfinite(), lse, 0).sum(), (q, k, v))
+    for b, i in rows:
+        assert torch.all(gq[b, :, i] == 0), f"grad_query row ({b}, {i}) not 0"
+    assert all(g.isfinite().all() for g in (gq, gk, gv)), "non-finite gradient"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "bias_shape",
+    [(40, 70), (4, 40, 70), (1, 4, 40, 70), (2, 1, 40, 70), (2, 1, 1, 70), (2, 4, 40, 1), (1, 1, 40, 70)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_bias_gradient(device, bias_shape, dtype):
+    q, k, v = _qkv(2, 4, 2, 40, 70, 32, dtype, device)
+    gen = torch.Generator().manual_seed(5)
+    bias_dtype = torch.float32 if len(bias_shape) == 4 and bias_shape[0] == 1 else dtype
+    bias = torch.randn(bias_shape, generator=gen).to(device=device, dtype=bias_dtype)
+    bias[..., -1:] = float("-inf") if bias_shape[-1] > 1 else bias[..., -1:]  # a masked column
+    bias.requires_grad_()
+    _check_against_reference(q, k, v, attn_mask=bias, enable_gqa=True, extra_grad_inputs=(bias,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_gradient_is_deterministic_across_threads(device):
+    q, k, v = _qkv(2, 8, 2, 50, 300, 32, torch.float32, device)
+    bias = torch.randn(1, 1, 50, 300, device=device, requires_grad=True)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 2):
+            torch.set_num_threads(n)
+            out, lse = safeattn.attention(q, k, v, bias, enable_gqa=True)
+            results.append(torch.autograd.grad(out.sum(), (q, k, v, bias)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b), "gradients differ between runs / thread counts"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap(device, dtype):
+    q, k, v = _qkv(1, 4, 2, 45, 300, 64, dtype, device)
+    with torch.no_grad():
+        q.mul_(4)  # large scores, so that the cap matters
+    mask = safeattn.sdpa_mask(1, 45, 300, q_offset=255, sliding_window=100, dtype=dtype).to(device)
+    _check_against_reference(q, k, v, attn_mask=mask, softcap=2.0, enable_gqa=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks(device, dtype):
+    q, k, v = _qkv(2, 4, 2, 30, 90, 64, dtype, device)
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    mask = torch.ones(2, 1, 30, 90, dtype=torch.bool, device=device)
+    mask[1, 0, :3] = False  # fully masked rows: out 0, lse = the sink logit
+    out, lse = _check_against_reference(
+        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, check_lse_grad=True, extra_grad_inputs=(sinks,)
+    )
+    assert torch.all(out[1, :, :3] == 0), "fully masked rows with sinks must be 0"
+    torch.testing.assert_close(
+        lse[1, :, :3], sinks.detach().float()[:, None].expand(4, 3), msg="lse must be the sink"
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lse_gradient(device):
+    q, k, v = _qkv(1, 2, 2, 20, 45, 32, torch.float32, device)
+    _check_against_reference(q, k, v, is_causal=True, check_lse_grad=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 9), (5, 9), (9, 9), (9, 5), (70, 600)])
+def test_causal_alignments(device, q_len, kv_len):
+    q, k, v = _qkv(1, 2, 2, q_len, kv_len, 32, torch.float32, device)
+    top_left, _ = safeattn.attention(q, k, v, is_causal=True)
+    want = torch.ones(q_len, kv_len, dtype=torch.bool).tril().to(device)
+    explicit, _ = safeattn.attention(q, k, v, attn_mask=want)
+    torch.testing.assert_close(top_left, explicit, msg="top-left causal != explicit tril mask")
+    if q_len <= kv_len:  # every row sees a key: SDPA agrees
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(top_left, sdpa, msg="top-left causal != SDPA is_causal")
+    bottom_right, _ = safeattn.attention(q, k, v, is_causal=True, q_offset=kv_len - q_len)
+    want = torch.ones(q_len, kv_len, dtype=torch.bool).tril(diagonal=kv_len - q_len).to(device)
+    explicit, _ = safeattn.attention(q, k, v, attn_mask=want)
+    torch.testing.assert_close(bottom_right, explicit, msg="bottom-right causal != tril(KV - Q) mask")
+    # kv_offset shifts the other way; causal and a mask are ANDed.
+    shifted, _ = safeattn.attention(q, k, v, is_causal=True, q_offset=7, kv_offset=7)
+    torch.testing.assert_close(shifted, top_left, msg="equal offsets must not change the mask")
+    pad = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    pad[:, 0] = False
+    both, _ = safeattn.attention(q, k, v, attn_mask=pad, is_causal=True)
+    explicit, _ = safeattn.attention(q, k, v, attn_mask=pad & torch.ones_like(pad).tril())
+    torch.testing.assert_close(both, explicit, msg="is_causal with attn_mask must AND them")
+    assert torch.all(both[:, :, 0] == 0), "row 0 sees only the padded key: must be 0"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_sdpa(device, dtype):
+    q, k, v = _qkv(2, 4, 4, 100, 130, 64, dtype, device)
+    mask = (torch.rand(2, 1, 100, 130) > 0.2).to(device)
+    mask[..., 0] = True
+    for kwargs in ({}, {"attn_mask": mask}, {"is_causal": True}, {"scale": 0.3}):
+        got, _ = safeattn.attention(q, k, v, **kwargs)
+        want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(
+            got, want, atol=tol, rtol=tol, msg=f"differs from SDPA with {list(kwargs)}"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_poisoned_padding_never_leaks(device):
+    # Every input is a view into a larger NaN-filled buffer (padded head dim, sequence, heads);
+    # the kernel must read only the view.
+    batch, hq, hkv, q_len, kv_len, d = 2, 4, 2, 37, 530, 40
+
+    def poisoned(h, s, dim, grad=True):
+        big = torch.full((batch, s + 3, h + 1, dim + 24), float("nan"), device=device)
+        view = big[:, 1 : s + 1, :h, 8 : 8 + dim].transpose(1, 2)
+        view.copy_(torch.randn(batch, h, s, dim))
+        return view.detach().requires_grad_(grad) if grad else view
+
+    q, k, v = poisoned(hq, q_len, d), poisoned(hkv, kv_len, d), poisoned(hkv, kv_len, d)
+    big_mask = torch.full((batch, 1, q_len + 2, kv_len + 5), float("nan"), device=device)
+    bias = big_mask[:, :, 1 : q_len + 1, 2 : kv_len + 2]
+    bias.copy_(torch.randn(batch, 1, q_len, kv_len))
+    bias = bias.detach().requires_grad_()
+    sinks = torch.randn(hq, device=device, requires_grad=True)
+    out, lse = safeattn.attention(q, k, v, bias, is_causal=True, enable_gqa=True, softcap=20.0, sinks=sinks)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN padding leaked into the forward"
+    grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, bias, sinks))
+    assert not any(g.isnan().any() for g in grads), "NaN padding leaked into a gradient"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_propagates(device):
+    q, k, v = _qkv(1, 2, 2, 10, 700, 32, torch.float32, device)
+    q, k, v = q.detach().clone(), k.detach().clone(), v.detach().clone()
+    q[0, 0, 3, 5] = float("nan")  # one query row
+    k[0, 1, 600, 0] = float("nan")  # one key, visible to every row of head 1
+    out, lse = safeattn.attention(q, k, v)
+    assert out[0, 0, 3].isnan().all() and lse[0, 0, 3].isnan(), "NaN query row must give NaN"
+    assert not out[0, 0, [0, 1, 2, 4]].isnan().any(), "NaN must stay in its own row"
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan().all(), "NaN key must reach every row that sees it"
+    causal_out, _ = safeattn.attention(q, k, v, is_causal=True)
+    assert not causal_out[0, 1].isnan().any(), "a NaN key hidden by the causal mask must not leak"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_sizes(device):
+    q, k, v = _qkv(1, 2, 2, 5, 0, 16, torch.float32, device)
+    out, lse = safeattn.attention(q, k, v)
+    assert torch.all(out == 0) and torch.all(lse.isneginf()), "no keys: out 0, lse -inf"
+    gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert torch.all(gq == 0) and gk.shape == k.shape and gv.shape == v.shape
+    q, k, v = _qkv(1, 2, 2, 0, 7, 16, torch.float32, device)
+    out, lse = safeattn.attention(q, k, v)
+    assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
+
+
+def _small_case(device, dtype=torch.float64):
+    q, k, v = _qkv(2, 4, 2, 6, 9, 8, dtype, device)
+    bias = torch.randn(1, 4, 6, 9, dtype=dtype, device=device)
+    bias[0, 1, 2] = float("-inf")  # one fully masked row
+    sinks = torch.randn(4, dtype=dtype, device=device)
+    return q, k, v, bias.requires_grad_(), sinks.requires_grad_()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device):
+    q, k, v, bias, sinks = _small_case(device)
+
+    def fn(q, k, v, bias, sinks):
+        out, lse = safeattn.attention(
+            q, k, v, bias, is_causal=True, enable_gqa=True, q_offset=3, softcap=3.0, sinks=sinks
+        )
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias, sinks), eps=1e-6, atol=1e-5)
+
+    def no_sinks(q, k, v, bias):
+        out, lse = safeattn.attention(q, k, v, bias, enable_gqa=True)
+        return out, torch.where(lse.isfinite(), lse, 0.0)
+
+    assert torch.autograd.gradcheck(no_sinks, (q, k, v, bias), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q, k, v, bias, sinks = _small_case(device, torch.float32)
+    bool_mask = torch.rand(6, 9, device=device) > 0.3
+    samples = [
+        ((q, k, v), {"enable_gqa": True}),
+        ((q, k, v, bias), {"enable_gqa": True, "is_causal": True, "q_offset": 3}),
+        ((q, k, v, bool_mask), {"enable_gqa": True, "softcap": 5.0, "sinks": sinks}),
+    ]
+    for args, kwargs in samples:
+        torch.library.opcheck(torch.ops.safeattn.attention.default, args, kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_dynamic(device):
+    torch._dynamo.reset()
+
+    def fn(q, k, v, bias, sinks):
+        out, lse = safeattn.attention(
+            q, k, v, bias, is_causal=True, enable_gqa=True, softcap=10.0, sinks=sinks
+        )
+        return out.transpose(1, 2).float().square().sum() + lse.sum()
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for q_len, kv_len in ((9, 17), (12, 33)):
+        q, k, v = _qkv(2, 4, 2, q_len, kv_len, 32, torch.float32, device)
+        bias = torch.randn(1, 1, q_len, kv_len, device=device, requires_grad=True)
+        sinks = torch.randn(4, device=device, requires_grad=True)
+        inputs = (q, k, v, bias, sinks)
+        want = fn(*inputs)
+        want_grads = torch.autograd.grad(want, inputs)
+        got = compiled(*inputs)
+        got_grads = torch.autograd.grad(got, inputs)
+        torch.testing.assert_close(got, want, msg="compiled forward differs from eager")
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, msg="compiled backward differs from eager")
+
+
+def _bad_inputs():
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+
+    q, k, v = t(1, 4, 5, 8), t(1, 2, 7, 8), t(1, 2, 7, 6)
+    return [
+        ((t(4, 5, 8), k, v), {}, "attention: query must be 4-D"),
+        ((q, t(2, 7, 8), v), {}, "attention: key must be 4-D"),
+        (
+            (q.long(), k.long(), v.long()),
+            {},
+            "attention: query must have dtype Float, Half, BFloat16 or Double, got Long",
+        ),
+        ((q, k.half(), v), {"enable_gqa": True}, "attention: key has dtype Half but query has Float"),
+        ((q, k, v.double()), {"enable_gqa": True}, "attention: value has dtype Double but query has Float"),
+        (
+            (q, t(2, 2, 7, 8), t(2, 2, 7, 6)),
+            {"enable_gqa": True},
+            "attention: key has batch 2 but query has 1",
+        ),
+        ((q, k, t(1, 2, 6, 6)), {"enable_gqa": True}, "attention: value has kv_length 6 but key has 7"),
+        ((q, k, t(1, 1, 7, 6)), {"enable_gqa": True}, "attention: value has 1 heads but key has 2"),
+        ((q, t(1, 2, 7, 16), v), {"enable_gqa": True}, "attention: key has head_dim 16 but query has 8"),
+        (
+            (q, k, v),
+            {},
+            re.escape("attention: query has 4 heads but key and value have 2; pass enable_gqa=True"),
+        ),
+        (
+            (q, t(1, 3, 7, 8), t(1, 3, 7, 6)),
+            {"enable_gqa": True},
+            re.escape("query heads (4) must be a multiple"),
+        ),
+        ((q, k, v), {"enable_gqa": True, "dropout_p": 0.1}, "attention: dropout_p must be 0"),
+        ((q, k, v), {"enable_gqa": True, "softcap": -1.0}, "attention: softcap must be >= 0"),
+        (
+            (q, k, v, t(5, 7, dtype=torch.int64)),
+            {"enable_gqa": True},
+            "attention: attn_mask must be Bool, Float or the query",
+        ),
+        (
+            (q, k, v, t(5, 6) > 0),
+            {"enable_gqa": True},
+            re.escape("attention: attn_mask of shape [5, 6] is not broadcastable"),
+        ),
+        (
+            (q, k, v, t(3, 5, 7) > 0),
+            {"enable_gqa": True},
+            "attention: attn_mask of shape .* is not broadcastable",
+        ),
+        ((q, k, v, t(7) > 0), {"enable_gqa": True}, "attention: attn_mask must be 2-D, 3-D or 4-D, got 1-D"),
+        (
+            (q, k, v),
+            {"enable_gqa": True, "sinks": t(2)},
+            re.escape("attention: sinks must be [num_heads] = [4], got [2]"),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), _bad_inputs())
+@pytest.mark.parametrize("mode", ["eager", "meta", "fake"])
+def test_bad_inputs(args, kwargs, message, mode):
+    if mode == "meta":
+        args = tuple(a.to("meta") for a in args)
+        kwargs = {n: (a.to("meta") if isinstance(a, torch.Tensor) else a) for n, a in kwargs.items()}
+    if mode == "fake":
+        with torch._subclasses.FakeTensorMode() as fake_mode:
+            args = tuple(fake_mode.from_tensor(a) for a in args)
+            kwargs = {
+                n: (fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for n, a in kwargs.items()
+            }
+            with pytest.raises(RuntimeError, match=message):
+                safeattn.attention(*args, **kwargs)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        safeattn.attention(*args, **kwargs)
+
+
+def test_device_mismatch_message():
+    q = torch.randn(1, 2, 3, 8)
+    mask = torch.ones(3, 3, dtype=torch.bool, device="meta")
+    with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
+        safeattn.attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), mask)
+
+
+def test_fake_strides_match_kernel():
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    out, lse = safeattn.attention(q, k, v)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fout, flse = safeattn.attention(*(mode.from_tensor(t) for t in (q, k, v)))
+    assert fout.stride() == out.stride() and flse.stride() == lse.stride(), (
+        "fake strides differ from the kernel's"
+    )
+    assert out.stride() == (5 * 4 * 8, 8, 4 * 8, 1)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim():
+    q, k, v = (torch.randn(1, 2, 6, 20) for _ in range(3))
+    a, _ = safeattn.attention(q, k, v)
+    b, _ = safeattn.attention(q, k, v, scale=1 / math.sqrt(20))
+    torch.testing.assert_close(a, b, msg="default scale must be 1/sqrt(D)")
