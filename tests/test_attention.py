@@ -215,6 +215,17 @@ def test_float_bias_gradient(device, bias_shape, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_gradient_several_tiles(device, causal):
+    # Several query and key tiles; with causal, whole tiles are skipped and their bias gradient
+    # must still be written (0).
+    q, k, v = _qkv(1, 2, 2, 150, 300, 32, torch.float32, device)
+    gen = torch.Generator().manual_seed(6)
+    bias = torch.randn(1, 2, 150, 300, generator=gen).to(device).requires_grad_()
+    _check_against_reference(q, k, v, attn_mask=bias, is_causal=causal, extra_grad_inputs=(bias,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradient_is_deterministic_across_threads(device):
     q, k, v = _qkv(2, 8, 2, 50, 300, 32, torch.float32, device)
     bias = torch.randn(1, 1, 50, 300, device=device, requires_grad=True)
