@@ -1,8 +1,9 @@
 // CPU backward of safeattn::attention, compiled once per ISA (see common/isa_dispatch.h).
 //
-// A task is one (batch, kv-head): it owns dK and dV of that head and dQ (and the mask
-// gradient's partial sums) of the query heads of its group, so nothing is written by two
-// tasks: no atomics, and the result does not depend on the thread count.
+// A task is one (batch, kv-head): it packs what it reads (K, K^T, V, and the group's Q, Q^T,
+// dO, dO^T in float32), and owns dK and dV of that head and dQ (and the mask gradient's partial
+// sums) of the query heads of its group, so nothing is written by two tasks: no atomics, the
+// result does not depend on the thread count, and the whole backward is one parallel region.
 // The task walks key tiles (kKvBlock) and, inside, every query head of the group and query
 // tiles (kQBlock). Probabilities are recomputed from lse; the tiles are kept transposed
 // (keys along rows, queries along columns) so that every product is a row-major GEMM and the
