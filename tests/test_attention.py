@@ -411,8 +411,10 @@ def test_compile_fullgraph_dynamic(device):
     torch._dynamo.reset()
 
     def fn(q, k, v, bias, sinks):
+        # Bottom-right causal: q_offset is a symbolic size expression under dynamic=True.
+        q_offset = k.shape[2] - q.shape[2]
         out, lse = safeattn.attention(
-            q, k, v, bias, is_causal=True, enable_gqa=True, softcap=10.0, sinks=sinks
+            q, k, v, bias, is_causal=True, enable_gqa=True, softcap=10.0, sinks=sinks, q_offset=q_offset
         )
         return out.transpose(1, 2).float().square().sum() + lse.sum()
 
@@ -512,8 +514,13 @@ def test_bad_inputs(args, kwargs, message, mode):
 def test_device_mismatch_message():
     q = torch.randn(1, 2, 3, 8)
     mask = torch.ones(3, 3, dtype=torch.bool, device="meta")
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
-        safeattn.attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), mask)
+        safeattn.attention(q, k, v, mask)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v, mask)]
+        with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
+            safeattn.attention(*fakes)
 
 
 def test_fake_strides_match_kernel():
