@@ -39,21 +39,24 @@ def _inputs(kind, batch, heads, seq, head_dim, dtype, device, backward):
     return (q, k, v), kwargs
 
 
-def _time(fn, make_inputs, repeats, device, backward):
-    times = []
-    for r in range(repeats + 1):  # the first run warms up
-        args, kwargs = make_inputs()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        if backward:
-            out.backward(torch.ones_like(out))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if r > 0:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _time(fns, make_inputs, repeats, device, backward):
+    """Median milliseconds of each fn; the fns alternate within every repeat so that a shared,
+    noisy machine slows them alike."""
+    times = [[] for _ in fns]
+    for r in range(repeats + 1):  # the first round warms up
+        for i, fn in enumerate(fns):
+            args, kwargs = make_inputs()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if backward:
+                out.backward(torch.ones_like(out))
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if r > 0:
+                times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def ours(q, k, v, **kwargs):
@@ -76,7 +79,7 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -101,8 +104,7 @@ def main(argv=None):
                                     kind, args.batch, args.heads, seq, head_dim, dtype, args.device, backward
                                 )
 
-                            t_ours = _time(ours, make, args.repeats, args.device, backward)
-                            t_sdpa = _time(sdpa, make, args.repeats, args.device, backward)
+                            t_ours, t_sdpa = _time((ours, sdpa), make, args.repeats, args.device, backward)
                         label = "fwd+bwd" if backward else "fwd"
                         print(
                             f"{dtype_name:<9}{seq:>6}{head_dim:>5}  {kind:<7}{label:<8}"

@@ -180,11 +180,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
   at::Tensor mask4;
   at::Tensor partial;
+  bool grad_mask_assign = false;
   if (attn_mask.has_value()) {
     mask4 = mask_as_4d(*attn_mask);
     if (grad_mask_needed) {
       const int64_t mask_heads = mask4.size(1) == hq ? hq : hkv;
-      partial = at::zeros({batch, mask_heads, mask4.size(2), mask4.size(3)}, query.options().dtype(acc));
+      grad_mask_assign = mask_heads == hq && mask4.size(2) == q_len && mask4.size(3) == kv_len && !empty;
+      const std::vector<int64_t> sizes{batch, mask_heads, mask4.size(2), mask4.size(3)};
+      partial = grad_mask_assign ? at::empty(sizes, query.options().dtype(acc))
+                                 : at::zeros(sizes, query.options().dtype(acc));
     }
   }
   if (!empty) {
@@ -205,6 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.grad_key = grad_key;
     args.grad_value = grad_value;
     args.grad_mask_partial = partial;
+    args.grad_mask_assign = grad_mask_assign;
     args.scale = scale;
     args.softcap = softcap;
     args.is_causal = is_causal;

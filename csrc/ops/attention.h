@@ -68,6 +68,10 @@ struct AttentionBwdArgs {
   // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
   // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
   at::Tensor grad_mask_partial;
+  // True when every element of grad_mask_partial gets exactly one contribution (one query
+  // head per slot, full Q and KV dims): the kernel assigns instead of accumulating, so the
+  // buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is the gradient itself.
+  bool grad_mask_assign = false;
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;

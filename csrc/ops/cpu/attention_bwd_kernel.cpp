@@ -1,8 +1,9 @@
 // CPU backward of safeattn::attention, compiled once per ISA (see common/isa_dispatch.h).
 //
-// A task is one (batch, kv-head): it owns dK and dV of that head and dQ (and the mask
-// gradient's partial sums) of the query heads of its group, so nothing is written by two
-// tasks: no atomics, and the result does not depend on the thread count.
+// A task is one (batch, kv-head): it packs what it reads (K, K^T, V, and the group's Q, Q^T,
+// dO, dO^T in float32), and owns dK and dV of that head and dQ (and the mask gradient's partial
+// sums) of the query heads of its group, so nothing is written by two tasks: no atomics, the
+// result does not depend on the thread count, and the whole backward is one parallel region.
 // The task walks key tiles (kKvBlock) and, inside, every query head of the group and query
 // tiles (kQBlock). Probabilities are recomputed from lse; the tiles are kept transposed
 // (keys along rows, queries along columns) so that every product is a row-major GEMM and the
@@ -87,6 +88,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
     std::vector<acc_t> st(kKvBlock * ld), dpt(kKvBlock * ld), tanh_t(softcap > 0 ? kKvBlock * ld : 0);
     std::vector<acc_t> dk(kKvBlock * head_dim), dvb(kKvBlock * dv);
     std::vector<acc_t> lse_tile(ld), delta_tile(ld);
+    std::vector<acc_t> mask_tile(mask.kind != MaskKind::kNone ? kKvBlock * ld : 0);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task / hkv, hk = task % hkv;
       pack(k_rows.data(), head_dim, k_src + b * key.stride(0) + hk * key.stride(1), key.stride(2), key.stride(3),
@@ -134,7 +136,15 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
           const acc_t* gor = go_rows.data() + g * q_len * dv;
           const acc_t* goc = go_cols.data() + g * dv * q_len;
           acc_t* dqc = dq_cols.data() + g * head_dim * q_len;
-          for (int64_t i0 = first_i / kQBlock * kQBlock; i0 < q_len; i0 += kQBlock) {
+          const int64_t i_start = first_i / kQBlock * kQBlock;
+          if (gm != nullptr && a.grad_mask_assign) {
+            // Assigned, not accumulated: the rows no tile visits must still be written.
+            acc_t* gm_head = gm + (b * gm_heads + h) * gm_q * gm_kv;
+            for (int64_t i = 0; i < i_start; ++i) {
+              std::fill(gm_head + i * gm_kv + j0, gm_head + i * gm_kv + j0 + n, acc_t(0));
+            }
+          }
+          for (int64_t i0 = i_start; i0 < q_len; i0 += kQBlock) {
             const int64_t m = std::min(kQBlock, q_len - i0);
             const int64_t m_pad = round_up(m, Vec::size());
             for (int64_t c = 0; c < ld; ++c) {
@@ -143,14 +153,17 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
             }
             gemm(n, m, head_dim, k_rows.data() + j0 * head_dim, head_dim, qc + i0, q_len, st.data(), ld, false);
             gemm(n, m, dv, v_rows.data() + j0 * dv, dv, goc + i0, q_len, dpt.data(), ld, false);
+            if (mask.kind != MaskKind::kNone) {
+              stage_mask_transposed(mask_tile.data(), ld, mask, mask.offset(b, h, i0, j0), m, n);
+            }
             for (int64_t r = 0; r < n; ++r) {
               const int64_t j = j0 + r;
               acc_t* s = st.data() + r * ld;
               acc_t* dp = dpt.data() + r * ld;
               acc_t* th = softcap > 0 ? tanh_t.data() + r * ld : nullptr;
-              scale_scores<acc_t>(s, m, scale, softcap, th);
+              scale_scores<acc_t>(s, m_pad, scale, softcap, th);
               if (mask.kind != MaskKind::kNone) {
-                apply_mask_run(s, m, mask, mask.offset(b, h, i0, j), mask.stride_q);
+                add_staged_mask(s, mask_tile.data() + r * ld, m_pad);
               }
               if (causal) {
                 // Queries i < j - diagonal do not see key j.
@@ -163,14 +176,35 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
                 p.store(s + c);
                 (p * (Vec::loadu(dp + c) - Vec::loadu(delta_tile.data() + c))).store(dp + c);
               }
-              if (gm != nullptr) {
-                const int64_t head_slot = gm_heads == hq ? h : hk;
-                acc_t* gm_row = gm + ((b * gm_heads + head_slot) * gm_q) * gm_kv + (gm_kv == 1 ? 0 : j);
-                for (int64_t c = 0; c < m; ++c) {
-                  gm_row[(gm_q == 1 ? 0 : i0 + c) * gm_kv] += dp[c];
+            }
+            if (gm != nullptr) {
+              // The mask gradient is dS; written along the mask's rows (contiguous).
+              const int64_t head_slot = gm_heads == hq ? h : hk;
+              acc_t* gm_head = gm + (b * gm_heads + head_slot) * gm_q * gm_kv;
+              for (int64_t c = 0; c < m; ++c) {
+                acc_t* gm_row = gm_head + (gm_q == 1 ? 0 : i0 + c) * gm_kv;
+                if (gm_kv == 1) {
+                  acc_t sum = 0;
+                  for (int64_t r = 0; r < n; ++r) {
+                    sum += dpt[r * ld + c];
+                  }
+                  gm_row[0] += sum;
+                } else if (a.grad_mask_assign) {
+                  for (int64_t r = 0; r < n; ++r) {
+                    gm_row[j0 + r] = dpt[r * ld + c];
+                  }
+                } else {
+                  for (int64_t r = 0; r < n; ++r) {
+                    gm_row[j0 + r] += dpt[r * ld + c];
+                  }
                 }
               }
+            }
+            // dS' = dS * scale (* (1 - tanh^2) with softcap): the gradient of the raw q.k.
+            for (int64_t r = 0; r < n; ++r) {
+              acc_t* dp = dpt.data() + r * ld;
               if (softcap > 0) {
+                const acc_t* th = tanh_t.data() + r * ld;
                 for (int64_t c = 0; c < m_pad; c += Vec::size()) {
                   const Vec t = Vec::loadu(th + c);
                   (Vec::loadu(dp + c) * (Vec(acc_t(1)) - t * t) * Vec(scale)).store(dp + c);
