@@ -18,7 +18,12 @@ if [ ! -x "$SAFEATTN_VENV/bin/python" ] || [ ! -f "$SAFEATTN_VENV/.complete" ]; 
 fi
 # shellcheck disable=SC1091
 source "$SAFEATTN_VENV/bin/activate"
-echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
-_log="$(mktemp)"
-(cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
+if [ "${SAFEATTN_SKIP_BUILD:-0}" = "1" ]; then
+  # A second environment with the same torch reuses the in-place build (python/safeattn/_C*.so).
+  export PYTHONPATH="$_root/python${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
+  _log="$(mktemp)"
+  (cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
+fi
 python -c "import safeattn" || { echo "safeattn failed to build or import" >&2; exit 1; }
