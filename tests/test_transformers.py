@@ -188,6 +188,10 @@ def test_dropout_in_training_is_rejected_or_applied():
 # size (dynamic shapes: the same graph).
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
 def test_compile_fullgraph_dynamic(name):
+    if name == "gpt_oss" and IS_TF4:
+        # modeling_gpt_oss.py's experts loop `for expert_idx in expert_hit[:]` is data-dependent
+        # in 4.57: no attention implementation compiles it with fullgraph=True.
+        pytest.skip("GPT-OSS's MoE in transformers 4.57 cannot be compiled with fullgraph=True")
     config = make_config(name)
     model = make_model(config, "safeattn")
     torch._dynamo.reset()
