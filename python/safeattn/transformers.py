@@ -388,11 +388,16 @@ def _skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_s
 _FALLBACK_LOGGED: set = set()
 
 
-def _log_fallback(reason: str) -> None:
-    if torch.compiler.is_compiling() or reason in _FALLBACK_LOGGED:
+def _log_once(message: str) -> None:
+    """Logs `message` once per process at debug level (never while torch.compile traces)."""
+    if torch.compiler.is_compiling() or message in _FALLBACK_LOGGED:
         return
-    _FALLBACK_LOGGED.add(reason)
-    _logger.debug("safeattn: %s; using Transformers' own mask construction (correct, slower)", reason)
+    _FALLBACK_LOGGED.add(message)
+    _logger.debug("safeattn: %s", message)
+
+
+def _log_fallback(reason: str) -> None:
+    _log_once(f"{reason}; using Transformers' own mask construction (correct, slower)")
 
 
 def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirectional_skip: bool):
@@ -597,7 +602,7 @@ def attention_forward(
         ``(out [B, Q, Hq, D] contiguous, None)``; a query row with every key masked gives 0.
     """
     if kwargs.get("output_attentions", False):
-        _log_fallback("output_attentions=True is not supported by safeattn attention (weights are None)")
+        _log_once("output_attentions=True: safeattn attention returns no weights (None)")
     q_length = query.shape[2]
     kv_length = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
@@ -648,7 +653,7 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_fallback("this build has no attention op; attention runs as composite PyTorch ops")
+        _log_once("this build has no attention op; attention runs as composite PyTorch ops")
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None
