@@ -223,6 +223,14 @@ def test_unsupported_compositions_are_not_recognised():
         "two windows": mu.and_masks(causal, sliding, mu.sliding_window_overlay(4)),
         "or of two causal masks": mu.or_masks(causal, mu.sliding_window_causal_mask_function(2)),
     }
+    if IS_TF5:
+        blocks = mu.blockwise_overlay(BLOCKS)
+        cases["bare block overlay"] = blocks
+        cases["block overlay ANDed"] = mu.and_masks(causal, blocks)
+        cases["block overlay ANDed with padding"] = mu.and_masks(
+            blocks, mu.padding_mask_function(PADDINGS["left"])
+        )
+        cases["or of a block and something ANDed after"] = mu.and_masks(mu.or_masks(causal, blocks), sliding)
     for what, fn in cases.items():
         form = st._recognise(fn)
         assert form is None or st._native_arguments(form, None) is None, f"{what} must fall back"

@@ -186,7 +186,7 @@ class _Form:
     one chunking. ``None`` fields are absent.
     """
 
-    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "padding")
+    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "block_ored", "padding")
 
     def __init__(self):
         self.causal = False
@@ -194,6 +194,9 @@ class _Form:
         self.chunk = None  # (chunk_size, left_padding [B] tensor or None)
         self.packed = None  # [B, L] sequence ids
         self.block = None  # [B, L] block ids
+        # The block rule is native only ORed onto a base (blockwise_overlay alone, or ANDed,
+        # is a different mask): False for the bare overlay, True once an OR has absorbed it.
+        self.block_ored = False
         self.padding = None  # list of [B, L] padding masks, ANDed
 
     def has_inner(self) -> bool:
@@ -242,9 +245,9 @@ def _and_forms(forms: list[_Form]) -> _Form | None:
         if form.block is not None:
             # (X OR block) AND Y is representable only when Y is padding: padding is the
             # outermost AND of the native rule.
-            if out.block is not None:
+            if out.block is not None or not form.block_ored:
                 return None
-            out.block = form.block
+            out.block, out.block_ored = form.block, True
         if form.padding is not None:
             out.padding = (out.padding or []) + form.padding
         out.causal = out.causal or form.causal
@@ -274,12 +277,17 @@ def _or_forms(forms: list[_Form]) -> _Form | None:
         return None
     first, second = forms
     for base, block in ((first, second), (second, first)):
-        block_only = block.block is not None and not block.has_inner() and block.padding is None
+        block_only = (
+            block.block is not None
+            and not block.block_ored
+            and not block.has_inner()
+            and block.padding is None
+        )
         if block_only and base.block is None and base.padding is None:
             out = _Form()
             for field in ("causal", "sliding", "chunk", "packed"):
                 setattr(out, field, getattr(base, field))
-            out.block = block.block
+            out.block, out.block_ored = block.block, True
             return out
     return None
 
@@ -306,6 +314,8 @@ def _recognise(fn, depth: int = 0) -> _Form | None:
 
 def _native_arguments(form: _Form, attention_mask):
     """Keyword arguments of safeattn.sdpa_mask for a form, or None if it cannot express it."""
+    if form.block is not None and not form.block_ored:
+        return None  # a bare blockwise_overlay: its rule alone is not a native mask
     kwargs = {"causal": form.causal}
     if form.sliding is not None:
         kind, window = form.sliding
