@@ -22,7 +22,10 @@ import safeattn.transformers as st  # noqa: E402  registers "safeattn"
 from transformers import masking_utils as mu  # noqa: E402
 
 IS_TF5 = "q_length" in inspect.signature(mu.sdpa_mask).parameters
-needs_tf5 = pytest.mark.skipif(not IS_TF5, reason=f"not in transformers {transformers.__version__}")
+needs_tf5 = pytest.mark.skipif(
+    not IS_TF5,
+    reason=f"5.x API (q_offset, bidirectional and block masks), not in transformers {transformers.__version__}",
+)
 
 
 def mask_kwargs(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **extra):
