@@ -295,3 +295,30 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
         )
     for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_position_bias_is_added_on_top_of_the_mask(mask_kind):
+    # T5-style decoders pass an additive position_bias; blocked keys stay blocked (-inf), so a
+    # fully masked query row is still 0. query [B, H, Q, D], key/value [B, H, KV, D].
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 4, 5, 5, generator=g)
+    allowed = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    allowed[0, :, 1] = False  # a fully masked query row
+    module = torch.nn.Module()
+    module.is_causal = True
+    if mask_kind == "none":
+        mask, allowed = None, torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    elif mask_kind == "bool":
+        mask = allowed
+    else:
+        mask = torch.zeros(2, 1, 5, 5).masked_fill(~allowed, float("-inf"))
+    out, _ = st.attention_forward(module, query, key, value, mask, scaling=0.3, position_bias=bias)
+    scores = (query.double() @ key.double().transpose(-1, -2)) * 0.3 + bias.double()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: 0
+    expected = (weights @ value.double()).transpose(1, 2).float()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{mask_kind}: {m}")
+    if mask_kind != "none":
+        assert torch.all(out[0, 1] == 0), "the fully masked query row is 0"

@@ -605,8 +605,8 @@ def attention_forward(
         is_causal: overrides ``module.is_causal``; causal applies only with no mask and ``Q > 1``.
         softcap: ``softcap * tanh(score / softcap)`` after scaling (Gemma2 / Gemma3).
         s_aux: ``[Hq]`` attention-sink logits (GPT-OSS): an extra key with no value per head.
-        position_bias: ``[B or 1, H or 1, Q, KV]`` additive bias (T5-style), combined with the
-            mask as Transformers' sdpa integration does.
+        position_bias: ``[B or 1, H or 1, Q, KV]`` additive bias (T5-style), added to the scores
+            on top of the mask (blocked keys stay blocked).
 
     Returns:
         ``(out [B, Q, Hq, D] contiguous, None)``; a query row with every key masked gives 0.
@@ -634,10 +634,14 @@ def attention_forward(
             position_bias = position_bias[:, :, :, :q_length]
 
     if position_bias is not None:
-        from transformers.integrations.sdpa_attention import create_position_bias_mask
-
-        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
-        is_causal = False
+        # An additive bias (T5-style). Blocked keys get -inf, not Transformers' finfo.min, so a
+        # fully masked row stays 0; the op applies is_causal together with a mask.
+        if attention_mask is None:
+            attention_mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, float("-inf"))
+        else:
+            attention_mask = position_bias + attention_mask
 
     if dropout:
         # The op has no dropout; say what to change rather than let training run without it.
