@@ -90,41 +90,58 @@ def batch(batch_size: int, seq: int, device, seed: int):
     return input_ids.to(device), attention_mask.to(device)
 
 
-def time_prefill(model, args, device, timer: MaskTimer):
-    times, mask_times = [], []
+def time_forward(model, kwargs, device, timer: MaskTimer):
+    """(seconds, seconds spent in the mask function, output) of one forward."""
+    timer.seconds = 0.0
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model(**kwargs)
+    sync(device)
+    return time.perf_counter() - start, timer.seconds, out
+
+
+def run(models: dict, args, device, timer: MaskTimer) -> dict:
+    """Median (forward, mask) seconds per implementation and phase.
+
+    Implementations take turns on every repeat and every decode step, so that a change in the
+    machine's load during the run weighs on all of them alike.
+    """
+    samples = {impl: {"prefill": [], "decode": []} for impl in models}
     for repeat in range(args.warmup + args.repeats):
         input_ids, attention_mask = batch(args.batch, args.seq, device, seed=repeat)
-        timer.seconds = 0.0
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-        sync(device)
-        if repeat >= args.warmup:
-            times.append(time.perf_counter() - start)
-            mask_times.append(timer.seconds)
-    return statistics.median(times), statistics.median(mask_times)
+        for impl, model in models.items():
+            kwargs = dict(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
+            )
+            total, mask, _ = time_forward(model, kwargs, device, timer)
+            if repeat >= args.warmup:
+                samples[impl]["prefill"].append((total, mask))
 
-
-def time_decode(model, args, device, timer: MaskTimer):
     input_ids, attention_mask = batch(args.batch, args.seq, device, seed=100)
-    with torch.no_grad():
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    caches = {}
+    for impl, model in models.items():
+        kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
+        caches[impl] = time_forward(model, kwargs, device, timer)[2].past_key_values
     g = torch.Generator().manual_seed(1)
-    times, mask_times = [], []
-    for _ in range(args.new_tokens):
+    for step in range(args.new_tokens):
         token = torch.randint(3, 1000, (args.batch, 1), generator=g).to(device)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(args.batch, 1)], dim=1)
-        timer.seconds = 0.0
-        sync(device)
-        start = time.perf_counter()
-        with torch.no_grad():
-            model(input_ids=token, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-        sync(device)
-        times.append(time.perf_counter() - start)
-        mask_times.append(timer.seconds)
-    return statistics.median(times[2:]), statistics.median(mask_times[2:])
+        for impl, model in models.items():
+            kwargs = dict(
+                input_ids=token, attention_mask=attention_mask, past_key_values=caches[impl], use_cache=True
+            )
+            total, mask, _ = time_forward(model, kwargs, device, timer)
+            if step >= 2:  # the first steps warm up
+                samples[impl]["decode"].append((total, mask))
+
+    return {
+        impl: {
+            phase: (statistics.median(t for t, _ in values), statistics.median(m for _, m in values))
+            for phase, values in phases.items()
+        }
+        for impl, phases in samples.items()
+    }
 
 
 def main():
@@ -145,15 +162,9 @@ def main():
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
 
-    rows = {}
+    models = {impl: make_model(impl, device, dtype) for impl in IMPLEMENTATIONS}
     with MaskTimer(device) as timer:
-        for impl in IMPLEMENTATIONS:
-            model = make_model(impl, device, dtype)
-            rows[impl] = {
-                "prefill": time_prefill(model, args, device, timer),
-                "decode": time_decode(model, args, device, timer),
-            }
-            del model
+        rows = run(models, args, device, timer)
 
     print(
         f"# transformers {transformers.__version__}, torch {torch.__version__}, safeattn {safeattn.__version__}, "

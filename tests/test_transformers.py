@@ -8,6 +8,8 @@ Models that do not exist in the installed Transformers are skipped with the reas
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,7 @@ from _transformers_models import (  # noqa: E402
     padded_batch,
     reference_impl,
 )
-from transformers import AttentionInterface  # noqa: E402
+from transformers import AttentionInterface, masking_utils  # noqa: E402
 
 NAMES = list(MODELS)
 
@@ -130,7 +132,13 @@ def test_features_are_honoured(monkeypatch):
 @pytest.mark.parametrize("name", NAMES)
 def test_generate_same_greedy_tokens(name, cache):
     config = make_config(name)
-    if name == "llama4" and cache == "static" and not IS_TF4:
+    chunked_mask_params = inspect.signature(masking_utils.create_chunked_causal_mask).parameters
+    if (
+        name == "llama4"
+        and cache == "static"
+        and not IS_TF4
+        and "block_sequence_ids" not in chunked_mask_params
+    ):
         # Transformers' own bug, "sdpa" included: create_masks_for_generate passes
         # block_sequence_ids to create_chunked_causal_mask, which does not take it.
         pytest.skip("Transformers 5.x cannot generate with a static cache for chunked attention")
@@ -188,6 +196,10 @@ def test_dropout_in_training_is_rejected_or_applied():
 # size (dynamic shapes: the same graph).
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
 def test_compile_fullgraph_dynamic(name):
+    if name == "gpt_oss" and IS_TF4:
+        # modeling_gpt_oss.py's experts loop `for expert_idx in expert_hit[:]` is data-dependent
+        # in 4.57: no attention implementation compiles it with fullgraph=True.
+        pytest.skip("GPT-OSS's MoE in transformers 4.57 cannot be compiled with fullgraph=True")
     config = make_config(name)
     model = make_model(config, "safeattn")
     torch._dynamo.reset()
@@ -283,3 +295,30 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
         )
     for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_position_bias_is_added_on_top_of_the_mask(mask_kind):
+    # T5-style decoders pass an additive position_bias; blocked keys stay blocked (-inf), so a
+    # fully masked query row is still 0. query [B, H, Q, D], key/value [B, H, KV, D].
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    bias = torch.randn(1, 4, 5, 5, generator=g)
+    allowed = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    allowed[0, :, 1] = False  # a fully masked query row
+    module = torch.nn.Module()
+    module.is_causal = True
+    if mask_kind == "none":
+        mask, allowed = None, torch.ones(5, 5, dtype=torch.bool).tril().expand(2, 1, 5, 5)
+    elif mask_kind == "bool":
+        mask = allowed
+    else:
+        mask = torch.zeros(2, 1, 5, 5).masked_fill(~allowed, float("-inf"))
+    out, _ = st.attention_forward(module, query, key, value, mask, scaling=0.3, position_bias=bias)
+    scores = (query.double() @ key.double().transpose(-1, -2)) * 0.3 + bias.double()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: 0
+    expected = (weights @ value.double()).transpose(1, 2).float()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{mask_kind}: {m}")
+    if mask_kind != "none":
+        assert torch.all(out[0, 1] == 0), "the fully masked query row is 0"

@@ -22,7 +22,10 @@ import safeattn.transformers as st  # noqa: E402  registers "safeattn"
 from transformers import masking_utils as mu  # noqa: E402
 
 IS_TF5 = "q_length" in inspect.signature(mu.sdpa_mask).parameters
-needs_tf5 = pytest.mark.skipif(not IS_TF5, reason=f"not in transformers {transformers.__version__}")
+needs_tf5 = pytest.mark.skipif(
+    not IS_TF5,
+    reason=f"5.x API (q_offset, bidirectional and block masks), not in transformers {transformers.__version__}",
+)
 
 
 def mask_kwargs(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, **extra):
@@ -223,6 +226,14 @@ def test_unsupported_compositions_are_not_recognised():
         "two windows": mu.and_masks(causal, sliding, mu.sliding_window_overlay(4)),
         "or of two causal masks": mu.or_masks(causal, mu.sliding_window_causal_mask_function(2)),
     }
+    if IS_TF5:
+        blocks = mu.blockwise_overlay(BLOCKS)
+        cases["bare block overlay"] = blocks
+        cases["block overlay ANDed"] = mu.and_masks(causal, blocks)
+        cases["block overlay ANDed with padding"] = mu.and_masks(
+            blocks, mu.padding_mask_function(PADDINGS["left"])
+        )
+        cases["or of a block and something ANDed after"] = mu.and_masks(mu.or_masks(causal, blocks), sliding)
     for what, fn in cases.items():
         form = st._recognise(fn)
         assert form is None or st._native_arguments(form, None) is None, f"{what} must fall back"

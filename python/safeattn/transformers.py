@@ -186,7 +186,7 @@ class _Form:
     one chunking. ``None`` fields are absent.
     """
 
-    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "padding")
+    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "block_ored", "padding")
 
     def __init__(self):
         self.causal = False
@@ -194,6 +194,9 @@ class _Form:
         self.chunk = None  # (chunk_size, left_padding [B] tensor or None)
         self.packed = None  # [B, L] sequence ids
         self.block = None  # [B, L] block ids
+        # The block rule is native only ORed onto a base (blockwise_overlay alone, or ANDed,
+        # is a different mask): False for the bare overlay, True once an OR has absorbed it.
+        self.block_ored = False
         self.padding = None  # list of [B, L] padding masks, ANDed
 
     def has_inner(self) -> bool:
@@ -242,9 +245,9 @@ def _and_forms(forms: list[_Form]) -> _Form | None:
         if form.block is not None:
             # (X OR block) AND Y is representable only when Y is padding: padding is the
             # outermost AND of the native rule.
-            if out.block is not None:
+            if out.block is not None or not form.block_ored:
                 return None
-            out.block = form.block
+            out.block, out.block_ored = form.block, True
         if form.padding is not None:
             out.padding = (out.padding or []) + form.padding
         out.causal = out.causal or form.causal
@@ -274,12 +277,17 @@ def _or_forms(forms: list[_Form]) -> _Form | None:
         return None
     first, second = forms
     for base, block in ((first, second), (second, first)):
-        block_only = block.block is not None and not block.has_inner() and block.padding is None
+        block_only = (
+            block.block is not None
+            and not block.block_ored
+            and not block.has_inner()
+            and block.padding is None
+        )
         if block_only and base.block is None and base.padding is None:
             out = _Form()
             for field in ("causal", "sliding", "chunk", "packed"):
                 setattr(out, field, getattr(base, field))
-            out.block = block.block
+            out.block, out.block_ored = block.block, True
             return out
     return None
 
@@ -306,6 +314,8 @@ def _recognise(fn, depth: int = 0) -> _Form | None:
 
 def _native_arguments(form: _Form, attention_mask):
     """Keyword arguments of safeattn.sdpa_mask for a form, or None if it cannot express it."""
+    if form.block is not None and not form.block_ored:
+        return None  # a bare blockwise_overlay: its rule alone is not a native mask
     kwargs = {"causal": form.causal}
     if form.sliding is not None:
         kind, window = form.sliding
@@ -388,11 +398,16 @@ def _skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_s
 _FALLBACK_LOGGED: set = set()
 
 
-def _log_fallback(reason: str) -> None:
-    if torch.compiler.is_compiling() or reason in _FALLBACK_LOGGED:
+def _log_once(message: str) -> None:
+    """Logs `message` once per process at debug level (never while torch.compile traces)."""
+    if torch.compiler.is_compiling() or message in _FALLBACK_LOGGED:
         return
-    _FALLBACK_LOGGED.add(reason)
-    _logger.debug("safeattn: %s; using Transformers' own mask construction (correct, slower)", reason)
+    _FALLBACK_LOGGED.add(message)
+    _logger.debug("safeattn: %s", message)
+
+
+def _log_fallback(reason: str) -> None:
+    _log_once(f"{reason}; using Transformers' own mask construction (correct, slower)")
 
 
 def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirectional_skip: bool):
@@ -590,14 +605,14 @@ def attention_forward(
         is_causal: overrides ``module.is_causal``; causal applies only with no mask and ``Q > 1``.
         softcap: ``softcap * tanh(score / softcap)`` after scaling (Gemma2 / Gemma3).
         s_aux: ``[Hq]`` attention-sink logits (GPT-OSS): an extra key with no value per head.
-        position_bias: ``[B or 1, H or 1, Q, KV]`` additive bias (T5-style), combined with the
-            mask as Transformers' sdpa integration does.
+        position_bias: ``[B or 1, H or 1, Q, KV]`` additive bias (T5-style), added to the scores
+            on top of the mask (blocked keys stay blocked).
 
     Returns:
         ``(out [B, Q, Hq, D] contiguous, None)``; a query row with every key masked gives 0.
     """
     if kwargs.get("output_attentions", False):
-        _log_fallback("output_attentions=True is not supported by safeattn attention (weights are None)")
+        _log_once("output_attentions=True: safeattn attention returns no weights (None)")
     q_length = query.shape[2]
     kv_length = key.shape[2]
     if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_length:
@@ -619,10 +634,14 @@ def attention_forward(
             position_bias = position_bias[:, :, :, :q_length]
 
     if position_bias is not None:
-        from transformers.integrations.sdpa_attention import create_position_bias_mask
-
-        attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal, query, key)
-        is_causal = False
+        # An additive bias (T5-style). Blocked keys get -inf, not Transformers' finfo.min, so a
+        # fully masked row stays 0; the op applies is_causal together with a mask.
+        if attention_mask is None:
+            attention_mask = position_bias
+        elif attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, position_bias, float("-inf"))
+        else:
+            attention_mask = position_bias + attention_mask
 
     if dropout:
         # The op has no dropout; say what to change rather than let training run without it.
@@ -648,7 +667,7 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_fallback("this build has no attention op; attention runs as composite PyTorch ops")
+        _log_once("this build has no attention op; attention runs as composite PyTorch ops")
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None
