@@ -41,7 +41,8 @@ def _mask_fn(pad, q_positions):
     # A decode step: one query at position n - 1 over the n keys.
     decode = safeattn.sdpa_mask(b, 1, n, n - 1, padding_mask=pad, dtype=torch.float16, use_finfo_min=True)
     chunked = safeattn.sdpa_mask(b, n, n, q_positions=q_positions, chunk_size=4, causal=False)
-    return sliding, additive, decode, chunked
+    causal = safeattn.sdpa_mask(b, n, n, device=pad.device)  # no tensor argument: sizes and device
+    return sliding, additive, decode, chunked, causal
 
 
 def _mask_inputs(n, device, gen):

@@ -181,8 +181,8 @@ def test_transformers_closure_padding_mask_prefill_then_decode_inductor_cpu():
     safeattn mask interface builds it natively. Prefill, then a decode step with the cache (new
     shapes: a recompile), with inductor's C++ backend and without the
     assert_indirect_indexing=False workaround. Logits equal eager's, and no NaN."""
-    transformers, config = _tiny_llama()
     pytest.importorskip("safeattn.transformers", reason="the Transformers integration is not in this build")
+    transformers, config = _tiny_llama()
     assert torch._inductor.config.assert_indirect_indexing, "the test must run without the workaround"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="safeattn").eval()
