@@ -19,7 +19,7 @@ from _op_cases import CASE_PARAMS, DEVICES, clone_inputs, make_inputs, run
 
 THREADS = 8
 REPEATS = 3
-LENGTH = 48  # scores [2, 3, 48, 48]: above the kernels' parallel grain
+LENGTH = 160  # softmax scores [2, 3, 160, 160], masks [2, 1, 160, 160]: several parallel_for tasks each
 
 
 def _flatten(result):

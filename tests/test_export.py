@@ -10,6 +10,8 @@ the module is kept tiny so that it takes well under a minute on 2 cores.
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 
 import pytest
 import safeattn
@@ -110,3 +112,20 @@ def test_aot_inductor_package_matches_eager(device, tmp_path):
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny_attention.pt2"))
     loaded = torch._inductor.aoti_load_package(path)
     _check(loaded, model, device, "AOTInductor")
+
+    # A fresh process that only loads the native library (no safeattn Python package, as a
+    # deployment would) runs the package and gets the same output.
+    x, pad = _inputs(9, device, seed=2)
+    torch.save((x.cpu(), pad.cpu()), tmp_path / "inputs.pt")
+    script = f"""
+import torch
+torch.ops.load_library({safeattn._C.__file__!r})
+x, pad = torch.load({str(tmp_path / "inputs.pt")!r})
+model = torch._inductor.aoti_load_package({path!r})
+torch.save(model(x.to({device!r}), pad.to({device!r})).cpu(), {str(tmp_path / "out.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"loading the package in a fresh process failed:\n{done.stderr[-3000:]}"
+    with torch.no_grad():
+        want = model(x, pad).cpu()
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, rtol=1e-5, atol=1e-5)
