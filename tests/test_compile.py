@@ -69,6 +69,35 @@ def test_inductor_matches_eager_without_recompiling(case, device):
     )
 
 
+def _default_argument_calls():
+    calls = [
+        ("sdpa_mask", lambda x: safeattn.sdpa_mask(x.shape[0], x.shape[-1], x.shape[-1])),
+        ("safe_softmax", lambda x: safeattn.safe_softmax(x, -1)),
+        ("masked_softmax", lambda x: safeattn.masked_softmax(x)),
+    ]
+    if HAS_ATTENTION:
+        calls.append(("attention", lambda x: safeattn.attention(x, x, x)))
+    return [pytest.param(fn, id=name) for name, fn in calls]
+
+
+@pytest.mark.parametrize("fn", _default_argument_calls())
+def test_default_arguments_trace_once(fn):
+    """Each public function called with its defaults compiles in one pass. A float default (such
+    as masked_softmax's scale=1.0) is wrapped by dynamo as a dynamic scalar under dynamic=True,
+    which the op's `float` argument then forces back to a constant by restarting the whole
+    compile: every compiled caller would trace twice."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for n in (5, 9):
+        x = torch.randn(2, 3, n, n)
+        got, want = compiled(x), fn(x)
+        if isinstance(want, torch.Tensor):
+            got, want = (got,), (want,)
+        assert_same(got, want, f"n={n}")
+    assert counter.frame_count == 1, f"{counter.frame_count} backend compiles (a restarted trace), expected 1"
+
+
 # ---- CUDA graphs -----------------------------------------------------------------------------------
 
 
