@@ -91,13 +91,15 @@ def _attention_fn(q, k, v, pad, bias, sinks):
     mask = safeattn.sdpa_mask(b, n, n, padding_mask=pad)
     kbuf = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
     kbuf[..., : d // 2] = k[..., : d // 2]
-    out, lse = safeattn.attention(q, kbuf, v, mask)
+    # Float arguments are passed explicitly: a float default restarts the trace (see
+    # test_compile.py::test_default_arguments_trace_once), which this case does not test.
+    out, lse = safeattn.attention(q, kbuf, v, mask, 0.0, softcap=0.0)
     # Grouped-query (one key/value head for two query heads), causal at an offset, with sinks.
     gqa, gqa_lse = safeattn.attention(
-        q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True, q_offset=1, sinks=sinks
+        q, k[:, :1], v[:, :1], None, 0.0, True, enable_gqa=True, q_offset=1, softcap=0.0, sinks=sinks
     )
     # A learnable float bias with soft-capping.
-    biased, biased_lse = safeattn.attention(q, k, v, bias, softcap=5.0)
+    biased, biased_lse = safeattn.attention(q, k, v, bias, 0.0, softcap=5.0)
     return kbuf, out, lse, gqa, gqa_lse, biased, biased_lse
 
 

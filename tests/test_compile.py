@@ -17,6 +17,8 @@ integration. torch.export / AOTInductor live in test_export.py, threads in test_
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import safeattn
 import torch
@@ -74,13 +76,25 @@ def test_inductor_matches_eager_without_recompiling(case, device):
 
 def _default_argument_calls():
     calls = [
-        ("sdpa_mask", lambda x: safeattn.sdpa_mask(x.shape[0], x.shape[-1], x.shape[-1])),
+        ("sdpa_mask", lambda x: safeattn.sdpa_mask(x.shape[0], x.shape[2], x.shape[2])),
         ("safe_softmax", lambda x: safeattn.safe_softmax(x, -1)),
         ("masked_softmax", lambda x: safeattn.masked_softmax(x)),
     ]
+    params = [pytest.param(fn, id=name) for name, fn in calls]
     if HAS_ATTENTION:
-        calls.append(("attention", lambda x: safeattn.attention(x, x, x)))
-    return [pytest.param(fn, id=name) for name, fn in calls]
+        float_defaults = [
+            name
+            for name, p in inspect.signature(safeattn.attention).parameters.items()
+            if isinstance(p.default, float)
+        ]
+        reason = (
+            f"safeattn.attention's float defaults {float_defaults} make dynamo restart the trace under "
+            "dynamic=True (the op's `float` arguments force the dynamic scalar back to a constant); fix: "
+            "int defaults (dropout_p: float = 0, softcap: float = 0), as masked_softmax's scale = 1"
+        )
+        mark = pytest.mark.xfail(bool(float_defaults), reason=reason, strict=True)
+        params.append(pytest.param(lambda x: safeattn.attention(x, x, x), id="attention", marks=mark))
+    return params
 
 
 @pytest.mark.parametrize("fn", _default_argument_calls())
@@ -93,7 +107,7 @@ def test_default_arguments_trace_once(fn):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
     for n in (5, 9):
-        x = torch.randn(2, 3, n, n)
+        x = torch.randn(2, 3, n, 8)  # [B, H, S, D]: the sequence length varies
         got, want = compiled(x), fn(x)
         if isinstance(want, torch.Tensor):
             got, want = (got,), (want,)
