@@ -129,7 +129,7 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
 def masked_softmax(
     scores: torch.Tensor,
     mask: torch.Tensor | None = None,
-    scale: float = 1.0,
+    scale: float = 1,  # an int: a float default makes torch.compile trace every caller twice
     dim: int = -1,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:

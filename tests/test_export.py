@@ -1,0 +1,131 @@
+"""torch.export and AOTInductor of a small attention module built on the safeattn ops.
+
+The exported program keeps each safeattn op as one node (also after ``run_decompositions``),
+runs with a dynamic sequence length, survives ``torch.export.save``/``load``, and AOTInductor
+compiles it into a package that, loaded in a process where the safeattn library is loaded,
+gives the eager module's output. On CPU the package is a C++ compile of the generated code:
+the module is kept tiny so that it takes well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+import safeattn
+import torch
+from _op_cases import DEVICES, HAS_ATTENTION
+from torch.export import Dim
+
+EMBED, HEADS = 16, 2
+HEAD_DIM = EMBED // HEADS
+
+
+class TinyAttention(torch.nn.Module):
+    """x: [B, S, EMBED], pad: [B, S] bool (True = real token) -> [B, S, EMBED].
+
+    Three attention paths summed, each using safeattn ops: the masked_softmax path with a bool
+    mask, the safe_softmax path with an additive float mask, and the fused attention op (when
+    this build has it). Padded queries see no key: their rows are 0, never NaN.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(EMBED, 3 * EMBED)
+        self.proj = torch.nn.Linear(EMBED, EMBED)
+
+    def forward(self, x, pad):
+        b, s, _ = x.shape
+        # q, k, v: [B, HEADS, S, HEAD_DIM]
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = safeattn.sdpa_mask(b, s, s, padding_mask=pad)  # [B, 1, S, S] bool
+        additive = safeattn.sdpa_mask(b, s, s, padding_mask=pad, dtype=x.dtype)  # 0 / -inf
+        scores = q @ k.transpose(-1, -2)  # [B, HEADS, S, S]
+        out = safeattn.masked_softmax(scores, mask, HEAD_DIM**-0.5) @ v
+        out = out + safeattn.safe_softmax(scores * HEAD_DIM**-0.5 + additive, -1) @ v
+        if HAS_ATTENTION:
+            out = out + safeattn.attention(q, k, v, mask)[0]
+        return self.proj(out.transpose(1, 2).reshape(b, s, EMBED))
+
+
+def _inputs(s, device, seed=0):
+    gen = torch.Generator().manual_seed(seed + s)
+    x = torch.randn(2, s, EMBED, generator=gen).to(device)
+    pad = torch.ones(2, s, dtype=torch.bool)
+    pad[1, :2] = False  # left padding: queries 0 and 1 of batch 1 see no key
+    return x, pad.to(device)
+
+
+def _export(device):
+    torch.manual_seed(0)
+    model = TinyAttention().to(device).eval()
+    seq = Dim("seq", min=3, max=64)
+    with torch.no_grad():
+        ep = torch.export.export(model, _inputs(7, device), dynamic_shapes=({1: seq}, {1: seq}))
+    return model, ep
+
+
+def _safeattn_targets(ep) -> set[str]:
+    return {
+        str(node.target)
+        for node in ep.graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("safeattn.")
+    }
+
+
+def _check(run, model, device, what):
+    for s in (5, 12):  # neither is the export example length: the sequence length is dynamic
+        x, pad = _inputs(s, device, seed=1)
+        with torch.no_grad():
+            want = model(x, pad)
+            got = run(x, pad)
+        assert not got.isnan().any(), f"{what} S={s}: NaN in the output"
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, s=s: f"{what} S={s}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_keeps_ops_and_matches_eager(device):
+    model, ep = _export(device)
+    expected = {
+        "safeattn.sdpa_mask.default",
+        "safeattn.masked_softmax.default",
+        "safeattn.safe_softmax.default",
+    }
+    if HAS_ATTENTION:
+        expected.add("safeattn.attention.default")
+    assert _safeattn_targets(ep) == expected, f"exported graph holds {_safeattn_targets(ep)}"
+    decomposed = ep.run_decompositions()
+    assert _safeattn_targets(decomposed) == expected, "run_decompositions must keep the ops opaque"
+    _check(ep.module(), model, device, "exported")
+    _check(decomposed.module(), model, device, "decomposed")
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    _check(torch.export.load(buffer).module(), model, device, "saved and loaded")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_aot_inductor_package_matches_eager(device, tmp_path):
+    model, ep = _export(device)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny_attention.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    _check(loaded, model, device, "AOTInductor")
+
+    # A fresh process that only loads the native library (no safeattn Python package, as a
+    # deployment would) runs the package and gets the same output.
+    x, pad = _inputs(9, device, seed=2)
+    torch.save((x.cpu(), pad.cpu()), tmp_path / "inputs.pt")
+    script = f"""
+import torch
+torch.ops.load_library({safeattn._C.__file__!r})
+x, pad = torch.load({str(tmp_path / "inputs.pt")!r})
+model = torch._inductor.aoti_load_package({path!r})
+torch.save(model(x.to({device!r}), pad.to({device!r})).cpu(), {str(tmp_path / "out.pt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"loading the package in a fresh process failed:\n{done.stderr[-3000:]}"
+    with torch.no_grad():
+        want = model(x, pad).cpu()
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, rtol=1e-5, atol=1e-5)
