@@ -175,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
       delta = delta - grad_lse->to(acc);
     }
     at::Tensor sink_prob = at::exp(sinks->to(acc).view({1, hq, 1}) - lse.to(acc));
-    grad_sinks = (-(sink_prob * delta).sum({0, 2})).to(sinks->scalar_type());
+    grad_sinks = (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
   }
 
   at::Tensor mask4;
