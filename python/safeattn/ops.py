@@ -179,14 +179,14 @@ def attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0,  # ints: a float default makes torch.compile trace every caller again
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
     q_offset: int = 0,
     kv_offset: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scaled-dot-product attention whose fully masked rows are 0, never NaN.
