@@ -215,6 +215,17 @@ def test_float_bias_gradient(device, bias_shape, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_gradient_several_tiles(device, causal):
+    # Several query and key tiles; with causal, whole tiles are skipped and their bias gradient
+    # must still be written (0).
+    q, k, v = _qkv(1, 2, 2, 150, 300, 32, torch.float32, device)
+    gen = torch.Generator().manual_seed(6)
+    bias = torch.randn(1, 2, 150, 300, generator=gen).to(device).requires_grad_()
+    _check_against_reference(q, k, v, attn_mask=bias, is_causal=causal, extra_grad_inputs=(bias,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradient_is_deterministic_across_threads(device):
     q, k, v = _qkv(2, 8, 2, 50, 300, 32, torch.float32, device)
     bias = torch.randn(1, 1, 50, 300, device=device, requires_grad=True)
@@ -400,8 +411,10 @@ def test_compile_fullgraph_dynamic(device):
     torch._dynamo.reset()
 
     def fn(q, k, v, bias, sinks):
+        # Bottom-right causal: q_offset is a symbolic size expression under dynamic=True.
+        q_offset = k.shape[2] - q.shape[2]
         out, lse = safeattn.attention(
-            q, k, v, bias, is_causal=True, enable_gqa=True, softcap=10.0, sinks=sinks
+            q, k, v, bias, is_causal=True, enable_gqa=True, softcap=10.0, sinks=sinks, q_offset=q_offset
         )
         return out.transpose(1, 2).float().square().sum() + lse.sum()
 
@@ -501,8 +514,13 @@ def test_bad_inputs(args, kwargs, message, mode):
 def test_device_mismatch_message():
     q = torch.randn(1, 2, 3, 8)
     mask = torch.ones(3, 3, dtype=torch.bool, device="meta")
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
-        safeattn.attention(q, torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), mask)
+        safeattn.attention(q, k, v, mask)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fakes = [mode.from_tensor(t) for t in (q, k, v, mask)]
+        with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
+            safeattn.attention(*fakes)
 
 
 def test_fake_strides_match_kernel():

@@ -126,15 +126,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
   }
   AttentionFwdArgs args;
   args.query = query;
-  // K^T once per call, so every tile's Q K^T is a plain row-major GEMM; V in the acc dtype
-  // with a unit inner stride and a row stride a BLAS accepts (no copy for float32 inputs
-  // that already have one).
-  args.key_t = key.to(acc).transpose(2, 3).contiguous();
-  at::Tensor v = value.to(acc);
-  if (v.stride(3) != 1 || v.stride(2) < dv) {
-    v = v.contiguous();
-  }
-  args.value = v;
+  args.key = key;
+  args.value = value;
   if (attn_mask.has_value()) {
     args.mask = mask_as_4d(*attn_mask).expand({batch, hq, q_len, kv_len});
   }
@@ -159,65 +152,70 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
   TORCH_CHECK(grad_out.sizes() == out.sizes(), "_attention_backward: grad_out has shape ", grad_out.sizes(),
               " but out has ", out.sizes());
-  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2), head_dim = query.size(3);
+  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t hkv = key.size(1), kv_len = key.size(2);
-  const at::ScalarType dtype = query.scalar_type();
-  const at::ScalarType acc = acc_type(dtype);
+  const at::ScalarType acc = acc_type(query.scalar_type());
 
-  at::Tensor grad_query = at::zeros_like(query, at::MemoryFormat::Contiguous);
-  at::Tensor grad_key = at::zeros_like(key, at::MemoryFormat::Contiguous);
-  at::Tensor grad_value = at::zeros_like(value, at::MemoryFormat::Contiguous);
+  // Written in full by the kernel; zeros only when it has nothing to run.
+  const bool empty = query.numel() == 0 || kv_len == 0;
+  auto make = [&](const at::Tensor& like) {
+    return empty ? at::zeros(like.sizes(), like.options()) : at::empty(like.sizes(), like.options());
+  };
+  at::Tensor grad_query = make(query);
+  at::Tensor grad_key = make(key);
+  at::Tensor grad_value = make(value);
   at::Tensor grad_mask = at::empty({0}, query.options());
   at::Tensor grad_sinks = at::empty({0}, query.options());
 
-  // Delta_i = sum_d dO[i, d] * O[i, d] - dlse_i: the row term of the softmax backward (a
-  // gradient flowing into lse adds p_ij * dlse_i to every score's gradient).
-  at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);
-  if (grad_lse.has_value()) {
-    delta = delta - grad_lse->to(acc);
-  }
-  delta = delta.contiguous();
-  const at::Tensor lse_acc = lse.to(acc).contiguous();
   if (sinks.has_value()) {
-    // d(loss)/d(sink_h) = -sum_{b,i} exp(sink_h - lse[b,h,i]) * Delta[b,h,i]: O(B*H*Q), done here.
-    at::Tensor sink_prob = at::exp(sinks->to(acc).view({1, hq, 1}) - lse_acc);
+    // d(loss)/d(sink_h) = -sum_{b,i} exp(sink_h - lse[b,h,i]) * Delta[b,h,i], with
+    // Delta = rowsum(dO * O) - dlse (the row term of the softmax backward): O(B*H*Q), here.
+    at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);
+    if (grad_lse.has_value()) {
+      delta = delta - grad_lse->to(acc);
+    }
+    at::Tensor sink_prob = at::exp(sinks->to(acc).view({1, hq, 1}) - lse.to(acc));
     grad_sinks = (-(sink_prob * delta).sum({0, 2})).to(sinks->scalar_type());
   }
 
   at::Tensor mask4;
   at::Tensor partial;
+  bool grad_mask_assign = false;
   if (attn_mask.has_value()) {
     mask4 = mask_as_4d(*attn_mask);
     if (grad_mask_needed) {
       const int64_t mask_heads = mask4.size(1) == hq ? hq : hkv;
-      partial = at::zeros({batch, mask_heads, mask4.size(2), mask4.size(3)}, query.options().dtype(acc));
+      grad_mask_assign = mask_heads == hq && mask4.size(2) == q_len && mask4.size(3) == kv_len && !empty;
+      const std::vector<int64_t> sizes{batch, mask_heads, mask4.size(2), mask4.size(3)};
+      partial = grad_mask_assign ? at::empty(sizes, query.options().dtype(acc))
+                                 : at::zeros(sizes, query.options().dtype(acc));
     }
   }
-  if (query.numel() > 0 && kv_len > 0) {
+  if (!empty) {
     AttentionBwdArgs args;
-    args.query_acc = query.to(acc).contiguous();
-    args.query_t = args.query_acc.transpose(2, 3).contiguous();
-    args.key_acc = key.to(acc).contiguous();
-    args.key_t = args.key_acc.transpose(2, 3).contiguous();
-    args.value_acc = value.to(acc).contiguous();
-    args.grad_out_acc = grad_out.to(acc).contiguous();
-    args.grad_out_t = args.grad_out_acc.transpose(2, 3).contiguous();
-    args.lse = lse_acc;
-    args.delta = delta;
+    args.grad_out = grad_out;
+    if (grad_lse.has_value()) {
+      args.grad_lse = *grad_lse;
+    }
+    args.query = query;
+    args.key = key;
+    args.value = value;
+    args.out = out;
+    args.lse = lse.to(acc);
     if (mask4.defined()) {
       args.mask = mask4.expand({batch, hq, q_len, kv_len});
     }
-    args.grad_query_t = at::zeros({batch, hq, head_dim, q_len}, query.options().dtype(acc));
+    args.grad_query = grad_query;
     args.grad_key = grad_key;
     args.grad_value = grad_value;
     args.grad_mask_partial = partial;
+    args.grad_mask_assign = grad_mask_assign;
     args.scale = scale;
     args.softcap = softcap;
     args.is_causal = is_causal;
     args.q_offset = q_offset;
     args.kv_offset = kv_offset;
     attention_bwd_cpu_stub().pick()(args);
-    grad_query.copy_(args.grad_query_t.transpose(2, 3));
   }
   if (partial.defined()) {
     // Deterministic reduction of the per-task partial sums to the mask's own shape.

@@ -30,15 +30,17 @@
 namespace safeattn {
 
 // What the forward kernel reads and writes; prepared by attention_cpu (csrc/ops/attention.cpp).
-// "acc" is float32, or float64 for float64 inputs.
+// "acc" is float32, or float64 for float64 inputs. Inputs are read through their strides;
+// the kernel packs K^T (and V when it is not already acc with a unit inner stride) itself,
+// inside its own parallel loop, so a call opens two parallel regions in all.
 struct AttentionFwdArgs {
-  at::Tensor query;     // [B, Hq, Q, D], input dtype, any strides with unit stride on D
-  at::Tensor key_t;     // [B, Hkv, D, KV], acc dtype, contiguous (transposed once for the GEMM)
-  at::Tensor value;     // [B, Hkv, KV, Dv], acc dtype, unit stride on Dv
-  at::Tensor mask;      // undefined, or [B, Hq, Q, KV] view (stride 0 on broadcast dims)
-  at::Tensor sinks;     // undefined, or [Hq] acc dtype contiguous
-  at::Tensor out;       // [B, Hq, Q, Dv], input dtype, strided view
-  at::Tensor lse;       // [B, Hq, Q], acc dtype, contiguous
+  at::Tensor query;  // [B, Hq, Q, D], input dtype, any strides
+  at::Tensor key;    // [B, Hkv, KV, D], input dtype, any strides
+  at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
+  at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  at::Tensor sinks;  // undefined, or [Hq] acc dtype contiguous
+  at::Tensor out;    // [B, Hq, Q, Dv], input dtype, strided view (written)
+  at::Tensor lse;    // [B, Hq, Q], acc dtype, contiguous (written)
   double scale = 1.0;
   double softcap = 0.0;  // 0: none
   bool is_causal = false;
@@ -46,27 +48,30 @@ struct AttentionFwdArgs {
   int64_t kv_offset = 0;
 };
 
-// What the backward kernel reads and writes. Everything named *_acc or *_t is acc dtype and
-// contiguous; the kernel parallelises over (batch x kv-heads), so every output element below
-// is written by one task only (no atomics, deterministic).
+// What the backward kernel reads and writes. It parallelises over (batch x kv-heads): each
+// task packs what it reads (in the acc dtype) and writes dK, dV of its kv-head and dQ of the
+// query heads of its group, so no element is written by two tasks: no atomics, and results
+// that do not depend on the thread count. One parallel region per call.
 struct AttentionBwdArgs {
-  at::Tensor query_acc;   // [B, Hq, Q, D]
-  at::Tensor query_t;     // [B, Hq, D, Q]
-  at::Tensor key_acc;     // [B, Hkv, KV, D]
-  at::Tensor key_t;       // [B, Hkv, D, KV]
-  at::Tensor value_acc;   // [B, Hkv, KV, Dv]
-  at::Tensor grad_out_acc;  // [B, Hq, Q, Dv]
-  at::Tensor grad_out_t;  // [B, Hq, Dv, Q]
-  at::Tensor lse;         // [B, Hq, Q]
-  at::Tensor delta;       // [B, Hq, Q]: rowsum(grad_out * out) - grad_lse
-  at::Tensor mask;        // as in AttentionFwdArgs
-  at::Tensor grad_query_t;  // [B, Hq, D, Q], zero-initialised, accumulated
-  at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous, written
-  at::Tensor grad_value;  // [B, Hkv, KV, Dv], input dtype, contiguous, written
+  at::Tensor grad_out;  // [B, Hq, Q, Dv], any strides
+  at::Tensor grad_lse;  // undefined, or [B, Hq, Q]
+  at::Tensor query;     // [B, Hq, Q, D], any strides
+  at::Tensor key;       // [B, Hkv, KV, D], any strides
+  at::Tensor value;     // [B, Hkv, KV, Dv], any strides
+  at::Tensor out;       // [B, Hq, Q, Dv], any strides
+  at::Tensor lse;       // [B, Hq, Q], acc dtype
+  at::Tensor mask;      // as in AttentionFwdArgs
+  at::Tensor grad_query;  // [B, Hq, Q, D], input dtype, contiguous (written)
+  at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous (written)
+  at::Tensor grad_value;  // [B, Hkv, KV, Dv], input dtype, contiguous (written)
   // Undefined, or [B, Hm, Qm, KVm] acc dtype zero-initialised: the mask gradient before its
   // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
   // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
   at::Tensor grad_mask_partial;
+  // True when every element of grad_mask_partial gets exactly one contribution (one query
+  // head per slot, full Q and KV dims): the kernel assigns instead of accumulating, so the
+  // buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is the gradient itself.
+  bool grad_mask_assign = false;
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;

@@ -55,6 +55,8 @@ class _AttentionFunction(torch.autograd.Function):
                 sinks=sinks,
             )
         ctx.save_for_backward(query, key, value, attn_mask, sinks, out, lse)
+        # An unused lse gets None rather than a materialised zero gradient (one pass saved).
+        ctx.set_materialize_grads(False)
         ctx.is_causal = is_causal
         ctx.scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         ctx.q_offset = q_offset
@@ -65,6 +67,8 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         query, key, value, attn_mask, sinks, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
         grad_mask_needed = attn_mask is not None and ctx.needs_input_grad[4]
         grad_query, grad_key, grad_value, grad_mask, grad_sinks = torch.ops.safeattn._attention_backward(
             grad_out,

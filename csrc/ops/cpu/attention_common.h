@@ -168,6 +168,54 @@ inline void apply_mask_run(T* s, int64_t count, const MaskView& mask, int64_t of
   }
 }
 
+// Stages the mask for a transposed tile: dst[r * ld + c] = the additive value of element
+// (query i0 + c, key j0 + r), read along the mask's rows (contiguous in memory) rather than
+// down its columns. A bool mask becomes 0 / -inf. `first` is the offset of (i0, j0).
+template <typename T>
+inline void stage_mask_transposed(T* dst, int64_t ld, const MaskView& mask, int64_t first, int64_t m, int64_t n) {
+  auto stage = [&](auto convert, const auto* base) {
+    for (int64_t c = 0; c < m; ++c) {
+      const auto* row = base + first + c * mask.stride_q;
+      for (int64_t r = 0; r < n; ++r) {
+        dst[r * ld + c] = convert(row[r * mask.stride_kv]);
+      }
+    }
+  };
+  auto to_acc = [](auto x) { return static_cast<T>(x); };
+  switch (mask.kind) {
+    case MaskKind::kNone:
+      return;
+    case MaskKind::kBool:
+      stage([](bool x) { return x ? T(0) : kNegInf<T>; }, static_cast<const bool*>(mask.data));
+      return;
+    case MaskKind::kFloat:
+      stage(to_acc, static_cast<const float*>(mask.data));
+      return;
+    case MaskKind::kHalf:
+      stage(to_acc, static_cast<const c10::Half*>(mask.data));
+      return;
+    case MaskKind::kBFloat16:
+      stage(to_acc, static_cast<const c10::BFloat16*>(mask.data));
+      return;
+    case MaskKind::kDouble:
+      stage(to_acc, static_cast<const double*>(mask.data));
+      return;
+  }
+}
+
+// s = s + mask, except s = -inf where the mask is -inf, so that a NaN score behind a masked
+// element stays hidden (as a False bool mask hides it in the forward). A row the forward found
+// NaN has lse NaN, so its probabilities are NaN whatever this returns.
+template <typename T>
+inline void add_staged_mask(T* s, const T* staged, int64_t count) {
+  using Vec = Vectorized<T>;
+  const Vec neg_inf(kNegInf<T>);
+  for (int64_t c = 0; c < count; c += Vec::size()) {
+    const Vec mv = Vec::loadu(staged + c);
+    Vec::blendv(Vec::loadu(s + c) + mv, neg_inf, mv == neg_inf).store(s + c);
+  }
+}
+
 // s = scale * s, or softcap * tanh(scale * s / softcap), over s[0 .. count) (count may be
 // rounded up to a whole vector inside a tile buffer). With softcap, tanh values go to `t`
 // when it is not null (the backward needs 1 - t^2).

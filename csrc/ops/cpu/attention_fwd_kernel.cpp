@@ -15,6 +15,8 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
 
 #include "ops/cpu/attention_common.h"
 
@@ -23,22 +25,62 @@ namespace {
 
 constexpr int64_t kQBlock = 64;
 constexpr int64_t kKvBlock = 512;
+constexpr int64_t kPackBlock = 256;  // keys per packing task
 
 template <typename scalar_t>
 void attention_fwd_typed(const AttentionFwdArgs& a) {
   using acc_t = acc_of<scalar_t>;
   using Vec = Vectorized<acc_t>;
   const at::Tensor& query = a.query;
+  const at::Tensor& key = a.key;
+  const at::Tensor& value = a.value;
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2), head_dim = query.size(3);
-  const int64_t hkv = a.key_t.size(1), kv_len = a.key_t.size(3), dv = a.value.size(3);
+  const int64_t hkv = key.size(1), kv_len = key.size(2), dv = value.size(3);
   const int64_t group = hq / hkv;
   const int64_t q_tiles = (q_len + kQBlock - 1) / kQBlock;
 
   const scalar_t* q_ptr = query.const_data_ptr<scalar_t>();
   const int64_t q_sb = query.stride(0), q_sh = query.stride(1), q_si = query.stride(2), q_sd = query.stride(3);
-  const acc_t* kt_ptr = a.key_t.const_data_ptr<acc_t>();
-  const acc_t* v_ptr = a.value.const_data_ptr<acc_t>();
-  const int64_t v_sb = a.value.stride(0), v_sh = a.value.stride(1), v_si = a.value.stride(2);
+
+  // Packing pass: K^T per (batch, kv-head) in acc, so every tile's Q K^T is a row-major
+  // GEMM; V in acc with a unit inner stride unless it already is (float32 inputs: read in
+  // place, with its row stride as the GEMM's leading dimension).
+  const bool pack_value = !std::is_same_v<scalar_t, acc_t> || value.stride(3) != 1 || value.stride(2) < dv;
+  at::Tensor key_t = at::empty({batch, hkv, head_dim, kv_len}, key.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+  at::Tensor value_acc = pack_value ? at::empty({batch, hkv, kv_len, dv}, key_t.options()) : at::Tensor();
+  acc_t* kt_ptr = key_t.data_ptr<acc_t>();
+  {
+    const scalar_t* k_src = key.const_data_ptr<scalar_t>();
+    const scalar_t* v_src = value.const_data_ptr<scalar_t>();
+    acc_t* v_dst = pack_value ? value_acc.data_ptr<acc_t>() : nullptr;
+    const int64_t k_sb = key.stride(0), k_sh = key.stride(1), k_sj = key.stride(2), k_sd = key.stride(3);
+    const int64_t v_sb = value.stride(0), v_sh = value.stride(1), v_sj = value.stride(2), v_sd = value.stride(3);
+    const int64_t chunks = (kv_len + kPackBlock - 1) / kPackBlock;
+    at::parallel_for(0, batch * hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t bh = task / chunks, b = bh / hkv, hk = bh % hkv;
+        const int64_t j0 = (task % chunks) * kPackBlock, j1 = std::min(kv_len, j0 + kPackBlock);
+        const scalar_t* k = k_src + b * k_sb + hk * k_sh;
+        acc_t* kt = kt_ptr + bh * head_dim * kv_len;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          for (int64_t j = j0; j < j1; ++j) {
+            kt[d * kv_len + j] = static_cast<acc_t>(k[j * k_sj + d * k_sd]);
+          }
+        }
+        if (v_dst != nullptr) {
+          const scalar_t* v = v_src + b * v_sb + hk * v_sh;
+          for (int64_t j = j0; j < j1; ++j) {
+            for (int64_t d = 0; d < dv; ++d) {
+              v_dst[(bh * kv_len + j) * dv + d] = static_cast<acc_t>(v[j * v_sj + d * v_sd]);
+            }
+          }
+        }
+      }
+    });
+  }
+  const at::Tensor& v_used = pack_value ? value_acc : value;
+  const acc_t* v_ptr = static_cast<const acc_t*>(v_used.const_data_ptr());
+  const int64_t v_sb = v_used.stride(0), v_sh = v_used.stride(1), v_si = v_used.stride(2);
   scalar_t* out_ptr = a.out.data_ptr<scalar_t>();
   const int64_t o_sb = a.out.stride(0), o_sh = a.out.stride(1), o_si = a.out.stride(2), o_sd = a.out.stride(3);
   acc_t* lse_ptr = a.lse.data_ptr<acc_t>();
