@@ -234,7 +234,7 @@ def test_patch_masks_keeps_sdpa_and_eager_models_equal():
 
 
 def test_attention_runs_the_op_with_native_gqa(monkeypatch):
-    op = st._attention_op()
+    op = st._attention_op(torch.device("cpu"))
     if op is None:
         pytest.skip("this build has no attention op")
     calls = []
@@ -246,7 +246,7 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
     def no_composite(*args, **kwargs):
         raise AssertionError("the composite fallback ran although the op exists")
 
-    monkeypatch.setattr(st, "_attention_op", lambda: spy)
+    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
     monkeypatch.setattr(st, "_composite_attention", no_composite)
     config = make_config("gemma2")
     kwargs, _ = model_inputs("left")
@@ -262,7 +262,7 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
 def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
     # No padding: the mask is None, so the op runs is_causal (prefill) or not (decode), and a
     # static-cache prefill drops the unused cache slots as sdpa does.
-    op = st._attention_op()
+    op = st._attention_op(torch.device("cpu"))
     if op is None:
         pytest.skip("this build has no attention op")
     calls = []
@@ -271,7 +271,7 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
         calls.append((query.shape[2], key.shape[2], is_causal, attn_mask is None))
         return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
 
-    monkeypatch.setattr(st, "_attention_op", lambda: spy)
+    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
     config = make_config("llama")
     input_ids = torch.randint(3, 100, (2, 6))
     model = make_model(config, "safeattn")

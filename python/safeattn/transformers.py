@@ -536,12 +536,23 @@ def unpatch_masks() -> None:
 # --------------------------------------------------------------------------------------------
 # Attention function
 # --------------------------------------------------------------------------------------------
-def _attention_op():
-    """torch.ops.safeattn.attention, or None in a build without it."""
+def _kernel_devices() -> frozenset:
+    """Device types with a kernel for safeattn::attention (read once, so tracing sees a constant)."""
     try:
-        return torch.ops.safeattn.attention
+        torch.ops.safeattn.attention  # noqa: B018  raises in a build without the op
     except (AttributeError, RuntimeError):
-        return None
+        return frozenset()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return frozenset(d for d, key in (("cpu", "CPU"), ("cuda", "CUDA")) if has("safeattn::attention", key))
+
+
+_ATTENTION_KERNEL_DEVICES = _kernel_devices()
+
+
+def _attention_op(device: torch.device):
+    """torch.ops.safeattn.attention, or None where it has no kernel for `device` (the CUDA
+    kernels are not written yet: there the composite below keeps the same semantics)."""
+    return torch.ops.safeattn.attention if device.type in _ATTENTION_KERNEL_DEVICES else None
 
 
 def _composite_attention(query, key, value, attn_mask, scale, is_causal, softcap, sinks):
@@ -652,7 +663,7 @@ def attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     softcap = float(softcap) if softcap else 0.0
     enable_gqa = query.shape[1] != key.shape[1]
-    op = _attention_op()
+    op = _attention_op(query.device)
     if op is not None:
         out, _ = op(
             query,
@@ -667,7 +678,7 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_once("this build has no attention op; attention runs as composite PyTorch ops")
+        _log_once(f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops")
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None
