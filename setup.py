@@ -1,9 +1,9 @@
 """Builds safeattn._C with torch.utils.cpp_extension.
 
 Sources are found by folder, so adding an op needs no edit here:
-  csrc/*.cpp, csrc/ops/*.cpp          compiled once
+  csrc/*.cpp, csrc/common/*.cpp, csrc/ops/*.cpp   compiled once
   csrc/ops/cpu/*_kernel.cpp           compiled once per CPU ISA (see CPU_ISAS)
-  csrc/*.cu, csrc/ops/cuda/*.cu       compiled by nvcc when CUDA is enabled
+  csrc/common/*.cu, csrc/ops/cuda/*.cu            compiled by nvcc when CUDA is enabled
 
 Environment switches:
   SAFEATTN_CUDA=auto|0|1        auto: build CUDA when nvcc and a CUDA build of torch are present
