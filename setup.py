@@ -10,6 +10,9 @@ Environment switches:
   SAFEATTN_CUDA_ARCHS="90"      semicolon or comma separated compute capabilities (default sm_90)
   SAFEATTN_CPU_ISAS="DEFAULT;AVX2;AVX512"  restrict the CPU variants (x86 only; faster dev builds)
   SAFEATTN_OPS="sdpa_mask,..."  compile only these ops' kernels (dev builds; schemas always built)
+  SAFEATTN_ATTN_HEAD_DIMS="64,128"  compile only these head dims' CUDA attention instantiations
+                                (files attention_{fwd,bwd}_d<D>_<dtype>.cu); the others take the
+                                generic path. Default: every generated file
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
 """
 
@@ -77,6 +80,23 @@ def op_filter(paths):
     return [p for p in paths if any(Path(p).name.startswith(o + "_") or Path(p).stem == o for o in ops)]
 
 
+def head_dim_filter(paths):
+    """Keeps the attention instantiations (attention_<dir>_d<D>_<dtype>.cu) of the chosen head
+    dims; returns the kept paths and the dims, which the dispatch code sees as
+    SAFEATTN_ATTN_HAS_D<D> macros (a dim without its files takes the generic path)."""
+    pattern = re.compile(r"attention_(?:fwd|bwd)_d(\d+)_\w+\.cu")
+    wanted = [d for d in re.split(r"[;, ]+", os.environ.get("SAFEATTN_ATTN_HEAD_DIMS", "")) if d]
+    kept, dims = [], set()
+    for p in paths:
+        m = pattern.fullmatch(Path(p).name)
+        if m and wanted and m.group(1) not in wanted:
+            continue
+        if m:
+            dims.add(int(m.group(1)))
+        kept.append(p)
+    return kept, sorted(dims)
+
+
 def rel(paths):
     return sorted(str(p.relative_to(ROOT)) for p in paths)
 
@@ -99,7 +119,9 @@ ARCHS = cuda_archs() if WITH_CUDA else []
 
 common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
 isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
-cuda_sources = rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
+    rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+)
 
 defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',
@@ -114,6 +136,7 @@ nvcc_flags = [
     "-lineinfo",
     *defines,
     "-DSAFEATTN_WITH_CUDA",
+    *[f"-DSAFEATTN_ATTN_HAS_D{d}" for d in ATTN_HEAD_DIMS],
     *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
 ]
 

@@ -15,8 +15,8 @@
 
 namespace safeattn {
 
-SAFEATTN_DEFINE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdCpuFn);
-SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdCpuFn);
+SAFEATTN_DEFINE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
+SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
 namespace {
 
@@ -107,13 +107,12 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(3)));
 }
 
-namespace {
-
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
-                                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                                 double dropout_p, bool is_causal, std::optional<double> scale,
-                                                 bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
-                                                 const std::optional<at::Tensor>& sinks) {
+std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                  double dropout_p, bool is_causal, std::optional<double> scale,
+                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks,
+                                                  AttentionFwdFn kernel) {
   check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t kv_len = key.size(2), dv = value.size(3);
@@ -141,15 +140,15 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
   args.is_causal = is_causal;
   args.q_offset = q_offset;
   args.kv_offset = kv_offset;
-  attention_fwd_cpu_stub().pick()(args);
+  kernel(args);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel) {
   TORCH_CHECK(grad_out.sizes() == out.sizes(), "_attention_backward: grad_out has shape ", grad_out.sizes(),
               " but out has ", out.sizes());
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
@@ -215,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.is_causal = is_causal;
     args.q_offset = q_offset;
     args.kv_offset = kv_offset;
-    attention_bwd_cpu_stub().pick()(args);
+    kernel(args);
   }
   if (partial.defined()) {
     // Deterministic reduction of the per-task partial sums to the mask's own shape.
@@ -228,6 +227,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     grad_mask = partial.reshape(attn_mask->sizes()).to(attn_mask->scalar_type());
   }
   return {grad_query, grad_key, grad_value, grad_mask, grad_sinks};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                 double dropout_p, bool is_causal, std::optional<double> scale,
+                                                 bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
+                                                 const std::optional<at::Tensor>& sinks) {
+  return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                        softcap, sinks, attention_fwd_cpu_stub().pick());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
+                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed,
+                                 attention_bwd_cpu_stub().pick());
 }
 
 }  // namespace

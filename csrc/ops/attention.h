@@ -79,10 +79,12 @@ struct AttentionBwdArgs {
   int64_t kv_offset = 0;
 };
 
-using AttentionFwdCpuFn = void (*)(const AttentionFwdArgs& args);
-using AttentionBwdCpuFn = void (*)(const AttentionBwdArgs& args);
-SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdCpuFn);
-SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdCpuFn);
+// A backend's kernels: they get the arguments prepared (and the outputs allocated) by the
+// shared entry points below, so CPU and CUDA differ only in these two functions.
+using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
+using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
+SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
+SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
 // Validates the arguments (shared by every backend; _fake.py raises the same messages).
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -91,6 +93,21 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
 
 // The scale actually used: `scale`, or 1/sqrt(head_dim).
 double attention_scale(const at::Tensor& query, std::optional<double> scale);
+
+// The backend-independent bodies of the attention and _attention_backward kernels
+// (validation, output allocation, sinks and mask-gradient reductions); each backend's
+// registration passes its kernel.
+std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                  double dropout_p, bool is_causal, std::optional<double> scale,
+                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks,
+                                                  AttentionFwdFn kernel);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel);
 
 // Typed C++ entry points: call the dispatcher (autograd and tracing included).
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -1,0 +1,175 @@
+// Device pieces shared by the CUDA attention kernels (forward: attention_fwd_*.cu, backward:
+// attention_bwd_*.cu): the tensor-core instruction wrappers, the view of the mask, the causal
+// rule per element and per tile, and the score transform. The semantics are those of
+// ops/attention.h; python/safeattn/reference.py is the float64 reference.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <ATen/core/Tensor.h>
+
+namespace safeattn::cuda::attn {
+
+// ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
+
+// D[16x8] (+)= A[16x16] @ B[16x8], fp32 accumulators, A/B as packed pairs of 16-bit values in
+// the register layout of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16").
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(row)));
+}
+
+// The same, each matrix transposed (B operands stored row-major in K, such as V).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(row)));
+}
+
+// 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so
+// out-of-range rows never hold garbage that could become NaN in a product.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// ---- the mask --------------------------------------------------------------------------------
+
+enum class MaskKind : int { kNone = 0, kBool = 1, kFloat = 2, kHalf = 3, kBFloat16 = 4 };
+
+// attn_mask as the kernels read it: element (b, h, i, j) at
+// ptr + b*stride_b + h*stride_h + i*stride_q + j*stride_kv (elements; 0 on broadcast dims).
+struct MaskView {
+  const void* ptr = nullptr;
+  MaskKind kind = MaskKind::kNone;
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_kv = 0;
+
+  __device__ __forceinline__ int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return b * stride_b + h * stride_h + i * stride_q + j * stride_kv;
+  }
+  // The additive value of one element: 0 / -inf for bool (True = attend), the value otherwise.
+  __device__ __forceinline__ float additive(int64_t off) const {
+    switch (kind) {
+      case MaskKind::kBool:
+        return static_cast<const bool*>(ptr)[off] ? 0.0f : -INFINITY;
+      case MaskKind::kFloat:
+        return static_cast<const float*>(ptr)[off];
+      case MaskKind::kHalf:
+        return __half2float(static_cast<const __half*>(ptr)[off]);
+      case MaskKind::kBFloat16:
+        return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[off]);
+      default:
+        return 0.0f;
+    }
+  }
+};
+
+// Host: the view of a [B, Hq, Q, KV] (expanded, stride 0 on broadcast dims) mask tensor, or an
+// empty view for an undefined tensor.
+MaskView make_mask_view(const at::Tensor& mask);
+
+// ---- the causal rule -------------------------------------------------------------------------
+
+// Query i sees key j when kv_offset + j <= q_offset + i (ops/attention.h). `shift` is
+// q_offset - kv_offset, so the rule is j <= i + shift.
+struct Causal {
+  bool enabled = false;
+  int64_t shift = 0;
+
+  __device__ __forceinline__ bool visible(int64_t i, int64_t j) const {
+    return !enabled || j <= i + shift;
+  }
+  // Keys [0, end) can be visible to some query before q_end: key tiles at or beyond `end` are
+  // skipped without being read. 0 when no key is visible to any of these queries.
+  __device__ __forceinline__ int64_t kv_end(int64_t q_end, int64_t kv_len) const {
+    if (!enabled) {
+      return kv_len;
+    }
+    const int64_t e = q_end + shift;  // the last query, q_end - 1, sees keys j <= q_end - 1 + shift
+    return e < 0 ? 0 : (e < kv_len ? e : kv_len);
+  }
+  // Every key in [kv_begin, kv_end) is visible to every query in [q_begin, q_end): such a tile
+  // needs no per-element causal test.
+  __device__ __forceinline__ bool tile_all_visible(int64_t q_begin, int64_t kv_end_exclusive) const {
+    return !enabled || kv_end_exclusive - 1 <= q_begin + shift;
+  }
+  // The first query of [0, q_len) that sees key j (queries before it do not): the backward's
+  // per-key-tile start. q_len when none does.
+  __device__ __forceinline__ int64_t first_query(int64_t j, int64_t q_len) const {
+    if (!enabled) {
+      return 0;
+    }
+    const int64_t f = j - shift;
+    return f < 0 ? 0 : (f < q_len ? f : q_len);
+  }
+};
+
+// ---- the score transform ---------------------------------------------------------------------
+
+// s = scale * <q, k>, then softcap * tanh(s / softcap) when softcap > 0. In the log2 domain the
+// kernels may fold log2(e) into the scale; keep NaN: a NaN score must reach the output.
+struct ScoreTransform {
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0: none
+
+  __device__ __forceinline__ float operator()(float dot) const {
+    const float s = dot * scale;
+    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+  }
+  // d(transformed)/d(dot), for the backward: scale * (1 - tanh^2) with softcap, scale without.
+  __device__ __forceinline__ float derivative(float transformed) const {
+    if (softcap > 0.0f) {
+      const float t = transformed / softcap;
+      return scale * (1.0f - t * t);
+    }
+    return scale;
+  }
+};
+
+}  // namespace safeattn::cuda::attn
