@@ -115,6 +115,28 @@ def test_default_arguments_trace_once(fn):
     assert counter.frame_count == 1, f"{counter.frame_count} backend compiles (a restarted trace), expected 1"
 
 
+@pytest.mark.skipif(not HAS_ATTENTION, reason="safeattn.attention is not built")
+def test_attention_with_grad_does_not_guard_on_head_dim():
+    """The default scale 1/sqrt(head_dim) is resolved inside the ops, so a compiled training step
+    traces once for several head dims (the autograd wrapper once computed it in Python, which
+    guarded on the head dim: one recompile per head dim)."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def step(q, k, v):
+        return (safeattn.attention(q, k, v, is_causal=True)[0],)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for head_dim in (8, 16, 24):
+        gen = torch.Generator().manual_seed(head_dim)
+        inputs = [torch.randn(2, 3, 9, head_dim, generator=gen).requires_grad_() for _ in range(3)]
+        want_out, want_grad = run(step, clone_inputs(inputs))
+        got_out, got_grad = run(compiled, clone_inputs(inputs))
+        assert_same(got_out, want_out, f"head_dim={head_dim} output")
+        assert_same(got_grad, want_grad, f"head_dim={head_dim} gradient")
+    assert counter.frame_count == 1, f"{counter.frame_count} backend compiles for 3 head dims, expected 1"
+
+
 # ---- CUDA graphs -----------------------------------------------------------------------------------
 
 

@@ -147,8 +147,8 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel) {
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel) {
   TORCH_CHECK(grad_out.sizes() == out.sizes(), "_attention_backward: grad_out has shape ", grad_out.sizes(),
               " but out has ", out.sizes());
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.grad_value = grad_value;
     args.grad_mask_partial = partial;
     args.grad_mask_assign = grad_mask_assign;
-    args.scale = scale;
+    args.scale = attention_scale(query, scale);
     args.softcap = softcap;
     args.is_causal = is_causal;
     args.q_offset = q_offset;
@@ -243,8 +243,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
                                  q_offset, kv_offset, softcap, sinks, grad_mask_needed,
                                  attention_bwd_cpu_stub().pick());
@@ -273,11 +273,12 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
       "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
       "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
   // Private: the backward as its own op, so it stays traceable (register_autograd in
-  // python/safeattn/_autograd.py calls it). `scale` is already resolved. grad_mask and
+  // python/safeattn/_autograd.py calls it). `scale` is the forward's argument, None included
+  // (resolved here, so a traced caller does not guard on the head dim). grad_mask and
   // grad_sinks are empty when not asked for (no mask gradient needed, no sinks).
   m.def(
       "_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
-      "Tensor lse, Tensor? attn_mask, bool is_causal, float scale, SymInt q_offset, SymInt kv_offset, "
+      "Tensor lse, Tensor? attn_mask, bool is_causal, float? scale, SymInt q_offset, SymInt kv_offset, "
       "float softcap, Tensor? sinks, bool grad_mask_needed) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
 }

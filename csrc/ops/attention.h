@@ -106,8 +106,8 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel);
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel);
 
 // Typed C++ entry points: call the dispatcher (autograd and tracing included).
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

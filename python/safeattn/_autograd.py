@@ -6,7 +6,6 @@ registered in C++ (csrc/ops/sdpa_mask.cpp).
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -113,7 +112,7 @@ class _AttentionFunction(torch.autograd.Function):
         # An unused lse gets None rather than a materialised zero gradient (one pass saved).
         ctx.set_materialize_grads(False)
         ctx.is_causal = is_causal
-        ctx.scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+        ctx.scale = scale  # None stays None: the backward op resolves it (no guard on the head dim)
         ctx.q_offset = q_offset
         ctx.kv_offset = kv_offset
         ctx.softcap = softcap
