@@ -76,8 +76,17 @@ _TF_EAGER_MASK = _mu.eager_mask
 # Transformers version, or with other free-variable names, is simply not recognised.
 
 
+# Dynamo in torch 2.11 cannot read the cells of a closure created inside the compiled region
+# (Transformers builds its mask closures in the model's forward): iterating `__closure__` is an
+# unsupported graph break there (seen on the GPU host: torch 2.11, Python 3.12), while torch 2.14
+# traces it. Before 2.14, under compile, such closures are left to Transformers' own mask code.
+_DYNAMO_READS_CLOSURES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+
+
 def _cells(fn) -> dict | None:
-    """{free variable name: value} of a closure, or None if it has none."""
+    """{free variable name: value} of a closure, or None if it has none (or cannot be read)."""
+    if not _DYNAMO_READS_CLOSURES and torch.compiler.is_compiling():
+        return None
     closure = getattr(fn, "__closure__", None)
     code = getattr(fn, "__code__", None)
     if closure is None or code is None:
