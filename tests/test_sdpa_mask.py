@@ -149,6 +149,31 @@ def test_positions_outside_ids_never_read(device):
         assert torch.equal(got.cpu(), expected.cpu()), f"{name}: {got.int()} vs {expected.int()}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_packed_ids_runs_and_returning_ids(device, dtype):
+    """Ids that never decrease (runs: the CUDA kernel makes them intervals) next to ids that
+    come back after another id or decrease (per-element compare), long enough for the run
+    pre-pass to split rows across its threads, with padding, a window and offsets."""
+    gen = torch.Generator().manual_seed(7)
+    width = 5000
+    runs = torch.sort(torch.randint(0, 40, (width,), generator=gen)).values
+    returning = torch.randint(0, 3, (width,), generator=gen)  # 0 0 1 0 2 ...: ids come back
+    one_run = torch.full((width,), 5)
+    decreasing = torch.flip(runs, (0,))
+    ids = torch.stack([runs, returning, one_run, decreasing]).to(device)
+    pad = torch.rand(4, width, generator=gen) > 0.1
+    for kwargs in (
+        dict(packed_ids=ids),
+        dict(packed_ids=ids, padding_mask=pad.to(device), sliding_window=700),
+        dict(packed_ids=ids, causal=False, padding_mask=pad.to(device)),
+    ):
+        sizes = dict(batch_size=4, q_length=300, kv_length=4000, q_offset=4700, kv_offset=1000)
+        got = safeattn.sdpa_mask(**sizes, **kwargs, dtype=dtype, device=device)
+        expected = reference.sdpa_mask(**sizes, **kwargs, dtype=dtype)
+        assert torch.equal(got.cpu(), expected.cpu()), f"differs from the reference for {list(kwargs)} {dtype}"
+
+
 def test_docstring_example():
     got = safeattn.sdpa_mask(1, 5, 5, sliding_window=3, padding_mask=torch.tensor([[0, 1, 1, 1, 1]]))
     drawn = """

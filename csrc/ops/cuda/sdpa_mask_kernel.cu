@@ -3,6 +3,8 @@
 // padding mask is read as one vector per thread and only where the interval leaves something
 // to decide, and ids are read from small [B, L] tensors that stay in L2. The kernel is
 // specialised per rule (interval, padding, packed, general) so absent features cost nothing.
+// Packed ids that never decrease along a row (Transformers' are a cumulative sum) are turned
+// into one run [begin, end) per position by a pre-pass, so their rows are intervals too.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -64,6 +66,83 @@ __device__ __forceinline__ void load_padding(const bool* src, uint32_t (&words)[
   }
 }
 
+// ---- packed ids as runs ------------------------------------------------------------------------
+
+// Where packed_ids never decrease along a batch row, equal ids form one run each, so
+// ids[q] == ids[kv] holds exactly for kv in the run of q: an interval. Rows whose ids decrease
+// somewhere (the same id may come back later) keep the per-element compare.
+struct PackedRuns {
+  const int64_t* begin = nullptr;  // [B, packed_width]: first position of the run of each position
+  const int64_t* end = nullptr;    // [B, packed_width]: one past its last position
+  const bool* ordered = nullptr;   // [B]: the row's ids never decrease
+};
+
+constexpr int kRunThreads = 1024;
+
+// One block per batch row; thread t scans a contiguous segment, and the runs that cross a
+// segment boundary are completed from a block-wide max-scan (begins) and min-scan (ends).
+__global__ void __launch_bounds__(kRunThreads)
+    packed_runs_kernel(const int64_t* __restrict__ ids, int64_t width, int64_t* __restrict__ begin,
+                       int64_t* __restrict__ end, bool* __restrict__ ordered) {
+  __shared__ int64_t carry[kRunThreads];
+  const int t = static_cast<int>(threadIdx.x);
+  const int64_t* row = ids + blockIdx.x * width;
+  int64_t* row_begin = begin + blockIdx.x * width;
+  int64_t* row_end = end + blockIdx.x * width;
+  const int64_t per = (width + kRunThreads - 1) / kRunThreads;
+  const int64_t lo = std::min<int64_t>(width, t * per);
+  const int64_t hi = std::min<int64_t>(width, lo + per);
+
+  // Begins: -1 until a run starts inside the segment (position 0 always starts one).
+  bool never_decreases = true;
+  int64_t last_begin = -1;
+  for (int64_t i = lo; i < hi; ++i) {
+    if (i == 0 || row[i] != row[i - 1]) {
+      last_begin = i;
+    }
+    never_decreases = never_decreases && (i == 0 || row[i] >= row[i - 1]);
+    row_begin[i] = last_begin;
+  }
+  carry[t] = last_begin;
+  __syncthreads();
+  for (int step = 1; step < kRunThreads; step <<= 1) {  // inclusive max-scan: begins only grow
+    const int64_t other = t >= step ? carry[t - step] : -1;
+    __syncthreads();
+    carry[t] = std::max(carry[t], other);
+    __syncthreads();
+  }
+  const int64_t begin_before = t > 0 ? carry[t - 1] : -1;
+  for (int64_t i = lo; i < hi && row_begin[i] < 0; ++i) {
+    row_begin[i] = begin_before;
+  }
+  __syncthreads();
+
+  // Ends, from the right: -1 until a run ends inside the segment (the last position always does).
+  int64_t first_end = -1;
+  for (int64_t i = hi - 1; i >= lo; --i) {
+    if (i == width - 1 || row[i + 1] != row[i]) {
+      first_end = i + 1;
+    }
+    row_end[i] = first_end;
+  }
+  carry[t] = first_end < 0 ? INT64_MAX : first_end;
+  __syncthreads();
+  for (int step = 1; step < kRunThreads; step <<= 1) {  // inclusive min-scan from the right
+    const int64_t other = t + step < kRunThreads ? carry[t + step] : INT64_MAX;
+    __syncthreads();
+    carry[t] = std::min(carry[t], other);
+    __syncthreads();
+  }
+  const int64_t end_after = t + 1 < kRunThreads ? carry[t + 1] : INT64_MAX;
+  for (int64_t i = hi - 1; i >= lo && row_end[i] < 0; --i) {
+    row_end[i] = end_after;
+  }
+  never_decreases = __syncthreads_and(never_decreases);
+  if (t == 0) {
+    ordered[blockIdx.x] = never_decreases;
+  }
+}
+
 // grid.x covers a row's chunks of kUnroll x 16 bytes, grid.y (strided) covers the B * Q rows.
 // Each thread computes its row's interval once, then kUnroll x kVec elements with 32-bit
 // column arithmetic (the host sends rows of 2^31 keys or more to the general rule).
@@ -72,7 +151,7 @@ constexpr int kUnroll = 4;
 template <int kBytes, RowRule kRule>
 __global__ void __launch_bounds__(kThreads)
     sdpa_mask_rows_kernel(const SdpaMaskParams p, uint8_t* __restrict__ out, const uint64_t on_bits,
-                          const uint64_t off_bits, const Alignment aligned) {
+                          const uint64_t off_bits, const Alignment aligned, const PackedRuns runs) {
   constexpr int kVec = 16 / kBytes;
   const int64_t threads = blockDim.x;
   const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * threads * kUnroll + threadIdx.x) * kVec;
@@ -86,10 +165,23 @@ __global__ void __launch_bounds__(kThreads)
                                                                static_cast<uint32_t>(p.q_length))
                                          : row / p.q_length;
     const int64_t q_pos = query_position(p, b, row - b * p.q_length);
-    const Interval base = base_interval(p, b, q_pos);
+    Interval base = base_interval(p, b, q_pos);
     RowKeys keys{0, false, -1};
     if constexpr (kRule == RowRule::kGeneral || kRule == RowRule::kPacked) {
       keys = row_keys(p, b, q_pos);
+    }
+    // Packed rows whose ids form runs are the intersection of base and the query's run.
+    bool packed_elementwise = false;
+    if constexpr (kRule == RowRule::kPacked) {
+      if (!runs.ordered[b]) {
+        packed_elementwise = true;
+      } else if (!keys.packed_known) {
+        base.end = base.begin;  // a query position outside the ids matches nothing
+      } else {
+        const int64_t at = b * p.packed_width + q_pos;
+        base.begin = std::max(base.begin, runs.begin[at] - p.kv_offset);
+        base.end = std::max(base.begin, std::min(base.end, runs.end[at] - p.kv_offset));
+      }
     }
     uint8_t* out_row = out + row * p.kv_length * kBytes;
 #pragma unroll
@@ -114,7 +206,7 @@ __global__ void __launch_bounds__(kThreads)
         const int32_t hi = static_cast<int32_t>(std::min<int64_t>(base.end - col0, kVec + 1));
         const bool any_inside = lo < kVec && hi > 0;
         uint32_t keep[4] = {~0u, ~0u, ~0u, ~0u};  // one byte per element, nonzero: attend
-        if constexpr (kRule == RowRule::kPadding) {
+        if (kRule == RowRule::kPadding || (kRule == RowRule::kPacked && p.padding_mask != nullptr)) {
           // Read the padding only where the interval leaves something to decide.
           const int64_t pos0 = p.kv_offset + col0;
           const bool* src = p.padding_mask + b * p.padding_width + pos0;
@@ -128,7 +220,7 @@ __global__ void __launch_bounds__(kThreads)
             }
           }
         }
-        if constexpr (kBytes == 1 && kRule != RowRule::kPacked) {
+        if (kBytes == 1 && !packed_elementwise) {
           // Bool-sized elements, four per word with SIMD byte compares: the element count per
           // instruction is what keeps this kernel at store bandwidth.
           const uint32_t lo4 = static_cast<uint32_t>(std::min(std::max(lo, 0), 16)) * 0x01010101u;
@@ -145,8 +237,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
             bool attend = k >= lo && k < hi && ((keep[k / 4] >> ((k % 4) * 8)) & 0xffu) != 0;
-            if constexpr (kRule == RowRule::kPacked) {
-              // Packed ids, possibly with padding: per element, only inside the interval.
+            if (packed_elementwise) {
+              // Packed ids that are not runs, possibly with padding: per element, only inside
+              // the interval.
               attend = attend && element_attends(p, b, base, keys, col0 + k);
             }
             put<kBytes>(words, k, attend, on_bits, off_bits);
@@ -170,7 +263,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int kBytes, RowRule kRule>
-void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uint64_t off_bits) {
+void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uint64_t off_bits,
+                 const PackedRuns& runs = {}) {
   constexpr int kVec = 16 / kBytes;
   const int64_t rows = p.batch_size * p.q_length;
   // Short rows get narrower blocks, so no thread of a block starts past the row's end.
@@ -185,8 +279,23 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   aligned.padding = p.padding_mask != nullptr && p.padding_width % kVec == 0 && p.kv_offset % kVec == 0 &&
                     reinterpret_cast<uintptr_t>(p.padding_mask) % kVec == 0;
   sdpa_mask_rows_kernel<kBytes, kRule><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned);
+      p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned, runs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The runs of packed_ids (see PackedRuns), computed on the current stream into `storage`. The
+// caller frees it after queuing the mask kernel: the caching allocator hands that memory out
+// again only to work queued after it on the same stream.
+PackedRuns packed_runs(const SdpaMaskParams& p, const at::Tensor& like, at::Tensor& storage) {
+  storage = at::empty({2 * p.batch_size * p.packed_width + (p.batch_size + 7) / 8},
+                      like.options().dtype(at::kLong));
+  int64_t* begin = storage.data_ptr<int64_t>();
+  int64_t* end = begin + p.batch_size * p.packed_width;
+  bool* ordered = reinterpret_cast<bool*>(end + p.batch_size * p.packed_width);
+  packed_runs_kernel<<<static_cast<unsigned>(p.batch_size), kRunThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p.packed_ids, p.packed_width, begin, end, ordered);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {begin, end, ordered};
 }
 
 template <int kBytes>
@@ -194,7 +303,9 @@ void launch_bytes(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, ui
   if (p.block_ids != nullptr || p.kv_length > INT32_MAX - 64) {
     launch_rule<kBytes, RowRule::kGeneral>(p, out, on_bits, off_bits);
   } else if (p.packed_ids != nullptr) {
-    launch_rule<kBytes, RowRule::kPacked>(p, out, on_bits, off_bits);
+    at::Tensor storage;
+    const PackedRuns runs = packed_runs(p, out, storage);
+    launch_rule<kBytes, RowRule::kPacked>(p, out, on_bits, off_bits, runs);
   } else if (p.padding_mask != nullptr) {
     launch_rule<kBytes, RowRule::kPadding>(p, out, on_bits, off_bits);
   } else {
