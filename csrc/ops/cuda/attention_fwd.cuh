@@ -132,10 +132,13 @@ template <typename T, int kRows, int kHeadDim, int kThreads>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kStride = kHeadDim + 8;
-  static_assert((kRows * kChunks) % kThreads == 0, "tile loads must divide evenly among the threads");
+  constexpr int kTotal = kRows * kChunks;
 #pragma unroll
-  for (int it = 0; it < kRows * kChunks / kThreads; ++it) {
+  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
     const int c = it * kThreads + tid;
+    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
+      break;
+    }
     const int r = c / kChunks, ch = c % kChunks;
     const bool valid = r < valid_rows;
     const T* from = valid ? src + r * row_stride + ch * 8 : src;
@@ -470,11 +473,12 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   }
   __syncthreads();
   T* o_base = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + i0 * p.o_si;
+  constexpr int kOutChunks = kBlockM * kChunks;
 #pragma unroll
-  for (int it = 0; it < kBlockM * kChunks / kThreads; ++it) {
+  for (int it = 0; it < (kOutChunks + kThreads - 1) / kThreads; ++it) {
     const int c = it * kThreads + tid;
     const int r = c / kChunks, ch = c % kChunks;
-    if (r < rows) {
+    if ((kOutChunks % kThreads == 0 || c < kOutChunks) && r < rows) {
       *reinterpret_cast<uint4*>(o_base + r * p.o_si + ch * 8) =
           *reinterpret_cast<const uint4*>(s_q + r * kStride + ch * 8);
     }
