@@ -7,6 +7,22 @@ Peers, measured in the same run on fresh random data (median of repeats):
   bias    float bias [1,H,S,S] that requires grad        (PyTorch: math path, O(S^2) memory)
 
   python benchmarks/bench_attention.py --device cpu --threads 2
+
+With --device cuda (H100 / H200) it prints a markdown table for bf16 B=4 H=16 S=4096, D 64 and
+128, forward and forward+backward TFLOP/s (causal work counted as half of the dense work, the
+backward as 2.5x the forward, as FlashAttention counts), all in the same run:
+  SDPA flash, is_causal      sdpa_kernel(FLASH_ATTENTION)
+  SDPA cuDNN, is_causal      sdpa_kernel(CUDNN_ATTENTION)
+  SDPA, causal+padding mask  a dense [B,1,S,S] bool mask, PyTorch's default backend choice
+  Flex, causal+padding       compiled FlexAttention with the same mask as a block mask
+  safeattn, is_causal / causal+padding mask
+and a decode table (Q=1, KV 4096 and 32768, B=8, GQA 32:4, D=128): microseconds and the K/V
+bytes read per second, against SDPA (enable_gqa), SDPA flash and FlexAttention where they run.
+CUDA events around each call, warm-up first, median of many calls, fresh random inputs for
+every call. Rows a peer cannot run (or safeattn's forward+backward before the CUDA backward
+exists) print n/a.
+
+  python benchmarks/bench_attention.py --device cuda [--quick]
 """
 
 from __future__ import annotations
@@ -67,6 +83,170 @@ def sdpa(q, k, v, **kwargs):
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+def _cuda_median_ms(fn, make_inputs, repeats, warmup):
+    """Median milliseconds of fn(*make_inputs()) between CUDA events; inputs are made (outside
+    the timed span) fresh for every call."""
+    for _ in range(warmup):
+        fn(*make_inputs())
+    spans = []
+    for _ in range(repeats):
+        args = make_inputs()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        spans.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in spans)
+
+
+def _try_ms(fn, make_inputs, repeats, warmup):
+    try:
+        return _cuda_median_ms(fn, make_inputs, repeats, warmup)
+    except (RuntimeError, NotImplementedError, AssertionError) as err:  # backend not available here
+        print(f"  (n/a: {str(err).splitlines()[0][:120]})", flush=True)
+        return None
+
+
+def _has_cuda_backward():
+    return torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::_attention_backward", "CUDA")
+
+
+def _prefill_cases(batch, heads, seq, device):
+    """name -> (callable(q, k, v), needs_backward_kernel_of_safeattn)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    pad = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    for b in range(batch):
+        pad[b, : b * seq // 8] = False  # left padding: 0, S/8, 2S/8, ... per batch
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    dense = causal[None, None] & pad[:, None, None, :]  # [B, 1, S, S]
+
+    def sdpa_with(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return run
+
+    cases = {
+        "SDPA flash, is_causal": (sdpa_with(SDPBackend.FLASH_ATTENTION), False),
+        "SDPA cuDNN, is_causal": (sdpa_with(SDPBackend.CUDNN_ATTENTION), False),
+        "SDPA, causal+padding mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), False),
+    }
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & pad[b, kv_idx]
+
+        block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
+        flex = torch.compile(flex_attention, dynamic=False)
+        cases["Flex (compiled), causal+padding"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask), False)
+    except (ImportError, RuntimeError) as err:
+        print(f"  (FlexAttention n/a: {err})")
+    cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
+    cases["safeattn, causal+padding mask"] = (lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0], True)
+    return cases
+
+
+def main_cuda(args):
+    device = "cuda"
+    repeats, warmup = (5, 2) if args.quick else (args.repeats_cuda, 5)
+    dtype = torch.bfloat16
+    batch, heads, seq = 4, 16, 4096
+    has_bwd = _has_cuda_backward()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, bf16, median of {repeats} calls")
+    if not has_bwd:
+        print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
+    print()
+    print(f"### Prefill: B={batch} H={heads} S={seq}, causal work counted as half")
+    print()
+    print("| case | D | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash |")
+    print("|---|---|---|---|---|---|---|")
+    for head_dim in (64, 128):
+        flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
+        cases = _prefill_cases(batch, heads, seq, device)
+        flash_fwd = None
+        for name, (fn, is_ours) in cases.items():
+            results = []
+            for backward in (False, True):
+                if backward and is_ours and not has_bwd:
+                    results.append(None)
+                    continue
+
+                def make(backward=backward, head_dim=head_dim):
+                    qkv = [
+                        torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype).requires_grad_(backward)
+                        for _ in range(3)
+                    ]
+                    if backward:
+                        qkv.append(torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype))
+                    return qkv
+
+                def run(q, k, v, grad=None, fn=fn):
+                    out = fn(q, k, v)
+                    if grad is not None:
+                        out.backward(grad)
+
+                with torch.set_grad_enabled(backward):
+                    results.append(_try_ms(run, make, repeats, warmup))
+            fwd_ms, both_ms = results
+            if name.startswith("SDPA flash"):
+                flash_fwd = fwd_ms
+
+            def cell(ms, flops):
+                return ("n/a", "n/a") if ms is None else (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}")
+
+            f_ms, f_tf = cell(fwd_ms, flops_fwd)
+            b_ms, b_tf = cell(both_ms, 3.5 * flops_fwd)
+            ratio = "n/a" if fwd_ms is None or flash_fwd is None else f"{flash_fwd / fwd_ms:.2f}x"
+            print(f"| {name} | {head_dim} | {f_ms} | {f_tf} | {b_ms} | {b_tf} | {ratio} |", flush=True)
+
+    print()
+    batch, hq, hkv, head_dim = 8, 32, 4, 128
+    print(f"### Decode: Q=1, B={batch}, Hq={hq}, Hkv={hkv}, D={head_dim} (GB/s: K and V bytes read)")
+    print()
+    print("| case | KV | us | GB/s |")
+    print("|---|---|---|---|")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except ImportError:
+        flex = None
+    for kv_len in (4096, 32768):
+
+        def make(kv_len=kv_len):
+            q = torch.randn(batch, hq, 1, head_dim, device=device, dtype=dtype)
+            k = torch.randn(batch, hkv, kv_len, head_dim, device=device, dtype=dtype)
+            v = torch.randn(batch, hkv, kv_len, head_dim, device=device, dtype=dtype)
+            return q, k, v
+
+        def flash(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        cases = {
+            "SDPA (enable_gqa)": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            "SDPA flash (enable_gqa)": flash,
+        }
+        if flex is not None:
+            cases["Flex (compiled, enable_gqa)"] = lambda q, k, v: flex(q, k, v, enable_gqa=True)
+        cases["safeattn"] = lambda q, k, v: safeattn.attention(q, k, v, enable_gqa=True)[0]
+        kv_bytes = 2 * batch * hkv * kv_len * head_dim * 2
+        for name, fn in cases.items():
+            with torch.no_grad():
+                ms = _try_ms(fn, make, repeats * 4, warmup)
+            cells = ("n/a", "n/a") if ms is None else (f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6:.0f}")
+            print(f"| {name} | {kv_len} | {cells[0]} | {cells[1]} |", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -80,7 +260,12 @@ def main(argv=None):
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats-cuda", type=int, default=30, help="timed calls per case with --device cuda")
+    parser.add_argument("--quick", action="store_true", help="--device cuda: few calls per case (a smoke run)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        main_cuda(args)
+        return
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

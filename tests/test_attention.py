@@ -29,6 +29,17 @@ DEVICES = [
         ),
     ),
 ]
+# The CUDA backward (_attention_backward) is written apart from the forward; until it is built,
+# CUDA cases check the forward and skip their gradient part with this reason.
+_HAS_CUDA_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::_attention_backward", "CUDA")
+_NO_CUDA_BACKWARD = "gradients need the CUDA kernel of _attention_backward (not built yet)"
+
+
+def _require_backward(device):
+    if torch.device(device).type == "cuda" and not _HAS_CUDA_BACKWARD:
+        pytest.skip(_NO_CUDA_BACKWARD)
+
+
 FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3, torch.float64: 1e-10}
 
 
@@ -80,6 +91,8 @@ def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra
     )
     if not grads:
         return out, lse
+    if q.device.type == "cuda" and not _HAS_CUDA_BACKWARD:
+        pytest.skip(f"forward checked; {_NO_CUDA_BACKWARD}")
     inputs = (q, k, v, *extra_grad_inputs)
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
@@ -144,9 +157,10 @@ def test_batch_value_dim_and_transposed_views(device, dtype):
     # Transformers' layout: [B, S, H, D] transposed to [B, H, S, D], read in place; Dv != D.
     q, k, v = _qkv(3, 4, 2, 33, 70, 64, dtype, device, dv=40, transposed=True)
     assert not q.is_contiguous()
-    out, _ = _check_against_reference(q, k, v, enable_gqa=True, is_causal=True)
+    out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True)
     assert out.shape == (3, 4, 33, 40)
     assert out.transpose(1, 2).is_contiguous(), f"out must be stored [B, Q, H, Dv], strides {out.stride()}"
+    _check_against_reference(q, k, v, enable_gqa=True, is_causal=True)
 
 
 def _sdpa_mask_cases(batch, q_len, kv_len):
@@ -176,12 +190,13 @@ def test_sdpa_mask_kinds(device, kind, mask_dtype):
     kw = _sdpa_mask_cases(batch, q_len, kv_len)[kind]
     mask = safeattn.sdpa_mask(batch, q_len, kv_len, dtype=mask_dtype, **kw).to(device)
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
-    out, lse = _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
     if kind == "padding":
         # Left-padded queries 0..4 of batch 0 see no key: out 0, lse -inf (the safe semantics).
+        out, lse = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
         assert torch.all(out[0, :, :5] == 0) and torch.all(lse[0, :, :5].isneginf()), (
             "fully masked rows not 0/-inf"
         )
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -194,12 +209,12 @@ def test_random_bool_mask_fully_masked_rows(device, dtype):
     mask[1, 0, 17] = False
     q, k, v = _qkv(2, 2, 2, q_len, kv_len, 64, dtype, device)
     mask = mask.to(device)
-    out, lse = _check_against_reference(q, k, v, attn_mask=mask)
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask)
     rows = [(0, 0), (0, 5), (0, 36), (1, 17)]
     for b, i in rows:
         assert torch.all(out[b, :, i] == 0), f"out row ({b}, {i}) not 0"
         assert torch.all(lse[b, :, i].isneginf()), f"lse row ({b}, {i}) not -inf"
-    out, lse = safeattn.attention(q, k, v, attn_mask=mask)
+    _check_against_reference(q, k, v, attn_mask=mask)
     gq, gk, gv = torch.autograd.grad(out.float().sum() + torch.where(lse.isfinite(), lse, 0).sum(), (q, k, v))
     for b, i in rows:
         assert torch.all(gq[b, :, i] == 0), f"grad_query row ({b}, {i}) not 0"
@@ -235,6 +250,7 @@ def test_bias_gradient_several_tiles(device, causal):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradient_is_deterministic_across_threads(device):
+    _require_backward(device)
     q, k, v = _qkv(2, 8, 2, 50, 300, 32, torch.float32, device)
     bias = torch.randn(1, 1, 50, 300, device=device, requires_grad=True)
     results = []
@@ -268,12 +284,13 @@ def test_sinks(device, dtype):
     sinks = torch.randn(4, device=device, requires_grad=True)
     mask = torch.ones(2, 1, 30, 90, dtype=torch.bool, device=device)
     mask[1, 0, :3] = False  # fully masked rows: out 0, lse = the sink logit
-    out, lse = _check_against_reference(
-        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, check_lse_grad=True, extra_grad_inputs=(sinks,)
-    )
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True)
     assert torch.all(out[1, :, :3] == 0), "fully masked rows with sinks must be 0"
     torch.testing.assert_close(
         lse[1, :, :3], sinks.detach().float()[:, None].expand(4, 3), msg="lse must be the sink"
+    )
+    _check_against_reference(
+        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, check_lse_grad=True, extra_grad_inputs=(sinks,)
     )
 
 
@@ -344,6 +361,7 @@ def test_nan_poisoned_padding_never_leaks(device):
     sinks = torch.randn(hq, device=device, requires_grad=True)
     out, lse = safeattn.attention(q, k, v, bias, is_causal=True, enable_gqa=True, softcap=20.0, sinks=sinks)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN padding leaked into the forward"
+    _require_backward(device)
     grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, bias, sinks))
     assert not any(g.isnan().any() for g in grads), "NaN padding leaked into a gradient"
 
@@ -367,11 +385,12 @@ def test_empty_sizes(device):
     q, k, v = _qkv(1, 2, 2, 5, 0, 16, torch.float32, device)
     out, lse = safeattn.attention(q, k, v)
     assert torch.all(out == 0) and torch.all(lse.isneginf()), "no keys: out 0, lse -inf"
+    q0, k0, v0 = _qkv(1, 2, 2, 0, 7, 16, torch.float32, device)
+    out0, lse0 = safeattn.attention(q0, k0, v0)
+    assert out0.shape == (1, 2, 0, 16) and lse0.shape == (1, 2, 0), "no queries: empty outputs"
+    _require_backward(device)
     gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
-    assert torch.all(gq == 0) and gk.shape == k.shape and gv.shape == v.shape
-    q, k, v = _qkv(1, 2, 2, 0, 7, 16, torch.float32, device)
-    out, lse = safeattn.attention(q, k, v)
-    assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
+    assert torch.all(gq == 0) and gk.shape == k.shape and gv.shape == v.shape, "no keys: grad_query 0"
 
 
 def _small_case(device, dtype=torch.float64):
@@ -384,6 +403,7 @@ def _small_case(device, dtype=torch.float64):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(device):
+    _require_backward(device)
     q, k, v, bias, sinks = _small_case(device)
 
     def fn(q, k, v, bias, sinks):
@@ -403,6 +423,7 @@ def test_gradcheck(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
+    _require_backward(device)  # opcheck runs the autograd formula too
     q, k, v, bias, sinks = _small_case(device, torch.float32)
     bool_mask = torch.rand(6, 9, device=device) > 0.3
     samples = [
@@ -416,6 +437,7 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_dynamic(device):
+    _require_backward(device)
     torch._dynamo.reset()
 
     def fn(q, k, v, bias, sinks):
@@ -547,3 +569,228 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     a, _ = safeattn.attention(q, k, v)
     b, _ = safeattn.attention(q, k, v, scale=1 / math.sqrt(20))
     torch.testing.assert_close(a, b, msg="default scale must be 1/sqrt(D)")
+
+
+# ---- CUDA forward: tensor-core kernel and generic path -----------------------------------------
+# The tensor-core kernel covers float16 / bfloat16 with D == Dv in TENSOR_CORE_HEAD_DIMS (those the
+# build instantiated; the others, D != Dv, float32 and float64 take the generic path). Its tiles
+# are 128 queries x 64 keys, so lengths 1, 17, 97, 1025 cut tiles in every way.
+
+_ON_CUDA = torch.cuda.is_available() and _HAS_CUDA_KERNEL
+cuda_only = pytest.mark.skipif(not _ON_CUDA, reason="needs a CUDA GPU and the CUDA attention kernel")
+TENSOR_CORE_HEAD_DIMS = [32, 64, 80, 96, 128, 256]
+LOW_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _check_forward(q, k, v, **kwargs):
+    return _check_against_reference(q, k, v, grads=False, **kwargs)
+
+
+@cuda_only
+@pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_head_dims(head_dim, dtype, causal):
+    q, k, v = _qkv(2, 4, 2, 97, 200, head_dim, dtype, "cuda")
+    _check_forward(q, k, v, enable_gqa=True, is_causal=causal, q_offset=103 if causal else 0)
+
+
+@cuda_only
+@pytest.mark.parametrize("q_len", [1, 17, 97, 1025])
+@pytest.mark.parametrize("kv_len", [1, 17, 97, 1025])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_partial_tiles(q_len, kv_len, head_dim):
+    q, k, v = _qkv(1, 2, 1, q_len, kv_len, head_dim, torch.bfloat16, "cuda")
+    _check_forward(q, k, v, enable_gqa=True)
+    # Causal, both alignments: top-left (rows past KV see every key) and bottom-right.
+    _check_forward(q, k, v, enable_gqa=True, is_causal=True)
+    _check_forward(q, k, v, enable_gqa=True, is_causal=True, q_offset=kv_len - q_len)
+
+
+@cuda_only
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_cuda_gqa(group, dtype):
+    q, k, v = _qkv(2, 8, 8 // group, 150, 333, 64, dtype, "cuda")
+    out, _ = _check_forward(q, k, v, enable_gqa=group > 1, is_causal=True, q_offset=183)
+    # Head h reads kv head h // group: the same as attention with K/V repeated.
+    k_rep = k.detach().repeat_interleave(group, dim=1)
+    v_rep = v.detach().repeat_interleave(group, dim=1)
+    dense, _ = safeattn.attention(q.detach(), k_rep, v_rep, is_causal=True, q_offset=183)
+    assert torch.equal(out, dense), "GQA must equal attention on repeated K/V, bit for bit"
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    "mask_shape", [(150, 333), (4, 150, 333), (2, 1, 150, 333), (1, 4, 150, 333), (2, 4, 1, 333), (2, 1, 150, 1)]
+)
+@pytest.mark.parametrize("mask_dtype", ["bool", "float32", "query"])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_cuda_broadcast_masks(mask_shape, mask_dtype, dtype):
+    q, k, v = _qkv(2, 4, 2, 150, 333, 64, dtype, "cuda")
+    gen = torch.Generator().manual_seed(11)
+    if mask_dtype == "bool":
+        mask = torch.rand(mask_shape, generator=gen) > 0.3
+    else:
+        mask = torch.randn(mask_shape, generator=gen)
+        mask = mask.masked_fill(torch.rand(mask_shape, generator=gen) > 0.7, float("-inf"))
+        mask = mask.to(torch.float32 if mask_dtype == "float32" else dtype)
+    _check_forward(q, k, v, attn_mask=mask.to("cuda"), enable_gqa=True)
+
+
+def _tile_mask(batch, q_len, kv_len, dtype):
+    """A [B, 1, Q, KV] mask whose 128 x 64 tiles are, by design, fully masked, fully visible, or
+    mixed, with fully masked rows; float masks use 0 (visible), -inf (masked) and random bias."""
+    gen = torch.Generator().manual_seed(21)
+    visible = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    visible[:, :, :, 64:192] = False  # two whole key tiles masked for every query
+    visible[0, :, 128:256, :] = False  # a whole query tile of batch 0 sees nothing
+    visible[1, :, 5:9, :] = False  # fully masked rows inside a tile
+    visible[:, :, 300:, 400:470] = torch.rand(batch, 1, q_len - 300, 70, generator=gen) > 0.5  # mixed
+    if dtype == torch.bool:
+        return visible
+    bias = torch.zeros(batch, 1, q_len, kv_len)
+    bias[:, :, :, 500:] = torch.randn(batch, 1, q_len, kv_len - 500, generator=gen)  # biased tiles
+    return bias.masked_fill(~visible, float("-inf")).to(dtype)
+
+
+@cuda_only
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_mask_tile_summary(mask_dtype, causal):
+    q_len, kv_len = 400, 700
+    mask = _tile_mask(2, q_len, kv_len, mask_dtype).to("cuda")
+    q, k, v = _qkv(2, 4, 2, q_len, kv_len, 64, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        # Keys 64..191 are masked for every query: their tiles are skipped, so NaN there never
+        # leaks, not even through V (0 * NaN).
+        k[:, :, 64:192] = float("nan")
+        v[:, :, 64:192] = float("nan")
+    kwargs = {"attn_mask": mask, "enable_gqa": True, "is_causal": causal, "q_offset": 300 if causal else 0}
+    out, lse = safeattn.attention(q, k, v, **kwargs)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN in fully masked tiles leaked"
+    assert torch.all(out[0, :, 128:256] == 0) and torch.all(lse[0, :, 128:256].isneginf()), (
+        "a fully masked query tile must give out 0, lse -inf"
+    )
+    assert torch.all(out[1, :, 5:9] == 0) and torch.all(lse[1, :, 5:9].isneginf()), "fully masked rows not 0/-inf"
+    with torch.no_grad():
+        k[:, :, 64:192] = 0.0
+        v[:, :, 64:192] = 0.0
+    _check_forward(q, k, v, **kwargs)
+
+
+@cuda_only
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_cuda_nan_behind_masked_keys_never_leaks(mask_dtype):
+    # NaN keys inside mixed tiles, masked for some rows (False or -inf) and by causality.
+    q, k, v = _qkv(1, 2, 2, 70, 300, 64, torch.bfloat16, "cuda")
+    keys = torch.tensor([3, 100, 250])
+    with torch.no_grad():
+        k[:, :, keys] = float("nan")
+    visible = torch.ones(70, 300, dtype=torch.bool)
+    visible[:, keys] = False
+    mask = visible if mask_dtype == torch.bool else torch.zeros(70, 300).masked_fill(~visible, float("-inf"))
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask.to("cuda"))
+    assert not out.isnan().any() and not lse.isnan().any(), "a NaN key behind a mask leaked"
+    # Causal: key 100 (NaN) is visible from row 50 on (key j <= row i + 50).
+    k2 = k.detach().clone()
+    k2[:, :, keys] = 0.0
+    k2[:, :, 100] = float("nan")
+    out, _ = safeattn.attention(q, k2, v, is_causal=True, q_offset=50)
+    assert out[0, :, :50].isfinite().all(), "a NaN key hidden by causality leaked into earlier rows"
+    assert out[0, :, 50:].isnan().all(), "rows that see the NaN key must be NaN"
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_cuda_nan_propagates(dtype):
+    q, k, v = _qkv(1, 2, 2, 130, 700, 128, dtype, "cuda")
+    q, k, v = q.detach().clone(), k.detach().clone(), v.detach().clone()
+    q[0, 0, 3, 5] = float("nan")
+    k[0, 1, 600, 0] = float("nan")
+    out, lse = safeattn.attention(q, k, v)
+    assert out[0, 0, 3].isnan().all() and lse[0, 0, 3].isnan(), "NaN query row must give NaN"
+    assert not out[0, 0, [0, 1, 2, 4, 129]].isnan().any(), "NaN must stay in its own row"
+    assert out[0, 1].isnan().all() and lse[0, 1].isnan().all(), "NaN key must reach every row that sees it"
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_softcap_and_sinks(dtype, head_dim):
+    q, k, v = _qkv(2, 4, 2, 130, 300, head_dim, dtype, "cuda")
+    with torch.no_grad():
+        q.mul_(4)  # large scores, so that the cap matters
+    sinks = torch.randn(4, device="cuda")
+    mask = torch.ones(2, 1, 130, 300, dtype=torch.bool)
+    mask[1, 0, 120:] = False  # fully masked rows: out 0, lse = the sink logit
+    mask = mask.to("cuda")
+    _check_forward(q, k, v, softcap=5.0, enable_gqa=True, is_causal=True, q_offset=170)
+    out, lse = _check_forward(q, k, v, attn_mask=mask, sinks=sinks, softcap=5.0, enable_gqa=True)
+    assert torch.all(out[1, :, 120:] == 0), "fully masked rows with sinks must be 0"
+    torch.testing.assert_close(lse[1, :, 120:], sinks[:, None].expand(4, 10), msg="lse of an empty row is the sink")
+
+
+@cuda_only
+def test_cuda_layout_and_strides():
+    # Transformers' [B, S, H, D] views are read in place; a non-unit last stride and a storage
+    # offset that breaks 16-byte alignment are copied on the host; out is [B, Q, H, D] storage.
+    q, k, v = _qkv(2, 4, 2, 77, 140, 64, torch.bfloat16, "cuda", transposed=True)
+    want, want_lse = safeattn.attention(q.contiguous(), k.contiguous(), v.contiguous(), enable_gqa=True)
+    out, lse = _check_forward(q, k, v, enable_gqa=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), "strided views must not change the result"
+    assert out.stride() == (77 * 4 * 64, 64, 4 * 64, 1), f"out strides {out.stride()}"
+    assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (2, 4, 77), "lse layout"
+    big = torch.randn(2, 4, 77, 2 * 64, device="cuda", dtype=torch.bfloat16)
+    q_strided = big[..., ::2]  # last stride 2
+    q_offset_by_one = big.flatten()[1 : 1 + 2 * 4 * 77 * 64].view(2, 4, 77, 64)  # 2-byte aligned rows
+    for qq in (q_strided, q_offset_by_one):
+        got, _ = safeattn.attention(qq, k, v, enable_gqa=True)
+        ref, _ = safeattn.attention(qq.contiguous().clone(), k, v, enable_gqa=True)
+        assert torch.equal(got, ref), f"query with strides {qq.stride()} gives a different result"
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "dv"),
+    [(torch.float32, 40, 40), (torch.float32, 64, 64), (torch.bfloat16, 64, 32), (torch.float16, 48, 48)],
+)
+def test_cuda_generic_path(dtype, head_dim, dv):
+    q, k, v = _qkv(2, 4, 2, 97, 150, head_dim, dtype, "cuda", dv=dv)
+    mask = (torch.rand(2, 1, 97, 150) > 0.3).to("cuda")
+    mask[0, 0, :4] = False
+    sinks = torch.randn(4, device="cuda")
+    _check_forward(q, k, v, enable_gqa=True, is_causal=True, q_offset=53)
+    _check_forward(q, k, v, attn_mask=mask, enable_gqa=True, softcap=3.0)
+    out, lse = _check_forward(q, k, v, attn_mask=mask, enable_gqa=True, sinks=sinks)
+    assert torch.all(out[0, :, :4] == 0), "fully masked rows must be 0 on the generic path"
+
+
+@cuda_only
+def test_cuda_float64_forward():
+    q, k, v, bias, sinks = _small_case("cuda")
+    _check_forward(q, k, v, attn_mask=bias, enable_gqa=True, is_causal=True, q_offset=3, softcap=3.0, sinks=sinks)
+
+
+@cuda_only
+def test_cuda_more_than_2_pow_31_elements():
+    # q, k, v, out and the bool mask each hold > 2^31 elements: every offset must be 64-bit.
+    batch, q_len, head_dim = 2**31 // (128 * 128) + 1, 128, 128
+    need = 4 * batch * q_len * head_dim * 2 + batch * q_len * q_len
+    free, _ = torch.cuda.mem_get_info()
+    if free < max(40 * 2**30, 1.3 * need):
+        pytest.skip(f"needs 40 GB of free GPU memory, has {free / 2**30:.0f} GB")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make():
+        return torch.randn(batch, 1, q_len, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q, k, v = make(), make(), make()
+    mask = torch.rand(batch, 1, q_len, q_len, device="cuda", generator=gen) > 0.2
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask)
+    for b in (0, batch - 1):
+        sl = slice(b, b + 1)
+        want, want_lse = safeattn.attention(q[sl].clone(), k[sl].clone(), v[sl].clone(), attn_mask=mask[sl].clone())
+        assert torch.equal(out[sl], want) and torch.equal(lse[sl], want_lse), f"batch {b} differs past 2^31"
+    del out, lse
+    _check_forward(q[-1:], k[-1:], v[-1:], attn_mask=mask[-1:])

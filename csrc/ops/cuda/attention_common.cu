@@ -1,6 +1,9 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 namespace safeattn::cuda::attn {
@@ -32,6 +35,82 @@ MaskView make_mask_view(const at::Tensor& mask) {
   view.stride_h = mask.stride(1);
   view.stride_q = mask.stride(2);
   view.stride_kv = mask.stride(3);
+  return view;
+}
+
+namespace {
+
+constexpr int kSummaryThreads = 256;
+
+// One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
+// kv_tile. Each thread looks at a strided share of the tile's elements; the three flags are
+// ORed over the CTA.
+__global__ void __launch_bounds__(kSummaryThreads)
+    summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
+                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, uint8_t* out) {
+  const int64_t x = blockIdx.x;
+  const int64_t kv_tile = x % kv_tiles;
+  const int64_t q_tile = (x / kv_tiles) % q_tiles;
+  const int64_t slice = x / (kv_tiles * q_tiles);
+  const int64_t b = slice / heads_m, h = slice % heads_m;
+  const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
+  const int64_t rows = q_len - i0 < block_q ? q_len - i0 : block_q;
+  const int64_t cols = kv_len - j0 < block_kv ? kv_len - j0 : block_kv;
+  bool any_visible = false, any_masked = false, any_bias = false;
+  for (int64_t e = threadIdx.x; e < rows * cols; e += kSummaryThreads) {
+    const int64_t r = e / cols, c = e % cols;
+    const float v = mask.additive(mask.offset(b, h, i0 + r, j0 + c));
+    const bool masked = v == -INFINITY;
+    any_masked |= masked;
+    any_visible |= !masked;  // NaN included: it must reach its row
+    any_bias |= !(v == 0.0f);  // NaN included
+  }
+  any_visible = __syncthreads_or(any_visible);
+  any_masked = __syncthreads_or(any_masked);
+  any_bias = __syncthreads_or(any_bias);
+  if (threadIdx.x == 0) {
+    out[x] = !any_visible ? kTileMasked : (!any_masked && !any_bias ? kTileVisible : kTileMixed);
+  }
+}
+
+}  // namespace
+
+at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv) {
+  TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
+                        "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
+  const MaskView view = make_mask_view(mask);
+  // Broadcast dims of the expanded view have stride 0 (or size 1): summarise them once.
+  const int64_t batch_m = (mask.size(0) == 1 || mask.stride(0) == 0) ? 1 : mask.size(0);
+  const int64_t heads_m = (mask.size(1) == 1 || mask.stride(1) == 0) ? 1 : mask.size(1);
+  const int64_t q_len = mask.size(2), kv_len = mask.size(3);
+  const int64_t q_tiles = (q_len + block_q - 1) / block_q;
+  const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
+  at::Tensor summary = at::empty({batch_m, heads_m, q_tiles, kv_tiles}, mask.options().dtype(at::kByte));
+  const int64_t blocks = summary.numel();
+  if (blocks == 0) {
+    return summary;
+  }
+  TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the mask has too many tiles to summarise (", blocks, ")");
+  summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0,
+                                c10::cuda::getCurrentCUDAStream()>>>(view, q_len, kv_len, block_q, block_kv, heads_m,
+                                                                     q_tiles, kv_tiles, summary.data_ptr<uint8_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return summary;
+}
+
+TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv) {
+  TileSummaryView view;
+  if (!summary.defined()) {
+    return view;
+  }
+  TORCH_INTERNAL_ASSERT(summary.dim() == 4 && summary.is_contiguous() && summary.scalar_type() == at::kByte,
+                        "attention (CUDA): the tile summary must be a contiguous 4-D uint8 tensor");
+  view.ptr = summary.data_ptr<uint8_t>();
+  view.stride_b = summary.size(0) == 1 ? 0 : summary.stride(0);
+  view.stride_h = summary.size(1) == 1 ? 0 : summary.stride(1);
+  view.stride_q = summary.stride(2);
+  view.block_q = block_q;
+  view.block_kv = block_kv;
   return view;
 }
 

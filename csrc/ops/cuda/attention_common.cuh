@@ -172,4 +172,36 @@ struct ScoreTransform {
   }
 };
 
+// ---- per-tile summary of a dense mask ---------------------------------------------------------
+
+// What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles
+// (kTileMasked: neither K/V nor the mask is read), read no mask (kTileVisible), or read it once
+// per element (kTileMixed). NaN counts as mixed, so it reaches the rows it belongs to.
+enum TileClass : uint8_t { kTileMasked = 0, kTileVisible = 1, kTileMixed = 2 };
+
+// The summary as the kernels read it: class of (b, h, q_tile, kv_tile) at
+// ptr + b*stride_b + h*stride_h + q_tile*stride_q + kv_tile (0 strides on the mask's broadcast
+// dims). A null ptr (no mask) reads as kTileVisible everywhere.
+struct TileSummaryView {
+  const uint8_t* ptr = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_q = 0;
+  int block_q = 0, block_kv = 0;  // the tile sizes it was computed for
+
+  __device__ __forceinline__ uint8_t at(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
+    return ptr == nullptr ? static_cast<uint8_t>(kTileVisible)
+                          : ptr[b * stride_b + h * stride_h + q_tile * stride_q + kv_tile];
+  }
+};
+
+// Host: the summary of a [B, Hq, Q, KV] mask view (as make_mask_view takes it) for tiles of
+// block_q queries x block_kv keys: a uint8 tensor [Bm, Hm, ceil(Q / block_q), ceil(KV / block_kv)]
+// where Bm (Hm) is 1 when the mask is broadcast over the batch (heads), so each distinct mask
+// slice is summarised once. One kernel on the current stream, no host synchronisation. Edge
+// tiles look only at the elements inside [Q, KV]. Tile sizes are arguments, so the forward and
+// the backward can each ask for their own.
+at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv);
+
+// Host: the view of a summary made by summarize_mask_tiles for the same tile sizes.
+TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv);
+
 }  // namespace safeattn::cuda::attn

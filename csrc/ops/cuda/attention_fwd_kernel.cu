@@ -1,0 +1,265 @@
+// CUDA forward of safeattn::attention and its CUDA registration.
+//
+// attention_fwd_cuda picks one of two paths:
+//   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
+//     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_HAS_D<D>);
+//     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
+//     skipped or read without the mask;
+//   - a generic path for everything else (float32, float64 for gradcheck, other head dims,
+//     D != Dv): ATen ops in float32 / float64 over chunks of queries, so memory stays bounded.
+// Both give the semantics of ops/attention.h, including the choice of the tensor-core kernel
+// that an element masked out (False, or a -inf bias) is -inf whatever its score: a NaN or inf
+// behind it never reaches the row.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "ops/attention.h"
+#include "ops/cuda/attention_fwd.cuh"
+
+namespace safeattn::cuda {
+namespace {
+
+using attn::FwdParams;
+
+// ---- tensor-core path ------------------------------------------------------------------------
+
+bool has_tensor_core_kernel(int64_t head_dim) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_HAS_D32
+    case 32:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D64
+    case 64:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D80
+    case 80:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D96
+    case 96:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D128
+    case 128:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D256
+    case 256:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_HAS_D32
+    case 32:
+      return attn::launch_attention_fwd<T, 32>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D64
+    case 64:
+      return attn::launch_attention_fwd<T, 64>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D80
+    case 80:
+      return attn::launch_attention_fwd<T, 80>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D96
+    case 96:
+      return attn::launch_attention_fwd<T, 96>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D128
+    case 128:
+      return attn::launch_attention_fwd<T, 128>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D256
+    case 256:
+      return attn::launch_attention_fwd<T, 256>(p, stream);
+#endif
+    default:
+      TORCH_INTERNAL_ASSERT(false, "attention (CUDA): no tensor-core kernel for head dim ", head_dim);
+  }
+}
+
+// cp.async and the output stores move 16 bytes: every row the kernel touches must start on a
+// 16-byte boundary. Size-1 dims are never stepped over, so their strides do not matter.
+bool rows_aligned_16(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) {
+    return false;
+  }
+  for (int64_t d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// q / k / v are read in place when their last dim is contiguous and their rows aligned;
+// otherwise from a contiguous copy (clone: a contiguous view with an odd offset stays odd).
+at::Tensor readable_in_place(const at::Tensor& t) {
+  if (rows_aligned_16(t)) {
+    return t;
+  }
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+bool use_tensor_cores(const AttentionFwdArgs& a) {
+  const at::ScalarType dtype = a.query.scalar_type();
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && a.query.size(3) == a.value.size(3) &&
+         has_tensor_core_kernel(a.query.size(3)) && rows_aligned_16(a.out);
+}
+
+void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
+  const at::Tensor query = readable_in_place(a.query);
+  const at::Tensor key = readable_in_place(a.key);
+  const at::Tensor value = readable_in_place(a.value);
+  const int64_t head_dim = query.size(3);
+  int block_q = 0, block_kv = 0;
+  attn::fwd_tile_sizes(head_dim, block_q, block_kv);
+
+  FwdParams p;
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  p.out = a.out.data_ptr();
+  p.lse = a.lse.data_ptr<float>();
+  p.sinks = a.sinks.defined() ? a.sinks.data_ptr<float>() : nullptr;
+  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
+  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
+  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
+  p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
+  p.heads = query.size(1);
+  p.group = query.size(1) / key.size(1);
+  p.batch_heads = query.size(0) * query.size(1);
+  p.q_len = query.size(2);
+  p.kv_len = key.size(2);
+  constexpr double kLog2e = 1.4426950408889634;
+  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  if (a.softcap > 0.0) {
+    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
+    p.softcap_post = static_cast<float>(a.softcap * kLog2e);
+  }
+  p.causal.enabled = a.is_causal;
+  p.causal.shift = a.q_offset - a.kv_offset;
+  at::Tensor summary;  // kept alive until the launch is queued (stream-ordered allocator)
+  if (a.mask.defined()) {
+    p.mask = attn::make_mask_view(a.mask);
+    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv);
+    p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv);
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (query.scalar_type() == at::kBFloat16) {
+    launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream);
+  } else {
+    launch_for_head_dim<__half>(head_dim, p, stream);
+  }
+}
+
+// ---- generic path ----------------------------------------------------------------------------
+
+// Correctness, not speed: the dense formula in float32 (float64 for float64 inputs) over
+// chunks of queries whose [B, Hq, chunk, KV] scores stay under kChunkElements.
+constexpr int64_t kChunkElements = int64_t{1} << 26;
+
+void attention_fwd_generic(const AttentionFwdArgs& a) {
+  const at::ScalarType acc = a.query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
+  const int64_t head_dim = a.query.size(3);
+  const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), dv = a.value.size(3);
+  const int64_t group = hq / hkv;
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  if (kv_len == 0) {  // no key at all: every row is empty
+    a.out.zero_();
+    if (a.sinks.defined()) {
+      a.lse.copy_(a.sinks.view({1, hq, 1}).expand_as(a.lse));
+    } else {
+      a.lse.fill_(neg_inf);
+    }
+    return;
+  }
+  const at::TensorOptions acc_options = a.query.options().dtype(acc);
+  // K^T and V once in acc (a copy; the generic path is not the fast one).
+  const at::Tensor key_t = a.key.to(acc).transpose(2, 3);  // [B, Hkv, D, KV]
+  const at::Tensor value = a.value.to(acc);                // [B, Hkv, KV, Dv]
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(q_len, kChunkElements / (batch * hq * kv_len)));
+  const at::Tensor zero = at::zeros({}, acc_options);
+  const at::Tensor minus_inf = at::full({}, neg_inf, acc_options);
+  for (int64_t i0 = 0; i0 < q_len; i0 += chunk) {
+    const int64_t n = std::min(chunk, q_len - i0);
+    // Query heads of one kv group side by side: [B, Hkv, group * n, D], so K/V are not repeated.
+    const at::Tensor q = a.query.narrow(2, i0, n).to(acc).reshape({batch, hkv, group * n, head_dim});
+    at::Tensor s = at::matmul(q, key_t).view({batch, hq, n, kv_len});
+    s.mul_(a.scale);
+    if (a.softcap > 0.0) {
+      s = at::tanh(s / a.softcap) * a.softcap;
+    }
+    if (a.mask.defined()) {
+      const at::Tensor m = a.mask.narrow(2, i0, n);
+      if (m.scalar_type() == at::kBool) {
+        s = at::where(m, s, minus_inf);
+      } else {
+        const at::Tensor bias = m.to(acc);
+        s = at::where(bias == neg_inf, minus_inf, s + bias);  // masked stays -inf, even for NaN s
+      }
+    }
+    if (a.is_causal) {
+      const at::Tensor rows = at::arange(i0, i0 + n, a.query.options().dtype(at::kLong)).view({n, 1});
+      const at::Tensor cols = at::arange(kv_len, a.query.options().dtype(at::kLong)).view({1, kv_len});
+      s = at::where(cols <= rows + (a.q_offset - a.kv_offset), s, minus_inf);
+    }
+    // Row max keeps NaN (amax propagates it); an empty row is shifted by 0, not by -inf.
+    const at::Tensor row_max = s.amax(-1, /*keepdim=*/true);
+    const at::Tensor offset = at::where(row_max == neg_inf, zero, row_max);
+    const at::Tensor prob = at::exp(s - offset);
+    const at::Tensor row_sum = prob.sum(-1, /*keepdim=*/true);
+    at::Tensor o = at::matmul(prob.view({batch, hkv, group * n, kv_len}), value).view({batch, hq, n, dv});
+    at::Tensor lse = offset + at::log(row_sum);  // -inf for an empty row
+    at::Tensor factor;
+    if (a.sinks.defined()) {
+      lse = at::logaddexp(lse, a.sinks.to(acc).view({1, hq, 1, 1}));
+      factor = at::where(lse == neg_inf, zero, at::exp(offset - lse));
+    } else {
+      factor = at::where(row_sum == 0, zero, at::reciprocal(row_sum));
+    }
+    // An empty row is exactly 0, even if a masked value held NaN (0 * NaN in P V).
+    o = at::where(row_sum == 0, zero, o * factor);
+    a.out.narrow(2, i0, n).copy_(o);
+    a.lse.narrow(2, i0, n).copy_(lse.squeeze(-1));
+  }
+}
+
+void attention_fwd_cuda(const AttentionFwdArgs& args) {
+  if (use_tensor_cores(args)) {
+    attention_fwd_tensor_cores(args);
+  } else {
+    attention_fwd_generic(args);
+  }
+}
+
+// ---- registration ----------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                  double dropout_p, bool is_causal, std::optional<double> scale,
+                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                        softcap, sinks, &attention_fwd_cuda);
+}
+
+}  // namespace
+}  // namespace safeattn::cuda
+
+// The forward only; _attention_backward's CUDA kernel is registered in attention_bwd_kernel.cu.
+TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
+  m.impl("attention", &safeattn::cuda::attention_cuda);
+}
