@@ -1,0 +1,563 @@
+// Tensor-core backward of safeattn::attention (FlashAttention-2 style, mma.sync m16n8k16,
+// bf16/fp16 inputs, fp32 math). The semantics are those of ops/attention.h; the CPU twin is
+// cpu/attention_bwd_kernel.cpp and the float64 reference python/safeattn/reference.py.
+//
+// Three kernels, launched in this order by attention_bwd_kernel.cu:
+//   1. rows (pre-pass): per query row, Delta = rowsum(dO * O) - dlse, and lse in the log2 domain
+//      (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
+//   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
+//      memory and walks every query head of its GQA group and every query tile that can see the
+//      tile (the causal rule skips the tiles above the diagonal). Each warp owns 16 keys, and
+//      computes the transposed tiles (keys along rows, queries along columns):
+//        S^T = K Q^T     P^T = exp(score(S^T) - lse)     dP^T = V dO^T
+//        dS^T = P^T * (dP^T - Delta)     dS'^T = dS^T * d score / d(q.k)
+//        dV += P^T dO    dK += dS'^T Q
+//   3. dQ: one CTA per (query tile, query head, batch); each warp owns 16 queries and walks
+//      the key tiles the queries can see: S = Q K^T, dP = dO V^T, dS as above, dQ += dS' K.
+//      The mask gradient (dS: the gradient of the additive mask value, 0 where masked) is
+//      written here, into a [B, Hq, Q, KV] float32 buffer.
+// No element is written by two CTAs and every loop has a fixed order: no atomics, and the
+// results are bit-identical from run to run. dQ recomputes S and dP (two more products than
+// FlashAttention-2's atomic dQ) to get there.
+//
+// Shared-memory tiles are row-major with rows padded by 16 bytes, so that the eight rows an
+// ldmatrix reads fall in distinct banks. Out-of-range rows are zero-filled by cp.async; their
+// scores are forced to -inf (keys) or their lse to +inf (queries), so they contribute exactly 0.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include "ops/cuda/attention_common.cuh"
+
+namespace safeattn::cuda::attn {
+
+// What the backward kernels read and write (device pointers, element strides, 64-bit).
+struct BwdParams {
+  // Inputs in the input dtype; rows of head_dim elements with unit stride, 16-byte aligned.
+  const void* query;     // [B, Hq, Q, D]
+  const void* key;       // [B, Hkv, KV, D]
+  const void* value;     // [B, Hkv, KV, D]
+  const void* grad_out;  // [B, Hq, Q, D]
+  int64_t q_stride_b, q_stride_h, q_stride_s;
+  int64_t k_stride_b, k_stride_h, k_stride_s;
+  int64_t v_stride_b, v_stride_h, v_stride_s;
+  int64_t do_stride_b, do_stride_h, do_stride_s;
+  const float* lse_log2;  // [B, Hq, Q] contiguous: lse * log2(e), +inf where lse is -inf
+  const float* delta;     // [B, Hq, Q] contiguous
+  void* grad_query;       // [B, Hq, Q, D] contiguous (written)
+  void* grad_key;         // [B, Hkv, KV, D] contiguous (written)
+  void* grad_value;       // [B, Hkv, KV, D] contiguous (written)
+  // Null, or [batch_count, Hq, Q, KV] float32 contiguous for batches [batch_begin, +count):
+  // every element of those batches is assigned (dS, 0 where masked or never visited).
+  float* grad_mask;
+  int64_t batch_begin;
+  MaskView mask;
+  Causal causal;
+  ScoreTransform transform;
+  int64_t hq, hkv, q_len, kv_len;
+};
+
+// Tile shapes of one head dim. 4 warps; each warp owns 16 rows of its kernel's fixed operand
+// (keys in dK/dV, queries in dQ). The moving tile (queries in dK/dV, keys in dQ) is smaller for
+// large head dims so that the accumulators (dK and dV: head_dim floats per thread) plus the
+// two score tiles stay in registers.
+template <int kHeadDim>
+struct BwdTraits {
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStride = kHeadDim + 8;  // smem row, elements (16-byte padding)
+  // dK/dV kernel: kKvRows keys per CTA, kQRows queries per step.
+  static constexpr int kDkvKeys = 16 * kWarps;
+  static constexpr int kDkvQueries = kHeadDim <= 64 ? 64 : 32;
+  // dQ kernel: kDqQueries queries per CTA, kDqKeys keys per step.
+  static constexpr int kDqQueries = 16 * kWarps;
+  static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
+
+  static constexpr size_t kDkvSmem = sizeof(uint16_t) * kStride * (2 * kDkvKeys + 2 * 2 * kDkvQueries) +
+                                     sizeof(float) * 2 * 2 * kDkvQueries;
+  static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
+};
+
+// Launches the dK/dV and dQ kernels for one dtype and head dim (rows pre-pass done by the caller).
+// Instantiated in attention_bwd_d<D>_<dtype>.cu.
+template <typename T, int kHeadDim>
+void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_count, bool run_dkdv, bool run_dq,
+                          cudaStream_t stream);
+
+#ifdef SAFEATTN_ATTN_BWD_DEFINE_KERNELS
+
+namespace bwd_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Copies rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements)
+// into smem (row stride kStride), 16 bytes per cp.async; rows at or past `len` become zeros.
+template <typename T, int kHeadDim, int kRows, int kThreads>
+__device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride_s, int64_t row0, int64_t len) {
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kStride = kHeadDim + 8;
+  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = row0 + r < len;
+    const T* src = valid ? base + (row0 + r) * stride_s + col : base;
+    cp_async_16(smem + r * kStride + col, src, valid);
+  }
+}
+
+// The masked, transformed score of (query i, key j) from the raw dot product; -inf where the
+// element is masked, outside the sequence, or hidden by the causal rule. `dscore` gets
+// d score / d dot (the chain rule of the scale and the softcap).
+__device__ __forceinline__ float score_of(const BwdParams& p, float dot, int64_t b, int64_t h, int64_t i, int64_t j,
+                                          float& dscore) {
+  const float s = p.transform(dot);
+  dscore = p.transform.derivative(s);
+  if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
+    return -INFINITY;
+  }
+  if (p.mask.kind == MaskKind::kNone) {
+    return s;
+  }
+  const float m = p.mask.additive(p.mask.offset(b, h, i, j));
+  // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included.
+  return m == -INFINITY ? -INFINITY : s + m;
+}
+
+// ---- dK / dV ---------------------------------------------------------------------------------
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
+    attention_bwd_dkdv_kernel(const BwdParams p) {
+  using Tr = BwdTraits<kHeadDim>;
+  constexpr int kStride = Tr::kStride;
+  constexpr int kKeys = Tr::kDkvKeys;
+  constexpr int kQueries = Tr::kDkvQueries;
+  constexpr int kQTiles = kQueries / 8;  // n-tiles of the score tile
+  constexpr int kDTiles = kHeadDim / 8;  // n-tiles of the dK / dV accumulators
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* k_s = reinterpret_cast<T*>(smem_raw);
+  T* v_s = k_s + kKeys * kStride;
+  T* q_s = v_s + kKeys * kStride;         // [2][kQueries][kStride]
+  T* do_s = q_s + 2 * kQueries * kStride;  // [2][kQueries][kStride]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries]
+  float* delta_s = lse_s + 2 * kQueries;                                     // [2][kQueries]
+
+  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
+  const int64_t hk = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int64_t group = p.hq / p.hkv;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+
+  const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
+  const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
+  load_tile<T, kHeadDim, kKeys, Tr::kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
+  load_tile<T, kHeadDim, kKeys, Tr::kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
+  cp_async_commit();
+
+  // Queries before first_query(j0) see no key of this tile (j0 is its smallest key).
+  const int64_t q_tiles = (p.q_len + kQueries - 1) / kQueries;
+  const int64_t first_tile = p.causal.first_query(j0, p.q_len) / kQueries;
+  const int64_t tiles_per_head = q_tiles - first_tile;
+  const int64_t steps = group * tiles_per_head;
+
+  // Step s: query head hk * group + s / tiles_per_head, query tile first_tile + s % tiles_per_head.
+  auto prefetch = [&](int64_t step, int buf) {
+    const int64_t h = hk * group + step / tiles_per_head;
+    const int64_t i0 = (first_tile + step % tiles_per_head) * kQueries;
+    const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
+    const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
+    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0,
+                                                    p.q_len);
+    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
+                                                    p.q_len);
+    const int64_t row0 = (b * p.hq + h) * p.q_len;
+    for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
+      const bool valid = i0 + r < p.q_len;
+      lse_s[buf * kQueries + r] = valid ? p.lse_log2[row0 + i0 + r] : INFINITY;
+      delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
+    }
+  };
+
+  float dk_acc[kDTiles][4];
+  float dv_acc[kDTiles][4];
+#pragma unroll
+  for (int t = 0; t < kDTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dk_acc[t][e] = 0.0f;
+      dv_acc[t][e] = 0.0f;
+    }
+  }
+
+  const int key_row = warp * 16;  // this warp's keys within the tile
+  if (steps > 0) {
+    prefetch(0, 0);
+  }
+  cp_async_commit();
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = static_cast<int>(step & 1);
+    if (step + 1 < steps) {
+      prefetch(step + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const T* qt = q_s + buf * kQueries * kStride;
+    const T* dot = do_s + buf * kQueries * kStride;
+    const float* lse_t = lse_s + buf * kQueries;
+    const float* delta_t = delta_s + buf * kQueries;
+    const int64_t h = hk * group + step / tiles_per_head;
+    const int64_t i0 = (first_tile + step % tiles_per_head) * kQueries;
+
+    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and all kQueries queries.
+    float st[kQTiles][4];
+    float dpt[kQTiles][4];
+#pragma unroll
+    for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        st[t][e] = 0.0f;
+        dpt[t][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t a_k[4], a_v[4];
+      const int a_row = key_row + (lane & 15);
+      const int a_col = ks * 16 + (lane >> 4) * 8;
+      ldmatrix_x4(a_k, k_s + a_row * kStride + a_col);
+      ldmatrix_x4(a_v, v_s + a_row * kStride + a_col);
+#pragma unroll
+      for (int np = 0; np < kQueries / 16; ++np) {
+        const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
+        const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+        uint32_t b_q[4], b_do[4];
+        ldmatrix_x4(b_q, qt + b_row * kStride + b_col);
+        ldmatrix_x4(b_do, dot + b_row * kStride + b_col);
+        mma_16816<T>(st[2 * np], a_k, {b_q[0], b_q[1]});
+        mma_16816<T>(st[2 * np + 1], a_k, {b_q[2], b_q[3]});
+        mma_16816<T>(dpt[2 * np], a_v, {b_do[0], b_do[1]});
+        mma_16816<T>(dpt[2 * np + 1], a_v, {b_do[2], b_do[3]});
+      }
+    }
+
+    // P^T and dS'^T in place (st holds p, dpt holds dS').
+#pragma unroll
+    for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = t * 8 + 2 * tig + (e & 1);
+        const int64_t i = i0 + col;
+        const int64_t j = j0 + key_row + g + (e >> 1) * 8;
+        float dscore;
+        const float s = score_of(p, st[t][e], b, h, i, j, dscore);
+        const float prob = exp2f(s * kLog2e - lse_t[col]);
+        st[t][e] = prob;
+        dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
+      }
+    }
+
+    // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
+#pragma unroll
+    for (int kk = 0; kk < kQueries / 16; ++kk) {
+      const uint32_t a_p[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
+                               pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                               pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const uint32_t a_ds[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        const int b_col = dp * 16 + (lane >> 4) * 8;
+        uint32_t b_do[4], b_q[4];
+        ldmatrix_x4_trans(b_do, dot + b_row * kStride + b_col);
+        ldmatrix_x4_trans(b_q, qt + b_row * kStride + b_col);
+        mma_16816<T>(dv_acc[2 * dp], a_p, {b_do[0], b_do[1]});
+        mma_16816<T>(dv_acc[2 * dp + 1], a_p, {b_do[2], b_do[3]});
+        mma_16816<T>(dk_acc[2 * dp], a_ds, {b_q[0], b_q[1]});
+        mma_16816<T>(dk_acc[2 * dp + 1], a_ds, {b_q[2], b_q[3]});
+      }
+    }
+    __syncthreads();  // this buffer is refilled by the next step's prefetch
+  }
+  cp_async_wait<0>();
+
+  // Rows g and g + 8 of this warp's keys, columns 2 * tig (+1) of every n-tile.
+  T* gk = static_cast<T*>(p.grad_key) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
+  T* gv = static_cast<T*>(p.grad_value) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t j = j0 + key_row + g + half * 8;
+    if (j >= p.kv_len) {
+      continue;
+    }
+#pragma unroll
+    for (int t = 0; t < kDTiles; ++t) {
+      const int col = t * 8 + 2 * tig;
+      *reinterpret_cast<uint32_t*>(gk + j * kHeadDim + col) =
+          pack2<T>(dk_acc[t][2 * half], dk_acc[t][2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(gv + j * kHeadDim + col) =
+          pack2<T>(dv_acc[t][2 * half], dv_acc[t][2 * half + 1]);
+    }
+  }
+}
+
+// ---- dQ (and the mask gradient) --------------------------------------------------------------
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
+    attention_bwd_dq_kernel(const BwdParams p) {
+  using Tr = BwdTraits<kHeadDim>;
+  constexpr int kStride = Tr::kStride;
+  constexpr int kQueries = Tr::kDqQueries;
+  constexpr int kKeys = Tr::kDqKeys;
+  constexpr int kKTiles = kKeys / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* q_s = reinterpret_cast<T*>(smem_raw);
+  T* do_s = q_s + kQueries * kStride;
+  T* k_s = do_s + kQueries * kStride;     // [2][kKeys][kStride]
+  T* v_s = k_s + 2 * kKeys * kStride;     // [2][kKeys][kStride]
+
+  // Last query tile first: with causal it sees the most keys, and the long CTAs should start
+  // early rather than form the tail of the grid.
+  const int64_t i0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kQueries;
+  const int64_t h = blockIdx.y;
+  const int64_t b_rel = blockIdx.z;
+  const int64_t b = p.batch_begin + b_rel;
+  const int64_t hk = h / (p.hq / p.hkv);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, tig = lane % 4;
+
+  const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
+  const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
+  const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
+  const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
+  load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s, q_base, p.q_stride_s, i0, p.q_len);
+  load_tile<T, kHeadDim, kQueries, Tr::kThreads>(do_s, do_base, p.do_stride_s, i0, p.q_len);
+  cp_async_commit();
+
+  const int query_row = warp * 16;  // this warp's queries within the tile
+  // This thread's two rows: lse (log2 domain) and Delta; rows past q_len get p = 0.
+  float row_lse[2], row_delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t i = i0 + query_row + g + half * 8;
+    const int64_t row = (b * p.hq + h) * p.q_len + i;
+    row_lse[half] = i < p.q_len ? p.lse_log2[row] : INFINITY;
+    row_delta[half] = i < p.q_len ? p.delta[row] : 0.0f;
+  }
+
+  // Key tiles past kv_end hold no key visible to these queries (causal) and are not read.
+  const int64_t q_end = i0 + kQueries < p.q_len ? i0 + kQueries : p.q_len;
+  const int64_t kv_end = p.causal.kv_end(q_end, p.kv_len);
+  const int64_t steps = (kv_end + kKeys - 1) / kKeys;
+
+  auto prefetch = [&](int64_t step, int buf) {
+    load_tile<T, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s, step * kKeys,
+                                                 p.kv_len);
+    load_tile<T, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s, step * kKeys,
+                                                 p.kv_len);
+  };
+
+  float dq_acc[kDTiles][4];
+#pragma unroll
+  for (int t = 0; t < kDTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      dq_acc[t][e] = 0.0f;
+    }
+  }
+  float* gm_base = p.grad_mask != nullptr ? p.grad_mask + (b_rel * p.hq + h) * p.q_len * p.kv_len : nullptr;
+
+  if (steps > 0) {
+    prefetch(0, 0);
+  }
+  cp_async_commit();
+  for (int64_t step = 0; step < steps; ++step) {
+    const int buf = static_cast<int>(step & 1);
+    if (step + 1 < steps) {
+      prefetch(step + 1, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const T* kt = k_s + buf * kKeys * kStride;
+    const T* vt = v_s + buf * kKeys * kStride;
+    const int64_t j0 = step * kKeys;
+
+    float s_acc[kKTiles][4];
+    float dp_acc[kKTiles][4];
+#pragma unroll
+    for (int t = 0; t < kKTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s_acc[t][e] = 0.0f;
+        dp_acc[t][e] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t a_q[4], a_do[4];
+      const int a_row = query_row + (lane & 15);
+      const int a_col = ks * 16 + (lane >> 4) * 8;
+      ldmatrix_x4(a_q, q_s + a_row * kStride + a_col);
+      ldmatrix_x4(a_do, do_s + a_row * kStride + a_col);
+#pragma unroll
+      for (int np = 0; np < kKeys / 16; ++np) {
+        const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
+        const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+        uint32_t b_k[4], b_v[4];
+        ldmatrix_x4(b_k, kt + b_row * kStride + b_col);
+        ldmatrix_x4(b_v, vt + b_row * kStride + b_col);
+        mma_16816<T>(s_acc[2 * np], a_q, {b_k[0], b_k[1]});
+        mma_16816<T>(s_acc[2 * np + 1], a_q, {b_k[2], b_k[3]});
+        mma_16816<T>(dp_acc[2 * np], a_do, {b_v[0], b_v[1]});
+        mma_16816<T>(dp_acc[2 * np + 1], a_do, {b_v[2], b_v[3]});
+      }
+    }
+
+    // dS (the mask gradient) and dS' (dp_acc, in place).
+#pragma unroll
+    for (int t = 0; t < kKTiles; ++t) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = i0 + query_row + g + half * 8;
+        float ds[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int e = 2 * half + c;
+          const int64_t j = j0 + t * 8 + 2 * tig + c;
+          float dscore;
+          const float s = score_of(p, s_acc[t][e], b, h, i, j, dscore);
+          const float prob = exp2f(s * kLog2e - row_lse[half]);
+          ds[c] = prob * (dp_acc[t][e] - row_delta[half]);
+          dp_acc[t][e] = ds[c] * dscore;
+        }
+        if (gm_base != nullptr && i < p.q_len) {
+          const int64_t j = j0 + t * 8 + 2 * tig;
+          float* dst = gm_base + i * p.kv_len + j;
+          if (j + 1 < p.kv_len && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+            *reinterpret_cast<float2*>(dst) = make_float2(ds[0], ds[1]);
+          } else {
+            if (j < p.kv_len) {
+              dst[0] = ds[0];
+            }
+            if (j + 1 < p.kv_len) {
+              dst[1] = ds[1];
+            }
+          }
+        }
+      }
+    }
+
+    // dQ += dS' K: A from the registers, B = K loaded transposed.
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      const uint32_t a_ds[4] = {pack2<T>(dp_acc[2 * kk][0], dp_acc[2 * kk][1]),
+                                pack2<T>(dp_acc[2 * kk][2], dp_acc[2 * kk][3]),
+                                pack2<T>(dp_acc[2 * kk + 1][0], dp_acc[2 * kk + 1][1]),
+                                pack2<T>(dp_acc[2 * kk + 1][2], dp_acc[2 * kk + 1][3])};
+      const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        const int b_col = dp * 16 + (lane >> 4) * 8;
+        uint32_t b_k[4];
+        ldmatrix_x4_trans(b_k, kt + b_row * kStride + b_col);
+        mma_16816<T>(dq_acc[2 * dp], a_ds, {b_k[0], b_k[1]});
+        mma_16816<T>(dq_acc[2 * dp + 1], a_ds, {b_k[2], b_k[3]});
+      }
+    }
+    __syncthreads();  // this buffer is refilled by the next step's prefetch
+  }
+  cp_async_wait<0>();
+
+  // The mask gradient of keys no step visited (past kv_end): 0, as they are all masked.
+  if (gm_base != nullptr) {
+    const int64_t first_unvisited = steps * kKeys;
+    const int64_t width = p.kv_len - first_unvisited;
+    if (width > 0) {
+      for (int64_t e = threadIdx.x; e < kQueries * width; e += Tr::kThreads) {
+        const int64_t i = i0 + e / width;
+        if (i < p.q_len) {
+          gm_base[i * p.kv_len + first_unvisited + e % width] = 0.0f;
+        }
+      }
+    }
+  }
+
+  T* gq = static_cast<T*>(p.grad_query) + ((b * p.hq + h) * p.q_len) * kHeadDim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t i = i0 + query_row + g + half * 8;
+    if (i >= p.q_len) {
+      continue;
+    }
+#pragma unroll
+    for (int t = 0; t < kDTiles; ++t) {
+      const int col = t * 8 + 2 * tig;
+      *reinterpret_cast<uint32_t*>(gq + i * kHeadDim + col) = pack2<T>(dq_acc[t][2 * half], dq_acc[t][2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace bwd_detail
+
+template <typename T, int kHeadDim>
+void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_count, bool run_dkdv, bool run_dq,
+                          cudaStream_t stream) {
+  using Tr = BwdTraits<kHeadDim>;
+  if (run_dkdv) {
+    auto* kernel = &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(Tr::kDkvSmem)));
+    const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kDkvKeys - 1) / Tr::kDkvKeys),
+                    static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
+    kernel<<<grid, Tr::kThreads, Tr::kDkvSmem, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (run_dq) {
+    auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(Tr::kDqSmem)));
+    const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),
+                    static_cast<unsigned>(params.hq), static_cast<unsigned>(batch_count));
+    kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+#endif  // SAFEATTN_ATTN_BWD_DEFINE_KERNELS
+
+// One instantiation per (dtype, head dim), each in its own generated file
+// (attention_bwd_d<D>_<dtype>.cu); the others only declare it.
+#define SAFEATTN_ATTN_BWD_EXTERN(T, D)                                                                        \
+  extern template void launch_attention_bwd<T, D>(const BwdParams&, int64_t, int64_t, bool, bool, cudaStream_t);
+SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 32)
+SAFEATTN_ATTN_BWD_EXTERN(__half, 32)
+SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 64)
+SAFEATTN_ATTN_BWD_EXTERN(__half, 64)
+SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 96)
+SAFEATTN_ATTN_BWD_EXTERN(__half, 96)
+SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 128)
+SAFEATTN_ATTN_BWD_EXTERN(__half, 128)
+#undef SAFEATTN_ATTN_BWD_EXTERN
+
+}  // namespace safeattn::cuda::attn

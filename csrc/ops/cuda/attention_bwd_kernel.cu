@@ -1,0 +1,267 @@
+// CUDA backward of safeattn::attention (the private op _attention_backward).
+//
+// attention_backward_impl (ops/attention.cpp) validates, allocates the gradients and computes
+// grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
+// gradient's partial sums:
+//   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
+//     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass here, then the dK/dV and dQ
+//     tensor-core kernels. A broadcast mask gets its gradient through a [B, Hq, Q, KV] float32
+//     buffer (batch chunks of bounded size) reduced by at::sum, deterministically.
+//   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the ATen
+//     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
+#include <algorithm>
+#include <cstdint>
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include "ops/attention.h"
+#include "ops/cuda/attention_bwd.cuh"
+#include "ops/cuda/attention_bwd_generic.h"
+
+namespace safeattn::cuda {
+namespace {
+
+using attn::BwdParams;
+
+// The mask-gradient staging buffer of one batch chunk stays under this many bytes (at least
+// one batch).
+constexpr int64_t kMaskGradChunkBytes = int64_t(512) << 20;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kRowsWarps = 8;
+
+// Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse; lse_log2 = lse * log2(e), or
+// +inf where lse is -inf (no visible key: every p becomes exactly 0). NaN stays NaN.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kRowsWarps * 32)
+    attention_bwd_rows_kernel(const scalar_t* __restrict__ grad_out, int64_t go_sb, int64_t go_sh, int64_t go_ss,
+                              int64_t go_sd, const scalar_t* __restrict__ out, int64_t o_sb, int64_t o_sh,
+                              int64_t o_ss, int64_t o_sd, const float* __restrict__ lse,
+                              const float* __restrict__ grad_lse, float* __restrict__ delta,
+                              float* __restrict__ lse_log2, int64_t hq, int64_t q_len, int64_t dv, int64_t rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) {
+    return;
+  }
+  const int64_t i = row % q_len;
+  const int64_t h = (row / q_len) % hq;
+  const int64_t b = row / (q_len * hq);
+  const scalar_t* go = grad_out + b * go_sb + h * go_sh + i * go_ss;
+  const scalar_t* o = out + b * o_sb + h * o_sh + i * o_ss;
+  float sum = 0.0f;
+  for (int64_t d = lane; d < dv; d += 32) {
+    sum += static_cast<float>(go[d * go_sd]) * static_cast<float>(o[d * o_sd]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+  if (lane == 0) {
+    delta[row] = grad_lse != nullptr ? sum - grad_lse[row] : sum;
+    const float l = lse[row];
+    lse_log2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
+  }
+}
+
+// Head dims with a tensor-core instantiation in this build (SAFEATTN_ATTN_HEAD_DIMS keeps a
+// subset; every dim listed here has bwd files for both dtypes).
+bool has_tensor_core_head_dim(int64_t head_dim) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_HAS_D32
+    case 32:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D64
+    case 64:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D96
+    case 96:
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D128
+    case 128:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+void launch_for_head_dim(int64_t head_dim, const BwdParams& params, int64_t batch, int64_t batch_count, bool dkdv,
+                         bool dq, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_HAS_D32
+    case 32:
+      return attn::launch_attention_bwd<T, 32>(params, batch, batch_count, dkdv, dq, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D64
+    case 64:
+      return attn::launch_attention_bwd<T, 64>(params, batch, batch_count, dkdv, dq, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D96
+    case 96:
+      return attn::launch_attention_bwd<T, 96>(params, batch, batch_count, dkdv, dq, stream);
+#endif
+#ifdef SAFEATTN_ATTN_HAS_D128
+    case 128:
+      return attn::launch_attention_bwd<T, 128>(params, batch, batch_count, dkdv, dq, stream);
+#endif
+    default:
+      TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
+  }
+}
+
+bool tensor_core_supported(const AttentionBwdArgs& a) {
+  const at::ScalarType t = a.query.scalar_type();
+  if (t != at::kHalf && t != at::kBFloat16) {
+    return false;
+  }
+  const int64_t head_dim = a.query.size(3);
+  if (a.value.size(3) != head_dim || !has_tensor_core_head_dim(head_dim)) {
+    return false;
+  }
+  if (a.mask.defined() && a.mask.scalar_type() == at::kDouble) {
+    return false;
+  }
+  // Grid limits (y and z are 16-bit).
+  return a.query.size(0) <= 65535 && a.query.size(1) <= 65535 && a.key.size(1) <= 65535;
+}
+
+// The tensor as the kernels read it: unit stride along head_dim and 16-byte aligned rows (for
+// cp.async); a contiguous copy when it is not (size-1 dims may have any stride).
+at::Tensor with_aligned_rows(const at::Tensor& t) {
+  bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d < 3; ++d) {
+    ok = ok && (t.size(d) == 1 || t.stride(d) % 8 == 0);
+  }
+  return ok ? t : t.contiguous();
+}
+
+// The per-chunk [bc, Hq, Q, KV] dS reduced to grad_mask_partial's [bc, Hm, Qm, KVm].
+at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, int64_t hkv) {
+  at::Tensor g = full;
+  const int64_t bc = g.size(0), hq = g.size(1), q_len = g.size(2), kv_len = g.size(3);
+  if (partial.size(1) != hq) {  // Hm = Hkv: the query heads of one group summed
+    g = g.view({bc, hkv, hq / hkv, q_len, kv_len}).sum(2);
+  }
+  if (partial.size(2) == 1 && q_len != 1) {
+    g = g.sum(2, /*keepdim=*/true);
+  }
+  if (partial.size(3) == 1 && kv_len != 1) {
+    g = g.sum(3, /*keepdim=*/true);
+  }
+  return g;
+}
+
+template <typename T>
+void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
+  const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
+  const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), head_dim = a.query.size(3);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor query = with_aligned_rows(a.query);
+  const at::Tensor key = with_aligned_rows(a.key);
+  const at::Tensor value = with_aligned_rows(a.value);
+  const at::Tensor grad_out = with_aligned_rows(a.grad_out);
+  const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
+
+  // The rows pre-pass: Delta and lse in the log2 domain, [B, Hq, Q] float32.
+  const at::Tensor lse = a.lse.to(at::kFloat).contiguous();
+  const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor delta = at::empty({batch, hq, q_len}, f32);
+  const at::Tensor lse_log2 = at::empty({batch, hq, q_len}, f32);
+  const int64_t rows = batch * hq * q_len;
+  {
+    const auto& go = a.grad_out;
+    const auto& o = a.out;
+    const int64_t blocks = (rows + kRowsWarps - 1) / kRowsWarps;
+    attention_bwd_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsWarps * 32, 0, stream>>>(
+        static_cast<const T*>(go.const_data_ptr()), go.stride(0), go.stride(1), go.stride(2), go.stride(3),
+        static_cast<const T*>(o.const_data_ptr()), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+        lse.const_data_ptr<float>(), grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr,
+        delta.data_ptr<float>(), lse_log2.data_ptr<float>(), hq, q_len, a.value.size(3), rows);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  BwdParams p{};
+  p.query = query.const_data_ptr();
+  p.key = key.const_data_ptr();
+  p.value = value.const_data_ptr();
+  p.grad_out = grad_out.const_data_ptr();
+  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1), p.q_stride_s = query.stride(2);
+  p.k_stride_b = key.stride(0), p.k_stride_h = key.stride(1), p.k_stride_s = key.stride(2);
+  p.v_stride_b = value.stride(0), p.v_stride_h = value.stride(1), p.v_stride_s = value.stride(2);
+  p.do_stride_b = grad_out.stride(0), p.do_stride_h = grad_out.stride(1), p.do_stride_s = grad_out.stride(2);
+  p.lse_log2 = lse_log2.const_data_ptr<float>();
+  p.delta = delta.const_data_ptr<float>();
+  p.grad_query = a.grad_query.data_ptr();
+  p.grad_key = a.grad_key.data_ptr();
+  p.grad_value = a.grad_value.data_ptr();
+  p.grad_mask = nullptr;
+  p.batch_begin = 0;
+  p.mask = attn::make_mask_view(a.mask);
+  p.causal.enabled = a.is_causal;
+  p.causal.shift = a.q_offset - a.kv_offset;
+  p.transform.scale = static_cast<float>(a.scale);
+  p.transform.softcap = static_cast<float>(a.softcap);
+  p.hq = hq;
+  p.hkv = hkv;
+  p.q_len = q_len;
+  p.kv_len = kv_len;
+
+  const at::Tensor& partial = a.grad_mask_partial;
+  if (!partial.defined() || a.grad_mask_assign) {
+    // grad_mask_assign: the partial is [B, Hq, Q, KV] float32 contiguous, written in full.
+    p.grad_mask = partial.defined() ? partial.data_ptr<float>() : nullptr;
+    launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/true, stream);
+    return;
+  }
+  // A broadcast mask: dS of a batch chunk into a staging buffer, then summed to the partial's
+  // shape (fixed-order reductions: deterministic).
+  launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/false, stream);
+  const int64_t per_batch = hq * q_len * kv_len * static_cast<int64_t>(sizeof(float));
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(batch, kMaskGradChunkBytes / per_batch));
+  const at::Tensor staging = at::empty({chunk, hq, q_len, kv_len}, f32);
+  for (int64_t b0 = 0; b0 < batch; b0 += chunk) {
+    const int64_t count = std::min(chunk, batch - b0);
+    const at::Tensor full = staging.narrow(0, 0, count);
+    p.grad_mask = full.data_ptr<float>();
+    p.batch_begin = b0;
+    launch_for_head_dim<T>(head_dim, p, batch, count, /*dkdv=*/false, /*dq=*/true, stream);
+    partial.narrow(0, b0, count).copy_(reduce_mask_grad(full, partial, hkv));
+  }
+}
+
+void attention_bwd_cuda(const AttentionBwdArgs& args) {
+  if (!tensor_core_supported(args)) {
+    attn_generic::attention_bwd_generic(args);
+    return;
+  }
+  if (args.query.scalar_type() == at::kBFloat16) {
+    attention_bwd_tensor_core<__nv_bfloat16>(args);
+  } else {
+    attention_bwd_tensor_core<__half>(args);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, double scale, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
+                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed, &attention_bwd_cuda);
+}
+
+}  // namespace
+}  // namespace safeattn::cuda
+
+TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
+  m.impl("_attention_backward", &safeattn::cuda::attention_backward_cuda);
+}

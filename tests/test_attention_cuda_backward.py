@@ -1,0 +1,237 @@
+"""The CUDA backward of safeattn.attention (csrc/ops/cuda/attention_bwd*.cu*) against the float64
+reference, on the cases its tensor-core kernels have to get right: every instantiated head dim x
+dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
+batch / heads, bool masks with fully masked rows, softcap, sinks, determinism, and the generic
+path (float32, head dims without an instantiation, D != Dv, unaligned views).
+
+Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
+for gradients), through its helper.
+"""
+
+from __future__ import annotations
+
+import pytest
+import safeattn
+import torch
+from test_attention import _check_against_reference, _qkv
+
+_OPS = ("safeattn::attention", "safeattn::_attention_backward")
+_HAS_KERNELS = all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in _OPS)
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _HAS_KERNELS),
+    reason="needs a CUDA GPU and both CUDA attention kernels (forward and _attention_backward) registered",
+)
+
+DEVICE = "cuda"
+# Head dims with tensor-core backward kernels (csrc/ops/cuda/attention_bwd_d<D>_<dtype>.cu); a
+# build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the generic path, still correct.
+TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
+LOW_DTYPES = [torch.bfloat16, torch.float16]
+
+# (q_len, kv_len, causal): partial tiles on both sides, both causal alignments.
+SHAPES = [
+    (1, 1025, None),
+    (17, 97, "top_left"),
+    (97, 17, "bottom_right"),
+    (97, 1025, "bottom_right"),
+    (1025, 97, None),
+    (1025, 1025, "top_left"),
+]
+
+
+def _causal_kwargs(causal, q_len, kv_len):
+    if causal is None:
+        return {}
+    return {"is_causal": True, "q_offset": kv_len - q_len if causal == "bottom_right" else 0}
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
+@pytest.mark.parametrize(("q_len", "kv_len", "causal"), SHAPES)
+def test_tensor_core_matches_reference(head_dim, dtype, q_len, kv_len, causal):
+    q, k, v = _qkv(1, 4, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + q_len)
+    _check_against_reference(q, k, v, enable_gqa=True, **_causal_kwargs(causal, q_len, kv_len))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_gqa_groups(group, causal):
+    q, k, v = _qkv(2, 2 * group, 2, 130, 200, 128, torch.bfloat16, DEVICE)
+    _check_against_reference(q, k, v, enable_gqa=group != 1, **_causal_kwargs(causal, 130, 200))
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (50, 0), (0, 30), (1000, 990)])
+def test_causal_offsets(offsets):
+    # kv_offset > q_offset hides whole key tiles from the first queries (fully masked rows).
+    q_offset, kv_offset = offsets
+    q, k, v = _qkv(1, 2, 2, 97, 160, 64, torch.float16, DEVICE)
+    _check_against_reference(q, k, v, is_causal=True, q_offset=q_offset, kv_offset=kv_offset)
+
+
+@pytest.mark.parametrize(
+    "bias_shape",
+    [(1, 4, 97, 130), (2, 1, 97, 130), (97, 130), (2, 4, 97, 130), (2, 4, 1, 130), (2, 4, 97, 1), (4, 97, 130)],
+)
+@pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
+    # [2, 4, 97, 130] takes the assign path (the partial is the gradient); the others go through
+    # the staging buffer and its reductions (batch, GQA group, size-1 query / key dims).
+    q, k, v = _qkv(2, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(bias_shape, generator=gen).to(device=DEVICE, dtype=bias_dtype)
+    if bias_shape[-1] > 1:
+        bias[..., 3] = float("-inf")  # a masked column: gradient 0 there
+    bias.requires_grad_()
+    _check_against_reference(
+        q, k, v, attn_mask=bias, enable_gqa=True, is_causal=causal, extra_grad_inputs=(bias,)
+    )
+    out, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, is_causal=causal)
+    (grad_bias,) = torch.autograd.grad(out.float().square().sum(), (bias,))
+    if bias_shape[-1] > 1:
+        assert torch.all(grad_bias[..., 3] == 0), "the gradient of a -inf bias element must be 0"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_bool_mask_fully_masked_rows(dtype):
+    gen = torch.Generator().manual_seed(3)
+    q_len, kv_len = 97, 300
+    mask = torch.rand(2, 1, q_len, kv_len, generator=gen) > 0.6
+    rows = [(0, 0), (0, 64), (0, 96), (1, 17)]  # first, tile-boundary and last rows
+    for b, i in rows:
+        mask[b, 0, i] = False
+    mask = mask.to(DEVICE)
+    q, k, v = _qkv(2, 4, 2, q_len, kv_len, 128, dtype, DEVICE)
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    loss = out.float().sum() + torch.where(lse.isfinite(), lse, 0).sum()
+    gq, gk, gv = torch.autograd.grad(loss, (q, k, v))
+    for b, i in rows:
+        assert torch.all(gq[b, :, i] == 0), f"grad_query of fully masked row ({b}, {i}) must be 0"
+    assert all(g.isfinite().all() for g in (gq, gk, gv)), "fully masked rows made a non-finite gradient"
+
+
+def test_every_row_masked_gives_zero_gradients():
+    q, k, v = _qkv(1, 2, 2, 70, 90, 64, torch.bfloat16, DEVICE)
+    mask = torch.zeros(70, 90, dtype=torch.bool, device=DEVICE)
+    out, _ = safeattn.attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    for name, g in zip(("query", "key", "value"), grads, strict=True):
+        assert torch.all(g == 0), f"grad_{name} must be 0 when every key is masked"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_softcap(dtype, head_dim):
+    q, k, v = _qkv(1, 4, 2, 97, 300, head_dim, dtype, DEVICE)
+    with torch.no_grad():
+        q.mul_(4)  # large scores, so that the cap matters
+    _check_against_reference(q, k, v, softcap=2.0, enable_gqa=True, is_causal=True, q_offset=203)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_sinks_and_lse_gradient(dtype):
+    q, k, v = _qkv(2, 4, 2, 97, 130, 64, dtype, DEVICE)
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    mask = torch.ones(2, 1, 97, 130, dtype=torch.bool, device=DEVICE)
+    mask[1, 0, :3] = False  # fully masked rows: lse = the sink logit
+    _check_against_reference(
+        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, check_lse_grad=True, extra_grad_inputs=(sinks,)
+    )
+
+
+def test_transposed_and_unaligned_views():
+    # Transformers' [B, S, H, D].transpose(1, 2) views are read in place; a view whose rows are
+    # not 16-byte aligned (offset by one element) is copied first. Both must match the reference.
+    q, k, v = _qkv(2, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE, transposed=True)
+    assert not q.is_contiguous()
+    _check_against_reference(q, k, v, enable_gqa=True, is_causal=True)
+    _, k2, v2 = _qkv(2, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE, seed=1)
+    base = torch.randn(2, 4, 97, 129, device=DEVICE, dtype=torch.bfloat16)
+    q2 = base[..., 1:].detach().requires_grad_()  # rows 258 bytes apart, 2 bytes off alignment
+    _check_against_reference(q2, k2, v2, enable_gqa=True)
+
+
+def test_nan_propagates_to_gradients():
+    q, k, v = _qkv(1, 2, 2, 40, 200, 64, torch.bfloat16, DEVICE)
+    q = q.detach().clone()
+    q[0, 0, 3, 5] = float("nan")
+    q.requires_grad_()
+    out, _ = safeattn.attention(q, k, v)
+    gq, gk = torch.autograd.grad(out.float().sum(), (q, k))
+    assert gq[0, 0, 3].isnan().all(), "a NaN query row must give a NaN grad_query row"
+    assert not gq[0, 1].isnan().any(), "NaN must stay in its head"
+    assert gk[0, 0].isnan().any(), "a NaN query must reach grad_key of its head"
+    assert not gk[0, 1].isnan().any(), "NaN must not reach grad_key of another head"
+
+
+def test_nan_padding_never_leaks():
+    # Every input is a view into a NaN-filled buffer; tiles past the sequence ends must not read it.
+    batch, hq, hkv, q_len, kv_len, d = 2, 4, 2, 37, 530, 128
+
+    def poisoned(h, s):
+        big = torch.full((batch, s + 3, h + 1, d + 16), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        view = big[:, 1 : s + 1, :h, 8 : 8 + d].transpose(1, 2)
+        view.copy_(torch.randn(batch, h, s, d))
+        return view.detach().requires_grad_()
+
+    q, k, v = poisoned(hq, q_len), poisoned(hkv, kv_len), poisoned(hkv, kv_len)
+    big_mask = torch.full((batch, 1, q_len + 2, kv_len + 5), float("nan"), device=DEVICE)
+    bias = big_mask[:, :, 1 : q_len + 1, 2 : kv_len + 2]
+    bias.copy_(torch.randn(batch, 1, q_len, kv_len))
+    bias = bias.detach().requires_grad_()
+    out, lse = safeattn.attention(q, k, v, bias, is_causal=True, q_offset=493, enable_gqa=True, softcap=20.0)
+    grads = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v, bias))
+    for name, g in zip(("query", "key", "value", "bias"), grads, strict=True):
+        assert not g.isnan().any(), f"NaN padding leaked into grad_{name}"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_deterministic(dtype):
+    q, k, v = _qkv(2, 8, 2, 300, 520, 128, dtype, DEVICE)
+    bias = torch.randn(1, 1, 300, 520, device=DEVICE, requires_grad=True)
+    sinks = torch.randn(8, device=DEVICE, requires_grad=True)
+    results = []
+    for _ in range(3):
+        out, lse = safeattn.attention(
+            q, k, v, bias, enable_gqa=True, is_causal=True, q_offset=220, softcap=30.0, sinks=sinks
+        )
+        results.append(torch.autograd.grad(out.float().square().sum() + lse.sum(), (q, k, v, bias, sinks)))
+    for other in results[1:]:
+        for name, a, b in zip(("query", "key", "value", "bias", "sinks"), results[0], other, strict=True):
+            assert torch.equal(a, b), f"grad_{name} differs between two identical runs"
+
+
+# ---- the generic path ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "dv"),
+    [
+        (torch.float32, 64, 64),  # float32 has no tensor-core kernel
+        (torch.float32, 40, 40),
+        (torch.bfloat16, 40, 40),  # no instantiation for 40
+        (torch.float16, 64, 40),  # D != Dv
+        (torch.bfloat16, 256, 256),
+    ],
+)
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_generic_path(dtype, head_dim, dv, causal):
+    q, k, v = _qkv(2, 4, 2, 97, 130, head_dim, dtype, DEVICE, dv=dv)
+    bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
+    _check_against_reference(
+        q, k, v, attn_mask=bias, enable_gqa=True, extra_grad_inputs=(bias,), **_causal_kwargs(causal, 97, 130)
+    )
+
+
+def test_generic_path_gradcheck():
+    q, k, v = _qkv(2, 4, 2, 6, 9, 8, torch.float64, DEVICE)
+    bias = torch.randn(2, 1, 6, 1, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    sinks = torch.randn(4, dtype=torch.float64, device=DEVICE, requires_grad=True)
+
+    def fn(q, k, v, bias, sinks):
+        return safeattn.attention(
+            q, k, v, bias, is_causal=True, enable_gqa=True, q_offset=2, softcap=3.0, sinks=sinks
+        )
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, bias, sinks), eps=1e-6, atol=1e-5), "gradcheck failed"
