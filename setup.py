@@ -136,6 +136,12 @@ nvcc_flags = [
     "-lineinfo",
     *defines,
     "-DSAFEATTN_WITH_CUDA",
+    # What torch's own extension builds add in some versions (2.11 does, 2.14 does not): set
+    # always, so code that relies on implicit half / bfloat16 conversions fails in CI too.
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
     *[f"-DSAFEATTN_ATTN_HAS_D{d}" for d in ATTN_HEAD_DIMS],
     *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
 ]

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kRowsWarps * 32)
   const scalar_t* o = out + b * o_sb + h * o_sh + i * o_ss;
   float sum = 0.0f;
   for (int64_t d = lane; d < dv; d += 32) {
-    sum += static_cast<float>(go[d * go_sd]) * static_cast<float>(o[d * o_sd]);
+    sum += attn::to_float(go[d * go_sd]) * attn::to_float(o[d * o_sd]);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
