@@ -175,8 +175,8 @@ def attention(
         else:
             s = s + attn_mask.to(compute_dtype)
     if is_causal:
-        rows = torch.arange(q_length)[:, None] + q_offset
-        cols = torch.arange(kv_length)[None, :] + kv_offset
+        rows = torch.arange(q_length, device=s.device)[:, None] + q_offset
+        cols = torch.arange(kv_length, device=s.device)[None, :] + kv_offset
         s = torch.where(cols <= rows, s, neg_inf)
     s = s.expand(q.shape[0], heads, q_length, kv_length)
     if sinks is not None:
