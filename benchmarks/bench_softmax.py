@@ -8,12 +8,14 @@ for softmax+where, a where then that op.
 
 CUDA (--device cuda): the issue-4 shapes [1M x 1024], [131k x 8192], [4096 x 65536],
 [4M x 128], float32 and bfloat16; peers: a device-to-device copy (dst.copy_(src), the
-bandwidth floor), torch.softmax, aten._safe_softmax. Bandwidth counts the bytes an ideal
+bandwidth floor), torch.softmax, aten._safe_softmax; plus masked_softmax with a [B, 1, Q, KV]
+bool mask against scale + masked_fill + _safe_softmax. Bandwidth counts the bytes an ideal
 kernel moves: forward read + write, backward two reads + one write.
 
 Times are medians of repeats over rotating fresh random inputs (never zeros).
 
     python benchmarks/bench_softmax.py [--device cpu|cuda] [--threads 2] [--elements 16777216]
+        [--dtypes bf16,fp32] [--shapes 1048576x1024,...] [--profile]
 """
 
 from __future__ import annotations
@@ -164,13 +166,35 @@ def bench_cpu(args):
     )
 
 
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def profile_cuda(dtypes, shapes):
+    """Our forward and backward only, twice each, untimed: a short run to put under ncu."""
+    for dtype in dtypes:
+        for shape in shapes:
+            (x,) = fresh(shape, dtype, "cuda", 1)
+            for _ in range(2):
+                out = torch.ops.safeattn.safe_softmax(x, -1)
+            grad = torch.randn_like(out)
+            for _ in range(2):
+                torch.ops.safeattn._safe_softmax_backward(grad, out, -1, dtype)
+            del x, out, grad
+    torch.cuda.synchronize()
+    print(f"profiled {len(dtypes) * len(shapes)} cases")
+
+
 def bench_cuda(args):
+    dtypes = [DTYPE_NAMES[d] for d in args.dtypes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.profile:
+        profile_cuda(dtypes, shapes)
+        return
     timer = Timer("cuda", args.repeats, 5)
-    shapes = [(1 << 20, 1024), (131072, 8192), (4096, 65536), (1 << 22, 128)]
     fwd_rows, bwd_rows = [], []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         size = torch.tensor([], dtype=dtype).element_size()
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+        name = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
         for shape in shapes:
             numel = shape[0] * shape[1]
             xs = fresh(shape, dtype, "cuda", 2)
@@ -203,12 +227,28 @@ def bench_cuda(args):
             )
             del outs, grads, bargs
             torch.cuda.empty_cache()
+        # masked_softmax with a [B, 1, Q, KV] bool mask over [B, H, Q, KV] scores (the attention
+        # case) against scale + masked_fill + _safe_softmax; bytes: scores read + output written.
+        b, h, q, kv = 8, 16, 1024, 1024
+        scores = [torch.randn(b, h, q, kv, device="cuda").to(dtype) for _ in range(2)]
+        masks = [torch.rand(b, 1, q, kv, device="cuda") > 0.2 for _ in range(2)]
+        margs = list(zip(scores, masks, strict=True))
+        ours_m = timer(lambda s, m: torch.ops.safeattn.masked_softmax(s, m, 0.125, -1, None), margs)
+        torch_m = timer(
+            lambda s, m: torch.ops.aten._safe_softmax((s * 0.125).masked_fill(~m, NEG_INF), -1), margs
+        )
+        moved = 2 * b * h * q * kv * size
+        ours_gbs, torch_gbs = f"{moved / ours_m / 1e9:.0f}", f"{moved / torch_m / 1e9:.0f}"
+        label = f"masked {b}x{h}x{q}x{kv}"
+        fwd_rows.append([name, label, "", ours_gbs, "", torch_gbs, "", "", f"{torch_m / ours_m:.2f}x"])
+        del scores, masks, margs
     print(f"CUDA, {torch.cuda.get_device_name()}, median of {args.repeats} (GB/s)")
     print_table(
         "forward",
         ["dtype", "shape", "copy", "ours", "softmax", "_safe_softmax", "of copy", "vs softmax", "vs _safe"],
         fwd_rows,
     )
+    print("  (masked rows: the _safe_softmax column is scale + masked_fill + _safe_softmax)")
     print_table(
         "backward (torch's _softmax_backward_data is also _safe_softmax's backward)",
         ["dtype", "shape", "ours", "softmax bwd", "of copy", "vs softmax/_safe"],
@@ -224,6 +264,13 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--elements", type=int, default=1 << 24, help="elements per CPU case")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 9 CPU, 50 CUDA)")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="CUDA: comma list of bf16, fp16, fp32")
+    parser.add_argument(
+        "--shapes", default="1048576x1024,131072x8192,4096x65536,4194304x128", help="CUDA: comma list of RxC"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="CUDA: run our kernels twice, untimed (for ncu)"
+    )
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 9 if args.device == "cpu" else 50

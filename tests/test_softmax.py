@@ -199,6 +199,88 @@ def test_gradient_never_nan_on_masked_elements(device):
     torch.testing.assert_close(gx.double(), expected, atol=1e-6, rtol=1e-4)
 
 
+# ---- every last-dim row strategy of the CUDA kernels --------------------------------------
+
+# Row lengths that reach each CUDA strategy (32 values per thread): lanes of a warp in groups of
+# 4 to 32 (up to 1024), one block of 64 to 256 threads (up to 8192), a cluster of 2, 4 or 8
+# blocks (up to 65536), then the read-twice path; odd lengths take the one-element loads.
+ROW_LENGTHS = [8, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 1023, 8193, 70001]
+
+
+def special_rows(n, device):
+    """Five rows of n: all -inf; -inf on the first 60% (whole blocks of a split row see only
+    -inf); a NaN at the end; +inf in the middle; a normal row whose max sits near the end."""
+    x = torch.randn(5, n, device=device).mul_(3)
+    x[0] = NEG_INF
+    x[1, : (3 * n) // 5] = NEG_INF
+    x[2, -1] = float("nan")
+    x[3, n // 2] = float("inf")
+    x[4, n - 1 - n // 9] = 40.0
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_row_strategy(device, dtype):
+    for n in ROW_LENGTHS:
+        x = special_rows(n, device).to(dtype)
+        out = safeattn.safe_softmax(x, -1)
+        assert (out[0] == 0).all(), f"n={n}: an all -inf row must give 0"
+        assert out[2].isnan().all() and out[3].isnan().all(), f"n={n}: NaN / +inf rows must be NaN"
+        assert not out[[0, 1, 4]].isnan().any(), f"n={n}: NaN leaked into another row"
+        expected, peer = reference.safe_softmax(x, -1), torch.ops.aten._safe_softmax(x, -1)
+        assert_forward_close(out, expected, peer, f"n={n}")
+        # The masked variants of the same kernels: a bool mask (one row fully masked) and a bias.
+        keep = torch.rand(5, n, device=device) > 0.3
+        keep[4] = False
+        clean = torch.where(x.isnan() | (x == float("inf")), 0.0, x)
+        masked = safeattn.masked_softmax(clean, keep, 0.5)
+        assert (masked[4] == 0).all(), f"n={n}: a fully masked row must give 0"
+        peer = torch_masked_softmax(clean, keep, 0.5, -1).nan_to_num(0)
+        assert_forward_close(masked, reference.masked_softmax(clean, keep, 0.5), peer, f"n={n} bool mask")
+        bias = torch.randn(1, n, device=device).to(dtype)
+        biased = safeattn.masked_softmax(clean, bias, 0.5)
+        peer = torch_masked_softmax(clean, bias, 0.5, -1).nan_to_num(0)
+        assert_forward_close(biased, reference.masked_softmax(clean, bias, 0.5), peer, f"n={n} bias")
+        # Backward on the rows without NaN.
+        y = out[[0, 1, 4]].contiguous()
+        grad = torch.randn_like(y)
+        gx = torch.ops.safeattn._safe_softmax_backward(grad, y, -1, dtype)
+        expected = reference.safe_softmax_backward(grad, y, -1)
+        assert not gx.isnan().any(), f"n={n}: the gradient holds NaN"
+        assert (gx[0] == 0).all(), f"n={n}: an all -inf row must get gradient 0"
+        torch.testing.assert_close(gx.double(), expected, **BWD_TOL[dtype], msg=f"n={n}: gradient")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [
+        (torch.bfloat16, (300000, 128)),  # groups of 4 lanes
+        (torch.float32, (20000, 2048)),  # one block of 64 threads per row
+        (torch.bfloat16, (9000, 8192)),  # one block of 256 threads
+        (torch.float32, (9000, 16384)),  # clusters of 2 blocks
+    ],
+)
+def test_many_rows_per_block_cuda(dtype, shape):
+    # More rows than the grid holds, so blocks (and clusters) loop over rows and reuse their
+    # shared-memory slots; the last rows are the special ones.
+    x = torch.randn(shape, device="cuda").mul_(3).to(dtype)
+    x[-1] = NEG_INF
+    x[-2, -1] = float("nan")
+    x[-3, : shape[1] // 2] = NEG_INF
+    out = safeattn.safe_softmax(x, -1)
+    assert (out[-1] == 0).all(), "an all -inf row must give 0"
+    assert out[-2].isnan().all(), "a NaN row must be NaN"
+    assert not out[:-2].isnan().any() and not out[-1].isnan().any(), "NaN leaked into another row"
+    assert_forward_close(out, reference.safe_softmax(x, -1), torch.ops.aten._safe_softmax(x, -1), f"{shape}")
+    y = out[:-2].contiguous()
+    grad = torch.randn_like(y)
+    gx = torch.ops.safeattn._safe_softmax_backward(grad, y, -1, dtype)
+    expected = reference.safe_softmax_backward(grad, y, -1)
+    torch.testing.assert_close(gx.double(), expected, **BWD_TOL[dtype], msg=f"{shape}: gradient")
+
+
 # ---- masked_softmax ----------------------------------------------------------------------
 
 MASK_CASES = [
