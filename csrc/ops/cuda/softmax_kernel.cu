@@ -129,12 +129,27 @@ __global__ void softmax_columns_kernel(const T* __restrict__ scores, T* __restri
     const int64_t i = c % inner;
     const int64_t base = o * n * inner + i;
     const MaskRef m = mask_ref(mask, mg, o, i, sizeof(T));
+    // Three passes over the column (it stays in L1/L2): the max, then a compensated sum of
+    // exp(x - max), then the output. A running (max, sum) rescaled at every new max, summed
+    // plainly, lost up to 1e-6 on 6000-long float32 columns: twice PyTorch's own error.
     OnlineState<acc_t> st = OnlineState<acc_t>::empty();
     for (int64_t d = 0; d < n; ++d) {
-      st.add(element_value<T, acc_t>(scores[base + d * inner], scale, m, d));
+      const acc_t x = element_value<T, acc_t>(scores[base + d * inner], scale, m, d);
+      st.bad = st.bad || !(x < std::numeric_limits<acc_t>::infinity());  // NaN or +inf
+      st.max = x > st.max ? x : st.max;
     }
     const RowKind kind = st.kind();
-    const acc_t inv = kind == RowKind::kNormal ? acc_t(1) / st.sum : acc_t(0);
+    acc_t inv = acc_t(0);
+    if (kind == RowKind::kNormal) {
+      acc_t sum = 0, lost = 0;  // Kahan summation
+      for (int64_t d = 0; d < n; ++d) {
+        const acc_t term = fast_exp(element_value<T, acc_t>(scores[base + d * inner], scale, m, d) - st.max) - lost;
+        const acc_t next = sum + term;
+        lost = (next - sum) - term;
+        sum = next;
+      }
+      inv = acc_t(1) / sum;
+    }
     for (int64_t d = 0; d < n; ++d) {
       out[base + d * inner] =
           static_cast<T>(output_value(element_value<T, acc_t>(scores[base + d * inner], scale, m, d), st.max, kind, inv));
