@@ -341,22 +341,31 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
       const bool edge = j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN);
       if (read_mask || edge) {
+        // In tile coordinates (row r, column c; 32-bit): in range when r < row_limit and
+        // c < col_limit; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with
+        // diag clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
+        const int row_limit = static_cast<int>(rows);
+        const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
+        const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
+        const int diag = static_cast<int>(diag_full > kBlockN            ? kBlockN
+                                          : diag_full < -kBlockM - 1 ? -kBlockM - 1
+                                                                     : diag_full);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int64_t i = i0 + warp_row0 + mt * 16 + g + 8 * half;
-            const bool row_ok = i < p.q_len;
-            const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i, 0) : 0;
+            const int r = warp_row0 + mt * 16 + g + 8 * half;
+            const bool row_ok = r < row_limit;
+            const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const int64_t j = j0 + nt * 8 + 2 * t + e;
-                const bool visible = row_ok && j < p.kv_len && p.causal.visible(i, j);
+                const int c = nt * 8 + 2 * t + e;
+                const bool visible = row_ok && c < col_limit && c - r <= diag;
                 float x = s_acc[mt][nt][2 * half + e];
                 if (visible && read_mask) {
-                  const float m = p.mask.additive(mask_row + j * p.mask.stride_kv);
+                  const float m = p.mask.additive(mask_row + c * p.mask.stride_kv);
                   x = m == -INFINITY ? -INFINITY : x + m * kLog2e;
                 }
                 s_acc[mt][nt][2 * half + e] = visible ? x : -INFINITY;
