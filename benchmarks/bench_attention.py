@@ -106,7 +106,7 @@ def _cuda_median_ms(fn, make_inputs, repeats, warmup):
 def _try_ms(fn, make_inputs, repeats, warmup):
     try:
         return _cuda_median_ms(fn, make_inputs, repeats, warmup)
-    except (RuntimeError, NotImplementedError, AssertionError) as err:  # backend not available here
+    except Exception as err:  # noqa: BLE001 - a peer that cannot run here (backend, compile) is n/a
         print(f"  (n/a: {str(err).splitlines()[0][:120]})", flush=True)
         return None
 
@@ -146,7 +146,7 @@ def _prefill_cases(batch, heads, seq, device):
         block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
         flex = torch.compile(flex_attention, dynamic=False)
         cases["Flex (compiled), causal+padding"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask), False)
-    except (ImportError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
     cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
     cases["safeattn, causal+padding mask"] = (lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0], True)

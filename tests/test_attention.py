@@ -25,7 +25,7 @@ DEVICES = [
         "cuda",
         marks=pytest.mark.skipif(
             not (torch.cuda.is_available() and _HAS_CUDA_KERNEL),
-            reason="needs a CUDA GPU and the CUDA attention kernel (not built yet)",
+            reason="needs a CUDA GPU and the CUDA attention kernel",
         ),
     ),
 ]

@@ -546,13 +546,18 @@ def unpatch_masks() -> None:
 # Attention function
 # --------------------------------------------------------------------------------------------
 def _kernel_devices() -> frozenset:
-    """Device types with a kernel for safeattn::attention (read once, so tracing sees a constant)."""
+    """Device types with kernels for safeattn::attention and its backward (read once, so tracing
+    sees a constant): a forward alone would break training on that device."""
     try:
         torch.ops.safeattn.attention  # noqa: B018  raises in a build without the op
     except (AttributeError, RuntimeError):
         return frozenset()
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return frozenset(d for d, key in (("cpu", "CPU"), ("cuda", "CUDA")) if has("safeattn::attention", key))
+    return frozenset(
+        d
+        for d, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+        if has("safeattn::attention", key) and has("safeattn::_attention_backward", key)
+    )
 
 
 _ATTENTION_KERNEL_DEVICES = _kernel_devices()

@@ -146,6 +146,15 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
   }
 }
 
+// 2^x on the special-function unit (ex2.approx.ftz: 2 ulp, -inf -> 0, NaN -> NaN); results below
+// 2^-126 flush to 0, which a probability can afford. exp2f without --use_fast_math adds
+// subnormal handling around the same instruction, in the hottest loop.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T>
 __device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
                                          const uint32_t (&b)[4]) {
@@ -181,9 +190,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // the MMA fragment's row group and column pair
   const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
-  // The longest (under causal, latest) query tiles first, so the short ones fill the tail.
-  const int64_t q_tile = q_tiles - 1 - static_cast<int64_t>(blockIdx.x) / p.batch_heads;
-  const int64_t bh = static_cast<int64_t>(blockIdx.x) % p.batch_heads;
+  // Consecutive CTAs are the query tiles of one head, so the CTAs resident together share the
+  // K/V of a few heads in L2; within a head the longest (under causal, latest) tiles go first.
+  const int64_t q_tile = q_tiles - 1 - static_cast<int64_t>(blockIdx.x) % q_tiles;
+  const int64_t bh = static_cast<int64_t>(blockIdx.x) / q_tiles;
   const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
   const int64_t i0 = q_tile * kBlockM;
   const int64_t rows = p.q_len - i0 < kBlockM ? p.q_len - i0 : kBlockM;
@@ -331,22 +341,31 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
       const bool edge = j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN);
       if (read_mask || edge) {
+        // In tile coordinates (row r, column c; 32-bit): in range when r < row_limit and
+        // c < col_limit; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with
+        // diag clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
+        const int row_limit = static_cast<int>(rows);
+        const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
+        const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
+        const int diag = static_cast<int>(diag_full > kBlockN            ? kBlockN
+                                          : diag_full < -kBlockM - 1 ? -kBlockM - 1
+                                                                     : diag_full);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            const int64_t i = i0 + warp_row0 + mt * 16 + g + 8 * half;
-            const bool row_ok = i < p.q_len;
-            const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i, 0) : 0;
+            const int r = warp_row0 + mt * 16 + g + 8 * half;
+            const bool row_ok = r < row_limit;
+            const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                const int64_t j = j0 + nt * 8 + 2 * t + e;
-                const bool visible = row_ok && j < p.kv_len && p.causal.visible(i, j);
+                const int c = nt * 8 + 2 * t + e;
+                const bool visible = row_ok && c < col_limit && c - r <= diag;
                 float x = s_acc[mt][nt][2 * half + e];
                 if (visible && read_mask) {
-                  const float m = p.mask.additive(mask_row + j * p.mask.stride_kv);
+                  const float m = p.mask.additive(mask_row + c * p.mask.stride_kv);
                   x = m == -INFINITY ? -INFINITY : x + m * kLog2e;
                 }
                 s_acc[mt][nt][2 * half + e] = visible ? x : -INFINITY;
@@ -371,14 +390,14 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(row_max[mt][half], mx);
           const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
-          const float alpha = exp2f(row_max[mt][half] - offset);   // old max -inf: 0
+          const float alpha = fast_exp2(row_max[mt][half] - offset);  // old max -inf: 0
           row_max[mt][half] = m_new;
           float sum = 0.0f;
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pr = exp2f(s_acc[mt][nt][2 * half + e] - offset);
+              const float pr = fast_exp2(s_acc[mt][nt][2 * half + e] - offset);
               s_acc[mt][nt][2 * half + e] = pr;
               sum += pr;
             }
