@@ -36,6 +36,14 @@ constexpr int64_t kMaskGradChunkBytes = int64_t(512) << 20;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kRowsWarps = 8;
 
+// torch builds with __CUDA_NO_HALF_CONVERSIONS__: no implicit 16-bit -> float conversion.
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+
 // Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse; lse_log2 = lse * log2(e), or
 // +inf where lse is -inf (no visible key: every p becomes exactly 0). NaN stays NaN.
 template <typename scalar_t>
@@ -57,7 +65,7 @@ __global__ void __launch_bounds__(kRowsWarps * 32)
   const scalar_t* o = out + b * o_sb + h * o_sh + i * o_ss;
   float sum = 0.0f;
   for (int64_t d = lane; d < dv; d += 32) {
-    sum += static_cast<float>(go[d * go_sd]) * static_cast<float>(o[d * o_sd]);
+    sum += to_float(go[d * go_sd]) * to_float(o[d * o_sd]);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
