@@ -70,7 +70,15 @@ def test_causal_offsets(offsets):
 
 @pytest.mark.parametrize(
     "bias_shape",
-    [(1, 4, 97, 130), (2, 1, 97, 130), (97, 130), (2, 4, 97, 130), (2, 4, 1, 130), (2, 4, 97, 1), (4, 97, 130)],
+    [
+        (1, 4, 97, 130),
+        (2, 1, 97, 130),
+        (97, 130),
+        (2, 4, 97, 130),
+        (2, 4, 1, 130),
+        (2, 4, 97, 1),
+        (4, 97, 130),
+    ],
 )
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
