@@ -621,6 +621,21 @@ def test_cuda_gqa(group, dtype):
 
 
 @cuda_only
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_cuda_decode_shapes(q_len, dtype):
+    # Decoding: a few queries (one active warp per CTA), a long cache, GQA 8:1, left padding.
+    batch, kv_len = 3, 4101
+    q, k, v = _qkv(batch, 16, 2, q_len, kv_len, 128, dtype, "cuda")
+    pad = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+    pad[1, ..., :1000] = False
+    pad[2, ..., :-q_len] = False  # only its own new keys
+    pad = pad.to("cuda")
+    _check_forward(q, k, v, enable_gqa=True, is_causal=True, q_offset=kv_len - q_len)
+    _check_forward(q, k, v, attn_mask=pad, enable_gqa=True, is_causal=True, q_offset=kv_len - q_len)
+
+
+@cuda_only
 @pytest.mark.parametrize(
     "mask_shape", [(150, 333), (4, 150, 333), (2, 1, 150, 333), (1, 4, 150, 333), (2, 4, 1, 333), (2, 1, 150, 1)]
 )
