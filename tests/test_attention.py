@@ -17,27 +17,21 @@ import torch
 import torch.nn.functional as F
 from safeattn import reference
 
-# The CUDA kernels of attention are issue 7; until they exist the CUDA cases say so.
-_HAS_CUDA_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::attention", "CUDA")
+# CUDA cases need a GPU and the CUDA kernels of both directions (built when CUDA is).
+_HAS_CUDA_KERNEL = all(
+    torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    for op in ("safeattn::attention", "safeattn::_attention_backward")
+)
 DEVICES = [
     "cpu",
     pytest.param(
         "cuda",
         marks=pytest.mark.skipif(
             not (torch.cuda.is_available() and _HAS_CUDA_KERNEL),
-            reason="needs a CUDA GPU and the CUDA attention kernel",
+            reason="needs a CUDA GPU and the CUDA attention kernels",
         ),
     ),
 ]
-# The CUDA backward (_attention_backward) is written apart from the forward; until it is built,
-# CUDA cases check the forward and skip their gradient part with this reason.
-_HAS_CUDA_BACKWARD = torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::_attention_backward", "CUDA")
-_NO_CUDA_BACKWARD = "gradients need the CUDA kernel of _attention_backward (not built yet)"
-
-
-def _require_backward(device):
-    if torch.device(device).type == "cuda" and not _HAS_CUDA_BACKWARD:
-        pytest.skip(_NO_CUDA_BACKWARD)
 
 
 FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3, torch.float64: 1e-10}
@@ -91,8 +85,6 @@ def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra
     )
     if not grads:
         return out, lse
-    if q.device.type == "cuda" and not _HAS_CUDA_BACKWARD:
-        pytest.skip(f"forward checked; {_NO_CUDA_BACKWARD}")
     inputs = (q, k, v, *extra_grad_inputs)
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=dtype)
@@ -250,7 +242,6 @@ def test_bias_gradient_several_tiles(device, causal):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradient_is_deterministic_across_threads(device):
-    _require_backward(device)
     q, k, v = _qkv(2, 8, 2, 50, 300, 32, torch.float32, device)
     bias = torch.randn(1, 1, 50, 300, device=device, requires_grad=True)
     results = []
@@ -361,7 +352,6 @@ def test_nan_poisoned_padding_never_leaks(device):
     sinks = torch.randn(hq, device=device, requires_grad=True)
     out, lse = safeattn.attention(q, k, v, bias, is_causal=True, enable_gqa=True, softcap=20.0, sinks=sinks)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN padding leaked into the forward"
-    _require_backward(device)
     grads = torch.autograd.grad(out.sum() + lse.sum(), (q, k, v, bias, sinks))
     assert not any(g.isnan().any() for g in grads), "NaN padding leaked into a gradient"
 
@@ -388,7 +378,6 @@ def test_empty_sizes(device):
     q0, k0, v0 = _qkv(1, 2, 2, 0, 7, 16, torch.float32, device)
     out0, lse0 = safeattn.attention(q0, k0, v0)
     assert out0.shape == (1, 2, 0, 16) and lse0.shape == (1, 2, 0), "no queries: empty outputs"
-    _require_backward(device)
     gq, gk, gv = torch.autograd.grad(out.sum(), (q, k, v))
     assert torch.all(gq == 0) and gk.shape == k.shape and gv.shape == v.shape, "no keys: grad_query 0"
 
@@ -403,7 +392,6 @@ def _small_case(device, dtype=torch.float64):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(device):
-    _require_backward(device)
     q, k, v, bias, sinks = _small_case(device)
 
     def fn(q, k, v, bias, sinks):
@@ -423,7 +411,6 @@ def test_gradcheck(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    _require_backward(device)  # opcheck runs the autograd formula too
     q, k, v, bias, sinks = _small_case(device, torch.float32)
     bool_mask = torch.rand(6, 9, device=device) > 0.3
     samples = [
@@ -437,7 +424,6 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_fullgraph_dynamic(device):
-    _require_backward(device)
     torch._dynamo.reset()
 
     def fn(q, k, v, bias, sinks):

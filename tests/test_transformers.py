@@ -326,7 +326,7 @@ def test_position_bias_is_added_on_top_of_the_mask(mask_kind):
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
 def test_composite_fallback_where_the_op_has_no_kernel(name, monkeypatch):
-    """On a device without an attention kernel (CUDA until its kernels exist) the composite
+    """On a device without attention kernels (a build without CUDA, another accelerator) the composite
     runs, with the same logits as the reference and no NaN (softcap / sinks included)."""
     monkeypatch.setattr(st, "_ATTENTION_KERNEL_DEVICES", frozenset())
     assert st._attention_op(torch.device("cpu")) is None, "the op must be reported missing"

@@ -564,8 +564,8 @@ _ATTENTION_KERNEL_DEVICES = _kernel_devices()
 
 
 def _attention_op(device: torch.device):
-    """torch.ops.safeattn.attention, or None where it has no kernel for `device` (the CUDA
-    kernels are not written yet: there the composite below keeps the same semantics)."""
+    """torch.ops.safeattn.attention, or None where it has no kernels for `device` (a build
+    without CUDA, another accelerator): there the composite below keeps the same semantics."""
     return torch.ops.safeattn.attention if device.type in _ATTENTION_KERNEL_DEVICES else None
 
 
