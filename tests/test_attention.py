@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import safeattn
@@ -795,3 +798,13 @@ def test_cuda_more_than_2_pow_31_elements():
         assert torch.equal(out[sl], want) and torch.equal(lse[sl], want_lse), f"batch {b} differs past 2^31"
     del out, lse
     _check_forward(q[-1:], k[-1:], v[-1:], attn_mask=mask[-1:])
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_generated_instantiations_are_current(direction):
+    """The attention_<dir>_d<D>_<dtype>.cu files are what scripts/gen_attention_instances.py writes."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gen_attention_instances.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--direction", direction, "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, f"stale generated files (rerun the script): {done.stderr}"
