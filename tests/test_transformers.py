@@ -217,6 +217,23 @@ def test_compile_fullgraph_dynamic(name):
         )
 
 
+def test_compile_where_dynamo_cannot_read_closures(monkeypatch):
+    """Before torch 2.14 dynamo cannot read the cells of a mask closure made inside the compiled
+    region (seen with torch 2.11): safeattn then leaves such masks to Transformers' own code, and a
+    sliding-window model still compiles with fullgraph=True and matches eager."""
+    monkeypatch.setattr(st, "_DYNAMO_READS_CLOSURES", False)
+    config = make_config("gemma2")
+    model = make_model(config, "safeattn")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    kwargs, _ = model_inputs("left")
+    with torch.no_grad():
+        got = compiled(**kwargs).logits
+        want = model(**kwargs).logits
+    assert not got.isnan().any(), "no NaN compiled"
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
 def test_patch_masks_keeps_sdpa_and_eager_models_equal():
     config = make_config("mistral")
     kwargs, real = model_inputs("left")
