@@ -89,20 +89,30 @@ DEFAULT_ATTN_HEAD_DIMS = "64,128"
 
 def head_dim_filter(paths):
     """Keeps the attention instantiations (attention_<dir>_d<D>_<dtype>.cu) of the chosen head
-    dims; returns the kept paths and the dims, which the dispatch code sees as
-    SAFEATTN_ATTN_HAS_D<D> macros (a dim without its files takes the generic path)."""
-    pattern = re.compile(r"attention_(?:fwd|bwd)_d(\d+)_\w+\.cu")
+    dims; returns the kept paths and, per direction, the dims kept, which the dispatch code sees
+    as SAFEATTN_ATTN_FWD_D<D> / SAFEATTN_ATTN_BWD_D<D> macros and build_info() as lists (a dim
+    without its files takes the generic path)."""
+    pattern = re.compile(r"attention_(fwd|bwd)_d(\d+)_\w+\.cu")
     setting = os.environ.get("SAFEATTN_ATTN_HEAD_DIMS", DEFAULT_ATTN_HEAD_DIMS)
     wanted = [] if setting == "all" else [d for d in re.split(r"[;, ]+", setting) if d]
-    kept, dims = [], set()
+    kept, dims = [], {"fwd": set(), "bwd": set()}
     for p in paths:
         m = pattern.fullmatch(Path(p).name)
-        if m and wanted and m.group(1) not in wanted:
+        if m and wanted and m.group(2) not in wanted:
             continue
         if m:
-            dims.add(int(m.group(1)))
+            dims[m.group(1)].add(int(m.group(2)))
         kept.append(p)
-    return kept, sorted(dims)
+    return kept, {direction: sorted(d) for direction, d in dims.items()}
+
+
+def head_dim_macros(dims):
+    flags = []
+    for direction, kept in dims.items():
+        flags += [f"-DSAFEATTN_ATTN_{direction.upper()}_D{d}" for d in kept]
+        if kept:  # a list for build_info(), as __CUDA_ARCH_LIST__ is
+            flags.append(f"-DSAFEATTN_ATTN_{direction.upper()}_DIMS={','.join(map(str, kept))}")
+    return flags
 
 
 def rel(paths):
@@ -150,7 +160,7 @@ nvcc_flags = [
     "-D__CUDA_NO_HALF_CONVERSIONS__",
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__",
-    *[f"-DSAFEATTN_ATTN_HAS_D{d}" for d in ATTN_HEAD_DIMS],
+    *head_dim_macros(ATTN_HEAD_DIMS),
     *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
 ]
 

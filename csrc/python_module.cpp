@@ -18,6 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["with_cuda"] = info.with_cuda;
         d["cuda_version"] = info.cuda_version;
         d["cuda_archs"] = info.cuda_archs;
+        d["attention_fwd_head_dims"] = info.attention_fwd_head_dims;
+        d["attention_bwd_head_dims"] = info.attention_bwd_head_dims;
         return d;
       },
       "Version, torch built against, CPU ISA variants and CUDA archs.");

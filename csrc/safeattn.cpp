@@ -37,6 +37,8 @@ BuildInfo build_info() {
   info.with_cuda = true;
   info.cuda_version = cuda::toolkit_version();
   info.cuda_archs = cuda::compiled_archs();
+  info.attention_fwd_head_dims = cuda::attention_head_dims(/*backward=*/false);
+  info.attention_bwd_head_dims = cuda::attention_head_dims(/*backward=*/true);
 #endif
   return info;
 }

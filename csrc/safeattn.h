@@ -17,6 +17,10 @@ struct BuildInfo {
   bool with_cuda = false;
   std::string cuda_version;           // CUDA toolkit the kernels were compiled with
   std::vector<std::string> cuda_archs;  // e.g. "90"
+  // Head dims of the bf16/fp16 tensor-core attention kernels compiled (the others, and float32 /
+  // float64, take the generic path on the GPU).
+  std::vector<int> attention_fwd_head_dims;
+  std::vector<int> attention_bwd_head_dims;
 };
 
 BuildInfo build_info();
@@ -26,6 +30,8 @@ namespace cuda {
 // From nvcc's __CUDA_ARCH_LIST__ and CUDART_VERSION (csrc/common/cuda_info.cu).
 std::vector<std::string> compiled_archs();
 std::string toolkit_version();
+// The head dims of the tensor-core attention kernels compiled, per direction.
+std::vector<int> attention_head_dims(bool backward);
 }  // namespace cuda
 #endif
 

@@ -59,6 +59,9 @@ def test_info_reports_build():
         assert kernel_lines[op][0] == "yes", f"{op} has a CPU kernel:\n{out}"
         cuda = "yes" if "CUDA" in info["op_kernels"][op] else "-"
         assert kernel_lines[op][1] == cuda, f"{op}'s CUDA column follows the dispatcher:\n{out}"
+    if info["with_cuda"]:
+        fwd = ", ".join(map(str, info["attention_fwd_head_dims"])) or "none"
+        assert f"tensor-core head dims (bf16, fp16): forward {fwd};" in out, out
 
 
 def test_info_follows_aten_cpu_capability():

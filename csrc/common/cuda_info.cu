@@ -20,6 +20,22 @@ std::vector<std::string> compiled_archs() {
   return archs;
 }
 
+std::vector<int> attention_head_dims(bool backward) {
+  // setup.py passes the kept head dims of each direction as a list, as nvcc does the archs.
+  std::vector<int> dims;
+#ifdef SAFEATTN_ATTN_FWD_DIMS
+  if (!backward) {
+    dims = {SAFEATTN_ATTN_FWD_DIMS};
+  }
+#endif
+#ifdef SAFEATTN_ATTN_BWD_DIMS
+  if (backward) {
+    dims = {SAFEATTN_ATTN_BWD_DIMS};
+  }
+#endif
+  return dims;
+}
+
 std::string toolkit_version() {
   // No iostreams in .cu files: on some hosts nvcc's host pass pulls in a second copy of them.
   return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string((CUDART_VERSION % 1000) / 10);

@@ -27,6 +27,9 @@ def _info() -> int:
         print(
             f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), archs {archs}"
         )
+        fwd = ", ".join(map(str, info.get("attention_fwd_head_dims", []))) or "none"
+        bwd = ", ".join(map(str, info.get("attention_bwd_head_dims", []))) or "none"
+        print(f"attention       tensor-core head dims (bf16, fp16): forward {fwd}; backward {bwd}")
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             print(f"GPU             {torch.cuda.get_device_name()} (sm_{major}{minor})")

@@ -70,20 +70,20 @@ __global__ void __launch_bounds__(kRowsWarps * 32)
   }
 }
 
-// Head dims with a tensor-core instantiation in this build (SAFEATTN_ATTN_HEAD_DIMS keeps a
-// subset; every dim listed here has bwd files for both dtypes).
+// Head dims with a tensor-core instantiation in this build (setup.py defines
+// SAFEATTN_ATTN_BWD_D<D> for each head dim whose backward files it compiles).
 bool has_tensor_core_head_dim(int64_t head_dim) {
   switch (head_dim) {
-#ifdef SAFEATTN_ATTN_HAS_D32
+#ifdef SAFEATTN_ATTN_BWD_D32
     case 32:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D64
+#ifdef SAFEATTN_ATTN_BWD_D64
     case 64:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D96
+#ifdef SAFEATTN_ATTN_BWD_D96
     case 96:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D128
+#ifdef SAFEATTN_ATTN_BWD_D128
     case 128:
 #endif
       return true;
@@ -96,19 +96,19 @@ template <typename T>
 void launch_for_head_dim(int64_t head_dim, const BwdParams& params, int64_t batch, int64_t batch_count, bool dkdv,
                          bool dq, cudaStream_t stream) {
   switch (head_dim) {
-#ifdef SAFEATTN_ATTN_HAS_D32
+#ifdef SAFEATTN_ATTN_BWD_D32
     case 32:
       return attn::launch_attention_bwd<T, 32>(params, batch, batch_count, dkdv, dq, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D64
+#ifdef SAFEATTN_ATTN_BWD_D64
     case 64:
       return attn::launch_attention_bwd<T, 64>(params, batch, batch_count, dkdv, dq, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D96
+#ifdef SAFEATTN_ATTN_BWD_D96
     case 96:
       return attn::launch_attention_bwd<T, 96>(params, batch, batch_count, dkdv, dq, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D128
+#ifdef SAFEATTN_ATTN_BWD_D128
     case 128:
       return attn::launch_attention_bwd<T, 128>(params, batch, batch_count, dkdv, dq, stream);
 #endif

@@ -2,7 +2,7 @@
 //
 // attention_fwd_cuda picks one of two paths:
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
-//     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_HAS_D<D>);
+//     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
 //     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
 //     skipped or read without the mask;
 //   - a generic path for everything else (float32, float64 for gradcheck, other head dims,
@@ -32,22 +32,22 @@ using attn::FwdParams;
 
 bool has_tensor_core_kernel(int64_t head_dim) {
   switch (head_dim) {
-#ifdef SAFEATTN_ATTN_HAS_D32
+#ifdef SAFEATTN_ATTN_FWD_D32
     case 32:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D64
+#ifdef SAFEATTN_ATTN_FWD_D64
     case 64:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D80
+#ifdef SAFEATTN_ATTN_FWD_D80
     case 80:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D96
+#ifdef SAFEATTN_ATTN_FWD_D96
     case 96:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D128
+#ifdef SAFEATTN_ATTN_FWD_D128
     case 128:
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D256
+#ifdef SAFEATTN_ATTN_FWD_D256
     case 256:
 #endif
       return true;
@@ -59,27 +59,27 @@ bool has_tensor_core_kernel(int64_t head_dim) {
 template <typename T>
 void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
   switch (head_dim) {
-#ifdef SAFEATTN_ATTN_HAS_D32
+#ifdef SAFEATTN_ATTN_FWD_D32
     case 32:
       return attn::launch_attention_fwd<T, 32>(p, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D64
+#ifdef SAFEATTN_ATTN_FWD_D64
     case 64:
       return attn::launch_attention_fwd<T, 64>(p, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D80
+#ifdef SAFEATTN_ATTN_FWD_D80
     case 80:
       return attn::launch_attention_fwd<T, 80>(p, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D96
+#ifdef SAFEATTN_ATTN_FWD_D96
     case 96:
       return attn::launch_attention_fwd<T, 96>(p, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D128
+#ifdef SAFEATTN_ATTN_FWD_D128
     case 128:
       return attn::launch_attention_fwd<T, 128>(p, stream);
 #endif
-#ifdef SAFEATTN_ATTN_HAS_D256
+#ifdef SAFEATTN_ATTN_FWD_D256
     case 256:
       return attn::launch_attention_fwd<T, 256>(p, stream);
 #endif
