@@ -110,8 +110,8 @@ def head_dim_macros(dims):
     flags = []
     for direction, kept in dims.items():
         flags += [f"-DSAFEATTN_ATTN_{direction.upper()}_D{d}" for d in kept]
-        if kept:  # a list for build_info(), as __CUDA_ARCH_LIST__ is
-            flags.append(f"-DSAFEATTN_ATTN_{direction.upper()}_DIMS={','.join(map(str, kept))}")
+        # For build_info(): bit d / 16 per head dim (nvcc would split a comma-separated list).
+        flags.append(f"-DSAFEATTN_ATTN_{direction.upper()}_DIM_BITS={sum(1 << (d // 16) for d in kept)}")
     return flags
 
 

@@ -2,6 +2,7 @@
 // in every CI run, that the CUDA toolchain path of the build works.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,18 +22,18 @@ std::vector<std::string> compiled_archs() {
 }
 
 std::vector<int> attention_head_dims(bool backward) {
-  // setup.py passes the kept head dims of each direction as a list, as nvcc does the archs.
+  // setup.py passes the kept head dims of each direction (all multiples of 16) as bits d / 16.
+#if defined(SAFEATTN_ATTN_FWD_DIM_BITS) && defined(SAFEATTN_ATTN_BWD_DIM_BITS)
+  const uint64_t bits = backward ? SAFEATTN_ATTN_BWD_DIM_BITS : SAFEATTN_ATTN_FWD_DIM_BITS;
+#else
+  const uint64_t bits = 0;
+#endif
   std::vector<int> dims;
-#ifdef SAFEATTN_ATTN_FWD_DIMS
-  if (!backward) {
-    dims = {SAFEATTN_ATTN_FWD_DIMS};
+  for (int k = 1; k < 64; ++k) {
+    if ((bits >> k) & 1u) {
+      dims.push_back(16 * k);
+    }
   }
-#endif
-#ifdef SAFEATTN_ATTN_BWD_DIMS
-  if (backward) {
-    dims = {SAFEATTN_ATTN_BWD_DIMS};
-  }
-#endif
   return dims;
 }
 
