@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One call on the GPU test host (H100/H200, torch 2.11 preinstalled, no network): build, then the
+# stages named on the command line, each writing its full log under $OUT (default ./gpu_out) and
+# printing a one-line summary last, so that the reply's output tail carries every result.
+#
+#   bash scripts/gpu_check.sh build tests sanitize bench
+#
+# Stages:
+#   build     MAX_JOBS=16 editable build; `python -m safeattn info`
+#   tests     the suite, one pytest process per file (a crash in one file, such as the
+#             aoti_load_package segfault seen on torch 2.11, does not hide the others), -n 4,
+#             a per-test timeout; failures listed by name
+#   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
+#   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op
+#   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
+#   quickbench the same, attention with --quick
+# Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
+TIMEOUT="${STAGE_TIMEOUT:-420}"
+WORKERS="${PYTEST_WORKERS:-4}"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+stage_build() {
+  local t0=$SECONDS
+  if ! pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"
+    say "build: FAILED (build.log)"
+    return 1
+  fi
+  python -m safeattn info >"$OUT/info.txt" 2>&1
+  say "build: ok in $((SECONDS - t0)) s; $(grep -i -m1 'cuda archs' "$OUT/info.txt")"
+}
+
+# run_pytest NAME ARGS...: one pytest process, its summary line and failing test ids kept.
+run_pytest() {
+  local name=$1
+  shift
+  local per_test=()
+  python -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 300)
+  timeout -k 10 "$TIMEOUT" python -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" \
+    -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
+  local rc=$?
+  local line
+  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$OUT/pytest_$name.log" | tail -1)
+  [ $rc -eq 124 ] && line="TIMEOUT after ${TIMEOUT}s; $(grep -c PASSED "$OUT/pytest_$name.log") lines"
+  say "pytest $name (rc $rc): ${line:-no summary line (crash? see pytest_$name.log)}"
+  grep -E '^(FAILED|ERROR) ' "$OUT/pytest_$name.log" | head -30 | tee -a "$SUMMARY"
+}
+
+stage_tests() {
+  local f
+  for f in tests/test_*.py; do
+    run_pytest "$(basename "$f" .py)" "$f"
+  done
+}
+
+stage_cuda() {
+  run_pytest cuda_cases tests -k "cuda" --ignore tests/test_attention_cuda_backward.py
+  run_pytest cuda_attention_backward tests/test_attention_cuda_backward.py
+}
+
+stage_sanitize() {
+  # Small CUDA cases of every op (no compile, opcheck or 2^31-element cases: too slow under the
+  # tool). -n 1: the tool serialises kernels anyway.
+  timeout -k 10 "$TIMEOUT" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
+    python -m pytest -q -p no:cacheprovider -x \
+    tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py \
+    -k "cuda and not compile and not opcheck and not pow_31" \
+    >"$OUT/sanitize.log" 2>&1
+  local rc=$?
+  say "sanitize (rc $rc): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize.log" | tail -1)"
+}
+
+run_bench() {
+  local name=$1
+  shift
+  timeout -k 10 "$TIMEOUT" python "$@" >"$OUT/bench_$name.txt" 2>&1
+  say "bench $name (rc $?): $OUT/bench_$name.txt"
+}
+
+stage_bench() {
+  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
+  run_bench softmax benchmarks/bench_softmax.py --device cuda
+  run_bench attention benchmarks/bench_attention.py --device cuda
+}
+
+stage_quickbench() {
+  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
+  run_bench softmax benchmarks/bench_softmax.py --device cuda
+  run_bench attention benchmarks/bench_attention.py --device cuda --quick
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$OUT/gpu.txt"
+for stage in "$@"; do
+  case "$stage" in
+    build) stage_build || break ;;
+    tests | cuda | sanitize | bench | quickbench) "stage_$stage" ;;
+    *) say "unknown stage $stage" ;;
+  esac
+done
+echo "==== summary"
+cat "$SUMMARY"
