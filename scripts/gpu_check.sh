@@ -47,7 +47,7 @@ run_pytest() {
     -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
   local rc=$?
   local line
-  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error)|no tests ran' "$OUT/pytest_$name.log" | tail -1)
+  line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected).* in [0-9.]+s|no tests ran' "$OUT/pytest_$name.log" | tail -1)
   [ $rc -eq 124 ] && line="TIMEOUT after ${TIMEOUT}s; $(grep -c PASSED "$OUT/pytest_$name.log") lines"
   say "pytest $name (rc $rc): ${line:-no summary line (crash? see pytest_$name.log)}"
   grep -E '^(FAILED|ERROR) ' "$OUT/pytest_$name.log" | head -30 | tee -a "$SUMMARY"
@@ -74,7 +74,7 @@ stage_sanitize() {
     -k "cuda and not compile and not opcheck and not pow_31" \
     >"$OUT/sanitize.log" 2>&1
   local rc=$?
-  say "sanitize (rc $rc): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed)' "$OUT/sanitize.log" | tail -1)"
+  say "sanitize (rc $rc): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed|skipped).* in [0-9.]+s' "$OUT/sanitize.log" | tail -1)"
 }
 
 run_bench() {
@@ -96,7 +96,7 @@ stage_quickbench() {
   run_bench attention benchmarks/bench_attention.py --device cuda --quick
 }
 
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$OUT/gpu.txt"
 for stage in "$@"; do
   case "$stage" in
