@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["version"] = info.version;
         d["torch_version"] = info.torch_version;
         d["cpu_isas"] = info.cpu_isas;
+        d["cpu_isas_runnable"] = info.cpu_isas_runnable;
         d["cpu_isa_in_use"] = info.cpu_isa_in_use;
         d["with_cuda"] = info.with_cuda;
         d["cuda_version"] = info.cuda_version;

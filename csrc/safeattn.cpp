@@ -24,6 +24,7 @@ BuildInfo build_info() {
   info.version = SAFEATTN_VERSION;
   info.torch_version = TORCH_VERSION;
   info.cpu_isas = cpu::compiled_isas();
+  info.cpu_isas_runnable = cpu::runnable_isas();
   info.cpu_isa_in_use = cpu::isa_name(cpu::runtime_isa());
   // The best compiled variant at or below the runtime ISA is the one that runs.
   for (int i = static_cast<int>(cpu::runtime_isa()); i >= 0; --i) {

@@ -13,6 +13,7 @@ struct BuildInfo {
   std::string version;
   std::string torch_version;       // the torch headers this was compiled against
   std::vector<std::string> cpu_isas;  // variants compiled (DEFAULT, AVX2, AVX512)
+  std::vector<std::string> cpu_isas_runnable;  // those this CPU executes
   std::string cpu_isa_in_use;         // the variant this CPU runs (honours ATEN_CPU_CAPABILITY)
   bool with_cuda = false;
   std::string cuda_version;           // CUDA toolkit the kernels were compiled with

@@ -48,6 +48,8 @@ def test_info_reports_build():
     assert f"safeattn        {safeattn.__version__}" in out, out
     assert "CPU ISA in use  " + info["cpu_isa_in_use"] in out, out
     assert "DEFAULT" in info["cpu_isas"], f"the DEFAULT variant is always built: {info}"
+    assert "DEFAULT" in info["cpu_isas_runnable"], f"every CPU runs the DEFAULT variant: {info}"
+    assert set(info["cpu_isas_runnable"]) <= set(info["cpu_isas"]), f"runnable but not built: {info}"
     import torch
 
     assert f"torch           {torch.__version__} (safeattn built against {info['torch_version']})" in out, out

@@ -210,15 +210,9 @@ def test_isa_variants_agree(tmp_path):
         "     safeattn.sdpa_mask(3, 97, 300, 203, causal=False, block_ids=ids - 1, padding_mask=pad, dtype=torch.float32)]\n"
         "torch.save(m, __import__('sys').argv[1])\n"
     )
-    # ATen takes ATEN_CPU_CAPABILITY at its word, even above what the CPU can run (SIGILL on
-    # CI's CPU, which has no AVX-512): only the variants this CPU executes are tried. ATen's own
-    # choice is no guide (it may pick AVX2 on a CPU with AVX-512); cpuinfo's flags are.
-    hardware = {
-        "DEFAULT": lambda: True,
-        "AVX2": getattr(torch.cpu, "_is_avx2_supported", lambda: False),
-        "AVX512": getattr(torch.cpu, "_is_avx512_supported", lambda: False),
-    }
-    isas = [isa for isa in safeattn.build_info()["cpu_isas"] if hardware.get(isa, lambda: False)()]
+    # ATen takes ATEN_CPU_CAPABILITY at its word, even above what the CPU runs (SIGILL on CI's
+    # CPU, which has no AVX-512): only the variants this CPU executes are tried.
+    isas = safeattn.build_info()["cpu_isas_runnable"]
     if len(isas) < 2:
         pytest.skip(f"one CPU variant runs here ({isas}): nothing to compare")
     results = {}

@@ -37,6 +37,24 @@ Isa runtime_isa() {
 #endif
 }
 
+bool cpu_runs(Isa isa) {
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+  switch (isa) {
+    case Isa::AVX512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+    case Isa::AVX2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::DEFAULT:
+      return true;
+  }
+  return false;
+#else
+  return isa == Isa::DEFAULT;
+#endif
+}
+
 namespace {
 std::mutex& registry_mutex() {
   static std::mutex m;
@@ -58,6 +76,17 @@ std::vector<std::string> compiled_isas() {
   std::vector<std::string> names;
   for (int i = 0; i < kNumIsas; ++i) {
     if (compiled_flags()[i]) {
+      names.emplace_back(isa_name(static_cast<Isa>(i)));
+    }
+  }
+  return names;
+}
+
+std::vector<std::string> runnable_isas() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::string> names;
+  for (int i = 0; i < kNumIsas; ++i) {
+    if (compiled_flags()[i] && cpu_runs(static_cast<Isa>(i))) {
       names.emplace_back(isa_name(static_cast<Isa>(i)));
     }
   }

@@ -26,9 +26,16 @@ const char* isa_name(Isa isa);
 // The ISA ATen runs with on this CPU (at::get_cpu_capability()).
 Isa runtime_isa();
 
+// Whether this CPU executes a variant's instructions (the flags setup.py compiles it with). Not
+// runtime_isa(): ATen may prefer AVX2 on a CPU with AVX-512, and it takes ATEN_CPU_CAPABILITY at
+// its word, even above what the CPU runs (SIGILL).
+bool cpu_runs(Isa isa);
+
 // Records that a variant was compiled, for build_info(); called by the registration macro.
 void note_compiled_isa(Isa isa);
 std::vector<std::string> compiled_isas();
+// The compiled variants this CPU executes (cpu_runs), lowest first.
+std::vector<std::string> runnable_isas();
 
 template <typename Fn>
 struct IsaStub {

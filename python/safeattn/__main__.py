@@ -19,7 +19,8 @@ def _info() -> int:
     print(f"torch           {torch.__version__} (safeattn built against {info['torch_version']})")
     print(f"python          {platform.python_version()}")
     print(f"CPU             {machine_name()}, {torch.get_num_threads()} threads")
-    print(f"CPU ISAs built  {', '.join(info['cpu_isas']) or 'none'}")
+    runnable = ", ".join(info["cpu_isas_runnable"])
+    print(f"CPU ISAs built  {', '.join(info['cpu_isas']) or 'none'} (this CPU runs {runnable})")
     print(f"CPU ISA in use  {info['cpu_isa_in_use']}  (set ATEN_CPU_CAPABILITY to change)")
     print(f"torch's ISA     {torch.backends.cpu.get_cpu_capability()}")
     if info["with_cuda"]:

@@ -14,26 +14,6 @@ using safeattn::cpu::Isa;
 
 namespace {
 
-// Whether this CPU can execute a variant's instructions. Not at::get_cpu_capability(): ATen may
-// prefer AVX2 on a CPU that has AVX-512 (and honours ATEN_CPU_CAPABILITY), and a variant this
-// CPU lacks dies with SIGILL (CI's CPU has no AVX-512).
-bool cpu_runs(Isa isa) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  switch (isa) {
-    case Isa::AVX512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("fma");
-    case Isa::AVX2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    default:
-      return true;
-  }
-#else
-  return isa == Isa::DEFAULT;
-#endif
-}
-
 // Rows of a [1, 1, Q, KV] bool mask as strings of '1' and '0'.
 std::vector<std::string> rows(const at::Tensor& mask) {
   const at::Tensor m = mask.to(at::kBool).contiguous();
@@ -129,7 +109,7 @@ CATCH_TEST_CASE("every compiled ISA variant gives the same mask") {
     at::Tensor first;
     for (Isa isa : {Isa::DEFAULT, Isa::AVX2, Isa::AVX512}) {
       auto fn = safeattn::sdpa_mask_cpu_stub().get(isa);
-      if (fn == nullptr || !cpu_runs(isa)) {
+      if (fn == nullptr || !safeattn::cpu::cpu_runs(isa)) {  // SIGILL otherwise
         continue;
       }
       at::Tensor out = at::empty({batch, 1, q, kv}, at::TensorOptions().dtype(c.dtype));
