@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU test host (H100/H200, torch 2.11 preinstalled, no network): build, then the
 # stages named on the command line, each writing its full log under $OUT (default ./gpu_out) and
-# printing a one-line summary last, so that the reply's output tail carries every result.
+# printing a one-line summary last, so that the reply's output tail carries every result. The logs
+# end up in $OUT/logs.tgz, next to $OUT/summary.txt.
 #
 #   bash scripts/gpu_check.sh build tests sanitize bench
 #
@@ -10,10 +11,13 @@
 #   tests     the suite, one pytest process per file (a crash in one file, such as the
 #             aoti_load_package segfault seen on torch 2.11, does not hide the others), -n 4,
 #             a per-test timeout; failures listed by name
+#   suite     the whole suite in one pytest process (-n PYTEST_WORKERS): the summary line to quote
 #   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
-#   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op
+#   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op (SANITIZE_FILES
+#             and SANITIZE_K override the files and the -k expression)
 #   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
 #   quickbench the same, attention with --quick
+#   aoti      scripts/aoti_probe.py: which op's AOTInductor package crashes on load (cuda)
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +32,7 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 
 stage_build() {
   local t0=$SECONDS
-  if ! pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  if ! python -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
     tail -40 "$OUT/build.log"
     say "build: FAILED (build.log)"
     return 1
@@ -60,6 +64,10 @@ stage_tests() {
   done
 }
 
+stage_suite() {
+  run_pytest suite tests
+}
+
 stage_cuda() {
   run_pytest cuda_cases tests -k "cuda" --ignore tests/test_attention_cuda_backward.py
   run_pytest cuda_attention_backward tests/test_attention_cuda_backward.py
@@ -70,8 +78,8 @@ stage_sanitize() {
   # tool). -n 1: the tool serialises kernels anyway.
   timeout -k 10 "$TIMEOUT" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
     python -m pytest -q -p no:cacheprovider -x \
-    tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py \
-    -k "cuda and not compile and not opcheck and not pow_31" \
+    ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py} \
+    -k "${SANITIZE_K:-cuda and not compile and not opcheck and not pow_31}" \
     >"$OUT/sanitize.log" 2>&1
   local rc=$?
   say "sanitize (rc $rc): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed|skipped).* in [0-9.]+s' "$OUT/sanitize.log" | tail -1)"
@@ -96,14 +104,22 @@ stage_quickbench() {
   run_bench attention benchmarks/bench_attention.py --device cuda --quick
 }
 
+stage_aoti() {
+  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cuda --out "$OUT" --backtrace 2>&1 |
+    tee "$OUT/aoti.txt" | grep -E '^aoti' | tee -a "$SUMMARY"
+}
+
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$OUT/gpu.txt"
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | cuda | sanitize | bench | quickbench) "stage_$stage" ;;
+    tests | suite | cuda | sanitize | bench | quickbench | aoti) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done
 echo "==== summary"
 cat "$SUMMARY"
+# The device tool brings back at most 8 files: every log goes into one archive beside the summary.
+(cd "$OUT" && find . -maxdepth 1 -type f ! -name summary.txt ! -name logs.tgz -printf '%P\n' |
+  tar czf logs.tgz -T - --remove-files)

@@ -1,7 +1,8 @@
 """The CUDA backward of safeattn.attention (csrc/ops/cuda/attention_bwd*.cu*) against the float64
 reference, on the cases its tensor-core kernels have to get right: every instantiated head dim x
 dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
-batch / heads, bool masks with fully masked rows, softcap, sinks, determinism, and the generic
+batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
+fast-pathed, softcap, sinks, determinism, and the generic
 path (float32, head dims without an instantiation, D != Dv, unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
@@ -98,6 +99,45 @@ def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
     (grad_bias,) = torch.autograd.grad(out.float().square().sum(), (bias,))
     if bias_shape[-1] > 1:
         assert torch.all(grad_bias[..., 3] == 0), "the gradient of a -inf bias element must be 0"
+
+
+def _structured_allowed(batch, q_len, kv_len):
+    """[batch, 1, Q, KV] bool: causal, documents of 130 tokens, batch 1 left-padded by 70 keys.
+
+    At these lengths the backward's tile summaries hold every class: tiles above the diagonal,
+    across documents or in the padding are fully masked (skipped), tiles inside a document below
+    the diagonal are all visible (no per-element test), and tiles on the diagonal, the document
+    borders, the padding edge and the sequence ends are mixed.
+    """
+    i = torch.arange(q_len)[:, None]
+    j = torch.arange(kv_len)[None, :]
+    allowed = (j <= i) & (i // 130 == j // 130)
+    allowed = allowed.expand(batch, 1, q_len, kv_len).clone()
+    allowed[1, :, :, :70] = False
+    return allowed
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask_kind", ["bool", "bias_full", "bias_broadcast"])
+def test_structured_mask_tiles(head_dim, mask_kind):
+    # bias_full ([B, Hq, Q, KV] float32) takes the mask-gradient assign path, bias_broadcast
+    # ([B, 1, Q, KV]) the staging buffer: in both, skipped tiles must get an exact 0 gradient.
+    q_len = kv_len = 300
+    q, k, v = _qkv(2, 4, 2, q_len, kv_len, head_dim, torch.bfloat16, DEVICE, seed=head_dim)
+    allowed = _structured_allowed(2, q_len, kv_len)
+    if mask_kind == "bool":
+        _check_against_reference(q, k, v, attn_mask=allowed.to(DEVICE), enable_gqa=True, check_lse_grad=True)
+        return
+    if mask_kind == "bias_full":
+        allowed = allowed.expand(2, 4, q_len, kv_len)
+    # 0 where allowed: tiles the summary calls all visible exist for a float mask too.
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf")).to(DEVICE).requires_grad_()
+    _check_against_reference(q, k, v, attn_mask=bias, enable_gqa=True, extra_grad_inputs=(bias,))
+    out, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    (grad_bias,) = torch.autograd.grad(out.float().square().sum(), (bias,))
+    masked = ~allowed.to(DEVICE)
+    assert torch.all(grad_bias[masked] == 0), "the gradient of a -inf bias element must be exactly 0"
+    assert grad_bias[~masked].abs().sum() > 0, "visible bias elements must get a gradient"
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)

@@ -16,6 +16,9 @@
 //      the key tiles the queries can see: S = Q K^T, dP = dO V^T, dS as above, dQ += dS' K.
 //      The mask gradient (dS: the gradient of the additive mask value, 0 where masked) is
 //      written here, into a [B, Hq, Q, KV] float32 buffer.
+// With a mask, both kernels read its per-tile summary (summarize_mask_tiles, at each kernel's
+// tile sizes): fully masked tiles are skipped without loading their operands or the mask, and
+// all-visible interior tiles (like the tiles below the causal diagonal) take no per-element test.
 // No element is written by two CTAs and every loop has a fixed order: no atomics, and the
 // results are bit-identical from run to run. dQ recomputes S and dP (two more products than
 // FlashAttention-2's atomic dQ) to get there.
@@ -58,6 +61,10 @@ struct BwdParams {
   float* grad_mask;
   int64_t batch_begin;
   MaskView mask;
+  // The mask's per-tile classes at each kernel's tile sizes (bwd_tile_sizes); null views (all
+  // visible) without a mask. Fully masked tiles are skipped, all-visible interior tiles take
+  // no per-element test.
+  TileSummaryView tiles_dkdv, tiles_dq;
   Causal causal;
   ScoreTransform transform;
   int64_t hq, hkv, q_len, kv_len;
@@ -84,6 +91,27 @@ struct BwdTraits {
                                      sizeof(float) * 2 * 2 * kDkvQueries;
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
+
+// Host: the (query, key) tile sizes of the dK/dV and the dQ kernels for head dim d, for the
+// mask summaries; false when d has no tensor-core backward.
+struct BwdTileSizes {
+  int dkdv_q = 0, dkdv_kv = 0, dq_q = 0, dq_kv = 0;
+};
+inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
+  switch (d) {
+#define SAFEATTN_BWD_TILE_CASE(D)                                                                         \
+  case D:                                                                                                 \
+    sizes = {BwdTraits<D>::kDkvQueries, BwdTraits<D>::kDkvKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys}; \
+    return true;
+    SAFEATTN_BWD_TILE_CASE(32)
+    SAFEATTN_BWD_TILE_CASE(64)
+    SAFEATTN_BWD_TILE_CASE(96)
+    SAFEATTN_BWD_TILE_CASE(128)
+#undef SAFEATTN_BWD_TILE_CASE
+    default:
+      return false;
+  }
+}
 
 // Launches the dK/dV and dQ kernels for one dtype and head dim (rows pre-pass done by the caller).
 // Instantiated in attention_bwd_d<D>_<dtype>.cu.
@@ -114,11 +142,15 @@ __device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride
 
 // The masked, transformed score of (query i, key j) from the raw dot product; -inf where the
 // element is masked, outside the sequence, or hidden by the causal rule. `dscore` gets
-// d score / d dot (the chain rule of the scale and the softcap).
-__device__ __forceinline__ float score_of(const BwdParams& p, float dot, int64_t b, int64_t h, int64_t i, int64_t j,
-                                          float& dscore) {
+// d score / d dot (the chain rule of the scale and the softcap). `plain`: the tile is interior,
+// causally visible and all visible in the mask summary, so none of those tests is needed.
+__device__ __forceinline__ float score_of(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h, int64_t i,
+                                          int64_t j, float& dscore) {
   const float s = p.transform(dot);
   dscore = p.transform.derivative(s);
+  if (plain) {
+    return s;
+  }
   if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
     return -INFINITY;
   }
@@ -128,6 +160,14 @@ __device__ __forceinline__ float score_of(const BwdParams& p, float dot, int64_t
   const float m = p.mask.additive(p.mask.offset(b, h, i, j));
   // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included.
   return m == -INFINITY ? -INFINITY : s + m;
+}
+
+// A tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) whose summary class is `cls` needs no
+// per-element test: inside both sequences, below the causal diagonal, no mask value but 0.
+__device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int64_t i0, int rows, int64_t j0,
+                                           int cols) {
+  return cls == kTileVisible && i0 + rows <= p.q_len && j0 + cols <= p.kv_len &&
+         p.causal.tile_all_visible(i0, j0 + cols);
 }
 
 // ---- dK / dV ---------------------------------------------------------------------------------
@@ -170,9 +210,19 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
   const int64_t steps = group * tiles_per_head;
 
   // Step s: query head hk * group + s / tiles_per_head, query tile first_tile + s % tiles_per_head.
+  auto step_head = [&](int64_t step) { return hk * group + step / tiles_per_head; };
+  auto step_q_tile = [&](int64_t step) { return first_tile + step % tiles_per_head; };
+  // The first step from `step` on whose tile the mask summary does not prove fully masked: the
+  // others contribute exactly 0 and are skipped without reading Q, dO or the mask.
+  auto next_step = [&](int64_t step) {
+    while (step < steps && p.tiles_dkdv.at(b, step_head(step), step_q_tile(step), blockIdx.x) == kTileMasked) {
+      ++step;
+    }
+    return step;
+  };
   auto prefetch = [&](int64_t step, int buf) {
-    const int64_t h = hk * group + step / tiles_per_head;
-    const int64_t i0 = (first_tile + step % tiles_per_head) * kQueries;
+    const int64_t h = step_head(step);
+    const int64_t i0 = step_q_tile(step) * kQueries;
     const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
     const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
     load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0,
@@ -199,14 +249,15 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
   }
 
   const int key_row = warp * 16;  // this warp's keys within the tile
-  if (steps > 0) {
-    prefetch(0, 0);
+  int64_t step = next_step(0);
+  if (step < steps) {
+    prefetch(step, 0);
   }
   cp_async_commit();
-  for (int64_t step = 0; step < steps; ++step) {
-    const int buf = static_cast<int>(step & 1);
-    if (step + 1 < steps) {
-      prefetch(step + 1, buf ^ 1);
+  for (int buf = 0; step < steps; buf ^= 1) {
+    const int64_t next = next_step(step + 1);
+    if (next < steps) {
+      prefetch(next, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -218,8 +269,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
     const T* dot = do_s + buf * kQueries * kStride;
     const float* lse_t = lse_s + buf * kQueries;
     const float* delta_t = delta_s + buf * kQueries;
-    const int64_t h = hk * group + step / tiles_per_head;
-    const int64_t i0 = (first_tile + step % tiles_per_head) * kQueries;
+    const int64_t h = step_head(step);
+    const int64_t q_tile = step_q_tile(step);
+    const int64_t i0 = q_tile * kQueries;
+    const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
 
     // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and all kQueries queries.
     float st[kQTiles][4];
@@ -262,7 +315,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
         const int64_t i = i0 + col;
         const int64_t j = j0 + key_row + g + (e >> 1) * 8;
         float dscore;
-        const float s = score_of(p, st[t][e], b, h, i, j, dscore);
+        const float s = score_of(p, plain, st[t][e], b, h, i, j, dscore);
         const float prob = exp2f(s * kLog2e - lse_t[col]);
         st[t][e] = prob;
         dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
@@ -292,6 +345,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
       }
     }
     __syncthreads();  // this buffer is refilled by the next step's prefetch
+    step = next;
   }
   cp_async_wait<0>();
 
@@ -335,7 +389,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
 
   // Last query tile first: with causal it sees the most keys, and the long CTAs should start
   // early rather than form the tail of the grid.
-  const int64_t i0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * kQueries;
+  const int64_t q_tile = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x);
+  const int64_t i0 = q_tile * kQueries;
   const int64_t h = blockIdx.y;
   const int64_t b_rel = blockIdx.z;
   const int64_t b = p.batch_begin + b_rel;
@@ -383,15 +438,39 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
     }
   }
   float* gm_base = p.grad_mask != nullptr ? p.grad_mask + (b_rel * p.hq + h) * p.q_len * p.kv_len : nullptr;
+  // The mask gradient of keys [j_begin, j_end) that no step visits (all masked for these
+  // queries): 0.
+  auto zero_mask_grad = [&](int64_t j_begin, int64_t j_end) {
+    const int64_t width = (j_end < p.kv_len ? j_end : p.kv_len) - j_begin;
+    if (gm_base == nullptr || width <= 0) {
+      return;
+    }
+    for (int64_t e = threadIdx.x; e < kQueries * width; e += Tr::kThreads) {
+      const int64_t i = i0 + e / width;
+      if (i < p.q_len) {
+        gm_base[i * p.kv_len + j_begin + e % width] = 0.0f;
+      }
+    }
+  };
+  // The first key tile from `step` on that the mask summary does not prove fully masked; the
+  // skipped ones are read by nobody and get their zero mask gradient here.
+  auto next_step = [&](int64_t step) {
+    while (step < steps && p.tiles_dq.at(b, h, q_tile, step) == kTileMasked) {
+      zero_mask_grad(step * kKeys, (step + 1) * kKeys);
+      ++step;
+    }
+    return step;
+  };
 
-  if (steps > 0) {
-    prefetch(0, 0);
+  int64_t step = next_step(0);
+  if (step < steps) {
+    prefetch(step, 0);
   }
   cp_async_commit();
-  for (int64_t step = 0; step < steps; ++step) {
-    const int buf = static_cast<int>(step & 1);
-    if (step + 1 < steps) {
-      prefetch(step + 1, buf ^ 1);
+  for (int buf = 0; step < steps; buf ^= 1) {
+    const int64_t next = next_step(step + 1);
+    if (next < steps) {
+      prefetch(next, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -402,6 +481,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
     const T* kt = k_s + buf * kKeys * kStride;
     const T* vt = v_s + buf * kKeys * kStride;
     const int64_t j0 = step * kKeys;
+    const bool plain = plain_tile(p, p.tiles_dq.at(b, h, q_tile, step), i0, kQueries, j0, kKeys);
 
     float s_acc[kKTiles][4];
     float dp_acc[kKTiles][4];
@@ -446,7 +526,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
           const int e = 2 * half + c;
           const int64_t j = j0 + t * 8 + 2 * tig + c;
           float dscore;
-          const float s = score_of(p, s_acc[t][e], b, h, i, j, dscore);
+          const float s = score_of(p, plain, s_acc[t][e], b, h, i, j, dscore);
           const float prob = exp2f(s * kLog2e - row_lse[half]);
           ds[c] = prob * (dp_acc[t][e] - row_delta[half]);
           dp_acc[t][e] = ds[c] * dscore;
@@ -486,22 +566,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
       }
     }
     __syncthreads();  // this buffer is refilled by the next step's prefetch
+    step = next;
   }
   cp_async_wait<0>();
-
-  // The mask gradient of keys no step visited (past kv_end): 0, as they are all masked.
-  if (gm_base != nullptr) {
-    const int64_t first_unvisited = steps * kKeys;
-    const int64_t width = p.kv_len - first_unvisited;
-    if (width > 0) {
-      for (int64_t e = threadIdx.x; e < kQueries * width; e += Tr::kThreads) {
-        const int64_t i = i0 + e / width;
-        if (i < p.q_len) {
-          gm_base[i * p.kv_len + first_unvisited + e % width] = 0.0f;
-        }
-      }
-    }
-  }
+  zero_mask_grad(steps * kKeys, p.kv_len);  // past kv_end: hidden by the causal rule
 
   T* gq = static_cast<T*>(p.grad_query) + ((b * p.hq + h) * p.q_len) * kHeadDim;
 #pragma unroll

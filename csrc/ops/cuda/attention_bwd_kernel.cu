@@ -4,8 +4,8 @@
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
 // gradient's partial sums:
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
-//     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass here, then the dK/dV and dQ
-//     tensor-core kernels. A broadcast mask gets its gradient through a [B, Hq, Q, KV] float32
+//     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
+//     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a [B, Hq, Q, KV] float32
 //     buffer (batch chunks of bounded size) reduced by at::sum, deterministically.
 //   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the ATen
 //     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
@@ -205,6 +205,18 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.grad_mask = nullptr;
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
+  at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
+  if (a.mask.defined()) {
+    attn::BwdTileSizes tiles;
+    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, tiles), "attention backward (CUDA): no tile sizes for ",
+                          head_dim);
+    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
+    summary_dq = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv
+                     ? summary_dkdv
+                     : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv);
+    p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
+    p.tiles_dq = attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv);
+  }
   p.causal.enabled = a.is_causal;
   p.causal.shift = a.q_offset - a.kv_offset;
   p.transform.scale = static_cast<float>(a.scale);
