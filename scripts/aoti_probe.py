@@ -85,7 +85,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--out", default=None, help="folder for each case's full log")
-    parser.add_argument("--backtrace", action="store_true", help="native backtrace of crashed cases (cuda-gdb)")
+    parser.add_argument(
+        "--backtrace", action="store_true", help="native backtrace of crashed cases (cuda-gdb)"
+    )
     args = parser.parse_args()
     out = Path(args.out) if args.out else None
     cases = [c for c in args.cases.split(",") if c]

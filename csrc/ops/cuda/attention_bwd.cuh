@@ -31,9 +31,9 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include "ops/cuda/attention_common.cuh"
@@ -87,8 +87,8 @@ struct BwdTraits {
   static constexpr int kDqQueries = 16 * kWarps;
   static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
 
-  static constexpr size_t kDkvSmem = sizeof(uint16_t) * kStride * (2 * kDkvKeys + 2 * 2 * kDkvQueries) +
-                                     sizeof(float) * 2 * 2 * kDkvQueries;
+  static constexpr size_t kDkvSmem =
+      sizeof(uint16_t) * kStride * (2 * kDkvKeys + 2 * 2 * kDkvQueries) + sizeof(float) * 2 * 2 * kDkvQueries;
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
@@ -99,8 +99,8 @@ struct BwdTileSizes {
 };
 inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
   switch (d) {
-#define SAFEATTN_BWD_TILE_CASE(D)                                                                         \
-  case D:                                                                                                 \
+#define SAFEATTN_BWD_TILE_CASE(D)                                                                                 \
+  case D:                                                                                                         \
     sizes = {BwdTraits<D>::kDkvQueries, BwdTraits<D>::kDkvKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys}; \
     return true;
     SAFEATTN_BWD_TILE_CASE(32)
@@ -173,8 +173,7 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
 // ---- dK / dV ---------------------------------------------------------------------------------
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
-    attention_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
   using Tr = BwdTraits<kHeadDim>;
   constexpr int kStride = Tr::kStride;
   constexpr int kKeys = Tr::kDkvKeys;
@@ -185,10 +184,10 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* k_s = reinterpret_cast<T*>(smem_raw);
   T* v_s = k_s + kKeys * kStride;
-  T* q_s = v_s + kKeys * kStride;         // [2][kQueries][kStride]
-  T* do_s = q_s + 2 * kQueries * kStride;  // [2][kQueries][kStride]
+  T* q_s = v_s + kKeys * kStride;                                          // [2][kQueries][kStride]
+  T* do_s = q_s + 2 * kQueries * kStride;                                  // [2][kQueries][kStride]
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries]
-  float* delta_s = lse_s + 2 * kQueries;                                     // [2][kQueries]
+  float* delta_s = lse_s + 2 * kQueries;                                   // [2][kQueries]
 
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t hk = blockIdx.y;
@@ -225,10 +224,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
     const int64_t i0 = step_q_tile(step) * kQueries;
     const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
     const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
-    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0,
-                                                    p.q_len);
+    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
     load_tile<T, kHeadDim, kQueries, Tr::kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
-                                                    p.q_len);
+                                                   p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
     for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
       const bool valid = i0 + r < p.q_len;
@@ -361,10 +359,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
 #pragma unroll
     for (int t = 0; t < kDTiles; ++t) {
       const int col = t * 8 + 2 * tig;
-      *reinterpret_cast<uint32_t*>(gk + j * kHeadDim + col) =
-          pack2<T>(dk_acc[t][2 * half], dk_acc[t][2 * half + 1]);
-      *reinterpret_cast<uint32_t*>(gv + j * kHeadDim + col) =
-          pack2<T>(dv_acc[t][2 * half], dv_acc[t][2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(gk + j * kHeadDim + col) = pack2<T>(dk_acc[t][2 * half], dk_acc[t][2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(gv + j * kHeadDim + col) = pack2<T>(dv_acc[t][2 * half], dv_acc[t][2 * half + 1]);
     }
   }
 }
@@ -372,8 +368,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
 // ---- dQ (and the mask gradient) --------------------------------------------------------------
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
-    attention_bwd_dq_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_dq_kernel(const BwdParams p) {
   using Tr = BwdTraits<kHeadDim>;
   constexpr int kStride = Tr::kStride;
   constexpr int kQueries = Tr::kDqQueries;
@@ -384,8 +379,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* q_s = reinterpret_cast<T*>(smem_raw);
   T* do_s = q_s + kQueries * kStride;
-  T* k_s = do_s + kQueries * kStride;     // [2][kKeys][kStride]
-  T* v_s = k_s + 2 * kKeys * kStride;     // [2][kKeys][kStride]
+  T* k_s = do_s + kQueries * kStride;  // [2][kKeys][kStride]
+  T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
 
   // Last query tile first: with causal it sees the most keys, and the long CTAs should start
   // early rather than form the tail of the grid.
@@ -424,9 +419,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads)
 
   auto prefetch = [&](int64_t step, int buf) {
     load_tile<T, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s, step * kKeys,
-                                                 p.kv_len);
+                                                p.kv_len);
     load_tile<T, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s, step * kKeys,
-                                                 p.kv_len);
+                                                p.kv_len);
   };
 
   float dq_acc[kDTiles][4];
@@ -594,8 +589,8 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
   using Tr = BwdTraits<kHeadDim>;
   if (run_dkdv) {
     auto* kernel = &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(Tr::kDkvSmem)));
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDkvSmem)));
     const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kDkvKeys - 1) / Tr::kDkvKeys),
                     static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
     kernel<<<grid, Tr::kThreads, Tr::kDkvSmem, stream>>>(params);
@@ -603,8 +598,8 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
   }
   if (run_dq) {
     auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(Tr::kDqSmem)));
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
     const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),
                     static_cast<unsigned>(params.hq), static_cast<unsigned>(batch_count));
     kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(params);
@@ -616,7 +611,7 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
 
 // One instantiation per (dtype, head dim), each in its own generated file
 // (attention_bwd_d<D>_<dtype>.cu); the others only declare it.
-#define SAFEATTN_ATTN_BWD_EXTERN(T, D)                                                                        \
+#define SAFEATTN_ATTN_BWD_EXTERN(T, D) \
   extern template void launch_attention_bwd<T, D>(const BwdParams&, int64_t, int64_t, bool, bool, cudaStream_t);
 SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 32)
 SAFEATTN_ATTN_BWD_EXTERN(__half, 32)

@@ -5,8 +5,9 @@
 // gradient's partial sums:
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
-//     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a [B, Hq, Q, KV] float32
-//     buffer (batch chunks of bounded size) reduced by at::sum, deterministically.
+//     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a
+//     [B, Hq, Q, KV] float32 buffer (batch chunks of bounded size) reduced by at::sum,
+//     deterministically.
 //   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the ATen
 //     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
 #include <algorithm>
@@ -41,10 +42,10 @@ constexpr int kRowsWarps = 8;
 template <typename scalar_t>
 __global__ void __launch_bounds__(kRowsWarps * 32)
     attention_bwd_rows_kernel(const scalar_t* __restrict__ grad_out, int64_t go_sb, int64_t go_sh, int64_t go_ss,
-                              int64_t go_sd, const scalar_t* __restrict__ out, int64_t o_sb, int64_t o_sh,
-                              int64_t o_ss, int64_t o_sd, const float* __restrict__ lse,
-                              const float* __restrict__ grad_lse, float* __restrict__ delta,
-                              float* __restrict__ lse_log2, int64_t hq, int64_t q_len, int64_t dv, int64_t rows) {
+                              int64_t go_sd, const scalar_t* __restrict__ out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
+                              int64_t o_sd, const float* __restrict__ lse, const float* __restrict__ grad_lse,
+                              float* __restrict__ delta, float* __restrict__ lse_log2, int64_t hq, int64_t q_len,
+                              int64_t dv, int64_t rows) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) {
@@ -267,8 +268,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
   const c10::cuda::CUDAGuard guard(query.device());
-  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
-                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed, &attention_bwd_cuda);
+  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
+                                 kv_offset, softcap, sinks, grad_mask_needed, &attention_bwd_cuda);
 }
 
 }  // namespace
