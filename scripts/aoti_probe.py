@@ -1,7 +1,7 @@
 """Which op makes an AOTInductor package crash when it is loaded? (a diagnostic for the GPU host)
 
-Exports one tiny module per case (a plain Linear as the control, then one module per safeattn
-op), compiles each with AOTInductor and loads and runs it in a fresh process, so that a segfault
+Exports one tiny module per case (a plain Linear as the control, once in a process that never
+imports safeattn and once with it imported, then one module per safeattn op), compiles each with AOTInductor and loads and runs it in a fresh process, so that a segfault
 in one case names that case instead of ending the run. Prints one line per case: rc (negative:
 killed by that signal), max abs difference against eager, and the last lines of stderr.
 
@@ -19,13 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-CASES = ("linear", "sdpa_mask", "masked_softmax", "safe_softmax", "attention")
+CASES = ("torch_only", "linear", "sdpa_mask", "masked_softmax", "safe_softmax", "attention")
 
 CHILD = r"""
 import faulthandler, sys, torch
 faulthandler.enable()
-import safeattn
 case, device, workdir = sys.argv[1], sys.argv[2], sys.argv[3]
+if case != "torch_only":
+    import safeattn
 S, E = 8, 16
 
 class Case(torch.nn.Module):
