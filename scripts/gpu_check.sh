@@ -18,6 +18,8 @@
 #   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
 #   quickbench the same, attention with --quick
 #   aoti      scripts/aoti_probe.py: which op's AOTInductor package crashes on load (cuda)
+#   profile   Nsight Compute over scripts/profile_attention.py (D=PROFILE_HEAD_DIM, default 128):
+#             speed of light, occupancy, warp stalls, memory and compute of each attention kernel
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,12 +111,21 @@ stage_aoti() {
     tee "$OUT/aoti.txt" | grep -E '^aoti' | tee -a "$SUMMARY"
 }
 
+stage_profile() {
+  # One launch of each kernel kind per mask mode (is_causal, then the dense mask), all warm.
+  timeout -k 10 "$TIMEOUT" ncu --target-processes all --kernel-name regex:'attention|summarize' \
+    --launch-skip 6 --launch-count 10 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
+    python scripts/profile_attention.py --head-dim "${PROFILE_HEAD_DIM:-128}" --calls 3 >"$OUT/ncu_attention.txt" 2>&1
+  say "profile (rc $?): $(grep -c 'attention' "$OUT/ncu_attention.txt") lines naming attention kernels in ncu_attention.txt"
+}
+
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])' | tee -a "$OUT/gpu.txt"
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | cuda | sanitize | bench | quickbench | aoti) "stage_$stage" ;;
+    tests | suite | cuda | sanitize | bench | quickbench | aoti | profile) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done
