@@ -1,13 +1,15 @@
 // CUDA forward of safeattn::attention and its CUDA registration.
 //
-// attention_fwd_cuda picks one of two paths:
+// attention_fwd_cuda picks one of three paths:
+//   - the split-KV decode kernels (attention_decode_kernel.cu) for a few query rows per kv head
+//     over a long cache, when enabled (experimental: SAFEATTN_ATTN_DECODE=1);
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
 //     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
 //     skipped or read without the mask;
 //   - a generic path for everything else (float32, float64 for gradcheck, other head dims,
 //     D != Dv): ATen ops in float32 / float64 over chunks of queries, so memory stays bounded.
-// Both give the semantics of ops/attention.h, including the choice of the tensor-core kernel
+// All three give the semantics of ops/attention.h, including the choice of the tensor-core kernel
 // that an element masked out (False, or a -inf bias) is -inf whatever its score: a NaN or inf
 // behind it never reaches the row.
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <torch/library.h>
 
 #include "ops/attention.h"
+#include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 
 namespace safeattn::cuda {
@@ -237,6 +240,9 @@ void attention_fwd_generic(const AttentionFwdArgs& a) {
 }
 
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
+  if (attention_fwd_decode(args)) {  // few query rows per kv head (SAFEATTN_ATTN_DECODE=1)
+    return;
+  }
   if (use_tensor_cores(args)) {
     attention_fwd_tensor_cores(args);
   } else {
@@ -249,8 +255,8 @@ void attention_fwd_cuda(const AttentionFwdArgs& args) {
 std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-                                                  double softcap, const std::optional<at::Tensor>& sinks) {
+                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
+                                                  const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                         softcap, sinks, &attention_fwd_cuda);
