@@ -198,6 +198,12 @@ def test_transposed_and_unaligned_views():
     base = torch.randn(2, 4, 97, 129, device=DEVICE, dtype=torch.bfloat16)
     q2 = base[..., 1:].detach().requires_grad_()  # rows 258 bytes apart, 2 bytes off alignment
     _check_against_reference(q2, k2, v2, enable_gqa=True)
+    # Contiguous but 2 bytes off alignment: contiguous() would hand it back unchanged, so the
+    # kernels must read it from an aligned copy (forward and backward).
+    flat = torch.randn(1 + 2 * 4 * 97 * 128, device=DEVICE, dtype=torch.bfloat16)
+    q3 = flat[1:].view(2, 4, 97, 128).detach().requires_grad_()
+    assert q3.is_contiguous() and q3.data_ptr() % 16 != 0
+    _check_against_reference(q3, k2, v2, enable_gqa=True, is_causal=True)
 
 
 def test_nan_propagates_to_gradients():

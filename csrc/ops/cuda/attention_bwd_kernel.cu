@@ -134,16 +134,6 @@ bool tensor_core_supported(const AttentionBwdArgs& a) {
   return a.query.size(0) <= 65535 && a.query.size(1) <= 65535 && a.key.size(1) <= 65535;
 }
 
-// The tensor as the kernels read it: unit stride along head_dim and 16-byte aligned rows (for
-// cp.async); a contiguous copy when it is not (size-1 dims may have any stride).
-at::Tensor with_aligned_rows(const at::Tensor& t) {
-  bool ok = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
-  for (int64_t d = 0; d < 3; ++d) {
-    ok = ok && (t.size(d) == 1 || t.stride(d) % 8 == 0);
-  }
-  return ok ? t : t.contiguous();
-}
-
 // The per-chunk [bc, Hq, Q, KV] dS reduced to grad_mask_partial's [bc, Hm, Qm, KVm].
 at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, int64_t hkv) {
   at::Tensor g = full;
@@ -165,10 +155,10 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), head_dim = a.query.size(3);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const at::Tensor query = with_aligned_rows(a.query);
-  const at::Tensor key = with_aligned_rows(a.key);
-  const at::Tensor value = with_aligned_rows(a.value);
-  const at::Tensor grad_out = with_aligned_rows(a.grad_out);
+  const at::Tensor query = attn::with_aligned_rows(a.query);
+  const at::Tensor key = attn::with_aligned_rows(a.key);
+  const at::Tensor value = attn::with_aligned_rows(a.value);
+  const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
 
   // The rows pre-pass: Delta and lse in the log2 domain, [B, Hq, Q] float32.

@@ -38,6 +38,22 @@ MaskView make_mask_view(const at::Tensor& mask) {
   return view;
 }
 
+bool rows_aligned_16(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0 || t.stride(3) != 1) {
+    return false;
+  }
+  for (int64_t d = 0; d < 3; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+at::Tensor with_aligned_rows(const at::Tensor& t) {
+  return rows_aligned_16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 namespace {
 
 constexpr int kSummaryThreads = 256;
@@ -62,7 +78,7 @@ __global__ void __launch_bounds__(kSummaryThreads)
     const float v = mask.additive(mask.offset(b, h, i0 + r, j0 + c));
     const bool masked = v == -INFINITY;
     any_masked |= masked;
-    any_visible |= !masked;  // NaN included: it must reach its row
+    any_visible |= !masked;    // NaN included: it must reach its row
     any_bias |= !(v == 0.0f);  // NaN included
   }
   any_visible = __syncthreads_or(any_visible);
@@ -91,9 +107,8 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     return summary;
   }
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the mask has too many tiles to summarise (", blocks, ")");
-  summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0,
-                                c10::cuda::getCurrentCUDAStream()>>>(view, q_len, kv_len, block_q, block_kv, heads_m,
-                                                                     q_tiles, kv_tiles, summary.data_ptr<uint8_t>());
+  summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, summary.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }

@@ -56,8 +56,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 // out-of-range rows never hold garbage that could become NaN in a product.
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem),
-               "r"(src_bytes));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::);
@@ -122,6 +121,15 @@ struct MaskView {
 // Host: the view of a [B, Hq, Q, KV] (expanded, stride 0 on broadcast dims) mask tensor, or an
 // empty view for an undefined tensor.
 MaskView make_mask_view(const at::Tensor& mask);
+
+// Host: whether the kernels can read a 4-D tensor of 16-bit elements in place with 16-byte loads
+// (cp.async, uint4): unit stride along the last dim and every row on a 16-byte boundary. Size-1
+// dims are never stepped over, so their strides do not matter.
+bool rows_aligned_16(const at::Tensor& t);
+
+// Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
+// contiguous() returns a contiguous view with an odd offset unchanged.
+at::Tensor with_aligned_rows(const at::Tensor& t);
 
 // ---- the causal rule -------------------------------------------------------------------------
 

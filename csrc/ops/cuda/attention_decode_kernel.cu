@@ -377,19 +377,6 @@ bool decode_enabled() {
   return setting != nullptr && std::string_view(setting) == "1";
 }
 
-// 16-byte loads need unit inner stride and 16-byte aligned rows (size-1 dims never stepped).
-bool rows_aligned_16(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 != 0 || t.stride(3) != 1) {
-    return false;
-  }
-  for (int64_t d = 0; d < 3; ++d) {
-    if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
 template <typename T, int kD>
 void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -420,9 +407,9 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   const bool applies = decode_enabled() && a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
                        (head_dim == 64 || head_dim == 128) && a.value.size(3) == head_dim && q_len >= 1 &&
                        group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
-                       rows_aligned_16(a.query) && rows_aligned_16(a.key) && rows_aligned_16(a.value) &&
-                       (!a.mask.defined() || a.mask.scalar_type() != at::kDouble) && a.lse.is_contiguous() &&
-                       a.lse.scalar_type() == at::kFloat;
+                       attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
+                       attn::rows_aligned_16(a.value) && (!a.mask.defined() || a.mask.scalar_type() != at::kDouble) &&
+                       a.lse.is_contiguous() && a.lse.scalar_type() == at::kFloat;
   if (!applies) {
     return false;
   }

@@ -91,39 +91,17 @@ void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stre
   }
 }
 
-// cp.async and the output stores move 16 bytes: every row the kernel touches must start on a
-// 16-byte boundary. Size-1 dims are never stepped over, so their strides do not matter.
-bool rows_aligned_16(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) {
-    return false;
-  }
-  for (int64_t d = 0; d < 3; ++d) {
-    if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
-      return false;
-    }
-  }
-  return true;
-}
-
-// q / k / v are read in place when their last dim is contiguous and their rows aligned;
-// otherwise from a contiguous copy (clone: a contiguous view with an odd offset stays odd).
-at::Tensor readable_in_place(const at::Tensor& t) {
-  if (rows_aligned_16(t)) {
-    return t;
-  }
-  return t.clone(at::MemoryFormat::Contiguous);
-}
-
 bool use_tensor_cores(const AttentionFwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   return (dtype == at::kHalf || dtype == at::kBFloat16) && a.query.size(3) == a.value.size(3) &&
-         has_tensor_core_kernel(a.query.size(3)) && rows_aligned_16(a.out);
+         has_tensor_core_kernel(a.query.size(3)) && attn::rows_aligned_16(a.out);
 }
 
 void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
-  const at::Tensor query = readable_in_place(a.query);
-  const at::Tensor key = readable_in_place(a.key);
-  const at::Tensor value = readable_in_place(a.value);
+  // q / k / v are read in place when their rows are aligned, else from an aligned copy.
+  const at::Tensor query = attn::with_aligned_rows(a.query);
+  const at::Tensor key = attn::with_aligned_rows(a.key);
+  const at::Tensor value = attn::with_aligned_rows(a.value);
   const int64_t head_dim = query.size(3);
   int block_q = 0, block_kv = 0;
   attn::fwd_tile_sizes(head_dim, block_q, block_kv);
