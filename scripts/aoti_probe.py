@@ -1,9 +1,10 @@
 """Which op makes an AOTInductor package crash when it is loaded? (a diagnostic for the GPU host)
 
 Exports one tiny module per case (a plain Linear as the control, once in a process that never
-imports safeattn and once with it imported, then one module per safeattn op), compiles each with AOTInductor and loads and runs it in a fresh process, so that a segfault
-in one case names that case instead of ending the run. Prints one line per case: rc (negative:
-killed by that signal), max abs difference against eager, and the last lines of stderr.
+imports safeattn and once with it imported, then one module per safeattn op), compiles each with
+AOTInductor and loads and runs it in a fresh process, so that a segfault in one case names that
+case instead of ending the run. Prints one line per case: rc (negative: killed by that signal),
+max abs difference against eager, and the last lines of stderr.
 
     python scripts/aoti_probe.py --device cuda [--cases linear,sdpa_mask,...] [--out DIR] [--backtrace]
 

@@ -17,7 +17,8 @@
 #             and SANITIZE_K override the files and the -k expression)
 #   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
 #   quickbench the same, attention with --quick
-#   aoti      scripts/aoti_probe.py: which op's AOTInductor package crashes on load (cuda)
+#   aoti      scripts/aoti_probe.py: which AOTInductor package crashes on load (the torch-only
+#             control on CPU, then every case on CUDA)
 #   profile   Nsight Compute over scripts/profile_attention.py (D=PROFILE_HEAD_DIM, default 128):
 #             speed of light, occupancy, warp stalls, memory and compute of each attention kernel
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
@@ -107,16 +108,22 @@ stage_quickbench() {
 }
 
 stage_aoti() {
-  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cuda --out "$OUT" --backtrace 2>&1 |
-    tee "$OUT/aoti.txt" | grep -E '^aoti' | tee -a "$SUMMARY"
+  # The control first: a plain package in a process that never imports safeattn, and one that
+  # does. AOTI_BACKTRACE=1 reruns crashed cases under cuda-gdb (minutes each).
+  local backtrace=()
+  [ "${AOTI_BACKTRACE:-0}" = 1 ] && backtrace=(--backtrace)
+  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cpu --cases torch_only,linear --out "$OUT" 2>&1 |
+    tee "$OUT/aoti_cpu.txt" | grep -E '^aoti' | cut -c1-240 | tee -a "$SUMMARY"
+  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cuda --out "$OUT" "${backtrace[@]}" 2>&1 |
+    tee "$OUT/aoti_cuda.txt" | grep -E '^aoti' | cut -c1-240 | tee -a "$SUMMARY"
 }
 
 stage_profile() {
-  # One launch of each kernel kind per mask mode (is_causal, then the dense mask), all warm.
+  # Past the first is_causal call (4 kernels): the second one and the first dense-mask call.
   timeout -k 10 "$TIMEOUT" ncu --target-processes all --kernel-name regex:'attention|summarize' \
-    --launch-skip 6 --launch-count 10 --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --launch-skip 4 --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
-    python scripts/profile_attention.py --head-dim "${PROFILE_HEAD_DIM:-128}" --calls 3 >"$OUT/ncu_attention.txt" 2>&1
+    python scripts/profile_attention.py --head-dim "${PROFILE_HEAD_DIM:-128}" --calls 2 >"$OUT/ncu_attention.txt" 2>&1
   say "profile (rc $?): $(grep -c 'attention' "$OUT/ncu_attention.txt") lines naming attention kernels in ncu_attention.txt"
 }
 
