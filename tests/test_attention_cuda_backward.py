@@ -2,8 +2,8 @@
 reference, on the cases its tensor-core kernels have to get right: every instantiated head dim x
 dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
 batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
-fast-pathed, softcap, sinks, determinism, and the generic
-path (float32, head dims without an instantiation, D != Dv, unaligned views).
+fast-pathed, softcap, sinks, determinism, and the generic path (float32, head dims without an
+instantiation, D != Dv, unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.

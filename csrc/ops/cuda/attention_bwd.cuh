@@ -123,8 +123,6 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
 
 namespace bwd_detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // Copies rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements)
 // into smem (row stride kStride), 16 bytes per cp.async; rows at or past `len` become zeros.
 template <typename T, int kHeadDim, int kRows, int kThreads>

@@ -29,12 +29,12 @@ namespace safeattn::cuda {
 namespace {
 
 using attn::BwdParams;
+using attn::kLog2e;
 
 // The mask-gradient staging buffer of one batch chunk stays under this many bytes (at least
 // one batch).
 constexpr int64_t kMaskGradChunkBytes = int64_t(512) << 20;
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kRowsWarps = 8;
 
 // Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse; lse_log2 = lse * log2(e), or

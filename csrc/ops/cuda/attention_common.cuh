@@ -13,6 +13,10 @@
 
 namespace safeattn::cuda::attn {
 
+// Scores go to the log2 domain (exp2 is one instruction) and lse back to the natural one.
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 // ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
 
 // D[16x8] (+)= A[16x16] @ B[16x8], fp32 accumulators, A/B as packed pairs of 16-bit values in

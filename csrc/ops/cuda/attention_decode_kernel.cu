@@ -34,6 +34,8 @@ namespace safeattn::cuda {
 namespace {
 
 using attn::Causal;
+using attn::kLn2;
+using attn::kLog2e;
 using attn::MaskView;
 using attn::ScoreTransform;
 
@@ -43,8 +45,6 @@ constexpr int kMaxRows = 8;    // query rows per kv head (group * Q) one CTA hol
 constexpr int kTileKeys = 64;  // keys per step; two per lane in the softmax update
 constexpr int kMaxSplits = 256;
 constexpr int kCombineWarps = 4;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 struct DecodeParams {
   const void* q;  // [B, Hq, Q, D], unit inner stride, 16-byte aligned rows

@@ -123,9 +123,6 @@ inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
 
 namespace fwd_detail {
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
 // kRows x D tile from global (rows `row_stride` apart) to shared (rows kStride apart), 16 bytes
 // per cp.async; rows at or past valid_rows are zero-filled (their source is not read).
 template <typename T, int kRows, int kHeadDim, int kThreads>
