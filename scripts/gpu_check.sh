@@ -12,13 +12,16 @@
 #             aoti_load_package segfault seen on torch 2.11, does not hide the others), -n 4,
 #             a per-test timeout; failures listed by name
 #   suite     the whole suite in one pytest process (-n PYTEST_WORKERS): the summary line to quote
+#   pick      the files in PICK (one pytest process, -k PICK_K when set)
 #   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
 #   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op (SANITIZE_FILES
 #             and SANITIZE_K override the files and the -k expression)
 #   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
 #   quickbench the same, attention with --quick
+#   attnbench only bench_attention --quick
 #   aoti      scripts/aoti_probe.py: which AOTInductor package crashes on load (the torch-only
 #             control on CPU, then every case on CUDA)
+#   decodeprofile torch.profiler tables of both decode paths, Nsight Compute over the split one
 #   profile   Nsight Compute over scripts/profile_attention.py (D=PROFILE_HEAD_DIM, default 128):
 #             speed of light, occupancy, warp stalls, memory and compute of each attention kernel
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
@@ -30,6 +33,8 @@ export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
 TIMEOUT="${STAGE_TIMEOUT:-420}"
 WORKERS="${PYTEST_WORKERS:-4}"
 SUMMARY="$OUT/summary.txt"
+NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis
+  --section MemoryWorkloadAnalysis --section LaunchStats)
 : >"$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -71,6 +76,11 @@ stage_suite() {
   run_pytest suite tests
 }
 
+stage_pick() {
+  # shellcheck disable=SC2086
+  run_pytest pick ${PICK:?PICK names the test files} ${PICK_K:+-k "$PICK_K"}
+}
+
 stage_cuda() {
   run_pytest cuda_cases tests -k "cuda" --ignore tests/test_attention_cuda_backward.py
   run_pytest cuda_attention_backward tests/test_attention_cuda_backward.py
@@ -107,6 +117,10 @@ stage_quickbench() {
   run_bench attention benchmarks/bench_attention.py --device cuda --quick
 }
 
+stage_attnbench() {
+  run_bench attention benchmarks/bench_attention.py --device cuda --quick
+}
+
 stage_aoti() {
   # The control first: a plain package in a process that never imports safeattn, and one that
   # does. AOTI_BACKTRACE=1 reruns crashed cases under cuda-gdb (minutes each).
@@ -121,10 +135,22 @@ stage_aoti() {
 stage_profile() {
   # Past the first is_causal call (4 kernels): the second one and the first dense-mask call.
   timeout -k 10 "$TIMEOUT" ncu --target-processes all --kernel-name regex:'attention|summarize' \
-    --launch-skip 4 --launch-count 12 --section SpeedOfLight --section Occupancy --section WarpStateStats \
-    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section LaunchStats \
+    --launch-skip 4 --launch-count 12 "${NCU_SECTIONS[@]}" \
     python scripts/profile_attention.py --head-dim "${PROFILE_HEAD_DIM:-128}" --calls 2 >"$OUT/ncu_attention.txt" 2>&1
   say "profile (rc $?): $(grep -c 'attention' "$OUT/ncu_attention.txt") lines naming attention kernels in ncu_attention.txt"
+}
+
+stage_decodeprofile() {
+  # Per-kernel device times of both decode paths, then Nsight Compute over the split kernels.
+  local kv
+  for kv in 4096 32768; do
+    SAFEATTN_ATTN_DECODE=0 python scripts/profile_attention.py --decode "$kv" --table >"$OUT/decode_table_$kv.txt" 2>&1
+    python scripts/profile_attention.py --decode "$kv" --table >"$OUT/decode_split_table_$kv.txt" 2>&1
+  done
+  timeout -k 10 "$TIMEOUT" ncu --kernel-name regex:decode --launch-skip 2 --launch-count 2 \
+    "${NCU_SECTIONS[@]}" python scripts/profile_attention.py --decode 32768 --calls 2 >"$OUT/ncu_decode.txt" 2>&1
+  say "decodeprofile (rc $?): decode_*table_*.txt, ncu_decode.txt"
+  grep -hE '^-- |attention' "$OUT"/decode_*table_*.txt | cut -c1-200 | tee -a "$SUMMARY"
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -132,7 +158,7 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | cuda | sanitize | bench | quickbench | aoti | profile) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | aoti | profile | decodeprofile) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done

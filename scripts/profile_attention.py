@@ -1,11 +1,16 @@
 """A short CUDA attention workload to run under Nsight Compute (gpu_check.sh's `profile` stage).
 
-The benchmark's prefill shape (B=4, H=16, S=4096, bf16) at one head dim: forward and backward with
-`is_causal`, then with a dense causal + left-padding bool mask, `--calls` times each, so that
-`ncu -k regex:attention --launch-skip ... --launch-count ...` finds warm kernels of every kind
-(forward, backward rows pre-pass, dK/dV, dQ, mask summary).
+Prefill (default): the benchmark's shape (B=4, H=16, S=4096, bf16) at one head dim, forward and
+backward with `is_causal`, then with a dense causal + left-padding bool mask, `--calls` times each,
+so that `ncu -k regex:attention --launch-skip ... --launch-count ...` finds warm kernels of every
+kind (forward, backward rows pre-pass, dK/dV, dQ, mask summary).
 
-    python scripts/profile_attention.py [--head-dim 128] [--calls 2]
+Decode (`--decode KV`): the benchmark's decode shape (Q=1, B=8, Hq=32, Hkv=4, D=128, bf16) with the
+given cache length, forward only.
+
+`--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
+
+    python scripts/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--table]
 """
 
 from __future__ import annotations
@@ -14,28 +19,61 @@ import argparse
 
 import safeattn
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def prefill(head_dim, calls, table):
+    batch, heads, seq = 4, 16, 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+
+    q, k, v = rand(batch, heads, seq, head_dim), rand(batch, heads, seq, head_dim), rand(batch, heads, seq, head_dim)
+    grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    pad = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
+    pad[::2, : seq // 8] = False  # left padding on every other sequence
+    mask = safeattn.sdpa_mask(batch, seq, seq, padding_mask=pad)
+    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+        for _ in range(calls):
+            out, _ = safeattn.attention(q, k, v, **kwargs)
+            torch.autograd.grad(out, (q, k, v), grad)
+        if table:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out, _ = safeattn.attention(q, k, v, **kwargs)
+                torch.autograd.grad(out, (q, k, v), grad)
+                torch.cuda.synchronize()
+            print(f"-- prefill D={head_dim} {sorted(kwargs)}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def decode(kv_len, calls, table):
+    batch, hq, hkv, dim = 8, 32, 4, 128
+    q = torch.randn(batch, hq, 1, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, kv_len, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, hkv, kv_len, dim, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(calls):
+            safeattn.attention(q, k, v, enable_gqa=True)
+        if table:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                safeattn.attention(q, k, v, enable_gqa=True)
+                torch.cuda.synchronize()
+            print(f"-- decode KV={kv_len}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=0, metavar="KV")
+    parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
-    batch, heads, seq, dim = 4, 16, 4096, args.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-
-    q, k, v = rand(batch, heads, seq, dim), rand(batch, heads, seq, dim), rand(batch, heads, seq, dim)
-    grad = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    pad = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
-    pad[::2, : seq // 8] = False  # left padding on every other sequence
-    mask = safeattn.sdpa_mask(batch, seq, seq, padding_mask=pad)
-    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
-        for _ in range(args.calls):
-            out, _ = safeattn.attention(q, k, v, **kwargs)
-            torch.autograd.grad(out, (q, k, v), grad)
+    if args.decode:
+        decode(args.decode, args.calls, args.table)
+    else:
+        prefill(args.head_dim, args.calls, args.table)
     torch.cuda.synchronize()
     print("done", flush=True)
 

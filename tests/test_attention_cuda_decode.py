@@ -1,8 +1,8 @@
 """The split-KV decode path of the CUDA forward (csrc/ops/cuda/attention_decode_kernel.cu), taken
-for at most 8 query rows per kv head (group x Q) when SAFEATTN_ATTN_DECODE=1 (experimental until
-it has run on a GPU): the kernels must actually run, and match the float64 reference with every
-feature of the op (GQA, both causal alignments, padding and fully masked rows, learnable bias,
-softcap, sinks, NaN rules), the backward included (it reads the decode path's out and lse).
+for at most 16 query rows per kv head (group x Q) unless SAFEATTN_ATTN_DECODE=0: the kernels must
+actually run, and match the float64 reference with every feature of the op (GQA, both causal
+alignments, padding and fully masked rows, learnable bias, softcap, sinks, NaN rules), the
+backward included (it reads the decode path's out and lse).
 
 Tolerance: the rule of tests/test_attention.py, through its helper.
 """
@@ -24,19 +24,23 @@ DEVICE = "cuda"
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 # (batch, query heads, kv heads, Q, KV): GQA 8:1 at one token, multi-head with many splits,
-# two tokens of GQA 4:1 (8 rows), a single key, a partial key tile.
+# two tokens of GQA 4:1 (8 rows), a single key, a partial key tile, GQA 16:1 and four tokens of
+# GQA 4:1 (16 rows: the most one CTA holds), a long cache split unevenly.
 SHAPES = [
     (2, 8, 1, 1, 1000),
     (3, 4, 4, 1, 5000),
     (2, 8, 2, 2, 777),
     (1, 2, 2, 1, 1),
     (2, 4, 1, 1, 63),
+    (2, 16, 1, 1, 1201),
+    (1, 8, 2, 4, 300),
+    (1, 4, 1, 1, 40001),
 ]
 
 
 @pytest.fixture
 def decode_path(monkeypatch):
-    monkeypatch.setenv("SAFEATTN_ATTN_DECODE", "1")
+    monkeypatch.delenv("SAFEATTN_ATTN_DECODE", raising=False)
 
 
 def _cuda_kernel_names(fn):
@@ -46,20 +50,21 @@ def _cuda_kernel_names(fn):
     return {event.name for event in prof.events()}
 
 
-def test_decode_kernels_run_only_when_enabled(monkeypatch):
-    q, k, v = _qkv(2, 8, 1, 1, 1000, 128, torch.bfloat16, DEVICE)
-
-    def call():
+def test_decode_kernels_run_by_default_and_switch_off(monkeypatch):
+    def call(hq, q_len):
+        q, k, v = _qkv(2, hq, 1, q_len, 1000, 128, torch.bfloat16, DEVICE)
         with torch.no_grad():
             safeattn.attention(q, k, v, enable_gqa=True)
 
     monkeypatch.delenv("SAFEATTN_ATTN_DECODE", raising=False)
-    names = _cuda_kernel_names(call)
-    assert not any("attention_decode" in n for n in names), f"decode kernels ran while disabled: {names}"
-    monkeypatch.setenv("SAFEATTN_ATTN_DECODE", "1")
-    names = _cuda_kernel_names(call)
+    names = _cuda_kernel_names(lambda: call(16, 1))
     assert any("attention_decode_split" in n for n in names), f"no decode split kernel among {names}"
     assert any("attention_decode_combine" in n for n in names), f"no decode combine kernel among {names}"
+    names = _cuda_kernel_names(lambda: call(16, 2))  # 32 rows per kv head: the prefill kernel
+    assert not any("attention_decode" in n for n in names), f"decode kernels ran for 32 rows: {names}"
+    monkeypatch.setenv("SAFEATTN_ATTN_DECODE", "0")
+    names = _cuda_kernel_names(lambda: call(8, 1))
+    assert not any("attention_decode" in n for n in names), f"decode kernels ran while switched off: {names}"
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)

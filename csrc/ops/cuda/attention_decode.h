@@ -7,11 +7,9 @@
 namespace safeattn::cuda {
 
 // Computes a.out and a.lse and returns true when `a` is the decode case: bfloat16 / float16,
-// head dim 64 or 128 (D == Dv), at most 8 query rows per kv head (group * Q), 16-byte aligned
-// rows; returns false, touching nothing, otherwise.
-//
-// Experimental until it has run on a GPU: taken only when the environment variable
-// SAFEATTN_ATTN_DECODE is "1" (read at each call, so a test can switch it).
+// head dim 64 or 128 (D == Dv), at most 16 query rows per kv head (group * Q), 16-byte aligned
+// rows; returns false, touching nothing, otherwise, or when the environment variable
+// SAFEATTN_ATTN_DECODE is "0" (read at each call, so that a test or benchmark can compare).
 bool attention_fwd_decode(const AttentionFwdArgs& a);
 
 }  // namespace safeattn::cuda

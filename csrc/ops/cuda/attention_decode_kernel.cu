@@ -2,20 +2,21 @@
 // ops/attention.h, as the tensor-core forward (attention_fwd.cuh) gives them; the float64
 // reference is python/safeattn/reference.py.
 //
-// Decoding reads the whole KV cache for one query row per head: the work is bytes, not flops.
-// The tensor-core forward spends a 128-row query tile on that one row and reads each kv head
-// once per query head of its group, with one CTA per (batch, head): a few hundred CTAs that
-// each walk the whole cache. Here instead:
+// Decoding reads the whole KV cache for a few query rows per head: the work is bytes, not flops.
+// The prefill forward spends a 128-row query tile on those rows and reads each kv head once per
+// query head of its group, one CTA per (batch, head) walking the whole cache. Here instead:
 //   1. split kernel: one CTA per (KV split, kv head, batch) holds every query row of the kv
-//      head's group (rows = group * Q <= kMaxRows) and walks its split's keys in tiles of
-//      kTileKeys: scores on CUDA cores (each key read once, 16-byte loads, a lane per 8
-//      elements), the online softmax in the log2 domain, P V from a V tile staged in shared
-//      memory by cp.async. It writes, per row and split, the normalised partial output and its
-//      lse (fp32 workspace).
+//      head's group (rows = group * Q <= 16: one MMA row tile, padded with zero rows) and walks
+//      its split's keys in tiles of 64, double buffered by cp.async as in the prefill forward.
+//      Each of the 4 warps takes 16 keys of every tile with its own online softmax state:
+//      S = Q K^T and O += P V by mma.sync (K and V read once per kv head, a few instructions per
+//      16 keys), no cross-warp step inside the loop. At the end the warps' states are merged
+//      through shared memory, and the split's normalised output and lse go to an fp32 workspace.
 //   2. combine kernel: one warp per row merges the splits' partials by their lse (with the
 //      sink logit in the denominator when there are sinks) and writes out and lse.
-// Numerics as in the tensor-core forward: a row (or split) with no visible key keeps m = -inf
-// and uses 0 as its exponent offset, so it contributes exactly 0 and never NaN; a masked
+// The split count fills the GPU once: CTAs resident per SM (occupancy) x SMs over B x Hkv.
+// Numerics as in the tensor-core forward: a row (or split, or warp) with no visible key keeps
+// m = -inf and uses 0 as its exponent offset, so it contributes exactly 0 and never NaN; a masked
 // element is -inf whatever its score; a NaN score makes its row's out and lse NaN.
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +30,7 @@
 
 #include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
+#include "ops/cuda/attention_fwd.cuh"
 
 namespace safeattn::cuda {
 namespace {
@@ -37,12 +39,12 @@ using attn::Causal;
 using attn::kLn2;
 using attn::kLog2e;
 using attn::MaskView;
-using attn::ScoreTransform;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxRows = 8;    // query rows per kv head (group * Q) one CTA holds
-constexpr int kTileKeys = 64;  // keys per step; two per lane in the softmax update
+constexpr int kMaxRows = 16;                // query rows per kv head (group * Q): one MMA row tile
+constexpr int kWarpKeys = 16;               // keys of a tile per warp: one k16 step of P V
+constexpr int kTileKeys = kWarpKeys * kWarps;
 constexpr int kMaxSplits = 256;
 constexpr int kCombineWarps = 4;
 
@@ -59,19 +61,17 @@ struct DecodeParams {
   int64_t kv_end;           // keys at or past it are visible to no row (kv_len, or less by causal)
   int64_t tiles_per_split;  // key tiles of kTileKeys per split
   int splits;
-  int rows;  // group * q_len: row r is query i = r / group of head hk * group + r % group
-  ScoreTransform transform;
+  int rows;                   // group * q_len: row r is query i = r / group of head hk * group + r % group
+  float scale_log2 = 0.0f;    // scale * log2(e) (no softcap)
+  float softcap_pre = 0.0f;   // scale / softcap
+  float softcap_post = 0.0f;  // softcap * log2(e); 0: no softcap
   Causal causal;
   MaskView mask;
 };
 
-template <typename T>
-__device__ __forceinline__ void unpack8(const uint4& raw, float (&x)[8]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    x[k] = attn::to_float(e[k]);
-  }
+template <typename T, int kD>
+constexpr size_t decode_smem_bytes() {
+  return static_cast<size_t>(kMaxRows + 4 * kTileKeys) * (kD + 8) * sizeof(T);
 }
 
 template <typename T>
@@ -84,210 +84,247 @@ __device__ __forceinline__ T from_float(float x) {
 }
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(kThreads) attention_decode_split_kernel(const DecodeParams p) {
-  constexpr int kVecs = kD / 8;             // 16-byte vectors per row
-  constexpr int kKeysPerPass = 32 / kVecs;  // keys one warp scores at once
-  constexpr int kKeysPerWarp = kTileKeys / kWarps;
-  constexpr int kPasses = kKeysPerWarp / kKeysPerPass;
-  constexpr int kParts = kThreads / (kVecs * kMaxRows);  // threads sharing one (row, vector) in P V
-  constexpr int kVStride = kD + 8;                       // shared V row, elements (16-byte padding)
-  static_assert(kD % 8 == 0 && 32 % kVecs == 0 && kKeysPerWarp % kKeysPerPass == 0, "decode: head dim");
-  static_assert(kParts >= 1 && kThreads % (kVecs * kMaxRows) == 0 && kTileKeys % kParts == 0, "decode: P V map");
+__global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
+  using namespace attn;               // mma, ldmatrix, cp.async wrappers
+  using namespace attn::fwd_detail;  // load_tile, fast_exp2, mma_pair
+  constexpr int kStride = kD + 8;    // padded shared-memory row, elements
+  constexpr int kChunks = kD / 8;    // 16-byte chunks per row
+  constexpr int kKSteps = kD / 16;   // k16 steps of Q K^T
+  constexpr int kDTiles = kD / 8;    // n8 tiles of an output row
+  static_assert(kD % 16 == 0, "decode: head dim");
+  // The warps' merge reuses the K/V buffers: m and l per (warp, row), then O per (warp, row).
+  static_assert((2 + kD) * kWarps * kMaxRows * sizeof(float) <= 4 * kTileKeys * kStride * sizeof(T),
+                "decode: the merge scratch must fit in the K/V buffers");
 
-  __shared__ __align__(16) T v_s[kTileKeys * kVStride];
-  __shared__ float p_s[kMaxRows][kTileKeys];  // scores (log2 domain), then probabilities
-  __shared__ float row_max[kMaxRows], row_sum[kMaxRows], row_alpha[kMaxRows];
-  __shared__ __align__(16) float part_s[kParts > 1 ? (kParts - 1) * kVecs * kMaxRows * 8 : 1];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* s_q = reinterpret_cast<T*>(smem_raw);  // [kMaxRows][kStride]
+  T* s_k = s_q + kMaxRows * kStride;        // [2][kTileKeys][kStride]
+  T* s_v = s_k + 2 * kTileKeys * kStride;   // [2][kTileKeys][kStride]
 
   const int split = blockIdx.x;
   const int64_t hk = blockIdx.y;
   const int64_t b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rows = p.rows;
-
-  // Scoring: lane -> (key of the pass, 8-element vector of the head dim). Every lane keeps its
-  // vector of every row's query in registers.
-  const int pass_key = lane / kVecs, vec = lane % kVecs;
-  float q_reg[kMaxRows][8];
-#pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) {
-    if (r < rows) {
-      const int64_t h = hk * p.group + r % p.group, i = r / p.group;
-      const T* row = static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + i * p.q_si;
-      unpack8<T>(*reinterpret_cast<const uint4*>(row + vec * 8), q_reg[r]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        q_reg[r][e] = 0.0f;
-      }
-    }
-  }
-  if (tid < kMaxRows) {
-    row_max[tid] = -INFINITY;
-    row_sum[tid] = 0.0f;
-  }
-
-  // P V: thread -> (row, vector, part); the parts split a tile's keys and are summed at the end.
-  const int pv_vec = tid % kVecs, pv_row = (tid / kVecs) % kMaxRows, pv_part = tid / (kVecs * kMaxRows);
-  float acc[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    acc[e] = 0.0f;
-  }
+  const int g = lane / 4, t = lane % 4;  // the MMA fragment's row group and column pair
+  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
+  const int k_row = (lane % 8) + 8 * (lane / 16), k_col = 8 * ((lane / 8) % 2);
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const int64_t j_begin = split * p.tiles_per_split * kTileKeys;
-  const int64_t j_limit = j_begin + p.tiles_per_split * kTileKeys;
-  const int64_t j_end = j_limit < p.kv_end ? j_limit : p.kv_end;
-  __syncthreads();  // row_max / row_sum initialised
+  const int64_t n_tiles = (p.kv_end + kTileKeys - 1) / kTileKeys;
+  const int64_t tile_begin = split * p.tiles_per_split;
+  const int64_t tile_end = tile_begin + p.tiles_per_split < n_tiles ? tile_begin + p.tiles_per_split : n_tiles;
 
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += kTileKeys) {
-    // The V tile goes to shared memory while the scores are computed; keys past j_end read as
-    // zeros (their probability is 0, and 0 * garbage could be NaN).
-    for (int c = tid; c < kTileKeys * kVecs; c += kThreads) {
-      const int key = c / kVecs, ve = c % kVecs;
-      const bool valid = j0 + key < j_end;
-      attn::cp_async_16(v_s + key * kVStride + ve * 8, valid ? v_base + (j0 + key) * p.v_si + ve * 8 : v_base, valid);
+  // Q rows gathered from their (query, head) positions; rows past p.rows are zeros.
+  for (int c = tid; c < kMaxRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < p.rows;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid) {
+      src += b * p.q_sb + (hk * p.group + r % p.group) * p.q_sh + (r / p.group) * p.q_si + ch * 8;
     }
-    attn::cp_async_commit();
+    cp_async_16(s_q + r * kStride + ch * 8, src, valid);
+  }
+  auto load_kv = [&](int64_t tile, int stage) {
+    const int64_t j0 = tile * kTileKeys;
+    load_tile<T, kTileKeys, kD, kThreads>(s_k + stage * kTileKeys * kStride, k_base + j0 * p.k_si, p.k_si,
+                                          p.kv_end - j0, tid);
+    load_tile<T, kTileKeys, kD, kThreads>(s_v + stage * kTileKeys * kStride, v_base + j0 * p.v_si, p.v_si,
+                                          p.kv_end - j0, tid);
+  };
+  if (tile_begin < tile_end) {
+    load_kv(tile_begin, 0);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  uint32_t q_frag[kKSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    ldmatrix_x4(q_frag[kk], s_q + a_row * kStride + kk * 16 + a_col);
+  }
 
-    // Scores of this warp's keys for every row; the kVecs lanes of a key sum their partial dots.
+  // This thread's two rows of the fragment, g and g + 8: their query index and mask row.
+  bool row_ok[2];
+  int64_t row_query[2], row_mask[2];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int c = warp * kKeysPerWarp + pass * kKeysPerPass + pass_key;
-      const int64_t j = j0 + c;
-      float dot[kMaxRows];
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    row_ok[half] = r < p.rows;
+    row_query[half] = row_ok[half] ? r / p.group : 0;
+    const int64_t h = hk * p.group + (row_ok[half] ? r % p.group : 0);
+    row_mask[half] = p.mask.kind == attn::MaskKind::kNone ? 0 : p.mask.offset(b, h, row_query[half], 0);
+  }
+
+  float o_acc[kDTiles][4];
 #pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        dot[r] = 0.0f;
+  for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      o_acc[dt][e] = 0.0f;
+    }
+  }
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  int stage = 0;
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    if (tile + 1 < tile_end) {
+      load_kv(tile + 1, stage ^ 1);  // in flight while this tile is computed
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* k_s = s_k + (stage * kTileKeys + warp * kWarpKeys) * kStride;
+    const T* v_s = s_v + (stage * kTileKeys + warp * kWarpKeys) * kStride;
+    const int64_t j0 = tile * kTileKeys + warp * kWarpKeys;  // this warp's first key
+
+    // ---- S = Q K^T over this warp's 16 keys, in log2 units ----
+    float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_s + k_row * kStride + kk * 16 + k_col);
+      mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s_acc[nt][e] = p.softcap_post > 0.0f ? p.softcap_post * tanhf(s_acc[nt][e] * p.softcap_pre)
+                                             : s_acc[nt][e] * p.scale_log2;
       }
-      if (j < j_end) {
-        float kf[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(k_base + j * p.k_si + vec * 8), kf);
+    }
+    // Keys past kv_end, the causal rule and the mask: only where one of them can hide a key.
+    if (p.mask.kind != attn::MaskKind::kNone || j0 + kWarpKeys > p.kv_end ||
+        !p.causal.tile_all_visible(0, j0 + kWarpKeys)) {
 #pragma unroll
-        for (int r = 0; r < kMaxRows; ++r) {
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            dot[r] = fmaf(q_reg[r][e], kf[e], dot[r]);
-          }
-        }
-      }
+        for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int offset = kVecs / 2; offset > 0; offset /= 2) {
-#pragma unroll
-        for (int r = 0; r < kMaxRows; ++r) {
-          dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], offset);
-        }
-      }
-      if (vec == 0) {
-#pragma unroll
-        for (int r = 0; r < kMaxRows; ++r) {
-          if (r < rows) {
-            const int64_t h = hk * p.group + r % p.group, i = r / p.group;
-            float x = -INFINITY;
-            if (j < j_end && p.causal.visible(i, j)) {
-              const float s = p.transform(dot[r]);
-              const float m = p.mask.kind == attn::MaskKind::kNone ? 0.0f : p.mask.additive(p.mask.offset(b, h, i, j));
-              // A masked element hides its score, NaN included.
-              x = m == -INFINITY ? -INFINITY : (s + m) * kLog2e;
+          for (int e = 0; e < 2; ++e) {
+            const int64_t j = j0 + nt * 8 + 2 * t + e;
+            const bool visible = row_ok[half] && j < p.kv_end && p.causal.visible(row_query[half], j);
+            float x = s_acc[nt][2 * half + e];
+            if (visible && p.mask.kind != attn::MaskKind::kNone) {
+              const float m = p.mask.additive(row_mask[half] + j * p.mask.stride_kv);
+              x = m == -INFINITY ? -INFINITY : x + m * kLog2e;  // a masked element hides its score, NaN included
             }
-            p_s[r][c] = x;
+            s_acc[nt][2 * half + e] = visible ? x : -INFINITY;
           }
         }
       }
     }
-    __syncthreads();
 
-    // Online softmax: a warp per row, two keys per lane.
-    for (int r = warp; r < rows; r += kWarps) {
-      const float x0 = p_s[r][lane], x1 = p_s[r][lane + 32];
-      float mx = fmaxf(x0, x1);
+    // ---- online softmax (the four threads of a quad hold one row) ----
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-      }
-      const float m_old = row_max[r];
-      const float m_new = fmaxf(m_old, mx);
-      const float offset_new = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: no -inf - -inf
-      const float p0 = exp2f(x0 - offset_new), p1 = exp2f(x1 - offset_new);
-      p_s[r][lane] = p0;
-      p_s[r][lane + 32] = p1;
-      float sum = p0 + p1;
+    for (int half = 0; half < 2; ++half) {
+      float mx = fmaxf(fmaxf(s_acc[0][2 * half], s_acc[0][2 * half + 1]),
+                       fmaxf(s_acc[1][2 * half], s_acc[1][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[half], mx);
+      const float offset = m_new == -INFINITY ? 0.0f : m_new;     // empty so far: no -inf - -inf
+      const float alpha = fast_exp2(row_max[half] - offset);      // old max -inf: 0
+      row_max[half] = m_new;
+      float sum = 0.0f;
 #pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      }
-      if (lane == 0) {
-        const float alpha = exp2f(m_old - offset_new);  // old max -inf: 0
-        row_alpha[r] = alpha;
-        row_sum[r] = row_sum[r] * alpha + sum;
-        row_max[r] = m_new;
-      }
-    }
-    attn::cp_async_wait<0>();
-    __syncthreads();
-
-    // acc = acc * alpha + P V over this part's keys of the tile.
-    if (pv_row < rows) {
-      const float alpha = row_alpha[pv_row];
+      for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        acc[e] *= alpha;
-      }
-      for (int c = pv_part; c < kTileKeys; c += kParts) {
-        const float pr = p_s[pv_row][c];
-        float vf[8];
-        unpack8<T>(*reinterpret_cast<const uint4*>(v_s + c * kVStride + pv_vec * 8), vf);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          acc[e] = fmaf(pr, vf[e], acc[e]);
+        for (int e = 0; e < 2; ++e) {
+          const float pr = fast_exp2(s_acc[nt][2 * half + e] - offset);
+          s_acc[nt][2 * half + e] = pr;
+          sum += pr;
         }
       }
-    }
-    __syncthreads();  // v_s and p_s are refilled by the next tile
-  }
-
-  if constexpr (kParts > 1) {
-    if (pv_part > 0 && pv_row < rows) {
-      float* dst = part_s + (((pv_part - 1) * kMaxRows + pv_row) * kVecs + pv_vec) * 8;
+      row_sum[half] = row_sum[half] * alpha + sum;  // per thread; quad-summed at the end
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        dst[e] = acc[e];
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o_acc[dt][2 * half] *= alpha;
+        o_acc[dt][2 * half + 1] *= alpha;
       }
     }
-    __syncthreads();
-    if (pv_part == 0 && pv_row < rows) {
-      for (int part = 1; part < kParts; ++part) {
-        const float* src = part_s + (((part - 1) * kMaxRows + pv_row) * kVecs + pv_vec) * 8;
+
+    // ---- O += P V: P in registers is the A operand ----
+    const uint32_t pa[4] = {pack2<T>(s_acc[0][0], s_acc[0][1]), pack2<T>(s_acc[0][2], s_acc[0][3]),
+                            pack2<T>(s_acc[1][0], s_acc[1][1]), pack2<T>(s_acc[1][2], s_acc[1][3])};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          acc[e] += src[e];
-        }
-      }
+    for (int dp = 0; dp < kD / 16; ++dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_s + a_row * kStride + dp * 16 + a_col);
+      mma_pair<T>(o_acc[2 * dp], o_acc[2 * dp + 1], pa, vb);
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    stage ^= 1;
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps' states (the K/V buffers are free now), then the split's partials ----
+  float* stat = reinterpret_cast<float*>(s_k);  // [2][kWarps][kMaxRows]: m, then l
+  float* o_s = stat + 2 * kWarps * kMaxRows;    // [kWarps][kMaxRows][kD], unnormalised
+  __syncthreads();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float l = row_sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      stat[warp * kMaxRows + r] = row_max[half];
+      stat[(kWarps + warp) * kMaxRows + r] = l;
+    }
+    float* o_row = o_s + (warp * kMaxRows + r) * kD + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      o_row[dt * 8] = o_acc[dt][2 * half];
+      o_row[dt * 8 + 1] = o_acc[dt][2 * half + 1];
     }
   }
-
-  if (pv_part == 0 && pv_row < rows) {
-    const float l = row_sum[pv_row];
-    const float m = row_max[pv_row];
-    const bool empty = l == 0.0f;  // no visible key in this split (NaN is not empty)
-    const int64_t h = hk * p.group + pv_row % p.group, i = pv_row / p.group;
+  __syncthreads();
+  // Per row: a warp counts unless its sum is 0 (no visible key; NaN counts), with exponent offset
+  // m (0 when m = -inf); weights 2^(offset - top) replace the m slots, 1 / l goes to slot 0 of l.
+  if (tid < kMaxRows) {
+    const int r = tid;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float m = stat[w * kMaxRows + r], l = stat[(kWarps + w) * kMaxRows + r];
+      top = l == 0.0f ? top : fmaxf(top, m == -INFINITY ? 0.0f : m);
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float m = stat[w * kMaxRows + r], l = stat[(kWarps + w) * kMaxRows + r];
+      const float weight = l == 0.0f ? 0.0f : exp2f((m == -INFINITY ? 0.0f : m) - top);
+      stat[w * kMaxRows + r] = weight;
+      total += weight * l;
+    }
+    const bool empty = top == -INFINITY;
+    stat[kWarps * kMaxRows + r] = empty ? 0.0f : 1.0f / total;
+    if (r < p.rows) {
+      const int64_t h = hk * p.group + r % p.group, i = r / p.group;
+      const int64_t row = (b * p.hq + h) * p.q_len + i;
+      p.lse_part[row * p.splits + split] = empty ? -INFINITY : top + log2f(total);
+    }
+  }
+  __syncthreads();
+  for (int c = tid; c < p.rows * kD; c += kThreads) {
+    const int r = c / kD, col = c % kD;
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = stat[w * kMaxRows + r];
+      acc += weight == 0.0f ? 0.0f : weight * o_s[(w * kMaxRows + r) * kD + col];  // 0, not 0 * NaN
+    }
+    const int64_t h = hk * p.group + r % p.group, i = r / p.group;
     const int64_t row = (b * p.hq + h) * p.q_len + i;
-    float* dst = p.o_part + (row * p.splits + split) * kD + pv_vec * 8;
-    const float inv = empty ? 0.0f : 1.0f / l;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      dst[e] = empty ? 0.0f : acc[e] * inv;
-    }
-    if (pv_vec == 0) {
-      p.lse_part[row * p.splits + split] = empty ? -INFINITY : (m == -INFINITY ? 0.0f : m) + log2f(l);
-    }
+    p.o_part[(row * p.splits + split) * kD + col] = acc * stat[kWarps * kMaxRows + r];
   }
 }
 
 // One warp per query row (b, h, i): lse = log-sum-exp of the splits' lse (and the sink logit),
-// out = sum over splits of exp(lse_split - lse) * out_split.
+// out = sum over splits of 2^(lse_split - lse) * out_split; each lane holds the weight of one
+// split of every 32 and broadcasts it, so the partial rows are read with independent loads.
 template <typename T, int kD>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
@@ -346,12 +383,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   if (!empty) {
     const float* o_row = o_part + row * splits * kD;
-    for (int s = 0; s < splits; ++s) {
-      const float x = lse_row[s];
-      const float w = x == -INFINITY ? 0.0f : exp2f(x - lse2);
+    for (int s0 = 0; s0 < splits; s0 += 32) {
+      const float x = s0 + lane < splits ? lse_row[s0 + lane] : -INFINITY;
+      const float lane_weight = x == -INFINITY ? 0.0f : exp2f(x - lse2);
+      const int n = splits - s0 < 32 ? splits - s0 : 32;
+#pragma unroll 4
+      for (int s = 0; s < n; ++s) {
+        const float w = __shfl_sync(0xffffffffu, lane_weight, s);
 #pragma unroll
-      for (int k = 0; k < kPerLane; ++k) {
-        acc[k] = fmaf(w, o_row[s * kD + lane + 32 * k], acc[k]);
+        for (int k = 0; k < kPerLane; ++k) {
+          acc[k] = fmaf(w, o_row[(s0 + s) * kD + lane + 32 * k], acc[k]);  // an empty split's row is 0
+        }
       }
     }
   }
@@ -372,13 +414,33 @@ int64_t multiprocessor_count() {
   return count;
 }
 
-bool decode_enabled() {
+// SAFEATTN_ATTN_DECODE=0 turns the decode kernels off (read at each call: benchmarks and tests
+// compare both paths).
+bool decode_disabled() {
   const char* setting = std::getenv("SAFEATTN_ATTN_DECODE");
-  return setting != nullptr && std::string_view(setting) == "1";
+  return setting != nullptr && std::string_view(setting) == "0";
 }
 
 template <typename T, int kD>
-void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch) {
+void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int64_t hkv) {
+  constexpr size_t kSmem = decode_smem_bytes<T, kD>();
+  auto kernel = &attention_decode_split_kernel<T, kD>;
+  if constexpr (kSmem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  }
+  // One wave: as many splits as the resident CTAs (per SM, by occupancy) leave to each (batch,
+  // kv head), each split at least one key tile. The occupancy of one kernel does not change.
+  static const int resident = [&] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
+    return std::max(n, 1);
+  }();
+  const int64_t tiles = (p.kv_end + kTileKeys - 1) / kTileKeys;
+  const int64_t slots = multiprocessor_count() * resident;
+  const int64_t splits = std::clamp<int64_t>(slots / (batch * hkv), 1, std::clamp<int64_t>(tiles, 1, kMaxSplits));
+  p.tiles_per_split = std::max<int64_t>(1, (tiles + splits - 1) / splits);
+  p.splits = static_cast<int>(std::max<int64_t>(1, (tiles + p.tiles_per_split - 1) / p.tiles_per_split));
+
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_rows = batch * p.hq * p.q_len;
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
@@ -386,8 +448,8 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch) {
   const at::Tensor lse_part = at::empty({total_rows, p.splits}, f32);
   p.o_part = o_part.data_ptr<float>();
   p.lse_part = lse_part.data_ptr<float>();
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.hq / p.group), static_cast<unsigned>(batch));
-  attention_decode_split_kernel<T, kD><<<grid, kThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(hkv), static_cast<unsigned>(batch));
+  kernel<<<grid, kThreads, kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t blocks = (total_rows + kCombineWarps - 1) / kCombineWarps;
   attention_decode_combine_kernel<T, kD><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(
@@ -404,7 +466,7 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
   const int64_t group = hq / hkv;
-  const bool applies = decode_enabled() && a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
+  const bool applies = !decode_disabled() && a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
                        (head_dim == 64 || head_dim == 128) && a.value.size(3) == head_dim && q_len >= 1 &&
                        group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
                        attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
@@ -424,30 +486,22 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   p.group = group;
   p.q_len = q_len;
   p.rows = static_cast<int>(group * q_len);
-  p.transform.scale = static_cast<float>(a.scale);
-  p.transform.softcap = static_cast<float>(a.softcap);
+  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  if (a.softcap > 0.0) {
+    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
+    p.softcap_post = static_cast<float>(a.softcap * kLog2e);
+  }
   p.causal.enabled = a.is_causal;
   p.causal.shift = a.q_offset - a.kv_offset;
   p.mask = attn::make_mask_view(a.mask);
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.
-  int64_t kv_end = kv_len;
-  if (a.is_causal) {
-    kv_end = std::clamp<int64_t>(q_len + p.causal.shift, 0, kv_len);
-  }
-  p.kv_end = kv_end;
-  // Enough CTAs for every SM to hold several (the split kernel is bound by bytes in flight),
-  // at least one key tile per split.
-  const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
-  const int64_t sms = multiprocessor_count();
-  const int64_t wanted = std::max<int64_t>(1, (sms * 8 + batch * hkv - 1) / (batch * hkv));
-  const int64_t splits = std::clamp<int64_t>(std::min(wanted, tiles), 1, kMaxSplits);
-  p.tiles_per_split = std::max<int64_t>(1, (tiles + splits - 1) / splits);
-  p.splits = static_cast<int>(std::max<int64_t>(1, (tiles + p.tiles_per_split - 1) / p.tiles_per_split));
+  p.kv_end = a.is_causal ? std::clamp<int64_t>(q_len + p.causal.shift, 0, kv_len) : kv_len;
   if (dtype == at::kBFloat16) {
-    head_dim == 64 ? launch_decode<__nv_bfloat16, 64>(a, p, batch) : launch_decode<__nv_bfloat16, 128>(a, p, batch);
+    head_dim == 64 ? launch_decode<__nv_bfloat16, 64>(a, p, batch, hkv)
+                   : launch_decode<__nv_bfloat16, 128>(a, p, batch, hkv);
   } else {
-    head_dim == 64 ? launch_decode<__half, 64>(a, p, batch) : launch_decode<__half, 128>(a, p, batch);
+    head_dim == 64 ? launch_decode<__half, 64>(a, p, batch, hkv) : launch_decode<__half, 128>(a, p, batch, hkv);
   }
   return true;
 }

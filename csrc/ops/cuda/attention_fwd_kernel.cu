@@ -2,7 +2,7 @@
 //
 // attention_fwd_cuda picks one of three paths:
 //   - the split-KV decode kernels (attention_decode_kernel.cu) for a few query rows per kv head
-//     over a long cache, when enabled (experimental: SAFEATTN_ATTN_DECODE=1);
+//     over a long cache (SAFEATTN_ATTN_DECODE=0 turns it off);
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
 //     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
@@ -218,7 +218,7 @@ void attention_fwd_generic(const AttentionFwdArgs& a) {
 }
 
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
-  if (attention_fwd_decode(args)) {  // few query rows per kv head (SAFEATTN_ATTN_DECODE=1)
+  if (attention_fwd_decode(args)) {  // at most 16 query rows per kv head
     return;
   }
   if (use_tensor_cores(args)) {
