@@ -4,7 +4,10 @@ The exported program keeps each safeattn op as one node (also after ``run_decomp
 runs with a dynamic sequence length, survives ``torch.export.save``/``load``, and AOTInductor
 compiles it into a package that, loaded in a process where the safeattn library is loaded,
 gives the eager module's output. On CPU the package is a C++ compile of the generated code:
-the module is kept tiny so that it takes well under a minute on 2 cores.
+the module is kept tiny so that it takes well under a minute on 2 cores. Should the package fail
+to load, a control package of a plain nn.Linear is loaded in a process that never touches safeattn:
+if torch cannot load even that (torch 2.11.0+cu130 on the GPU host segfaults in
+``aoti_load_package``), the test is an expected failure naming torch, else a failure.
 """
 
 from __future__ import annotations
@@ -106,26 +109,61 @@ def test_export_keeps_ops_and_matches_eager(device):
     _check(torch.export.load(buffer).module(), model, device, "saved and loaded")
 
 
+# Loads a package and runs it on saved inputs, in a fresh process that loads only the native
+# library (no safeattn Python package, as a deployment would), or nothing at all for the control.
+_LOAD_AND_RUN = """
+import sys, torch
+library, package, device, inputs, outputs = sys.argv[1:]
+if library:
+    torch.ops.load_library(library)
+model = torch._inductor.aoti_load_package(package)
+torch.save([model(*(t.to(device) for t in args)).cpu() for args in torch.load(inputs)], outputs)
+"""
+
+
+def _load_and_run(library, package, device, inputs, tmp_path):
+    """Outputs of the package at `package` on each tuple of `inputs`, run in a fresh process;
+    (None, the process's rc and stderr tail) when it fails."""
+    torch.save([tuple(t.cpu() for t in args) for args in inputs], tmp_path / "inputs.pt")
+    out_path = tmp_path / "outputs.pt"
+    argv = [library, str(package), device, str(tmp_path / "inputs.pt"), str(out_path)]
+    done = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, *argv], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        return None, f"rc {done.returncode}: {done.stderr[-2000:]}"
+    return torch.load(out_path), ""
+
+
+def _torch_only_control(device, tmp_path):
+    """Whether this torch's AOTInductor can package and load a plain nn.Linear at all, in a process
+    that never imports safeattn (compiled here, loaded by _load_and_run with no library); the
+    failure text when it cannot."""
+    control = torch.nn.Linear(EMBED, EMBED).to(device).eval()
+    x = torch.randn(2, 5, EMBED, device=device)
+    with torch.no_grad():
+        ep = torch.export.export(control, (x,))
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "control.pt2"))
+    got, failure = _load_and_run("", package, device, [(x,)], tmp_path)
+    return got is not None, failure
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_aot_inductor_package_matches_eager(device, tmp_path):
     model, ep = _export(device)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny_attention.pt2"))
-    loaded = torch._inductor.aoti_load_package(path)
-    _check(loaded, model, device, "AOTInductor")
-
-    # A fresh process that only loads the native library (no safeattn Python package, as a
-    # deployment would) runs the package and gets the same output.
-    x, pad = _inputs(9, device, seed=2)
-    torch.save((x.cpu(), pad.cpu()), tmp_path / "inputs.pt")
-    script = f"""
-import torch
-torch.ops.load_library({safeattn._C.__file__!r})
-x, pad = torch.load({str(tmp_path / "inputs.pt")!r})
-model = torch._inductor.aoti_load_package({path!r})
-torch.save(model(x.to({device!r}), pad.to({device!r})).cpu(), {str(tmp_path / "out.pt")!r})
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"loading the package in a fresh process failed:\n{done.stderr[-3000:]}"
-    with torch.no_grad():
-        want = model(x, pad).cpu()
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, rtol=1e-5, atol=1e-5)
+    # Loaded in a fresh process (a crash there cannot take the test run with it), at sequence
+    # lengths other than the export example's: the length is dynamic.
+    inputs = [_inputs(s, device, seed=1) for s in (5, 9, 12)]
+    got, failure = _load_and_run(safeattn._C.__file__, path, device, inputs, tmp_path)
+    if got is None:
+        control_ok, control_failure = _torch_only_control(device, tmp_path)
+        if not control_ok:
+            pytest.xfail(
+                f"torch {torch.__version__}'s own AOTInductor fails to load a plain nn.Linear package in a "
+                f"process that never loads safeattn ({control_failure[:300]}); the safeattn package: {failure[:300]}"
+            )
+        pytest.fail(f"loading the package with the safeattn library failed, a torch-only package loads:\n{failure}")
+    for (x, pad), out in zip(inputs, got):
+        with torch.no_grad():
+            want = model(x, pad).cpu()
+        assert not out.isnan().any(), f"AOTInductor S={x.shape[1]}: NaN in the output"
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -138,26 +138,34 @@ __device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride
   }
 }
 
-// The masked, transformed score of (query i, key j) from the raw dot product; -inf where the
-// element is masked, outside the sequence, or hidden by the causal rule. `dscore` gets
-// d score / d dot (the chain rule of the scale and the softcap). `plain`: the tile is interior,
-// causally visible and all visible in the mask summary, so none of those tests is needed.
-__device__ __forceinline__ float score_of(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h, int64_t i,
-                                          int64_t j, float& dscore) {
-  const float s = p.transform(dot);
-  dscore = p.transform.derivative(s);
+// The masked, transformed score of (query i, key j) from the raw dot product, in log2 units
+// (score * log2(e), as lse_log2); -inf where the element is masked, outside the sequence, or
+// hidden by the causal rule. `dscore` gets d score / d dot (the chain rule of the scale and the
+// softcap). `plain`: the tile is interior, causally visible and all visible in the mask summary,
+// so none of those tests is needed. Without softcap (the uniform common case) it is one multiply.
+__device__ __forceinline__ float score_log2_of(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h,
+                                               int64_t i, int64_t j, float& dscore) {
+  float x;
+  if (p.transform.softcap > 0.0f) {
+    const float s = p.transform(dot);
+    dscore = p.transform.derivative(s);
+    x = s * kLog2e;
+  } else {
+    dscore = p.transform.scale;
+    x = dot * (p.transform.scale * kLog2e);
+  }
   if (plain) {
-    return s;
+    return x;
   }
   if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
     return -INFINITY;
   }
   if (p.mask.kind == MaskKind::kNone) {
-    return s;
+    return x;
   }
   const float m = p.mask.additive(p.mask.offset(b, h, i, j));
   // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included.
-  return m == -INFINITY ? -INFINITY : s + m;
+  return m == -INFINITY ? -INFINITY : x + m * kLog2e;
 }
 
 // A tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) whose summary class is `cls` needs no
@@ -311,8 +319,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
         const int64_t i = i0 + col;
         const int64_t j = j0 + key_row + g + (e >> 1) * 8;
         float dscore;
-        const float s = score_of(p, plain, st[t][e], b, h, i, j, dscore);
-        const float prob = exp2f(s * kLog2e - lse_t[col]);
+        const float x = score_log2_of(p, plain, st[t][e], b, h, i, j, dscore);
+        const float prob = fast_exp2(x - lse_t[col]);
         st[t][e] = prob;
         dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
       }
@@ -519,8 +527,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
           const int e = 2 * half + c;
           const int64_t j = j0 + t * 8 + 2 * tig + c;
           float dscore;
-          const float s = score_of(p, plain, s_acc[t][e], b, h, i, j, dscore);
-          const float prob = exp2f(s * kLog2e - row_lse[half]);
+          const float x = score_log2_of(p, plain, s_acc[t][e], b, h, i, j, dscore);
+          const float prob = fast_exp2(x - row_lse[half]);
           ds[c] = prob * (dp_acc[t][e] - row_delta[half]);
           dp_acc[t][e] = ds[c] * dscore;
         }

@@ -70,6 +70,15 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// 2^x on the special-function unit (ex2.approx.ftz: 2 ulp, -inf -> 0, NaN -> NaN); results below
+// 2^-126 flush to 0, which a probability can afford. exp2f without --use_fast_math adds
+// subnormal handling around the same instruction, in the hottest loops.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

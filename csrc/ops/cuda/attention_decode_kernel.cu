@@ -74,19 +74,10 @@ constexpr size_t decode_smem_bytes() {
   return static_cast<size_t>(kMaxRows + 4 * kTileKeys) * (kD + 8) * sizeof(T);
 }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16(x);
-  } else {
-    return __float2half(x);
-  }
-}
-
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
-  using namespace attn;               // mma, ldmatrix, cp.async wrappers
-  using namespace attn::fwd_detail;  // load_tile, fast_exp2, mma_pair
+  using namespace attn;               // mma, ldmatrix, cp.async, fast_exp2
+  using namespace attn::fwd_detail;  // load_tile, mma_pair
   constexpr int kStride = kD + 8;    // padded shared-memory row, elements
   constexpr int kChunks = kD / 8;    // 16-byte chunks per row
   constexpr int kKSteps = kD / 16;   // k16 steps of Q K^T
@@ -323,30 +314,34 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
 }
 
 // One warp per query row (b, h, i): lse = log-sum-exp of the splits' lse (and the sink logit),
-// out = sum over splits of 2^(lse_split - lse) * out_split; each lane holds the weight of one
-// split of every 32 and broadcasts it, so the partial rows are read with independent loads.
+// out = sum over splits of 2^(lse_split - lse) * out_split. Lane s holds the lse and weight of
+// splits s, s + 32, ... (each read once) and broadcasts them; each lane owns kD / 32 consecutive
+// output columns, read with one vector load per split, eight splits in flight at a time.
 template <typename T, int kD>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                     const float* __restrict__ sinks, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
                                     int64_t o_si, float* __restrict__ lse, int64_t total_rows, int64_t hq,
                                     int64_t q_len, int splits) {
-  static_assert(kD % 32 == 0, "decode combine: a lane per 32 elements");
-  constexpr int kPerLane = kD / 32;
+  static_assert(kD == 64 || kD == 128, "decode combine: a float2 or float4 per lane");
+  constexpr int kVec = kD / 32;
+  constexpr int kLaneSplits = kMaxSplits / 32;
+  using Vec = std::conditional_t<kVec == 4, float4, float2>;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= total_rows) {
     return;
   }
-  const int64_t i = row % q_len, h = (row / q_len) % hq, b = row / (q_len * hq);
   const float* lse_row = lse_part + row * splits;
-
+  float x[kLaneSplits];
   float mx = -INFINITY;
   bool nan = false;
-  for (int s = lane; s < splits; s += 32) {
-    const float x = lse_row[s];
-    nan |= x != x;
-    mx = fmaxf(mx, x);
+#pragma unroll
+  for (int k = 0; k < kLaneSplits; ++k) {
+    const int s = lane + 32 * k;
+    x[k] = s < splits ? lse_row[s] : -INFINITY;
+    nan |= x[k] != x[k];
+    mx = fmaxf(mx, x[k]);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -355,14 +350,16 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   nan = __any_sync(0xffffffffu, nan);
   float total = 0.0f;
   if (mx != -INFINITY) {
-    for (int s = lane; s < splits; s += 32) {
-      total += exp2f(lse_row[s] - mx);  // an empty split: exp2(-inf) = 0
+#pragma unroll
+    for (int k = 0; k < kLaneSplits; ++k) {
+      total += exp2f(x[k] - mx);  // an empty split (or none): exp2(-inf) = 0
     }
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     total += __shfl_xor_sync(0xffffffffu, total, offset);
   }
+  const int64_t h = (row / q_len) % hq;
   const float row_lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(total);
   float lse2 = row_lse2;
   if (sinks != nullptr) {
@@ -376,31 +373,34 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   const bool empty = row_lse2 == -INFINITY && !nan;
 
-  float acc[kPerLane];
-#pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    acc[k] = 0.0f;
-  }
+  float acc[kVec] = {};
   if (!empty) {
-    const float* o_row = o_part + row * splits * kD;
-    for (int s0 = 0; s0 < splits; s0 += 32) {
-      const float x = s0 + lane < splits ? lse_row[s0 + lane] : -INFINITY;
-      const float lane_weight = x == -INFINITY ? 0.0f : exp2f(x - lse2);
-      const int n = splits - s0 < 32 ? splits - s0 : 32;
-#pragma unroll 4
+    const float* o_col = o_part + row * splits * kD + lane * kVec;
+#pragma unroll
+    for (int k = 0; k < kLaneSplits; ++k) {
+      if (32 * k >= splits) {
+        break;
+      }
+      const float lane_weight = x[k] == -INFINITY ? 0.0f : exp2f(x[k] - lse2);
+      const int n = splits - 32 * k < 32 ? splits - 32 * k : 32;
+#pragma unroll 8
       for (int s = 0; s < n; ++s) {
         const float w = __shfl_sync(0xffffffffu, lane_weight, s);
-#pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-          acc[k] = fmaf(w, o_row[(s0 + s) * kD + lane + 32 * k], acc[k]);  // an empty split's row is 0
+        const Vec o = *reinterpret_cast<const Vec*>(o_col + (32 * k + s) * kD);  // an empty split's row is 0
+        acc[0] = fmaf(w, o.x, acc[0]);
+        acc[1] = fmaf(w, o.y, acc[1]);
+        if constexpr (kVec == 4) {
+          acc[2] = fmaf(w, o.z, acc[2]);
+          acc[3] = fmaf(w, o.w, acc[3]);
         }
       }
     }
   }
-  T* o = out + b * o_sb + h * o_sh + i * o_si;
+  const int64_t i = row % q_len, b = row / (q_len * hq);
+  T* o = out + b * o_sb + h * o_sh + i * o_si + lane * kVec;
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    o[lane + 32 * k] = from_float<T>(acc[k]);  // an empty row is exactly 0
+  for (int e = 0; e < kVec; e += 2) {
+    *reinterpret_cast<uint32_t*>(o + e) = attn::pack2<T>(acc[e], acc[e + 1]);  // an empty row is exactly 0
   }
   if (lane == 0) {
     lse[row] = lse2 * kLn2;
