@@ -33,6 +33,9 @@ std::vector<std::string> compiled_archs();
 std::string toolkit_version();
 // The head dims of the tensor-core attention kernels compiled, per direction.
 std::vector<int> attention_head_dims(bool backward);
+// Streaming multiprocessors of a device (the current one by default), for grid sizes.
+int64_t multiprocessor_count(int device);
+int64_t multiprocessor_count();
 }  // namespace cuda
 #endif
 

@@ -1,5 +1,7 @@
-// Compiled only in CUDA builds: reports what nvcc compiled, for build_info(). It also proves,
-// in every CI run, that the CUDA toolchain path of the build works.
+// Compiled only in CUDA builds: reports what nvcc compiled, for build_info(), and what the device
+// has, for the kernels' grid sizes. It also proves, in every CI run, that the CUDA toolchain path
+// of the build works.
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -35,6 +37,18 @@ std::vector<int> attention_head_dims(bool backward) {
     }
   }
   return dims;
+}
+
+int64_t multiprocessor_count(int device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+int64_t multiprocessor_count() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  return multiprocessor_count(device);
 }
 
 std::string toolkit_version() {

@@ -79,6 +79,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// log2(2^a + 2^b) without overflow: a row's lse with the sink logit added (both log2 domain).
+// -inf when both are -inf; NaN when either is NaN.
+__device__ __forceinline__ float log2_add_exp2(float a, float b) {
+  const float top = (a != a || a > b) ? a : b;
+  return top == -INFINITY ? top : top + log2f(exp2f(a - top) + exp2f(b - top));
+}
+
 // Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {

@@ -31,6 +31,7 @@
 #include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
+#include "safeattn.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -363,10 +364,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const float row_lse2 = mx == -INFINITY ? -INFINITY : mx + log2f(total);
   float lse2 = row_lse2;
   if (sinks != nullptr) {
-    // The sink joins the denominator only: lse = logaddexp(row lse, sink).
-    const float sink2 = sinks[h] * kLog2e;
-    const float top = row_lse2 > sink2 ? row_lse2 : sink2;
-    lse2 = top == -INFINITY ? top : top + log2f(exp2f(row_lse2 - top) + exp2f(sink2 - top));
+    lse2 = attn::log2_add_exp2(row_lse2, sinks[h] * kLog2e);  // the sink joins the denominator only
   }
   if (nan) {
     lse2 = NAN;
@@ -405,13 +403,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (lane == 0) {
     lse[row] = lse2 * kLn2;
   }
-}
-
-int64_t multiprocessor_count() {
-  int device = 0, count = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
 }
 
 // SAFEATTN_ATTN_DECODE=0 turns the decode kernels off (read at each call: benchmarks and tests

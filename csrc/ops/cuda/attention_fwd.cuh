@@ -443,9 +443,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       float lse2, factor;
       if (p.sinks != nullptr) {
         // The sink joins the denominator only: lse = logaddexp(row lse, sink).
-        const float row_lse2 = offset + log2f(l);  // -inf when empty
-        const float top = (row_lse2 != row_lse2 || row_lse2 > sink_log2) ? row_lse2 : sink_log2;
-        lse2 = top == -INFINITY ? top : top + log2f(exp2f(row_lse2 - top) + exp2f(sink_log2 - top));
+        lse2 = log2_add_exp2(offset + log2f(l), sink_log2);  // the row's lse is -inf when empty
         factor = lse2 == -INFINITY ? 0.0f : exp2f(offset - lse2);
       } else {
         lse2 = empty ? -INFINITY : offset + log2f(l);

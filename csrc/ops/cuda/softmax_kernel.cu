@@ -193,14 +193,6 @@ cudaStream_t current_stream() {
   return c10::cuda::getCurrentCUDAStream().stream();
 }
 
-int64_t multiprocessor_count() {
-  int device = 0;
-  int count = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
-
 // Blocks for `groups` row groups: enough to fill the GPU several times over; the kernels loop.
 unsigned int grid_for(int64_t groups) {
   const int64_t sms = multiprocessor_count();

@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/softmax.h"
+#include "safeattn.h"
 
 namespace safeattn::cuda {
 
@@ -692,12 +693,6 @@ inline int current_device() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   return device;
-}
-
-inline int64_t multiprocessor_count(int device) {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
 }
 
 // Whether rows may be split over clusters on `device`: compute capability 9, `probe` compiled
