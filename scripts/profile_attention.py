@@ -29,7 +29,11 @@ def prefill(head_dim, calls, table):
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
 
-    q, k, v = rand(batch, heads, seq, head_dim), rand(batch, heads, seq, head_dim), rand(batch, heads, seq, head_dim)
+    q, k, v = (
+        rand(batch, heads, seq, head_dim),
+        rand(batch, heads, seq, head_dim),
+        rand(batch, heads, seq, head_dim),
+    )
     grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
     pad = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
     pad[::2, : seq // 8] = False  # left padding on every other sequence

@@ -127,7 +127,9 @@ def _load_and_run(library, package, device, inputs, tmp_path):
     torch.save([tuple(t.cpu() for t in args) for args in inputs], tmp_path / "inputs.pt")
     out_path = tmp_path / "outputs.pt"
     argv = [library, str(package), device, str(tmp_path / "inputs.pt"), str(out_path)]
-    done = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, *argv], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN, *argv], capture_output=True, text=True, timeout=300
+    )
     if done.returncode != 0:
         return None, f"rc {done.returncode}: {done.stderr[-2000:]}"
     return torch.load(out_path), ""
@@ -161,8 +163,10 @@ def test_aot_inductor_package_matches_eager(device, tmp_path):
                 f"torch {torch.__version__}'s own AOTInductor fails to load a plain nn.Linear package in a "
                 f"process that never loads safeattn ({control_failure[:300]}); the safeattn package: {failure[:300]}"
             )
-        pytest.fail(f"loading the package with the safeattn library failed, a torch-only package loads:\n{failure}")
-    for (x, pad), out in zip(inputs, got):
+        pytest.fail(
+            f"loading the package with the safeattn library failed, a torch-only package loads:\n{failure}"
+        )
+    for (x, pad), out in zip(inputs, got, strict=True):
         with torch.no_grad():
             want = model(x, pad).cpu()
         assert not out.isnan().any(), f"AOTInductor S={x.shape[1]}: NaN in the output"

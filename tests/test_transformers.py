@@ -234,6 +234,39 @@ def test_compile_where_dynamo_cannot_read_closures(monkeypatch):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(IS_TF4, reason="5.x keywords (q_length, q_offset); 4.57 passes cache_position")
+def test_fallback_masks_under_compile_apply_padding_by_broadcast(monkeypatch):
+    """Before torch 2.14 every mask reaches Transformers' construction under compile, with the
+    padding applied by broadcasting (Transformers' gather is what inductor miscompiles on CPU in
+    torch 2.11, pytorch #178244): the bool and the float mask equal Transformers' own, for left and
+    right padding and a sliding window at a decode offset."""
+    monkeypatch.setattr(st, "_DYNAMO_READS_CLOSURES", False)
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[0, :3] = False  # left padding
+    pad[1, 7:] = False  # right padding
+    for q_length, q_offset in ((9, 0), (2, 7)):
+        kwargs = dict(
+            batch_size=2,
+            q_length=q_length,
+            kv_length=9,
+            q_offset=q_offset,
+            kv_offset=0,
+            mask_function=masking_utils.sliding_window_causal_mask_function(4),
+            attention_mask=pad,
+            local_size=4,
+            device="cpu",
+        )
+        for ours, theirs, dtype in (
+            (st.sdpa_mask, st._TF_SDPA_MASK, None),
+            (st.eager_mask, st._TF_EAGER_MASK, torch.float32),
+        ):
+            torch._dynamo.reset()
+            got = torch.compile(lambda ours=ours, kw=kwargs, dtype=dtype: ours(**kw, dtype=dtype), fullgraph=True)()
+            want = theirs(**kwargs, dtype=dtype)
+            assert got.dtype == want.dtype, f"{ours.__name__} Q={q_length}: dtype"
+            assert torch.equal(got.expand_as(want), want), f"{ours.__name__} Q={q_length}: mask differs"
+
+
 def test_patch_masks_keeps_sdpa_and_eager_models_equal():
     config = make_config("mistral")
     kwargs, real = model_inputs("left")

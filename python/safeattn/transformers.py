@@ -482,6 +482,37 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
     return True, mask
 
 
+def _tf_mask(tf_fn, kwargs: dict, float_dtype) -> torch.Tensor | None:
+    """Transformers' own construction (``tf_fn``: its sdpa_mask or eager_mask) for a mask this
+    module does not build.
+
+    Under torch.compile before torch 2.14 (where the mask closures cannot be read, so every mask
+    lands here) the 2-D padding mask is applied by broadcasting instead of by Transformers'
+    padding_mask_function, whose gather ``padding_mask[batch_idx, kv_idx]`` inductor's CPU code
+    generation miscompiles there (pytorch #178244: "'tmp2' was not declared in this scope").
+    """
+    attention_mask = kwargs.get("attention_mask")
+    if _DYNAMO_READS_CLOSURES or not torch.compiler.is_compiling() or attention_mask is None:
+        return tf_fn(**kwargs)
+    if attention_mask.dim() != 2:
+        return tf_fn(**kwargs)
+    kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
+    keep = _padded(attention_mask, kv_length, kv_offset)[:, kv_offset : kv_offset + kv_length]
+    keep = keep.to(torch.bool)[:, None, None, :]
+    unpadded = {
+        **kwargs,
+        "attention_mask": None,
+        "allow_is_causal_skip": False,
+        "allow_is_bidirectional_skip": False,
+    }
+    mask = tf_fn(**unpadded)  # with both skips off, a tensor
+    if mask is None:
+        return tf_fn(**kwargs)
+    if float_dtype is None:
+        return mask & keep
+    return mask.masked_fill(~keep, torch.finfo(float_dtype).min)
+
+
 def sdpa_mask(**kwargs) -> torch.Tensor | None:
     """The ``"safeattn"`` mask function (and the ``"sdpa"`` one after ``patch_masks()``).
 
@@ -501,7 +532,7 @@ def sdpa_mask(**kwargs) -> torch.Tensor | None:
     )
     if handled:
         return mask
-    return _TF_SDPA_MASK(**kwargs)
+    return _tf_mask(_TF_SDPA_MASK, kwargs, None)
 
 
 def eager_mask(**kwargs) -> torch.Tensor | None:
@@ -521,7 +552,7 @@ def eager_mask(**kwargs) -> torch.Tensor | None:
     )
     if handled:
         return mask
-    return _TF_EAGER_MASK(**kwargs)
+    return _tf_mask(_TF_EAGER_MASK, kwargs, dtype)
 
 
 def patch_masks() -> None:
@@ -692,7 +723,9 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_once(f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops")
+        _log_once(
+            f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops"
+        )
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None

@@ -43,8 +43,8 @@ using attn::MaskView;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMaxRows = 16;                // query rows per kv head (group * Q): one MMA row tile
-constexpr int kWarpKeys = 16;               // keys of a tile per warp: one k16 step of P V
+constexpr int kMaxRows = 16;   // query rows per kv head (group * Q): one MMA row tile
+constexpr int kWarpKeys = 16;  // keys of a tile per warp: one k16 step of P V
 constexpr int kTileKeys = kWarpKeys * kWarps;
 constexpr int kMaxSplits = 256;
 constexpr int kCombineWarps = 4;
@@ -77,7 +77,7 @@ constexpr size_t decode_smem_bytes() {
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
-  using namespace attn;               // mma, ldmatrix, cp.async, fast_exp2
+  using namespace attn;              // mma, ldmatrix, cp.async, fast_exp2
   using namespace attn::fwd_detail;  // load_tile, mma_pair
   constexpr int kStride = kD + 8;    // padded shared-memory row, elements
   constexpr int kChunks = kD / 8;    // 16-byte chunks per row
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s_acc[nt][e] = p.softcap_post > 0.0f ? p.softcap_post * tanhf(s_acc[nt][e] * p.softcap_pre)
-                                             : s_acc[nt][e] * p.scale_log2;
+        s_acc[nt][e] =
+            p.softcap_post > 0.0f ? p.softcap_post * tanhf(s_acc[nt][e] * p.softcap_pre) : s_acc[nt][e] * p.scale_log2;
       }
     }
     // Keys past kv_end, the causal rule and the mask: only where one of them can hide a key.
@@ -211,13 +211,13 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     // ---- online softmax (the four threads of a quad hold one row) ----
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = fmaxf(fmaxf(s_acc[0][2 * half], s_acc[0][2 * half + 1]),
-                       fmaxf(s_acc[1][2 * half], s_acc[1][2 * half + 1]));
+      float mx =
+          fmaxf(fmaxf(s_acc[0][2 * half], s_acc[0][2 * half + 1]), fmaxf(s_acc[1][2 * half], s_acc[1][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(row_max[half], mx);
-      const float offset = m_new == -INFINITY ? 0.0f : m_new;     // empty so far: no -inf - -inf
-      const float alpha = fast_exp2(row_max[half] - offset);      // old max -inf: 0
+      const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
+      const float alpha = fast_exp2(row_max[half] - offset);   // old max -inf: 0
       row_max[half] = m_new;
       float sum = 0.0f;
 #pragma unroll
