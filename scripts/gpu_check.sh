@@ -150,7 +150,7 @@ stage_decodeprofile() {
   timeout -k 10 "$TIMEOUT" ncu --kernel-name regex:decode --launch-skip 2 --launch-count 2 \
     "${NCU_SECTIONS[@]}" python scripts/profile_attention.py --decode 32768 --calls 2 >"$OUT/ncu_decode.txt" 2>&1
   say "decodeprofile (rc $?): decode_*table_*.txt, ncu_decode.txt"
-  grep -hE '^-- |attention' "$OUT"/decode_*table_*.txt | cut -c1-200 | tee -a "$SUMMARY"
+  grep -hE '^-- |attention' "$OUT"/decode_*table_*.txt | cut -c1-260 | tee -a "$SUMMARY"
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
