@@ -261,7 +261,9 @@ def test_fallback_masks_under_compile_apply_padding_by_broadcast(monkeypatch):
             (st.eager_mask, st._TF_EAGER_MASK, torch.float32),
         ):
             torch._dynamo.reset()
-            got = torch.compile(lambda ours=ours, kw=kwargs, dtype=dtype: ours(**kw, dtype=dtype), fullgraph=True)()
+            got = torch.compile(
+                lambda ours=ours, kw=kwargs, dtype=dtype: ours(**kw, dtype=dtype), fullgraph=True
+            )()
             want = theirs(**kwargs, dtype=dtype)
             assert got.dtype == want.dtype, f"{ours.__name__} Q={q_length}: dtype"
             assert torch.equal(got.expand_as(want), want), f"{ours.__name__} Q={q_length}: mask differs"
