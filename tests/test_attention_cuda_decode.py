@@ -101,11 +101,14 @@ def test_padding_mask_and_empty_rows(decode_path, dtype):
     assert torch.all(lse[2].isneginf()), "a fully masked row must have lse -inf"
 
 
-def test_learnable_bias(decode_path):
-    q, k, v = _qkv(2, 8, 2, 1, 1500, 64, torch.bfloat16, DEVICE)
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_learnable_bias(decode_path, q_len):
+    # Q=2: each of a kv head's 8 rows (4 heads x 2 queries) reads its own mask row.
+    q, k, v = _qkv(2, 8, 2, q_len, 1500, 64, torch.bfloat16, DEVICE)
     gen = torch.Generator().manual_seed(7)
-    bias = torch.randn(2, 8, 1, 1500, generator=gen)
+    bias = torch.randn(2, 8, q_len, 1500, generator=gen)
     bias[..., 100:300] = float("-inf")
+    bias[..., -1, 1000:1400] = float("-inf")  # the last query hides more than the others
     bias = bias.to(DEVICE).requires_grad_()
     _check_against_reference(q, k, v, attn_mask=bias, enable_gqa=True, extra_grad_inputs=(bias,))
 
