@@ -135,17 +135,66 @@ def _load_and_run(library, package, device, inputs, tmp_path):
     return torch.load(out_path), ""
 
 
-def _torch_only_control(device, tmp_path):
-    """Whether this torch's AOTInductor can package and load a plain nn.Linear at all, in a process
-    that never imports safeattn (compiled here, loaded by _load_and_run with no library); the
-    failure text when it cannot."""
+# The second torch-only control: a Python custom op (no safeattn) that takes a dtype, through
+# AOTInductor. torch 2.11 passes such an argument wrongly (float32 arrives as float64), which
+# turns safeattn.sdpa_mask(..., dtype=float32) into float64 memory read as float32.
+_DTYPE_CONTROL = """
+import sys, tempfile, torch
+device = sys.argv[1]
+
+@torch.library.custom_op("aoti_control::ones_of", mutates_args=())
+def ones_of(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ones(x.shape, dtype=dtype, device=x.device)
+
+@ones_of.register_fake
+def _(x, dtype):
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+class Control(torch.nn.Module):
+    def forward(self, x):
+        return ones_of(x, torch.float32) + x
+
+x = torch.randn(4, device=device)
+package = torch._inductor.aoti_compile_and_package(
+    torch.export.export(Control(), (x,)), package_path=tempfile.mkdtemp() + "/control.pt2"
+)
+out = torch._inductor.aoti_load_package(package)(x)
+print("control:", out.dtype, torch.equal(out, x + 1))
+"""
+
+
+def _torch_only_failure(device, tmp_path) -> str:
+    """How this torch's AOTInductor fails without safeattn, or "" when both controls pass: a plain
+    nn.Linear package loaded in a process that never imports safeattn, and a torch-only custom op
+    with a dtype argument (both compiled and loaded in processes of their own)."""
     control = torch.nn.Linear(EMBED, EMBED).to(device).eval()
     x = torch.randn(2, 5, EMBED, device=device)
     with torch.no_grad():
         ep = torch.export.export(control, (x,))
     package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "control.pt2"))
     got, failure = _load_and_run("", package, device, [(x,)], tmp_path)
-    return got is not None, failure
+    if got is None:
+        return f"loading a plain nn.Linear package: {failure[:300]}"
+    done = subprocess.run(
+        [sys.executable, "-c", _DTYPE_CONTROL, device], capture_output=True, text=True, timeout=300
+    )
+    if done.returncode != 0 or "control: torch.float32 True" not in done.stdout:
+        return f"a custom op's dtype argument (float32): {done.stdout.strip()[-200:]} rc {done.returncode}"
+    return ""
+
+
+def _mismatch(model, inputs, outputs) -> str:
+    """What differs from the eager module (NaN, or values), or "" when every output equals it."""
+    for (x, pad), out in zip(inputs, outputs, strict=True):
+        with torch.no_grad():
+            want = model(x, pad).cpu()
+        if out.isnan().any():
+            return f"S={x.shape[1]}: NaN in the output"
+        try:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        except AssertionError as error:
+            return f"S={x.shape[1]}: {error}"
+    return ""
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,18 +205,13 @@ def test_aot_inductor_package_matches_eager(device, tmp_path):
     # lengths other than the export example's: the length is dynamic.
     inputs = [_inputs(s, device, seed=1) for s in (5, 9, 12)]
     got, failure = _load_and_run(safeattn._C.__file__, path, device, inputs, tmp_path)
-    if got is None:
-        control_ok, control_failure = _torch_only_control(device, tmp_path)
-        if not control_ok:
+    if got is not None:
+        failure = _mismatch(model, inputs, got)
+    if failure:
+        torch_failure = _torch_only_failure(device, tmp_path)
+        if torch_failure:
             pytest.xfail(
-                f"torch {torch.__version__}'s own AOTInductor fails to load a plain nn.Linear package in a "
-                f"process that never loads safeattn ({control_failure[:300]}); the safeattn package: {failure[:300]}"
+                f"torch {torch.__version__}'s own AOTInductor fails without safeattn ({torch_failure}); "
+                f"the safeattn package: {failure[:300]}"
             )
-        pytest.fail(
-            f"loading the package with the safeattn library failed, a torch-only package loads:\n{failure}"
-        )
-    for (x, pad), out in zip(inputs, got, strict=True):
-        with torch.no_grad():
-            want = model(x, pad).cpu()
-        assert not out.isnan().any(), f"AOTInductor S={x.shape[1]}: NaN in the output"
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        pytest.fail(f"the safeattn package failed where torch-only controls pass:\n{failure}")
