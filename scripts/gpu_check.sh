@@ -114,7 +114,7 @@ stage_bench() {
 stage_quickbench() {
   run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
   run_bench softmax benchmarks/bench_softmax.py --device cuda
-  run_bench attention benchmarks/bench_attention.py --device cuda --quick
+  stage_attnbench
 }
 
 stage_attnbench() {

@@ -492,9 +492,9 @@ def _tf_mask(tf_fn, kwargs: dict, float_dtype) -> torch.Tensor | None:
     generation miscompiles there (pytorch #178244: "'tmp2' was not declared in this scope").
     """
     attention_mask = kwargs.get("attention_mask")
-    if _DYNAMO_READS_CLOSURES or not torch.compiler.is_compiling() or attention_mask is None:
+    if _DYNAMO_READS_CLOSURES or not torch.compiler.is_compiling():
         return tf_fn(**kwargs)
-    if attention_mask.dim() != 2:
+    if attention_mask is None or attention_mask.dim() != 2:  # no 2-D padding: no gather to avoid
         return tf_fn(**kwargs)
     kv_length, kv_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
     keep = _padded(attention_mask, kv_length, kv_offset)[:, kv_offset : kv_offset + kv_length]
@@ -723,9 +723,7 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_once(
-            f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops"
-        )
+        _log_once(f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops")
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None
