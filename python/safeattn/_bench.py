@@ -9,8 +9,16 @@ from collections.abc import Callable
 import torch
 
 
-def time_ms(fn: Callable[[], object], device: str | torch.device, repeats: int = 20, warmup: int = 3) -> float:
-    """Median wall time of fn() in milliseconds: CUDA events on the GPU, perf_counter on the CPU."""
+def time_ms(
+    fn: Callable[[], object], device: str | torch.device, repeats: int = 20, warmup: int = 3, gpu_only: bool = False
+) -> float:
+    """Median wall time of fn() in milliseconds: CUDA events on the GPU, perf_counter on the CPU.
+
+    On the GPU the events bracket the call, so a call whose kernels finish before the host has
+    queued them all counts its host time too (what a caller waits for). ``gpu_only`` keeps the
+    GPU busy (a spin kernel of about 0.5 ms) while fn() is queued, so that only the GPU's time
+    for its kernels is counted: their bandwidth.
+    """
     device = torch.device(device)
     for _ in range(warmup):
         fn()
@@ -19,6 +27,8 @@ def time_ms(fn: Callable[[], object], device: str | torch.device, repeats: int =
         torch.cuda.synchronize()
         for _ in range(repeats):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if gpu_only:
+                torch.cuda._sleep(1_000_000)  # clock cycles
             start.record()
             fn()
             end.record()

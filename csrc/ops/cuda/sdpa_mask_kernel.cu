@@ -1,7 +1,9 @@
 // CUDA kernel of sdpa_mask. Each thread owns 16 bytes of one row (16 bool or 4 float
-// elements) and computes the row's interval once; an interval-only mask reads no memory, a
-// padding mask is read as one vector per thread and only where the interval leaves something
-// to decide, and ids are read from small [B, L] tensors that stay in L2. The kernel is
+// elements) and computes the row's interval once; an interval-only mask reads no memory. A
+// block walks a contiguous range of rows with the same columns, so a padding mask is read as
+// one vector per thread per batch row and kept in registers for every query row of that batch
+// (reading it per row moved as many bytes through L2 as the mask wrote); ids are read from
+// small [B, L] tensors that stay in L2. The kernel is
 // specialised per rule (interval, padding, packed, general) so absent features cost nothing.
 // Packed ids that never decrease along a row (Transformers' are a cumulative sum) are turned
 // into one run [begin, end) per position by a pre-pass, so their rows are intervals too.
@@ -17,6 +19,7 @@
 #include <torch/library.h>
 
 #include "ops/sdpa_mask.h"
+#include "safeattn.h"
 
 namespace safeattn {
 namespace {
@@ -143,27 +146,63 @@ __global__ void __launch_bounds__(kRunThreads)
   }
 }
 
-// grid.x covers a row's chunks of kUnroll x 16 bytes, grid.y (strided) covers the B * Q rows.
-// Each thread computes its row's interval once, then kUnroll x kVec elements with 32-bit
-// column arithmetic (the host sends rows of 2^31 keys or more to the general rule).
+// grid.x covers a row's chunks of kUnroll x 16 bytes, grid.y the B * Q rows, each block the
+// `rows_per_block` rows from blockIdx.y * rows_per_block. Each thread computes its row's
+// interval once, then kUnroll x kVec elements with 32-bit column arithmetic (the host sends
+// rows of 2^31 keys or more to the general rule).
 constexpr int kUnroll = 4;
 
 template <int kBytes, RowRule kRule>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     sdpa_mask_rows_kernel(const SdpaMaskParams p, uint8_t* __restrict__ out, const uint64_t on_bits,
-                          const uint64_t off_bits, const Alignment aligned, const PackedRuns runs) {
+                          const uint64_t off_bits, const Alignment aligned, const PackedRuns runs,
+                          const int64_t rows_per_block) {
   constexpr int kVec = 16 / kBytes;
+  constexpr bool kReadsPadding = kRule == RowRule::kPadding || kRule == RowRule::kPacked;
   const int64_t threads = blockDim.x;
   const int64_t first_col = (static_cast<int64_t>(blockIdx.x) * threads * kUnroll + threadIdx.x) * kVec;
   if (first_col >= p.kv_length) {
     return;
   }
   const int64_t rows = p.batch_size * p.q_length;
-  for (int64_t row = blockIdx.y; row < rows; row += gridDim.y) {
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row_end = std::min(rows, row_begin + rows_per_block);
+  // The padding of this thread's columns in the batch row `padding_b`: one byte per element,
+  // 0xff attends, 0 does not; loaded when the batch changes.
+  uint32_t keep_cache[kUnroll][4];
+  int64_t padding_b = -1;
+#pragma unroll 1
+  for (int64_t row = row_begin; row < row_end; ++row) {
     // 32-bit division where it fits (the common case): 64-bit division is a long sequence.
     const int64_t b = rows <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) /
                                                                static_cast<uint32_t>(p.q_length))
                                          : row / p.q_length;
+    if (kReadsPadding && p.padding_mask != nullptr && b != padding_b) {
+      padding_b = b;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pos0 = p.kv_offset + first_col + static_cast<int64_t>(u) * threads * kVec;
+        const bool* src = p.padding_mask + b * p.padding_width + pos0;
+        uint32_t(&keep)[4] = keep_cache[u];
+        keep[0] = keep[1] = keep[2] = keep[3] = 0;
+        if (first_col + static_cast<int64_t>(u) * threads * kVec >= p.kv_length) {
+          continue;
+        }
+        if (aligned.padding && pos0 + kVec <= p.padding_width) {
+          load_padding<kVec>(src, keep);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) {
+            const uint32_t byte = pos0 + k < p.padding_width ? src[k] : 0;  // past the width: padding
+            keep[k / 4] |= byte << ((k % 4) * 8);
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          keep[w] = __vcmpne4(keep[w], 0u);
+        }
+      }
+    }
     const int64_t q_pos = query_position(p, b, row - b * p.q_length);
     Interval base = base_interval(p, b, q_pos);
     RowKeys keys{0, false, -1};
@@ -204,20 +243,11 @@ __global__ void __launch_bounds__(kThreads)
         // The interval relative to this chunk, in 32 bits.
         const int32_t lo = static_cast<int32_t>(std::max<int64_t>(base.begin - col0, -1));
         const int32_t hi = static_cast<int32_t>(std::min<int64_t>(base.end - col0, kVec + 1));
-        const bool any_inside = lo < kVec && hi > 0;
         uint32_t keep[4] = {~0u, ~0u, ~0u, ~0u};  // one byte per element, nonzero: attend
-        if (kRule == RowRule::kPadding || (kRule == RowRule::kPacked && p.padding_mask != nullptr)) {
-          // Read the padding only where the interval leaves something to decide.
-          const int64_t pos0 = p.kv_offset + col0;
-          const bool* src = p.padding_mask + b * p.padding_width + pos0;
-          if (any_inside && aligned.padding && pos0 + kVec <= p.padding_width) {
-            load_padding<kVec>(src, keep);
-          } else if (any_inside) {
+        if (kReadsPadding && p.padding_mask != nullptr) {
 #pragma unroll
-            for (int k = 0; k < kVec; ++k) {
-              const uint32_t byte = pos0 + k < p.padding_width ? src[k] : 0;  // past the width: padding
-              keep[k / 4] = (keep[k / 4] & ~(0xffu << ((k % 4) * 8))) | (byte << ((k % 4) * 8));
-            }
+          for (int w = 0; w < 4; ++w) {
+            keep[w] = keep_cache[u][w];
           }
         }
         if (kBytes == 1 && !packed_elementwise) {
@@ -230,7 +260,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int w = 0; w < 4; ++w) {
             const uint32_t index4 = 0x03020100u + static_cast<uint32_t>(4 * w) * 0x01010101u;
-            const uint32_t attend = __vcmpgeu4(index4, lo4) & __vcmpltu4(index4, hi4) & __vcmpne4(keep[w], 0u);
+            const uint32_t attend = __vcmpgeu4(index4, lo4) & __vcmpltu4(index4, hi4) & keep[w];
             words[w] = (attend & on4) | (~attend & off4);
           }
         } else {
@@ -271,15 +301,19 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   const int64_t chunks = (p.kv_length + kVec - 1) / kVec;
   const int threads = static_cast<int>(std::clamp<int64_t>((chunks / kUnroll + 31) / 32 * 32, 32, kThreads));
   const int64_t per_block = static_cast<int64_t>(threads) * kUnroll * kVec;
-  const dim3 grid(static_cast<unsigned>((p.kv_length + per_block - 1) / per_block),
-                  static_cast<unsigned>(std::min(rows, kMaxGridY)));
+  const int64_t col_blocks = (p.kv_length + per_block - 1) / per_block;
+  // About four waves of blocks (2048 threads per SM), each a contiguous range of rows: enough
+  // blocks that the last wave leaves little idle, and long ranges that read the padding rarely.
+  const int64_t wanted = std::max<int64_t>(1, 4 * cuda::multiprocessor_count() * (2048 / threads) / col_blocks);
+  const int64_t rows_per_block = std::max((rows + wanted - 1) / wanted, (rows + kMaxGridY - 1) / kMaxGridY);
+  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
   Alignment aligned;
   // Row starts are 16-byte aligned when a row's bytes are (the allocation itself is).
   aligned.out = (p.kv_length * kBytes) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
   aligned.padding = p.padding_mask != nullptr && p.padding_width % kVec == 0 && p.kv_offset % kVec == 0 &&
                     reinterpret_cast<uintptr_t>(p.padding_mask) % kVec == 0;
   sdpa_mask_rows_kernel<kBytes, kRule><<<grid, threads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned, runs);
+      p, static_cast<uint8_t*>(out.data_ptr()), on_bits, off_bits, aligned, runs, rows_per_block);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
