@@ -170,12 +170,15 @@ DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 
 
 def profile_cuda(dtypes, shapes):
-    """Our forward and backward only, twice each, untimed: a short run to put under ncu."""
+    """Our forward and backward, then torch.softmax's forward, twice each, untimed: a short run
+    to put under ncu."""
     for dtype in dtypes:
         for shape in shapes:
             (x,) = fresh(shape, dtype, "cuda", 1)
             for _ in range(2):
                 out = torch.ops.safeattn.safe_softmax(x, -1)
+            for _ in range(2):
+                torch.softmax(x, -1)
             grad = torch.randn_like(out)
             for _ in range(2):
                 torch.ops.safeattn._safe_softmax_backward(grad, out, -1, dtype)

@@ -19,6 +19,9 @@
 #   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
 #   quickbench the same, attention with --quick
 #   attnbench only bench_attention --quick
+#   maskbench only bench_sdpa_mask
+#   softmaxsweep bench_softmax once per SAFEATTN_SOFTMAX_ROW_VALUES (32, 16, 8: values per thread of
+#             the forward for rows that fit one block), forward rows copied into the summary
 #   aoti      scripts/aoti_probe.py: which AOTInductor package crashes on load (the torch-only
 #             control on CPU, then every case on CUDA)
 #   decodeprofile torch.profiler tables of both decode paths, Nsight Compute over the split one
@@ -117,6 +120,31 @@ stage_quickbench() {
   stage_attnbench
 }
 
+stage_maskbench() {
+  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
+  grep -E '^\| [0-9]' "$OUT/bench_sdpa_mask.txt" | tee -a "$SUMMARY"
+}
+
+stage_softmaxsweep() {
+  local v
+  for v in ${SWEEP_VALUES:-32 16 8}; do
+    SAFEATTN_SOFTMAX_ROW_VALUES=$v run_bench "softmax_values$v" benchmarks/bench_softmax.py --device cuda \
+      ${SWEEP_ARGS:-}
+    grep -E '^ *(bf16|fp32) ' "$OUT/bench_softmax_values$v.txt" | head -10 | sed "s/^/values $v ${SAFEATTN_SOFTMAX_GRID:-persistent} /" |
+      tee -a "$SUMMARY"
+  done
+}
+
+stage_softmaxprofile() {
+  # Nsight Compute over our forward and torch.softmax's at the float32 shapes where torch is ahead.
+  timeout -k 10 "$TIMEOUT" ncu --kernel-name regex:'softmax' "${NCU_SECTIONS[@]}" \
+    python benchmarks/bench_softmax.py --device cuda --profile --dtypes fp32 --shapes 1048576x1024,4194304x128 \
+    >"$OUT/ncu_softmax.txt" 2>&1
+  say "softmaxprofile (rc $?): ncu_softmax.txt"
+  grep -E '^  [a-z_:]*softmax|Duration|DRAM Throughput|Achieved Occupancy|Registers Per' "$OUT/ncu_softmax.txt" |
+    cut -c1-150 | tee -a "$SUMMARY"
+}
+
 stage_attnbench() {
   run_bench attention benchmarks/bench_attention.py --device cuda --quick
 }
@@ -158,7 +186,8 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | aoti | profile | decodeprofile) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | maskbench | softmaxsweep | softmaxprofile | \
+      aoti | profile | decodeprofile) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done

@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -275,11 +277,14 @@ template <int kGroup>
 constexpr int block_threads() {
   return kGroup > kWarp ? kGroup : 128;
 }
-// Blocks per SM that __launch_bounds__ asks room for: 768 threads (24 warps) per SM, so at most
-// 80 registers per thread (the 32 cached float values plus addressing), twice for double.
-template <int kGroup, typename T>
+// Blocks per SM that __launch_bounds__ asks room for. A thread caching 32 values (or reading
+// twice): 768 threads (24 warps) per SM, so at most 80 registers (the values plus addressing),
+// half for double. Fewer cached values leave room for more warps: 16 values 1024 threads (64
+// registers), 8 values 1536 (40 registers); short rows are bound by how many rows are in flight.
+template <int kGroup, typename T, int kValues>
 constexpr int min_blocks() {
-  constexpr int blocks = (std::is_same_v<T, double> ? 384 : 768) / block_threads<kGroup>();
+  constexpr int per_sm = std::is_same_v<T, double> ? 384 : (kValues == 8 ? 1536 : (kValues == 16 ? 1024 : 768));
+  constexpr int blocks = per_sm / block_threads<kGroup>();
   return blocks > 0 ? blocks : 1;
 }
 
@@ -293,7 +298,7 @@ constexpr int min_blocks() {
 // kCache == 0: the part is read twice. The host guarantees n % VEC == 0 and 16-byte aligned
 // rows when VEC > 1.
 template <typename T, int VEC, int kGroup, int kCache, int kSplit, bool kMasked>
-__global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T>())
+__global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T, (kCache > 0 ? kCache * VEC : 32)>())
     softmax_rows_kernel(const T* __restrict__ scores, T* __restrict__ out, int64_t rows, int64_t n,
                         const void* __restrict__ mask, MaskGeometry mg, acc_type_t<T> scale) {
   using acc_t = acc_type_t<T>;
@@ -650,11 +655,26 @@ struct RowConfig {
 
 constexpr int kMaxSplit = 8;  // the portable cluster size limit
 
-// Forward, by row length in vectors; `cache` = forward_cache(vec) (every variant holds that
-// many): groups of 4-32 lanes up to 32
-// threads' worth, one block of 64-256 up to 256 threads' worth, then a cluster of 2-8 such
-// blocks, then the read-twice path.
-inline RowConfig forward_config(int64_t vectors, int cache, bool clusters) {
+// Values per thread of the forward's variants for rows that fit one block: 32 (forward_cache),
+// or fewer with more warps per SM (min_blocks). SAFEATTN_SOFTMAX_ROW_VALUES=8|16|32 picks one
+// for measurements; read once.
+inline int row_values_setting() {
+  static const int values = [] {
+    const char* s = std::getenv("SAFEATTN_SOFTMAX_ROW_VALUES");
+    const int v = s == nullptr ? 32 : std::atoi(s);
+    return v == 8 || v == 16 ? v : 32;
+  }();
+  return values;
+}
+
+// Forward, by row length in vectors; `cache` = forward_cache(vec): groups of 4-32 lanes up to
+// 32 threads' worth, one block of 64-256 up to 256 threads' worth, then a cluster of 2-8 such
+// blocks, then the read-twice path. Rows that fit one block with `small_cache` vectors per
+// thread take that instead (when it is not 0).
+inline RowConfig forward_config(int64_t vectors, int cache, bool clusters, int small_cache = 0) {
+  if (small_cache > 0 && ceil_div(vectors, small_cache) <= 256) {
+    cache = small_cache;
+  }
   const int64_t threads = ceil_div(vectors, cache);
   if (threads <= kWarp) {
     return {static_cast<int>(std::max<int64_t>(4, next_pow2(threads))), cache, 1};
@@ -786,9 +806,21 @@ int64_t resident_units(int threads, int split, int device) {
 
 // Launches kKernel on `stream` as a persistent grid for `units` row groups of `threads` threads
 // (clusters of `split` blocks when split > 1); the kernels loop past the grid.
+// SAFEATTN_SOFTMAX_GRID=full: one block (cluster) per row group instead of the persistent grid,
+// for measurements; read once.
+inline bool full_grid_setting() {
+  static const bool full = [] {
+    const char* s = std::getenv("SAFEATTN_SOFTMAX_GRID");
+    return s != nullptr && std::string(s) == "full";
+  }();
+  return full;
+}
+
 template <auto kKernel, typename... Args>
 void launch(int64_t units, int threads, int split, int device, cudaStream_t stream, Args&&... args) {
-  const int64_t grid = std::min(units, resident_units<kKernel>(threads, split, device)) * split;
+  const int64_t resident = full_grid_setting() ? std::min<int64_t>(units, INT32_MAX / split)
+                                               : resident_units<kKernel>(threads, split, device);
+  const int64_t grid = std::min(units, resident) * split;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned int>(grid));
   config.blockDim = dim3(static_cast<unsigned int>(threads));
@@ -819,9 +851,39 @@ inline bool aligned16(const void* p) {
 
 // Calls f(Int<group>, Int<cache>, Int<split>) for the forward configurations forward_config can
 // return with vectors of kVec elements (cache == forward_cache(kVec), or 0).
+template <int kVec, int kCache, typename F>
+bool with_one_block_group(int group, F&& f) {
+  switch (group) {
+    case 4:
+      return f(Int<4>{}, Int<kCache>{}, Int<1>{}), true;
+    case 8:
+      return f(Int<8>{}, Int<kCache>{}, Int<1>{}), true;
+    case 16:
+      return f(Int<16>{}, Int<kCache>{}, Int<1>{}), true;
+    case 32:
+      return f(Int<32>{}, Int<kCache>{}, Int<1>{}), true;
+    case 64:
+      return f(Int<64>{}, Int<kCache>{}, Int<1>{}), true;
+    case 128:
+      return f(Int<128>{}, Int<kCache>{}, Int<1>{}), true;
+    case 256:
+      return f(Int<256>{}, Int<kCache>{}, Int<1>{}), true;
+    default:
+      return false;
+  }
+}
+
 template <int kVec, typename F>
 void with_forward_config(const RowConfig& c, F&& f) {
   constexpr int kCache = forward_cache(kVec);
+  if constexpr (kVec > 1) {
+    if (c.split == 1 && c.cache == 16 / kVec && with_one_block_group<kVec, 16 / kVec>(c.group, f)) {
+      return;
+    }
+    if (c.split == 1 && c.cache == 8 / kVec && with_one_block_group<kVec, 8 / kVec>(c.group, f)) {
+      return;
+    }
+  }
   if (c.cache == kCache) {
     switch (c.group * 16 + c.split) {
       case 4 * 16 + 1:
@@ -968,7 +1030,8 @@ void forward_rows_vec(const T* scores, T* out, int64_t rows, int64_t n, const vo
   const bool clusters = clusters_usable_cached<Int<kVec * 2 + kMasked>>(
       &softmax_rows_kernel<T, kVec, 256, 0, kMaxSplit, kMasked>,
       &softmax_rows_kernel<T, kVec, 256, forward_cache(kVec), kMaxSplit, kMasked>, device);
-  const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters);
+  const int small_cache = kVec > 1 && row_values_setting() < 32 ? row_values_setting() / kVec : 0;
+  const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters, small_cache);
   with_forward_config<kVec>(c, [&](auto group, auto cache, auto split) {
     constexpr int kGroup = decltype(group)::value;
     constexpr int kCache = decltype(cache)::value;
