@@ -151,6 +151,7 @@ def _prefill_cases(batch, heads, seq, device):
     except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
     cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
+    cases[DETERMINISTIC_DQ_CASE] = cases["safeattn, is_causal"]  # timed with the atomic dQ off
     cases["safeattn, causal+padding mask"] = (lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0], True)
     return cases
 
@@ -194,7 +195,7 @@ def main_cuda(args):
                     if grad is not None:
                         out.backward(grad)
 
-                with torch.set_grad_enabled(backward):
+                with torch.set_grad_enabled(backward), _switch("SAFEATTN_ATTN_BWD_ATOMIC_DQ", name != DETERMINISTIC_DQ_CASE):
                     results.append(_try_ms(run, make, repeats, warmup))
             fwd_ms, both_ms = results
             if name.startswith("SDPA flash"):
@@ -244,28 +245,30 @@ def main_cuda(args):
         cases[PREFILL_KERNEL_CASE] = cases["safeattn"]  # timed with the decode kernels off
         kv_bytes = 2 * batch * hkv * kv_len * head_dim * 2
         for name, fn in cases.items():
-            with torch.no_grad(), _decode_path(enabled=name != PREFILL_KERNEL_CASE):
+            with torch.no_grad(), _switch("SAFEATTN_ATTN_DECODE", name != PREFILL_KERNEL_CASE):
                 ms = _try_ms(fn, make, repeats * 4, warmup)
             cells = ("n/a", "n/a") if ms is None else (f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6:.0f}")
             print(f"| {name} | {kv_len} | {cells[0]} | {cells[1]} |", flush=True)
 
 
 PREFILL_KERNEL_CASE = "safeattn, prefill kernel (SAFEATTN_ATTN_DECODE=0)"
+DETERMINISTIC_DQ_CASE = "safeattn, is_causal, dQ kernel (SAFEATTN_ATTN_BWD_ATOMIC_DQ=0)"
 
 
 @contextlib.contextmanager
-def _decode_path(enabled):
-    """The split-KV decode kernels off when not enabled (the op reads the variable at each call)."""
-    before = os.environ.get("SAFEATTN_ATTN_DECODE")
+def _switch(name, enabled):
+    """The kernel variant behind the switch `name` off when not enabled (the op reads the
+    variable at each call)."""
+    before = os.environ.get(name)
     if not enabled:
-        os.environ["SAFEATTN_ATTN_DECODE"] = "0"
+        os.environ[name] = "0"
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("SAFEATTN_ATTN_DECODE", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["SAFEATTN_ATTN_DECODE"] = before
+            os.environ[name] = before
 
 
 def main(argv=None):

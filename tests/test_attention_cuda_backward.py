@@ -2,8 +2,10 @@
 reference, on the cases its tensor-core kernels have to get right: every instantiated head dim x
 dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
 batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
-fast-pathed, softcap, sinks, determinism, and the generic path (float32, head dims without an
-instantiation, D != Dv, unaligned views).
+fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
+default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True), with a mask
+gradient or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0), and the generic path (float32, head dims without
+an instantiation, D != Dv, unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -15,6 +17,7 @@ import pytest
 import safeattn
 import torch
 from test_attention import _check_against_reference, _qkv
+from test_attention_cuda_decode import _cuda_kernel_names
 
 _OPS = ("safeattn::attention", "safeattn::_attention_backward")
 _HAS_KERNELS = all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in _OPS)
@@ -46,10 +49,25 @@ def _causal_kwargs(causal, q_len, kv_len):
     return {"is_causal": True, "q_offset": kv_len - q_len if causal == "bottom_right" else 0}
 
 
+_ATOMIC_DQ_SWITCH = "SAFEATTN_ATTN_BWD_ATOMIC_DQ"
+
+
+@pytest.fixture(params=["atomic", "kernel"])
+def dq_mode(request, monkeypatch):
+    """The backward's dQ mode: atomics in the dK/dV kernel (the default while deterministic
+    algorithms are off and no mask gradient is needed) or the dQ kernel (switch at 0)."""
+    if request.param == "atomic":
+        assert not torch.are_deterministic_algorithms_enabled(), "the atomic dQ mode needs them off"
+        monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
 @pytest.mark.parametrize(("q_len", "kv_len", "causal"), SHAPES)
-def test_tensor_core_matches_reference(head_dim, dtype, q_len, kv_len, causal):
+def test_tensor_core_matches_reference(dq_mode, head_dim, dtype, q_len, kv_len, causal):
     q, k, v = _qkv(1, 4, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + q_len)
     _check_against_reference(q, k, v, enable_gqa=True, **_causal_kwargs(causal, q_len, kv_len))
 
@@ -254,6 +272,130 @@ def test_deterministic(dtype):
     for other in results[1:]:
         for name, a, b in zip(("query", "key", "value", "bias", "sinks"), results[0], other, strict=True):
             assert torch.equal(a, b), f"grad_{name} differs between two identical runs"
+
+
+# ---- the two dQ modes ----------------------------------------------------------------------
+
+
+def _backward_kernels(q, k, v, **kwargs):
+    """Names of the attention_bwd kernels that one backward launches."""
+    out, _ = safeattn.attention(q, k, v, **kwargs)
+    inputs = (q, k, v, *([kwargs["attn_mask"]] if kwargs.get("attn_mask") is not None else []))
+    names = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
+    return {n for n in names if "attention_bwd" in n}
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    """A setter of torch.use_deterministic_algorithms for the test; the setting is restored after it."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield lambda on: torch.use_deterministic_algorithms(on)
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
+    q, k, v = _qkv(1, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
+    monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
+    names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernel")
+    assert any("attention_bwd_dkdv_kernel" in n for n in names), f"no dK/dV kernel among {names}"
+    assert not any("attention_bwd_dq_kernel" in n for n in names), (
+        f"the dQ kernel ran in the atomic mode: {names}"
+    )
+
+    def dq_kernel_ran(**kwargs):
+        names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
+        return any("attention_bwd_dq_kernel" in n for n in names)
+
+    bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
+    assert dq_kernel_ran(attn_mask=bias), "a mask gradient must take the dQ kernel (it writes the gradient)"
+    monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
+    assert dq_kernel_ran(), f"{_ATOMIC_DQ_SWITCH}=0 must take the dQ kernel"
+    monkeypatch.delenv(_ATOMIC_DQ_SWITCH)
+    deterministic_algorithms(True)
+    assert dq_kernel_ran(), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
+
+
+def _padding_mask(batch, q_len, kv_len):
+    """[batch, 1, Q, KV] bool: random holes, batch 1 left-padded by 70 keys, and fully masked
+    rows on a first, a tile-boundary, an odd and the last query."""
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(batch, 1, q_len, kv_len, generator=gen) > 0.3
+    mask[1, :, :, :70] = False
+    rows = [(0, 0), (0, 32), (0, 64), (1, 17), (1, q_len - 1)]
+    for b, i in rows:
+        mask[b, :, i] = False
+    return mask.to(DEVICE), rows
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("masking", ["causal", "padding"])
+def test_atomic_dq_matches_reference(monkeypatch, masking, head_dim, dtype):
+    # GQA 4:1 (four query heads add into the same key tiles' work), Q = 97: a partial last tile
+    # for both the 64- (D=64) and the 32-query (D=128) steps. Causal with kv_offset 30: queries
+    # 0..29 see no key. Padding: see _padding_mask.
+    monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
+    q_len, kv_len = 97, 300
+    q, k, v = _qkv(2, 8, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 1)
+    if masking == "causal":
+        kwargs = {"is_causal": True, "kv_offset": 30}
+        rows = [(b, i) for b in range(2) for i in (0, 29)]
+    else:
+        mask, rows = _padding_mask(2, q_len, kv_len)
+        kwargs = {"attn_mask": mask}
+    _check_against_reference(q, k, v, enable_gqa=True, check_lse_grad=True, **kwargs)
+    out, lse = safeattn.attention(q, k, v, enable_gqa=True, **kwargs)
+    loss = out.float().sum() + torch.where(lse.isfinite(), lse, 0).sum()
+    gq, gk, gv = torch.autograd.grad(loss, (q, k, v))
+    for b, i in rows:
+        assert torch.all(gq[b, :, i] == 0), f"grad_query of the row ({b}, {i}) with no visible key must be 0"
+    assert all(g.isfinite().all() for g in (gq, gk, gv)), "the atomic dQ mode made a non-finite gradient"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_deterministic_modes_reproducible_and_atomic_close(monkeypatch, deterministic_algorithms, dtype):
+    q, k, v = _qkv(2, 8, 2, 300, 520, 128, dtype, DEVICE)
+    grad_out = torch.randn(2, 8, 300, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+
+    def grads():
+        out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, q_offset=220, softcap=30.0)
+        return torch.autograd.grad(out, (q, k, v), grad_out)
+
+    def runs(count):
+        first = grads()
+        for _ in range(count - 1):
+            for name, a, b in zip(("query", "key", "value"), first, grads(), strict=True):
+                assert torch.equal(a, b), f"grad_{name} differs between two identical deterministic runs"
+        return first
+
+    monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
+    by_switch = runs(3)
+    monkeypatch.delenv(_ATOMIC_DQ_SWITCH)
+    deterministic_algorithms(True)
+    by_flag = runs(3)
+    for name, a, b in zip(("query", "key", "value"), by_switch, by_flag, strict=True):
+        assert torch.equal(a, b), (
+            f"grad_{name}: the switch at 0 and the deterministic flag run different code"
+        )
+    deterministic_algorithms(False)
+    atomic = grads()
+    # dQ sums the same bf16 / fp16 dS' K products in another order (float32), then rounds once;
+    # dK and dV are the same products in both modes.
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    for name, a, b in zip(("query", "key", "value"), atomic, by_flag, strict=True):
+        want = b.float()
+        torch.testing.assert_close(
+            a.float(),
+            want,
+            rtol=tol,
+            atol=tol * want.abs().max().item(),
+            msg=lambda m, name=name: (
+                f"grad_{name} of the atomic mode is not close to the deterministic one: {m}"
+            ),
+        )
 
 
 # ---- the generic path ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 // bf16/fp16 inputs, fp32 math). The semantics are those of ops/attention.h; the CPU twin is
 // cpu/attention_bwd_kernel.cpp and the float64 reference python/safeattn/reference.py.
 //
-// Three kernels, launched in this order by attention_bwd_kernel.cu:
+// Kernels, launched in this order by attention_bwd_kernel.cu:
 //   1. rows (pre-pass): per query row, Delta = rowsum(dO * O) - dlse, and lse in the log2 domain
 //      (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
 //   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
@@ -12,16 +12,25 @@
 //        S^T = K Q^T     P^T = exp(score(S^T) - lse)     dP^T = V dO^T
 //        dS^T = P^T * (dP^T - Delta)     dS'^T = dS^T * d score / d(q.k)
 //        dV += P^T dO    dK += dS'^T Q
-//   3. dQ: one CTA per (query tile, query head, batch); each warp owns 16 queries and walks
-//      the key tiles the queries can see: S = Q K^T, dP = dO V^T, dS as above, dQ += dS' K.
-//      The mask gradient (dS: the gradient of the additive mask value, 0 where masked) is
-//      written here, into a [B, Hq, Q, KV] float32 buffer.
-// With a mask, both kernels read its per-tile summary (summarize_mask_tiles, at each kernel's
+//   3. dQ, in one of two modes:
+//      - deterministic (the dQ kernel): one CTA per (query tile, query head, batch); each warp
+//        owns 16 queries and walks the key tiles the queries can see: S = Q K^T, dP = dO V^T, dS
+//        as above, dQ += dS' K. The mask gradient (dS: the gradient of the additive mask value,
+//        0 where masked) is written here, into a [B, Hq, Q, KV] float32 buffer. No element is
+//        written by two CTAs and every loop has a fixed order: results are bit-identical from
+//        run to run, at the price of recomputing S and dP (7 products instead of 5).
+//      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
+//        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its 4 warps
+//        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries x D / (4 /
+//        (queries / 16)) columns), added into a zeroed [B, Hq, Q, D] float32 buffer with
+//        red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
+//        head adds into the same rows, in no fixed order: not bit-reproducible. Used when
+//        deterministic algorithms are off, no mask gradient is needed (the dQ kernel writes it)
+//        and SAFEATTN_ATTN_BWD_ATOMIC_DQ is not "0". Skipped tiles and rows with no visible key
+//        add nothing (their dS is 0), so such rows keep the buffer's zeros.
+// With a mask, the kernels read its per-tile summary (summarize_mask_tiles, at each kernel's
 // tile sizes): fully masked tiles are skipped without loading their operands or the mask, and
 // all-visible interior tiles (like the tiles below the causal diagonal) take no per-element test.
-// No element is written by two CTAs and every loop has a fixed order: no atomics, and the
-// results are bit-identical from run to run. dQ recomputes S and dP (two more products than
-// FlashAttention-2's atomic dQ) to get there.
 //
 // Shared-memory tiles are row-major with rows padded by 16 bytes, so that the eight rows an
 // ldmatrix reads fall in distinct banks. Out-of-range rows are zero-filled by cp.async; their
@@ -56,6 +65,9 @@ struct BwdParams {
   void* grad_query;       // [B, Hq, Q, D] contiguous (written)
   void* grad_key;         // [B, Hkv, KV, D] contiguous (written)
   void* grad_value;       // [B, Hkv, KV, D] contiguous (written)
+  // Null (deterministic mode: the dQ kernel writes grad_query), or [B, Hq, Q, D] float32
+  // contiguous, zeroed: the dK/dV kernel adds dQ into it with atomics (the atomic mode).
+  float* dq_accum;
   // Null, or [batch_count, Hq, Q, KV] float32 contiguous for batches [batch_begin, +count):
   // every element of those batches is assigned (dS, 0 where masked or never visited).
   float* grad_mask;
@@ -83,12 +95,20 @@ struct BwdTraits {
   // dK/dV kernel: kKvRows keys per CTA, kQRows queries per step.
   static constexpr int kDkvKeys = 16 * kWarps;
   static constexpr int kDkvQueries = kHeadDim <= 64 ? 64 : 32;
+  // Atomic dQ in the dK/dV kernel: dS'^T of a step in smem, [kDkvKeys][kDsStride]; warp w
+  // computes dQ of the step's queries [16 * (w / kDqWarpsPerRows), +16) and head-dim columns
+  // [kDqCols * (w % kDqWarpsPerRows), +kDqCols), so every warp does the same work.
+  static constexpr int kDsStride = kDkvQueries + 8;
+  static constexpr int kDqWarpsPerRows = kWarps / (kDkvQueries / 16);
+  static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
+  static_assert(kDqWarpsPerRows * (kDkvQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
   // dQ kernel: kDqQueries queries per CTA, kDqKeys keys per step.
   static constexpr int kDqQueries = 16 * kWarps;
   static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
 
   static constexpr size_t kDkvSmem =
       sizeof(uint16_t) * kStride * (2 * kDkvKeys + 2 * 2 * kDkvQueries) + sizeof(float) * 2 * 2 * kDkvQueries;
+  static constexpr size_t kDkvAtomicDqSmem = kDkvSmem + sizeof(uint16_t) * kDkvKeys * kDsStride;
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
@@ -178,7 +198,70 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
 
 // ---- dK / dV ---------------------------------------------------------------------------------
 
+// The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's 64 keys j of
+// dS'[m, j] K[j, :], for the step's queries m < kDkvQueries of query head h, added into
+// p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
+// ds_s: dS'^T [kDkvKeys][kDsStride] (keys along rows); k_s: K [kDkvKeys][kStride]. dS' already
+// holds d score / d(q.k) (the scale, the softcap's derivative): no scale here.
 template <typename T, int kHeadDim>
+__device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
+                                            int64_t i0, int warp, int lane) {
+  using Tr = BwdTraits<kHeadDim>;
+  constexpr int kNTiles = Tr::kDqCols / 8;
+  const int row0 = 16 * (warp / Tr::kDqWarpsPerRows);           // this warp's queries within the step
+  const int col0 = Tr::kDqCols * (warp % Tr::kDqWarpsPerRows);  // and head-dim columns
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int t = 0; t < kNTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[t][e] = 0.0f;
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < Tr::kDkvKeys / 16; ++kk) {
+    // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
+    // l / 8 is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A.
+    uint32_t a_ds[4];
+    const int a_key = kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+    const int a_query = row0 + ((lane >> 3) & 1) * 8;
+    ldmatrix_x4_trans(a_ds, ds_s + a_key * Tr::kDsStride + a_query);
+    // B = K [keys x head dim] loaded transposed, as the dQ kernel does.
+    const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int dp = 0; dp < Tr::kDqCols / 16; ++dp) {
+      const int b_col = col0 + dp * 16 + (lane >> 4) * 8;
+      uint32_t b_k[4];
+      ldmatrix_x4_trans(b_k, k_s + b_row * Tr::kStride + b_col);
+      mma_16816<T>(acc[2 * dp], a_ds, {b_k[0], b_k[1]});
+      mma_16816<T>(acc[2 * dp + 1], a_ds, {b_k[2], b_k[3]});
+    }
+  }
+  // Rows g and g + 8 of the warp's 16 queries, columns 2 * tig (+1) of every n-tile.
+  const int g = lane / 4, tig = lane % 4;
+  float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * kHeadDim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t i = i0 + row0 + g + half * 8;
+    if (i >= p.q_len) {
+      continue;
+    }
+    float* dq_row = dq + i * kHeadDim + col0 + 2 * tig;
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t) {
+      // The result unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float2*>(dq_row + t * 8), make_float2(acc[t][2 * half], acc[t][2 * half + 1]));
+#else
+      atomicAdd(dq_row + t * 8, acc[t][2 * half]);
+      atomicAdd(dq_row + t * 8 + 1, acc[t][2 * half + 1]);
+#endif
+    }
+  }
+}
+
+// kAtomicDq: also dQ of every step, added into p.dq_accum (the atomic mode, see the top).
+template <typename T, int kHeadDim, bool kAtomicDq>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
   using Tr = BwdTraits<kHeadDim>;
   constexpr int kStride = Tr::kStride;
@@ -194,6 +277,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   T* do_s = q_s + 2 * kQueries * kStride;                                  // [2][kQueries][kStride]
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries]
   float* delta_s = lse_s + 2 * kQueries;                                   // [2][kQueries]
+  // kAtomicDq: dS'^T of the step, [kKeys][kDsStride] (past kDkvSmem, 16-byte aligned).
+  T* ds_s = reinterpret_cast<T*>(delta_s + 2 * kQueries);
 
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t hk = blockIdx.y;
@@ -335,6 +420,15 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
       const uint32_t a_ds[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
                                 pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
                                 pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      if constexpr (kAtomicDq) {
+        // dS'^T as the registers hold it: rows key_row + g (+8), columns 2 * tig (+1) of the
+        // n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
+        T* ds_row = ds_s + (key_row + g) * Tr::kDsStride + kk * 16 + 2 * tig;
+        *reinterpret_cast<uint32_t*>(ds_row) = a_ds[0];
+        *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride) = a_ds[1];
+        *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
+        *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride + 8) = a_ds[3];
+      }
       const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
@@ -348,7 +442,11 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
         mma_16816<T>(dk_acc[2 * dp + 1], a_ds, {b_q[2], b_q[3]});
       }
     }
-    __syncthreads();  // this buffer is refilled by the next step's prefetch
+    if constexpr (kAtomicDq) {
+      __syncthreads();  // every warp's dS'^T is in ds_s
+      add_step_dq<T, kHeadDim>(p, ds_s, k_s, b, h, i0, warp, lane);
+    }
+    __syncthreads();  // this buffer (and ds_s) is refilled by the next step
     step = next;
   }
   cp_async_wait<0>();
@@ -594,12 +692,15 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
                           cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim>;
   if (run_dkdv) {
-    auto* kernel = &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim>;
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDkvSmem)));
+    // params.dq_accum set: the atomic mode, dQ added by this kernel (the caller skips run_dq).
+    const bool atomic_dq = params.dq_accum != nullptr;
+    auto* kernel = atomic_dq ? &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim, true>
+                             : &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim, false>;
+    const size_t smem = atomic_dq ? Tr::kDkvAtomicDqSmem : Tr::kDkvSmem;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kDkvKeys - 1) / Tr::kDkvKeys),
                     static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
-    kernel<<<grid, Tr::kThreads, Tr::kDkvSmem, stream>>>(params);
+    kernel<<<grid, Tr::kThreads, smem, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (run_dq) {

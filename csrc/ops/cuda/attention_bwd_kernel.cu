@@ -7,7 +7,9 @@
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
 //     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a
 //     [B, Hq, Q, KV] float32 buffer (batch chunks of bounded size) reduced by at::sum,
-//     deterministically.
+//     deterministically. Without a mask gradient and with deterministic algorithms off, the
+//     dK/dV kernel adds dQ into a float32 buffer with atomics instead (use_atomic_dq) and the
+//     dQ kernel does not run.
 //   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the ATen
 //     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
 #include <algorithm>
@@ -150,6 +152,17 @@ at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, i
   return g;
 }
 
+// The atomic dQ mode (attention_bwd.cuh): 5 products instead of 7, not bit-reproducible. Off
+// under torch.use_deterministic_algorithms(True), when the mask gradient is needed (the dQ
+// kernel writes it), or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0 (read at each call, as
+// SAFEATTN_ATTN_DECODE: benchmarks and tests compare both modes).
+bool use_atomic_dq(const AttentionBwdArgs& a) {
+  if (at::globalContext().deterministicAlgorithms() || a.grad_mask_partial.defined() || !a.grad_query.defined()) {
+    return false;
+  }
+  return !attn::switched_off("SAFEATTN_ATTN_BWD_ATOMIC_DQ");
+}
+
 template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -218,6 +231,15 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.kv_len = kv_len;
 
   const at::Tensor& partial = a.grad_mask_partial;
+  if (use_atomic_dq(a)) {
+    // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such
+    // as rows with no visible key, stay exactly 0), then rounded once to the input dtype.
+    const at::Tensor dq_accum = at::zeros({batch, hq, q_len, head_dim}, f32);
+    p.dq_accum = dq_accum.data_ptr<float>();
+    launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/false, stream);
+    a.grad_query.copy_(dq_accum);
+    return;
+  }
   if (!partial.defined() || a.grad_mask_assign) {
     // grad_mask_assign: the partial is [B, Hq, Q, KV] float32 contiguous, written in full.
     p.grad_mask = partial.defined() ? partial.data_ptr<float>() : nullptr;

@@ -20,8 +20,6 @@
 // element is -inf whatever its score; a NaN score makes its row's out and lse NaN.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -405,13 +403,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
 }
 
-// SAFEATTN_ATTN_DECODE=0 turns the decode kernels off (read at each call: benchmarks and tests
-// compare both paths).
-bool decode_disabled() {
-  const char* setting = std::getenv("SAFEATTN_ATTN_DECODE");
-  return setting != nullptr && std::string_view(setting) == "0";
-}
-
 template <typename T, int kD>
 void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int64_t hkv) {
   constexpr size_t kSmem = decode_smem_bytes<T, kD>();
@@ -457,12 +448,13 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
   const int64_t group = hq / hkv;
-  const bool applies = !decode_disabled() && a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
-                       (head_dim == 64 || head_dim == 128) && a.value.size(3) == head_dim && q_len >= 1 &&
-                       group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
-                       attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
-                       attn::rows_aligned_16(a.value) && (!a.mask.defined() || a.mask.scalar_type() != at::kDouble) &&
-                       a.lse.is_contiguous() && a.lse.scalar_type() == at::kFloat;
+  const bool applies = !attn::switched_off("SAFEATTN_ATTN_DECODE") && a.out.numel() > 0 &&
+                       (dtype == at::kHalf || dtype == at::kBFloat16) && (head_dim == 64 || head_dim == 128) &&
+                       a.value.size(3) == head_dim && q_len >= 1 && group * q_len <= kMaxRows && batch <= 65535 &&
+                       hkv <= 65535 && a.out.stride(3) == 1 && attn::rows_aligned_16(a.query) &&
+                       attn::rows_aligned_16(a.key) && attn::rows_aligned_16(a.value) &&
+                       (!a.mask.defined() || a.mask.scalar_type() != at::kDouble) && a.lse.is_contiguous() &&
+                       a.lse.scalar_type() == at::kFloat;
   if (!applies) {
     return false;
   }
