@@ -72,6 +72,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: by device)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="Q = KV lengths (default: by device)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -80,6 +82,7 @@ def main() -> None:
         batches, lengths, repeats = (1, 8), (4096, 16384), 20
     else:
         batches, lengths, repeats = (1, 8), (1024, 4096), 10
+    batches, lengths = args.batches or batches, args.lengths or lengths
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads" + (
         f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     print_table(run(args.device, batches, lengths, repeats), args.device)

@@ -20,8 +20,9 @@
 #   quickbench the same, attention with --quick
 #   attnbench only bench_attention --quick
 #   maskbench only bench_sdpa_mask
-#   softmaxsweep bench_softmax once per SAFEATTN_SOFTMAX_ROW_VALUES (32, 16, 8: values per thread of
-#             the forward for rows that fit one block), forward rows copied into the summary
+#   masksweep bench_sdpa_mask at 4096^2 once per SAFEATTN_MASK_WAVES in MASK_WAVES (1 2 4 8)
+#   softmaxbench only bench_softmax, its forward rows copied into the summary
+#   softmaxprofile Nsight Compute over our softmax forward and torch.softmax's (float32 shapes)
 #   aoti      scripts/aoti_probe.py: which AOTInductor package crashes on load (the torch-only
 #             control on CPU, then every case on CUDA)
 #   decodeprofile torch.profiler tables of both decode paths, Nsight Compute over the split one
@@ -125,14 +126,19 @@ stage_maskbench() {
   grep -E '^\| [0-9]' "$OUT/bench_sdpa_mask.txt" | tee -a "$SUMMARY"
 }
 
-stage_softmaxsweep() {
-  local v
-  for v in ${SWEEP_VALUES:-32 16 8}; do
-    SAFEATTN_SOFTMAX_ROW_VALUES=$v run_bench "softmax_values$v" benchmarks/bench_softmax.py --device cuda \
-      ${SWEEP_ARGS:-}
-    grep -E '^ *(bf16|fp32) ' "$OUT/bench_softmax_values$v.txt" | head -10 | sed "s/^/values $v ${SAFEATTN_SOFTMAX_GRID:-persistent} /" |
-      tee -a "$SUMMARY"
+stage_masksweep() {
+  # bench_sdpa_mask at Q = KV = 4096 once per SAFEATTN_MASK_WAVES (blocks: waves of 2048 threads per SM).
+  local w
+  for w in ${MASK_WAVES:-1 2 4 8}; do
+    SAFEATTN_MASK_WAVES=$w run_bench "sdpa_mask_waves$w" benchmarks/bench_sdpa_mask.py --device cuda --lengths 4096 \
+      ${MASK_SWEEP_ARGS:-}
+    grep -E '^\| [0-9]' "$OUT/bench_sdpa_mask_waves$w.txt" | sed "s/^/waves $w /" | tee -a "$SUMMARY"
   done
+}
+
+stage_softmaxbench() {
+  run_bench softmax benchmarks/bench_softmax.py --device cuda
+  grep -E '^ *(bf16|fp32) ' "$OUT/bench_softmax.txt" | head -10 | tee -a "$SUMMARY"
 }
 
 stage_softmaxprofile() {
@@ -186,8 +192,8 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | maskbench | softmaxsweep | softmaxprofile | \
-      aoti | profile | decodeprofile) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | maskbench | masksweep | softmaxbench | \
+      softmaxprofile | aoti | profile | decodeprofile) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done

@@ -13,8 +13,9 @@
 // which and why), no data-dependent branch. (The earlier kernel updated an online (max, sum) per
 // element: two expf per element plus divergent branches, bound by instruction issue.)
 // Each thread holds 32 values (64 bytes of bfloat16, 128 of float32 in flight; 80 registers
-// at most, 24 warps per SM); the threads per row follow the row length: groups of 4-32 lanes
-// up to 1024 elements (several rows per warp), one block of 64-256 threads up to 8192, then
+// at most, 24 warps per SM), or 8 for float32 rows that fit one block (48 warps per SM); one
+// block per row group, the hardware scheduling them. The threads per row follow the row length:
+// groups of 4-32 lanes (several rows per warp), one block of 64-256 threads up to 8192, then
 // the row split over a thread-block cluster of 2-8 such blocks (sm_90) that swap their block's
 // (max, sum) through distributed shared memory, so that 64k-long rows still give thousands
 // of blocks. Longer rows (or no clusters) are read twice: a running (max, sum) per thread,
@@ -28,9 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -279,11 +278,10 @@ constexpr int block_threads() {
 }
 // Blocks per SM that __launch_bounds__ asks room for. A thread caching 32 values (or reading
 // twice): 768 threads (24 warps) per SM, so at most 80 registers (the values plus addressing),
-// half for double. Fewer cached values leave room for more warps: 16 values 1024 threads (64
-// registers), 8 values 1536 (40 registers); short rows are bound by how many rows are in flight.
+// half for double; a thread caching 8 values (small_forward_cache): 1536 threads, 40 registers.
 template <int kGroup, typename T, int kValues>
 constexpr int min_blocks() {
-  constexpr int per_sm = std::is_same_v<T, double> ? 384 : (kValues == 8 ? 1536 : (kValues == 16 ? 1024 : 768));
+  constexpr int per_sm = std::is_same_v<T, double> ? 384 : (kValues <= 8 ? 1536 : 768);
   constexpr int blocks = per_sm / block_threads<kGroup>();
   return blocks > 0 ? blocks : 1;
 }
@@ -635,6 +633,15 @@ constexpr int forward_cache(int vec) {
   return vec > 1 ? 32 / vec : 16;
 }
 
+// Vectors per thread of the float32 forward (4-element vectors) for rows that fit one block: 8
+// values, so that 1536 threads fit an SM (40 registers) instead of 768. Measured on H100 with
+// 8, 16 and 32 values per thread (2026-11-25, bench_softmax): float32 [1M, 1024] 3003 / 2994 /
+// 2988 GB/s and [4M, 128] 2976 / 2964 / 2928 (torch.softmax 2982 / 2989); 16-bit types did best
+// with 32 (bf16 [1M, 1024] 2906 / 2834 / 2982), so they keep forward_cache. 0: none.
+constexpr int small_forward_cache(int vec) {
+  return vec == 4 ? 2 : 0;
+}
+
 inline int64_t next_pow2(int64_t v) {
   int64_t p = 1;
   while (p < v) {
@@ -655,22 +662,10 @@ struct RowConfig {
 
 constexpr int kMaxSplit = 8;  // the portable cluster size limit
 
-// Values per thread of the forward's variants for rows that fit one block: 32 (forward_cache),
-// or fewer with more warps per SM (min_blocks). SAFEATTN_SOFTMAX_ROW_VALUES=8|16|32 picks one
-// for measurements; read once.
-inline int row_values_setting() {
-  static const int values = [] {
-    const char* s = std::getenv("SAFEATTN_SOFTMAX_ROW_VALUES");
-    const int v = s == nullptr ? 32 : std::atoi(s);
-    return v == 8 || v == 16 ? v : 32;
-  }();
-  return values;
-}
-
 // Forward, by row length in vectors; `cache` = forward_cache(vec): groups of 4-32 lanes up to
 // 32 threads' worth, one block of 64-256 up to 256 threads' worth, then a cluster of 2-8 such
 // blocks, then the read-twice path. Rows that fit one block with `small_cache` vectors per
-// thread take that instead (when it is not 0).
+// thread take that instead (when it is not 0; see small_forward_cache).
 inline RowConfig forward_config(int64_t vectors, int cache, bool clusters, int small_cache = 0) {
   if (small_cache > 0 && ceil_div(vectors, small_cache) <= 256) {
     cache = small_cache;
@@ -804,22 +799,14 @@ int64_t resident_units(int threads, int split, int device) {
   return units;
 }
 
-// Launches kKernel on `stream` as a persistent grid for `units` row groups of `threads` threads
-// (clusters of `split` blocks when split > 1); the kernels loop past the grid.
-// SAFEATTN_SOFTMAX_GRID=full: one block (cluster) per row group instead of the persistent grid,
-// for measurements; read once.
-inline bool full_grid_setting() {
-  static const bool full = [] {
-    const char* s = std::getenv("SAFEATTN_SOFTMAX_GRID");
-    return s != nullptr && std::string(s) == "full";
-  }();
-  return full;
-}
-
+// Launches kKernel on `stream` for `units` row groups of `threads` threads (clusters of `split`
+// blocks when split > 1). Single blocks get one block per row group (up to the grid limit; the
+// kernels loop past it): on H100 that ran at 99-100% of copy bandwidth where a persistent grid
+// of resident blocks ran at 90-95% (float32 [1M, 1024]: 2988 against 2795 GB/s). Clusters keep
+// the persistent grid, which measured better for bfloat16 [4096, 65536] (2118-2213 against 1977).
 template <auto kKernel, typename... Args>
 void launch(int64_t units, int threads, int split, int device, cudaStream_t stream, Args&&... args) {
-  const int64_t resident = full_grid_setting() ? std::min<int64_t>(units, INT32_MAX / split)
-                                               : resident_units<kKernel>(threads, split, device);
+  const int64_t resident = split > 1 ? resident_units<kKernel>(threads, split, device) : int64_t{INT32_MAX};
   const int64_t grid = std::min(units, resident) * split;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned int>(grid));
@@ -876,11 +863,9 @@ bool with_one_block_group(int group, F&& f) {
 template <int kVec, typename F>
 void with_forward_config(const RowConfig& c, F&& f) {
   constexpr int kCache = forward_cache(kVec);
-  if constexpr (kVec > 1) {
-    if (c.split == 1 && c.cache == 16 / kVec && with_one_block_group<kVec, 16 / kVec>(c.group, f)) {
-      return;
-    }
-    if (c.split == 1 && c.cache == 8 / kVec && with_one_block_group<kVec, 8 / kVec>(c.group, f)) {
+  if constexpr (small_forward_cache(kVec) > 0) {
+    if (c.split == 1 && c.cache == small_forward_cache(kVec) &&
+        with_one_block_group<kVec, small_forward_cache(kVec)>(c.group, f)) {
       return;
     }
   }
@@ -1030,8 +1015,7 @@ void forward_rows_vec(const T* scores, T* out, int64_t rows, int64_t n, const vo
   const bool clusters = clusters_usable_cached<Int<kVec * 2 + kMasked>>(
       &softmax_rows_kernel<T, kVec, 256, 0, kMaxSplit, kMasked>,
       &softmax_rows_kernel<T, kVec, 256, forward_cache(kVec), kMaxSplit, kMasked>, device);
-  const int small_cache = kVec > 1 && row_values_setting() < 32 ? row_values_setting() / kVec : 0;
-  const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters, small_cache);
+  const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters, small_forward_cache(kVec));
   with_forward_config<kVec>(c, [&](auto group, auto cache, auto split) {
     constexpr int kGroup = decltype(group)::value;
     constexpr int kCache = decltype(cache)::value;
