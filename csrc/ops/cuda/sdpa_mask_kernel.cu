@@ -3,8 +3,8 @@
 // block walks a contiguous range of rows with the same columns, so a padding mask is read as
 // one vector per thread per batch row and kept in registers for every query row of that batch
 // (reading it per row moved as many bytes through L2 as the mask wrote); ids are read from
-// small [B, L] tensors that stay in L2. The kernel is
-// specialised per rule (interval, padding, packed, general) so absent features cost nothing.
+// small [B, L] tensors that stay in L2. The kernel is specialised per rule (interval, padding,
+// packed, general) so absent features cost nothing.
 // Packed ids that never decrease along a row (Transformers' are a cumulative sum) are turned
 // into one run [begin, end) per position by a pre-pass, so their rows are intervals too.
 #include <algorithm>

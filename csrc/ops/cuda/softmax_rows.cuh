@@ -836,9 +836,9 @@ inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Calls f(Int<group>, Int<cache>, Int<split>) for the forward configurations forward_config can
-// return with vectors of kVec elements (cache == forward_cache(kVec), or 0).
-template <int kVec, int kCache, typename F>
+// Calls f(Int<group>, Int<kCache>, Int<1>) for a single-block configuration of `group` threads
+// per row; false for a group size no variant has.
+template <int kCache, typename F>
 bool with_one_block_group(int group, F&& f) {
   switch (group) {
     case 4:
@@ -860,36 +860,28 @@ bool with_one_block_group(int group, F&& f) {
   }
 }
 
+// Calls f(Int<group>, Int<cache>, Int<split>) for the forward configurations forward_config can
+// return with vectors of kVec elements (cache == forward_cache(kVec), small_forward_cache(kVec)
+// for single blocks, or 0).
 template <int kVec, typename F>
 void with_forward_config(const RowConfig& c, F&& f) {
   constexpr int kCache = forward_cache(kVec);
-  if constexpr (small_forward_cache(kVec) > 0) {
-    if (c.split == 1 && c.cache == small_forward_cache(kVec) &&
-        with_one_block_group<kVec, small_forward_cache(kVec)>(c.group, f)) {
+  constexpr int kSmall = small_forward_cache(kVec);
+  if (c.split == 1 && c.cache == kCache && with_one_block_group<kCache>(c.group, f)) {
+    return;
+  }
+  if constexpr (kSmall > 0) {
+    if (c.split == 1 && c.cache == kSmall && with_one_block_group<kSmall>(c.group, f)) {
       return;
     }
   }
-  if (c.cache == kCache) {
-    switch (c.group * 16 + c.split) {
-      case 4 * 16 + 1:
-        return f(Int<4>{}, Int<kCache>{}, Int<1>{});
-      case 8 * 16 + 1:
-        return f(Int<8>{}, Int<kCache>{}, Int<1>{});
-      case 16 * 16 + 1:
-        return f(Int<16>{}, Int<kCache>{}, Int<1>{});
-      case 32 * 16 + 1:
-        return f(Int<32>{}, Int<kCache>{}, Int<1>{});
-      case 64 * 16 + 1:
-        return f(Int<64>{}, Int<kCache>{}, Int<1>{});
-      case 128 * 16 + 1:
-        return f(Int<128>{}, Int<kCache>{}, Int<1>{});
-      case 256 * 16 + 1:
-        return f(Int<256>{}, Int<kCache>{}, Int<1>{});
-      case 256 * 16 + 2:
+  if (c.cache == kCache && c.group == 256) {
+    switch (c.split) {
+      case 2:
         return f(Int<256>{}, Int<kCache>{}, Int<2>{});
-      case 256 * 16 + 4:
+      case 4:
         return f(Int<256>{}, Int<kCache>{}, Int<4>{});
-      case 256 * 16 + 8:
+      case 8:
         return f(Int<256>{}, Int<kCache>{}, Int<8>{});
       default:
         break;
