@@ -57,9 +57,12 @@ stage_build() {
 run_pytest() {
   local name=$1
   shift
-  local per_test=()
+  local per_test=() chunk=()
   python -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout 300)
-  timeout -k 10 "$TIMEOUT" python -m pytest -q -rfE -p no:cacheprovider "${per_test[@]}" \
+  # One test at a time per worker, so that the slow tests tests/conftest.py puts first spread
+  # over the workers (an xdist without the option keeps its default chunks).
+  python -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk && chunk=(--maxschedchunk 1)
+  timeout -k 10 "$TIMEOUT" python -m pytest -q -rfEs -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
     -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
   local rc=$?
   local line

@@ -6,11 +6,14 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 echo "== pytest"
-python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" "$@"
+# --maxschedchunk 1: one test at a time per worker, so the slow tests that tests/conftest.py puts
+# first spread over the workers.
+python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1 "$@"
 
 echo "== pytest, Transformers 4.57 (second environment, same build)"
 (SAFEATTN_REQUIREMENTS=requirements-tf457.txt SAFEATTN_SKIP_BUILD=1 source scripts/env.sh &&
-  python -m pytest tests/test_transformers.py tests/test_transformers_masks.py -q -n "${PYTEST_WORKERS:-2}")
+  python -m pytest tests/test_transformers.py tests/test_transformers_masks.py -q -n "${PYTEST_WORKERS:-2}" \
+    --maxschedchunk 1)
 
 echo "== C++ tests (Catch2 + CTest)"
 if ! dpkg -s catch2 >/dev/null 2>&1; then

@@ -394,6 +394,7 @@ def _small_case(device, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_gradcheck(device):
     q, k, v, bias, sinks = _small_case(device)
 
@@ -426,6 +427,7 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_fullgraph_dynamic(device):
     torch._dynamo.reset()
 

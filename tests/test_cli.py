@@ -79,6 +79,7 @@ def demo_out() -> str:
     return run("demo", "--quick", "--device", "cpu")
 
 
+@pytest.mark.slow
 def test_demo_model_table(demo_out):
     rows = table_rows(demo_out, ("eager", "sdpa", "safeattn"))
     assert set(rows) == {"eager", "sdpa", "safeattn"}, f"one row per attn_implementation:\n{demo_out}"

@@ -51,6 +51,7 @@ def test_no_graph_break(case):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASE_PARAMS)
+@pytest.mark.slow
 def test_inductor_matches_eager_without_recompiling(case, device):
     """One inductor frame for 5 lengths; outputs, gradients and requires_grad equal eager's."""
     torch._dynamo.reset()

@@ -37,6 +37,7 @@ def _assert_identical(got, want, what):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASE_PARAMS)
+@pytest.mark.slow
 def test_threads_match_sequential(case, device):
     inputs = [make_inputs(case, LENGTH, device, seed=t) for t in range(THREADS)]
     sequential = [_flatten(run(case.fn, clone_inputs(args))) for args in inputs]

@@ -198,6 +198,7 @@ def _mismatch(model, inputs, outputs) -> str:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_aot_inductor_package_matches_eager(device, tmp_path):
     model, ep = _export(device)
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "tiny_attention.pt2"))

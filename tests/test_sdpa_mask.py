@@ -194,6 +194,7 @@ def test_empty_and_degenerate_sizes(device):
         assert torch.equal(got.cpu(), reference.sdpa_mask(b, q, kv)), f"values for {(b, q, kv)}"
 
 
+@pytest.mark.slow
 def test_isa_variants_agree(tmp_path):
     """The op gives the same mask whichever CPU ISA variant ATen selects (checked in a subprocess,
     since ATen reads ATEN_CPU_CAPABILITY once)."""
@@ -246,6 +247,7 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_dynamic_no_recompile(device):
     torch._dynamo.reset()
     counts = {"frames": 0}
@@ -265,6 +267,7 @@ def test_compile_dynamic_no_recompile(device):
     assert counts["frames"] == 1, f"compiled {counts['frames']} graphs for 4 lengths, expected 1"
 
 
+@pytest.mark.slow
 def test_compile_inductor_cpu():
     torch._dynamo.reset()
 

@@ -221,6 +221,7 @@ def special_rows(n, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.slow
 def test_every_row_strategy(device, dtype):
     for n in ROW_LENGTHS:
         x = special_rows(n, device).to(dtype)
@@ -492,6 +493,7 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_fullgraph_dynamic_forward_backward(device):
     torch._dynamo.reset()
 

@@ -195,6 +195,7 @@ def test_dropout_in_training_is_rejected_or_applied():
 # most (sliding + softcap, sliding + sinks). Left padding, then right padding at another batch
 # size (dynamic shapes: the same graph).
 @pytest.mark.parametrize("name", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.slow
 def test_compile_fullgraph_dynamic(name):
     if name == "gpt_oss" and IS_TF4:
         # modeling_gpt_oss.py's experts loop `for expert_idx in expert_hit[:]` is data-dependent
@@ -235,6 +236,7 @@ def test_compile_where_dynamo_cannot_read_closures(monkeypatch):
 
 
 @pytest.mark.skipif(IS_TF4, reason="5.x keywords (q_length, q_offset); 4.57 passes cache_position")
+@pytest.mark.slow
 def test_fallback_masks_under_compile_apply_padding_by_broadcast(monkeypatch):
     """Before torch 2.14 every mask reaches Transformers' construction under compile, with the
     padding applied by broadcasting (Transformers' gather is what inductor miscompiles on CPU in

@@ -288,6 +288,7 @@ def test_device_tensor_q_offset_is_never_read():
             assert mask.shape == (B, 1, q_length, 12), f"mask shape {tuple(mask.shape)}"
 
 
+@pytest.mark.slow
 def test_mask_is_never_none_while_tracing():
     kw = mask_kwargs(B, 7, 7, mask_function=mu.causal_mask_function, attention_mask=None)
     assert st.sdpa_mask(**kw) is None, "eager: a plain causal mask is skipped"
@@ -369,6 +370,7 @@ def test_packed_sequence_mask_eager_after_patch():
     assert_same_mask(ours, theirs, "packed sequences, eager")
 
 
+@pytest.mark.slow
 def test_nonpacked_sequence_mask_skip():
     position_ids = torch.arange(10)[None, :]
     embeds = torch.empty(2, 10, 8, dtype=torch.float16)
