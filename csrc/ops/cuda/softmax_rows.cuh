@@ -860,6 +860,22 @@ bool with_one_block_group(int group, F&& f) {
   }
 }
 
+// Calls f(Int<256>, Int<kCache>, Int<split>) for a cluster of `split` (2, 4 or 8) blocks of 256
+// threads per row; false for another split.
+template <int kCache, typename F>
+bool with_cluster_split(int split, F&& f) {
+  switch (split) {
+    case 2:
+      return f(Int<256>{}, Int<kCache>{}, Int<2>{}), true;
+    case 4:
+      return f(Int<256>{}, Int<kCache>{}, Int<4>{}), true;
+    case 8:
+      return f(Int<256>{}, Int<kCache>{}, Int<8>{}), true;
+    default:
+      return false;
+  }
+}
+
 // Calls f(Int<group>, Int<cache>, Int<split>) for the forward configurations forward_config can
 // return with vectors of kVec elements (cache == forward_cache(kVec), small_forward_cache(kVec)
 // for single blocks, or 0).
@@ -875,18 +891,10 @@ void with_forward_config(const RowConfig& c, F&& f) {
       return;
     }
   }
-  if (c.cache == kCache && c.group == 256) {
-    switch (c.split) {
-      case 2:
-        return f(Int<256>{}, Int<kCache>{}, Int<2>{});
-      case 4:
-        return f(Int<256>{}, Int<kCache>{}, Int<4>{});
-      case 8:
-        return f(Int<256>{}, Int<kCache>{}, Int<8>{});
-      default:
-        break;
-    }
-  } else if (c.cache == 0 && c.group == 256) {
+  if (c.cache == kCache && c.group == 256 && with_cluster_split<kCache>(c.split, f)) {
+    return;
+  }
+  if (c.cache == 0 && c.group == 256) {
     if (c.split == 1) {
       return f(Int<256>{}, Int<0>{}, Int<1>{});
     }
@@ -982,17 +990,8 @@ void with_backward_config(const RowConfig& c, F&& f) {
     }
     if constexpr (kVec > 1) {
       constexpr int kCache = 32 / kVec;
-      if (c.cache == kCache) {
-        switch (c.split) {
-          case 2:
-            return f(Int<256>{}, Int<kCache>{}, Int<2>{});
-          case 4:
-            return f(Int<256>{}, Int<kCache>{}, Int<4>{});
-          case 8:
-            return f(Int<256>{}, Int<kCache>{}, Int<8>{});
-          default:
-            break;
-        }
+      if (c.cache == kCache && with_cluster_split<kCache>(c.split, f)) {
+        return;
       }
     }
   }
