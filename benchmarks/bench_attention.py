@@ -152,7 +152,9 @@ def _prefill_cases(batch, heads, seq, device):
         print(f"  (FlexAttention n/a: {err})")
     cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
     cases[DETERMINISTIC_DQ_CASE] = cases["safeattn, is_causal"]  # timed with the atomic dQ off
+    cases[WIDE_DKDV_CAUSAL_CASE] = cases["safeattn, is_causal"]  # timed with the 8-warp dK/dV kernel
     cases["safeattn, causal+padding mask"] = (lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0], True)
+    cases[WIDE_DKDV_MASK_CASE] = cases["safeattn, causal+padding mask"]
     return cases
 
 
@@ -195,7 +197,7 @@ def main_cuda(args):
                     if grad is not None:
                         out.backward(grad)
 
-                with torch.set_grad_enabled(backward), _switch("SAFEATTN_ATTN_BWD_ATOMIC_DQ", name != DETERMINISTIC_DQ_CASE):
+                with torch.set_grad_enabled(backward), _environment(CASE_ENVIRONMENT.get(name, {})):
                     results.append(_try_ms(run, make, repeats, warmup))
             fwd_ms, both_ms = results
             if name.startswith("SDPA flash"):
@@ -245,7 +247,7 @@ def main_cuda(args):
         cases[PREFILL_KERNEL_CASE] = cases["safeattn"]  # timed with the decode kernels off
         kv_bytes = 2 * batch * hkv * kv_len * head_dim * 2
         for name, fn in cases.items():
-            with torch.no_grad(), _switch("SAFEATTN_ATTN_DECODE", name != PREFILL_KERNEL_CASE):
+            with torch.no_grad(), _environment(CASE_ENVIRONMENT.get(name, {})):
                 ms = _try_ms(fn, make, repeats * 4, warmup)
             cells = ("n/a", "n/a") if ms is None else (f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6:.0f}")
             print(f"| {name} | {kv_len} | {cells[0]} | {cells[1]} |", flush=True)
@@ -253,22 +255,36 @@ def main_cuda(args):
 
 PREFILL_KERNEL_CASE = "safeattn, prefill kernel (SAFEATTN_ATTN_DECODE=0)"
 DETERMINISTIC_DQ_CASE = "safeattn, is_causal, dQ kernel (SAFEATTN_ATTN_BWD_ATOMIC_DQ=0)"
+WIDE_DKDV_CAUSAL_CASE = "safeattn, is_causal, dK/dV 8 warps (SAFEATTN_ATTN_BWD_DKDV_WARPS=8)"
+WIDE_DKDV_MASK_CASE = "safeattn, causal+padding mask, dK/dV 8 warps"
+# The kernel variants some cases are timed with (the op reads these variables at each call);
+# every other case runs with the variables unset (the defaults).
+CASE_ENVIRONMENT = {
+    PREFILL_KERNEL_CASE: {"SAFEATTN_ATTN_DECODE": "0"},
+    DETERMINISTIC_DQ_CASE: {"SAFEATTN_ATTN_BWD_ATOMIC_DQ": "0"},
+    WIDE_DKDV_CAUSAL_CASE: {"SAFEATTN_ATTN_BWD_DKDV_WARPS": "8"},
+    WIDE_DKDV_MASK_CASE: {"SAFEATTN_ATTN_BWD_DKDV_WARPS": "8"},
+}
+_SWITCHES = sorted({name for env in CASE_ENVIRONMENT.values() for name in env})
 
 
 @contextlib.contextmanager
-def _switch(name, enabled):
-    """The kernel variant behind the switch `name` off when not enabled (the op reads the
-    variable at each call)."""
-    before = os.environ.get(name)
-    if not enabled:
-        os.environ[name] = "0"
+def _environment(settings):
+    """Every switch of CASE_ENVIRONMENT unset, except `settings`, for the duration."""
+    before = {name: os.environ.get(name) for name in _SWITCHES}
+    for name in _SWITCHES:
+        if name in settings:
+            os.environ[name] = settings[name]
+        else:
+            os.environ.pop(name, None)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main(argv=None):

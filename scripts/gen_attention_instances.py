@@ -7,8 +7,9 @@ compiles in its own job and setup.py's SAFEATTN_ATTN_HEAD_DIMS can leave head di
   python scripts/gen_attention_instances.py --check              # fail if a file is stale
 
 Each direction's header (attention_<dir>.cuh) must define
-`template <typename T, int kHeadDim> void launch_attention_<dir>(const <Dir>Params&, cudaStream_t)`
-and declare the same instantiations `extern template`, so no other file re-instantiates them.
+`template <typename T, int kHeadDim> void launch_attention_<dir>(...)` with the parameter list
+given below and declare the same instantiations `extern template`, so no other file
+re-instantiates them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DIRECTIONS = {
     "bwd": (
         "backward",
         "launch_attention_bwd",
-        "const BwdParams&, int64_t, int64_t, bool, bool, cudaStream_t",
+        "const BwdParams&, const BwdLaunch&, cudaStream_t",
         "#define SAFEATTN_ATTN_BWD_DEFINE_KERNELS\n",
         (32, 64, 96, 128),
     ),

@@ -4,8 +4,9 @@ dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks br
 batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True), with a mask
-gradient or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0), and the generic path (float32, head dims without
-an instantiation, D != Dv, unaligned views).
+gradient or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0), the two dK/dV kernel shapes (4 warps and 64 keys
+by default, 8 warps and 128 keys with SAFEATTN_ATTN_BWD_DKDV_WARPS=8), and the generic path
+(float32, head dims without an instantiation, D != Dv, unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -64,17 +65,28 @@ def dq_mode(request, monkeypatch):
     return request.param
 
 
+_DKDV_WARPS_SWITCH = "SAFEATTN_ATTN_BWD_DKDV_WARPS"
+
+
+@pytest.fixture(params=["4", "8"])
+def dkdv_warps(request, monkeypatch):
+    """The dK/dV kernel's shape: 4 warps of 16 keys (the default) or 8 warps (128 keys per CTA,
+    64-query steps, scored in 32-query sub-tiles above D=64)."""
+    monkeypatch.setenv(_DKDV_WARPS_SWITCH, request.param)
+    return int(request.param)
+
+
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
 @pytest.mark.parametrize(("q_len", "kv_len", "causal"), SHAPES)
-def test_tensor_core_matches_reference(dq_mode, head_dim, dtype, q_len, kv_len, causal):
+def test_tensor_core_matches_reference(dq_mode, dkdv_warps, head_dim, dtype, q_len, kv_len, causal):
     q, k, v = _qkv(1, 4, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + q_len)
     _check_against_reference(q, k, v, enable_gqa=True, **_causal_kwargs(causal, q_len, kv_len))
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_gqa_groups(group, causal):
+def test_gqa_groups(dkdv_warps, group, causal):
     q, k, v = _qkv(2, 2 * group, 2, 130, 200, 128, torch.bfloat16, DEVICE)
     _check_against_reference(q, k, v, enable_gqa=group != 1, **_causal_kwargs(causal, 130, 200))
 
@@ -101,7 +113,7 @@ def test_causal_offsets(offsets):
 )
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
+def test_learnable_bias_gradient(dkdv_warps, bias_shape, bias_dtype, causal):
     # [2, 4, 97, 130] takes the assign path (the partial is the gradient); the others go through
     # the staging buffer and its reductions (batch, GQA group, size-1 query / key dims).
     q, k, v = _qkv(2, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
@@ -137,7 +149,7 @@ def _structured_allowed(batch, q_len, kv_len):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask_kind", ["bool", "bias_full", "bias_broadcast"])
-def test_structured_mask_tiles(head_dim, mask_kind):
+def test_structured_mask_tiles(dkdv_warps, head_dim, mask_kind):
     # bias_full ([B, Hq, Q, KV] float32) takes the mask-gradient assign path, bias_broadcast
     # ([B, 1, Q, KV]) the staging buffer: in both, skipped tiles must get an exact 0 gradient.
     q_len = kv_len = 300
@@ -188,7 +200,7 @@ def test_every_row_masked_gives_zero_gradients():
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_softcap(dtype, head_dim):
+def test_softcap(dkdv_warps, dtype, head_dim):
     q, k, v = _qkv(1, 4, 2, 97, 300, head_dim, dtype, DEVICE)
     with torch.no_grad():
         q.mul_(4)  # large scores, so that the cap matters
@@ -237,7 +249,7 @@ def test_nan_propagates_to_gradients():
     assert not gk[0, 1].isnan().any(), "NaN must not reach grad_key of another head"
 
 
-def test_nan_padding_never_leaks():
+def test_nan_padding_never_leaks(dkdv_warps):
     # Every input is a view into a NaN-filled buffer; tiles past the sequence ends must not read it.
     batch, hq, hkv, q_len, kv_len, d = 2, 4, 2, 37, 530, 128
 
@@ -318,6 +330,28 @@ def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
     assert dq_kernel_ran(), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
 
 
+def test_dkdv_shape_selection(monkeypatch):
+    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
+
+    def dkdv_kernels():
+        names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
+        return [n for n in names if "attention_bwd_dkdv_kernel" in n]
+
+    monkeypatch.delenv(_DKDV_WARPS_SWITCH, raising=False)
+    default = dkdv_kernels()
+    if not default:
+        pytest.skip("the profiler recorded no CUDA kernel")
+    # The kernel's template arguments are <dtype, head dim, warps, atomic dQ>.
+    assert all(", 128, 4, " in n for n in default), f"the default shape must be 4 warps: {default}"
+    monkeypatch.setenv(_DKDV_WARPS_SWITCH, "8")
+    wide = dkdv_kernels()
+    assert wide and all(", 128, 8, " in n for n in wide), f"{_DKDV_WARPS_SWITCH}=8 must take 8 warps: {wide}"
+    monkeypatch.setenv(_DKDV_WARPS_SWITCH, "6")
+    out, _ = safeattn.attention(q, k, v, enable_gqa=True)
+    with pytest.raises(RuntimeError, match=f"{_DKDV_WARPS_SWITCH} must be 4 or 8"):
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+
+
 def _padding_mask(batch, q_len, kv_len):
     """[batch, 1, Q, KV] bool: random holes, batch 1 left-padded by 70 keys, and fully masked
     rows on a first, a tile-boundary, an odd and the last query."""
@@ -333,7 +367,7 @@ def _padding_mask(batch, q_len, kv_len):
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("masking", ["causal", "padding"])
-def test_atomic_dq_matches_reference(monkeypatch, masking, head_dim, dtype):
+def test_atomic_dq_matches_reference(monkeypatch, dkdv_warps, masking, head_dim, dtype):
     # GQA 4:1 (four query heads add into the same key tiles' work), Q = 97: a partial last tile
     # for both the 64- (D=64) and the 32-query (D=128) steps. Causal with kv_offset 30: queries
     # 0..29 see no key. Padding: see _padding_mask.

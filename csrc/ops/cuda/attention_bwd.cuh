@@ -7,8 +7,9 @@
 //      (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
 //   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
 //      memory and walks every query head of its GQA group and every query tile that can see the
-//      tile (the causal rule skips the tiles above the diagonal). Each warp owns 16 keys, and
-//      computes the transposed tiles (keys along rows, queries along columns):
+//      tile (the causal rule skips the tiles above the diagonal). Each warp owns 16 keys (4 or 8
+//      warps: DkvTraits), and computes the transposed tiles (keys along rows, queries along
+//      columns):
 //        S^T = K Q^T     P^T = exp(score(S^T) - lse)     dP^T = V dO^T
 //        dS^T = P^T * (dP^T - Delta)     dS'^T = dS^T * d score / d(q.k)
 //        dV += P^T dO    dK += dS'^T Q
@@ -20,10 +21,10 @@
 //        written by two CTAs and every loop has a fixed order: results are bit-identical from
 //        run to run, at the price of recomputing S and dP (7 products instead of 5).
 //      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
-//        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its 4 warps
-//        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries x D / (4 /
-//        (queries / 16)) columns), added into a zeroed [B, Hq, Q, D] float32 buffer with
-//        red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
+//        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its warps
+//        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries and a share
+//        of the head dim, DkvTraits::kDqCols), added into a zeroed [B, Hq, Q, D] float32 buffer
+//        with red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
 //        head adds into the same rows, in no fixed order: not bit-reproducible. Used when
 //        deterministic algorithms are off, no mask gradient is needed (the dQ kernel writes it)
 //        and SAFEATTN_ATTN_BWD_ATOMIC_DQ is not "0". Skipped tiles and rows with no visible key
@@ -82,9 +83,8 @@ struct BwdParams {
   int64_t hq, hkv, q_len, kv_len;
 };
 
-// Tile shapes of one head dim. 4 warps; each warp owns 16 rows of its kernel's fixed operand
-// (keys in dK/dV, queries in dQ). The moving tile (queries in dK/dV, keys in dQ) is smaller for
-// large head dims so that the accumulators (dK and dV: head_dim floats per thread) plus the
+// The dQ kernel's shape for one head dim: 4 warps, each owning 16 queries; the key step is
+// smaller for large head dims so that the dQ accumulator (head_dim floats per thread) plus the
 // two score tiles stay in registers.
 template <int kHeadDim>
 struct BwdTraits {
@@ -92,52 +92,87 @@ struct BwdTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kStride = kHeadDim + 8;  // smem row, elements (16-byte padding)
-  // dK/dV kernel: kKvRows keys per CTA, kQRows queries per step.
-  static constexpr int kDkvKeys = 16 * kWarps;
-  static constexpr int kDkvQueries = kHeadDim <= 64 ? 64 : 32;
-  // Atomic dQ in the dK/dV kernel: dS'^T of a step in smem, [kDkvKeys][kDsStride]; warp w
-  // computes dQ of the step's queries [16 * (w / kDqWarpsPerRows), +16) and head-dim columns
-  // [kDqCols * (w % kDqWarpsPerRows), +kDqCols), so every warp does the same work.
-  static constexpr int kDsStride = kDkvQueries + 8;
-  static constexpr int kDqWarpsPerRows = kWarps / (kDkvQueries / 16);
-  static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
-  static_assert(kDqWarpsPerRows * (kDkvQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
-  // dQ kernel: kDqQueries queries per CTA, kDqKeys keys per step.
+  // kDqQueries queries per CTA, kDqKeys keys per step.
   static constexpr int kDqQueries = 16 * kWarps;
   static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
-
-  static constexpr size_t kDkvSmem =
-      sizeof(uint16_t) * kStride * (2 * kDkvKeys + 2 * 2 * kDkvQueries) + sizeof(float) * 2 * 2 * kDkvQueries;
-  static constexpr size_t kDkvAtomicDqSmem = kDkvSmem + sizeof(uint16_t) * kDkvKeys * kDsStride;
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
-// Host: the (query, key) tile sizes of the dK/dV and the dQ kernels for head dim d, for the
-// mask summaries; false when d has no tensor-core backward.
+// The dK/dV kernel's shape: kWarps warps of 16 keys each (kKeys keys per CTA) step over kQueries
+// queries at a time. Per thread it holds dK and dV (2 x head_dim floats) and the step's two score
+// tiles (2 x kQueries / 2 floats). With 4 warps at D=128 the step is 32 queries, so that this fits
+// in 255 registers (2 CTAs of 4 warps per SM); with 8 warps (one CTA per SM, the same 8 warps)
+// it is 64 queries: each step loads Q and dO once for twice the keys, with 4x the MMAs per
+// barrier and half the atomic dQ adds per key (FlashAttention-2's 128 keys x 64 queries).
+// Both shapes are compiled; SAFEATTN_ATTN_BWD_DKDV_WARPS picks one per call (default 4).
+template <int kHeadDim, int kWarps>
+struct DkvTraits {
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
+  static_assert(kWarps == 4 || kWarps == 8, "dK/dV kernel: 4 or 8 warps");
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kKeys = 16 * kWarps;
+  static constexpr int kQueries = kHeadDim <= 64 || kWarps == 8 ? 64 : 32;
+  // The step's queries are scored kSubQueries at a time: at D > 64 a 64-query score tile pair
+  // next to dK and dV would spill (nvcc 13.0, sm_90: 88 bytes at 255 registers, 8 warps, D=128).
+  static constexpr int kSubQueries = kHeadDim <= 64 ? kQueries : 32;
+  // Atomic dQ: dS'^T of a step in smem, [kKeys][kDsStride]; warp w computes dQ of the step's
+  // queries [16 * (w / kDqWarpsPerRows), +16) and head-dim columns [kDqCols * (w %
+  // kDqWarpsPerRows), +kDqCols), so every warp does the same work.
+  static constexpr int kDsStride = kQueries + 8;
+  static constexpr int kDqWarpsPerRows = kWarps / (kQueries / 16);
+  static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
+  static_assert(kDqWarpsPerRows * (kQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
+
+  // K, V; Q and dO double-buffered; lse and Delta double-buffered; (atomic dQ) dS'^T.
+  static constexpr size_t kSmem =
+      sizeof(uint16_t) * kStride * (2 * kKeys + 2 * 2 * kQueries) + sizeof(float) * 2 * 2 * kQueries;
+  static constexpr size_t kAtomicDqSmem = kSmem + sizeof(uint16_t) * kKeys * kDsStride;
+};
+
+// Host: the (query, key) tile sizes of the dK/dV kernel (with `dkdv_warps` warps) and of the dQ
+// kernel for head dim d, for the mask summaries; false when d has no tensor-core backward.
 struct BwdTileSizes {
   int dkdv_q = 0, dkdv_kv = 0, dq_q = 0, dq_kv = 0;
 };
-inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
+template <int D>
+BwdTileSizes bwd_tile_sizes_of(int dkdv_warps) {
+  const int dkdv_q = dkdv_warps == 8 ? DkvTraits<D, 8>::kQueries : DkvTraits<D, 4>::kQueries;
+  const int dkdv_kv = dkdv_warps == 8 ? DkvTraits<D, 8>::kKeys : DkvTraits<D, 4>::kKeys;
+  return {dkdv_q, dkdv_kv, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys};
+}
+inline bool bwd_tile_sizes(int64_t d, int dkdv_warps, BwdTileSizes& sizes) {
   switch (d) {
-#define SAFEATTN_BWD_TILE_CASE(D)                                                                                 \
-  case D:                                                                                                         \
-    sizes = {BwdTraits<D>::kDkvQueries, BwdTraits<D>::kDkvKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys}; \
-    return true;
-    SAFEATTN_BWD_TILE_CASE(32)
-    SAFEATTN_BWD_TILE_CASE(64)
-    SAFEATTN_BWD_TILE_CASE(96)
-    SAFEATTN_BWD_TILE_CASE(128)
-#undef SAFEATTN_BWD_TILE_CASE
+    case 32:
+      sizes = bwd_tile_sizes_of<32>(dkdv_warps);
+      return true;
+    case 64:
+      sizes = bwd_tile_sizes_of<64>(dkdv_warps);
+      return true;
+    case 96:
+      sizes = bwd_tile_sizes_of<96>(dkdv_warps);
+      return true;
+    case 128:
+      sizes = bwd_tile_sizes_of<128>(dkdv_warps);
+      return true;
     default:
       return false;
   }
 }
 
-// Launches the dK/dV and dQ kernels for one dtype and head dim (rows pre-pass done by the caller).
-// Instantiated in attention_bwd_d<D>_<dtype>.cu.
+// What one backward launch runs (the rows pre-pass is the caller's).
+struct BwdLaunch {
+  int64_t batch = 0;        // the dK/dV kernel's grid covers batches [0, batch)
+  int64_t batch_count = 0;  // the dQ kernel's: [params.batch_begin, +batch_count)
+  bool run_dkdv = false;
+  bool run_dq = false;
+  int dkdv_warps = 4;  // the dK/dV kernel's shape (DkvTraits): 4 or 8
+};
+
+// Launches the dK/dV and dQ kernels for one dtype and head dim. Instantiated in
+// attention_bwd_d<D>_<dtype>.cu.
 template <typename T, int kHeadDim>
-void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_count, bool run_dkdv, bool run_dq,
-                          cudaStream_t stream);
+void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cudaStream_t stream);
 
 #ifdef SAFEATTN_ATTN_BWD_DEFINE_KERNELS
 
@@ -203,10 +238,10 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
 // p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
 // ds_s: dS'^T [kDkvKeys][kDsStride] (keys along rows); k_s: K [kDkvKeys][kStride]. dS' already
 // holds d score / d(q.k) (the scale, the softcap's derivative): no scale here.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, int kWarps>
 __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
                                             int64_t i0, int warp, int lane) {
-  using Tr = BwdTraits<kHeadDim>;
+  using Tr = DkvTraits<kHeadDim, kWarps>;
   constexpr int kNTiles = Tr::kDqCols / 8;
   const int row0 = 16 * (warp / Tr::kDqWarpsPerRows);           // this warp's queries within the step
   const int col0 = Tr::kDqCols * (warp % Tr::kDqWarpsPerRows);  // and head-dim columns
@@ -219,7 +254,7 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
     }
   }
 #pragma unroll
-  for (int kk = 0; kk < Tr::kDkvKeys / 16; ++kk) {
+  for (int kk = 0; kk < Tr::kKeys / 16; ++kk) {
     // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
     // l / 8 is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A.
     uint32_t a_ds[4];
@@ -260,14 +295,17 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
   }
 }
 
-// kAtomicDq: also dQ of every step, added into p.dq_accum (the atomic mode, see the top).
-template <typename T, int kHeadDim, bool kAtomicDq>
-__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
-  using Tr = BwdTraits<kHeadDim>;
+// kWarps: the CTA's shape (DkvTraits). kAtomicDq: also dQ of every step, added into p.dq_accum
+// (the atomic mode, see the top).
+template <typename T, int kHeadDim, int kWarps, bool kAtomicDq>
+__global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads)
+    attention_bwd_dkdv_kernel(const BwdParams p) {
+  using Tr = DkvTraits<kHeadDim, kWarps>;
   constexpr int kStride = Tr::kStride;
-  constexpr int kKeys = Tr::kDkvKeys;
-  constexpr int kQueries = Tr::kDkvQueries;
-  constexpr int kQTiles = kQueries / 8;  // n-tiles of the score tile
+  constexpr int kKeys = Tr::kKeys;
+  constexpr int kQueries = Tr::kQueries;
+  constexpr int kSubQueries = Tr::kSubQueries;
+  constexpr int kQTiles = kSubQueries / 8;  // n-tiles of the score tile
   constexpr int kDTiles = kHeadDim / 8;  // n-tiles of the dK / dV accumulators
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -277,7 +315,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   T* do_s = q_s + 2 * kQueries * kStride;                                  // [2][kQueries][kStride]
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries]
   float* delta_s = lse_s + 2 * kQueries;                                   // [2][kQueries]
-  // kAtomicDq: dS'^T of the step, [kKeys][kDsStride] (past kDkvSmem, 16-byte aligned).
+  // kAtomicDq: dS'^T of the step, [kKeys][kDsStride] (past Tr::kSmem, 16-byte aligned).
   T* ds_s = reinterpret_cast<T*>(delta_s + 2 * kQueries);
 
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
@@ -354,97 +392,105 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
     }
     __syncthreads();
 
-    const T* qt = q_s + buf * kQueries * kStride;
-    const T* dot = do_s + buf * kQueries * kStride;
-    const float* lse_t = lse_s + buf * kQueries;
-    const float* delta_t = delta_s + buf * kQueries;
     const int64_t h = step_head(step);
     const int64_t q_tile = step_q_tile(step);
     const int64_t i0 = q_tile * kQueries;
     const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
 
-    // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and all kQueries queries.
-    float st[kQTiles][4];
-    float dpt[kQTiles][4];
-#pragma unroll
-    for (int t = 0; t < kQTiles; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        st[t][e] = 0.0f;
-        dpt[t][e] = 0.0f;
-      }
-    }
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t a_k[4], a_v[4];
-      const int a_row = key_row + (lane & 15);
-      const int a_col = ks * 16 + (lane >> 4) * 8;
-      ldmatrix_x4(a_k, k_s + a_row * kStride + a_col);
-      ldmatrix_x4(a_v, v_s + a_row * kStride + a_col);
-#pragma unroll
-      for (int np = 0; np < kQueries / 16; ++np) {
-        const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t b_q[4], b_do[4];
-        ldmatrix_x4(b_q, qt + b_row * kStride + b_col);
-        ldmatrix_x4(b_do, dot + b_row * kStride + b_col);
-        mma_16816<T>(st[2 * np], a_k, {b_q[0], b_q[1]});
-        mma_16816<T>(st[2 * np + 1], a_k, {b_q[2], b_q[3]});
-        mma_16816<T>(dpt[2 * np], a_v, {b_do[0], b_do[1]});
-        mma_16816<T>(dpt[2 * np + 1], a_v, {b_do[2], b_do[3]});
-      }
-    }
+    // The step's queries in sub-tiles of kSubQueries, so that the two score tiles of one
+    // sub-tile are all the registers the scores take (not unrolled: the same registers serve
+    // every sub-tile).
+#pragma unroll 1
+    for (int sub = 0; sub < kQueries / kSubQueries; ++sub) {
+      const int q0 = sub * kSubQueries;  // the sub-tile's first query within the step
+      const T* qt = q_s + (buf * kQueries + q0) * kStride;
+      const T* dot = do_s + (buf * kQueries + q0) * kStride;
+      const float* lse_t = lse_s + buf * kQueries + q0;
+      const float* delta_t = delta_s + buf * kQueries + q0;
 
-    // P^T and dS'^T in place (st holds p, dpt holds dS').
+      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the sub-tile's queries.
+      float st[kQTiles][4];
+      float dpt[kQTiles][4];
 #pragma unroll
-    for (int t = 0; t < kQTiles; ++t) {
+      for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = t * 8 + 2 * tig + (e & 1);
-        const int64_t i = i0 + col;
-        const int64_t j = j0 + key_row + g + (e >> 1) * 8;
-        float dscore;
-        const float x = score_log2_of(p, plain, st[t][e], b, h, i, j, dscore);
-        const float prob = fast_exp2(x - lse_t[col]);
-        st[t][e] = prob;
-        dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
+        for (int e = 0; e < 4; ++e) {
+          st[t][e] = 0.0f;
+          dpt[t][e] = 0.0f;
+        }
       }
-    }
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        uint32_t a_k[4], a_v[4];
+        const int a_row = key_row + (lane & 15);
+        const int a_col = ks * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(a_k, k_s + a_row * kStride + a_col);
+        ldmatrix_x4(a_v, v_s + a_row * kStride + a_col);
+#pragma unroll
+        for (int np = 0; np < kSubQueries / 16; ++np) {
+          const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
+          const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+          uint32_t b_q[4], b_do[4];
+          ldmatrix_x4(b_q, qt + b_row * kStride + b_col);
+          ldmatrix_x4(b_do, dot + b_row * kStride + b_col);
+          mma_16816<T>(st[2 * np], a_k, {b_q[0], b_q[1]});
+          mma_16816<T>(st[2 * np + 1], a_k, {b_q[2], b_q[3]});
+          mma_16816<T>(dpt[2 * np], a_v, {b_do[0], b_do[1]});
+          mma_16816<T>(dpt[2 * np + 1], a_v, {b_do[2], b_do[3]});
+        }
+      }
 
-    // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
+      // P^T and dS'^T in place (st holds p, dpt holds dS').
 #pragma unroll
-    for (int kk = 0; kk < kQueries / 16; ++kk) {
-      const uint32_t a_p[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                               pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                               pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const uint32_t a_ds[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
-      if constexpr (kAtomicDq) {
-        // dS'^T as the registers hold it: rows key_row + g (+8), columns 2 * tig (+1) of the
-        // n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
-        T* ds_row = ds_s + (key_row + g) * Tr::kDsStride + kk * 16 + 2 * tig;
-        *reinterpret_cast<uint32_t*>(ds_row) = a_ds[0];
-        *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride) = a_ds[1];
-        *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
-        *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride + 8) = a_ds[3];
+      for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = t * 8 + 2 * tig + (e & 1);
+          const int64_t i = i0 + q0 + col;
+          const int64_t j = j0 + key_row + g + (e >> 1) * 8;
+          float dscore;
+          const float x = score_log2_of(p, plain, st[t][e], b, h, i, j, dscore);
+          const float prob = fast_exp2(x - lse_t[col]);
+          st[t][e] = prob;
+          dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
+        }
       }
-      const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+
+      // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-        const int b_col = dp * 16 + (lane >> 4) * 8;
-        uint32_t b_do[4], b_q[4];
-        ldmatrix_x4_trans(b_do, dot + b_row * kStride + b_col);
-        ldmatrix_x4_trans(b_q, qt + b_row * kStride + b_col);
-        mma_16816<T>(dv_acc[2 * dp], a_p, {b_do[0], b_do[1]});
-        mma_16816<T>(dv_acc[2 * dp + 1], a_p, {b_do[2], b_do[3]});
-        mma_16816<T>(dk_acc[2 * dp], a_ds, {b_q[0], b_q[1]});
-        mma_16816<T>(dk_acc[2 * dp + 1], a_ds, {b_q[2], b_q[3]});
+      for (int kk = 0; kk < kSubQueries / 16; ++kk) {
+        const uint32_t a_p[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
+                                 pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                                 pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+        const uint32_t a_ds[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
+                                  pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                                  pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+        if constexpr (kAtomicDq) {
+          // dS'^T as the registers hold it: rows key_row + g (+8), columns q0 + 2 * tig (+1) of
+          // the n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
+          T* ds_row = ds_s + (key_row + g) * Tr::kDsStride + q0 + kk * 16 + 2 * tig;
+          *reinterpret_cast<uint32_t*>(ds_row) = a_ds[0];
+          *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride) = a_ds[1];
+          *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
+          *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride + 8) = a_ds[3];
+        }
+        const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          const int b_col = dp * 16 + (lane >> 4) * 8;
+          uint32_t b_do[4], b_q[4];
+          ldmatrix_x4_trans(b_do, dot + b_row * kStride + b_col);
+          ldmatrix_x4_trans(b_q, qt + b_row * kStride + b_col);
+          mma_16816<T>(dv_acc[2 * dp], a_p, {b_do[0], b_do[1]});
+          mma_16816<T>(dv_acc[2 * dp + 1], a_p, {b_do[2], b_do[3]});
+          mma_16816<T>(dk_acc[2 * dp], a_ds, {b_q[0], b_q[1]});
+          mma_16816<T>(dk_acc[2 * dp + 1], a_ds, {b_q[2], b_q[3]});
+        }
       }
     }
     if constexpr (kAtomicDq) {
       __syncthreads();  // every warp's dS'^T is in ds_s
-      add_step_dq<T, kHeadDim>(p, ds_s, k_s, b, h, i0, warp, lane);
+      add_step_dq<T, kHeadDim, kWarps>(p, ds_s, k_s, b, h, i0, warp, lane);
     }
     __syncthreads();  // this buffer (and ds_s) is refilled by the next step
     step = next;
@@ -685,30 +731,40 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   }
 }
 
+// The dK/dV kernel of one shape; params.dq_accum set: the atomic mode, dQ added by this kernel
+// (the caller then skips the dQ kernel).
+template <typename T, int kHeadDim, int kWarps>
+void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
+  using Tr = DkvTraits<kHeadDim, kWarps>;
+  const bool atomic_dq = params.dq_accum != nullptr;
+  auto* kernel = atomic_dq ? &attention_bwd_dkdv_kernel<T, kHeadDim, kWarps, true>
+                           : &attention_bwd_dkdv_kernel<T, kHeadDim, kWarps, false>;
+  const size_t smem = atomic_dq ? Tr::kAtomicDqSmem : Tr::kSmem;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kKeys - 1) / Tr::kKeys),
+                  static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
+  kernel<<<grid, Tr::kThreads, smem, stream>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace bwd_detail
 
 template <typename T, int kHeadDim>
-void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_count, bool run_dkdv, bool run_dq,
-                          cudaStream_t stream) {
-  using Tr = BwdTraits<kHeadDim>;
-  if (run_dkdv) {
-    // params.dq_accum set: the atomic mode, dQ added by this kernel (the caller skips run_dq).
-    const bool atomic_dq = params.dq_accum != nullptr;
-    auto* kernel = atomic_dq ? &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim, true>
-                             : &bwd_detail::attention_bwd_dkdv_kernel<T, kHeadDim, false>;
-    const size_t smem = atomic_dq ? Tr::kDkvAtomicDqSmem : Tr::kDkvSmem;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kDkvKeys - 1) / Tr::kDkvKeys),
-                    static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
-    kernel<<<grid, Tr::kThreads, smem, stream>>>(params);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cudaStream_t stream) {
+  if (launch.run_dkdv) {
+    if (launch.dkdv_warps == 8) {
+      bwd_detail::launch_dkdv<T, kHeadDim, 8>(params, launch.batch, stream);
+    } else {
+      bwd_detail::launch_dkdv<T, kHeadDim, 4>(params, launch.batch, stream);
+    }
   }
-  if (run_dq) {
+  if (launch.run_dq) {
+    using Tr = BwdTraits<kHeadDim>;
     auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim>;
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
     const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),
-                    static_cast<unsigned>(params.hq), static_cast<unsigned>(batch_count));
+                    static_cast<unsigned>(params.hq), static_cast<unsigned>(launch.batch_count));
     kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -719,7 +775,7 @@ void launch_attention_bwd(const BwdParams& params, int64_t batch, int64_t batch_
 // One instantiation per (dtype, head dim), each in its own generated file
 // (attention_bwd_d<D>_<dtype>.cu); the others only declare it.
 #define SAFEATTN_ATTN_BWD_EXTERN(T, D) \
-  extern template void launch_attention_bwd<T, D>(const BwdParams&, int64_t, int64_t, bool, bool, cudaStream_t);
+  extern template void launch_attention_bwd<T, D>(const BwdParams&, const BwdLaunch&, cudaStream_t);
 SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 32)
 SAFEATTN_ATTN_BWD_EXTERN(__half, 32)
 SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 64)

@@ -5,6 +5,6 @@
 
 namespace safeattn::cuda::attn {
 
-template void launch_attention_bwd<__nv_bfloat16, 96>(const BwdParams&, int64_t, int64_t, bool, bool, cudaStream_t);
+template void launch_attention_bwd<__nv_bfloat16, 96>(const BwdParams&, const BwdLaunch&, cudaStream_t);
 
 }  // namespace safeattn::cuda::attn

@@ -14,6 +14,8 @@
 //     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -96,24 +98,24 @@ bool has_tensor_core_head_dim(int64_t head_dim) {
 }
 
 template <typename T>
-void launch_for_head_dim(int64_t head_dim, const BwdParams& params, int64_t batch, int64_t batch_count, bool dkdv,
-                         bool dq, cudaStream_t stream) {
+void launch_for_head_dim(int64_t head_dim, const BwdParams& params, const attn::BwdLaunch& launch,
+                         cudaStream_t stream) {
   switch (head_dim) {
 #ifdef SAFEATTN_ATTN_BWD_D32
     case 32:
-      return attn::launch_attention_bwd<T, 32>(params, batch, batch_count, dkdv, dq, stream);
+      return attn::launch_attention_bwd<T, 32>(params, launch, stream);
 #endif
 #ifdef SAFEATTN_ATTN_BWD_D64
     case 64:
-      return attn::launch_attention_bwd<T, 64>(params, batch, batch_count, dkdv, dq, stream);
+      return attn::launch_attention_bwd<T, 64>(params, launch, stream);
 #endif
 #ifdef SAFEATTN_ATTN_BWD_D96
     case 96:
-      return attn::launch_attention_bwd<T, 96>(params, batch, batch_count, dkdv, dq, stream);
+      return attn::launch_attention_bwd<T, 96>(params, launch, stream);
 #endif
 #ifdef SAFEATTN_ATTN_BWD_D128
     case 128:
-      return attn::launch_attention_bwd<T, 128>(params, batch, batch_count, dkdv, dq, stream);
+      return attn::launch_attention_bwd<T, 128>(params, launch, stream);
 #endif
     default:
       TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
@@ -163,6 +165,19 @@ bool use_atomic_dq(const AttentionBwdArgs& a) {
   return !attn::switched_off("SAFEATTN_ATTN_BWD_ATOMIC_DQ");
 }
 
+// The dK/dV kernel's shape (attention_bwd.cuh, DkvTraits): SAFEATTN_ATTN_BWD_DKDV_WARPS=8 takes
+// the CTA of 8 warps and 128 keys with 64-query steps, unset or 4 the CTA of 4 warps and 64 keys.
+// A measurement switch, read at each call, until both shapes have been timed on a GPU.
+int dkdv_warps() {
+  const char* setting = std::getenv("SAFEATTN_ATTN_BWD_DKDV_WARPS");
+  if (setting == nullptr || *setting == '\0') {
+    return 4;
+  }
+  const std::string_view value(setting);
+  TORCH_CHECK(value == "4" || value == "8", "SAFEATTN_ATTN_BWD_DKDV_WARPS must be 4 or 8, got '", value, "'");
+  return value == "8" ? 8 : 4;
+}
+
 template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -209,17 +224,22 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.grad_mask = nullptr;
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
+  const bool atomic_dq = use_atomic_dq(a);
+  const int warps = dkdv_warps();
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;
-    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, tiles), "attention backward (CUDA): no tile sizes for ",
-                          head_dim);
+    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, warps, tiles),
+                          "attention backward (CUDA): no tile sizes for ", head_dim);
     summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
-    summary_dq = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv
-                     ? summary_dkdv
-                     : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv);
     p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
-    p.tiles_dq = attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv);
+    // The atomic mode runs no dQ kernel: its summary is not needed.
+    if (!atomic_dq) {
+      summary_dq = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv
+                       ? summary_dkdv
+                       : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv);
+      p.tiles_dq = attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv);
+    }
   }
   p.causal.enabled = a.is_causal;
   p.causal.shift = a.q_offset - a.kv_offset;
@@ -231,24 +251,29 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.kv_len = kv_len;
 
   const at::Tensor& partial = a.grad_mask_partial;
-  if (use_atomic_dq(a)) {
+  // dkdv, dq: which kernels a launch runs; the dK/dV kernel covers every batch, the dQ kernel
+  // `count` batches from p.batch_begin.
+  auto launch = [&](bool dkdv, bool dq, int64_t count) {
+    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq, warps}, stream);
+  };
+  if (atomic_dq) {
     // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such
     // as rows with no visible key, stay exactly 0), then rounded once to the input dtype.
     const at::Tensor dq_accum = at::zeros({batch, hq, q_len, head_dim}, f32);
     p.dq_accum = dq_accum.data_ptr<float>();
-    launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/false, stream);
+    launch(/*dkdv=*/true, /*dq=*/false, batch);
     a.grad_query.copy_(dq_accum);
     return;
   }
   if (!partial.defined() || a.grad_mask_assign) {
     // grad_mask_assign: the partial is [B, Hq, Q, KV] float32 contiguous, written in full.
     p.grad_mask = partial.defined() ? partial.data_ptr<float>() : nullptr;
-    launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/true, stream);
+    launch(/*dkdv=*/true, /*dq=*/true, batch);
     return;
   }
   // A broadcast mask: dS of a batch chunk into a staging buffer, then summed to the partial's
   // shape (fixed-order reductions: deterministic).
-  launch_for_head_dim<T>(head_dim, p, batch, batch, /*dkdv=*/true, /*dq=*/false, stream);
+  launch(/*dkdv=*/true, /*dq=*/false, batch);
   const int64_t per_batch = hq * q_len * kv_len * static_cast<int64_t>(sizeof(float));
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(batch, kMaskGradChunkBytes / per_batch));
   const at::Tensor staging = at::empty({chunk, hq, q_len, kv_len}, f32);
@@ -257,7 +282,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
     const at::Tensor full = staging.narrow(0, 0, count);
     p.grad_mask = full.data_ptr<float>();
     p.batch_begin = b0;
-    launch_for_head_dim<T>(head_dim, p, batch, count, /*dkdv=*/false, /*dq=*/true, stream);
+    launch(/*dkdv=*/false, /*dq=*/true, count);
     partial.narrow(0, b0, count).copy_(reduce_mask_grad(full, partial, hkv));
   }
 }
