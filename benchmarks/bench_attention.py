@@ -23,6 +23,11 @@ every call. Rows a peer cannot run (or safeattn's forward+backward before the CU
 exists) print n/a.
 
   python benchmarks/bench_attention.py --device cuda [--quick]
+
+Both devices end with the host time of one call on a tiny decode step (B=1, Hq=8, Hkv=2, Q=1,
+KV=16, D=64, no gradient): back-to-back calls, no synchronisation inside the loop, so on the GPU
+it is the time the host needs to queue a call (the call overhead a decode loop pays per layer),
+against SDPA with enable_gqa and safeattn's mask builder at the same size.
 """
 
 from __future__ import annotations
@@ -287,6 +292,39 @@ def _environment(settings):
                 os.environ[name] = value
 
 
+def call_overhead(device):
+    """Host microseconds per call of a tiny decode step (best of 7 rounds of back-to-back calls)."""
+    q = torch.randn(1, 8, 1, 64, device=device)
+    k, v = (torch.randn(1, 2, 16, 64, device=device) for _ in range(2))
+    pad = torch.ones(1, 16, dtype=torch.bool, device=device)
+    cases = {
+        "safeattn.attention": lambda: safeattn.attention(q, k, v, enable_gqa=True),
+        "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "safeattn.sdpa_mask (padding)": lambda: safeattn.sdpa_mask(1, 1, 16, 15, padding_mask=pad),
+    }
+    print()
+    print(f"### Call overhead on {device}: host us per call, tiny decode step, no gradient")
+    print()
+    print("| call | us |")
+    print("|---|---|")
+    calls = 2000
+    for name, fn in cases.items():
+        with torch.no_grad():
+            for _ in range(200):
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+        print(f"| {name} | {best:.1f} |", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -302,9 +340,15 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--repeats-cuda", type=int, default=30, help="timed calls per case with --device cuda")
     parser.add_argument("--quick", action="store_true", help="--device cuda: few calls per case (a smoke run)")
+    parser.add_argument("--overhead", action="store_true", help="only the call-overhead table")
     args = parser.parse_args(argv)
+    if args.overhead:
+        torch.set_num_threads(args.threads)
+        call_overhead(args.device)
+        return
     if args.device == "cuda":
         main_cuda(args)
+        call_overhead("cuda")
         return
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
@@ -336,6 +380,7 @@ def main(argv=None):
                             f"{t_ours:>12.2f}{t_sdpa:>10.2f}{t_sdpa / t_ours:>8.2f}x",
                             flush=True,
                         )
+    call_overhead(args.device)
 
 
 if __name__ == "__main__":

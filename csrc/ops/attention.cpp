@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
@@ -252,19 +253,112 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
 }  // namespace
 
+namespace {
+
+using AttentionSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
+    std::optional<double>, bool, c10::SymInt, c10::SymInt, double, const std::optional<at::Tensor>&);
+using AttentionBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, std::optional<double>, c10::SymInt,
+    c10::SymInt, double, const std::optional<at::Tensor>&, bool);
+
+const c10::TypedOperatorHandle<AttentionSignature>& attention_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("safeattn::attention", "").typed<AttentionSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<AttentionBackwardSignature>& attention_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("safeattn::_attention_backward", "")
+                             .typed<AttentionBackwardSignature>();
+  return op;
+}
+
+std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// The Autograd kernel of attention. It is C++ rather than a Python kernel on the Autograd key
+// (torch.library's way, as the softmax ops have it in python/safeattn/_autograd.py): with twelve
+// arguments, the two crossings of the Python boundary such a kernel makes cost about 25 us a call
+// on the CI machine's CPU, twice the op itself on a small problem (decoding, where the op runs once
+// per layer and token). The backward is the op _attention_backward, so torch.compile traces the
+// pair as two opaque nodes either way; C++ callers of safeattn::attention get gradients too.
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& query,
+                                                const at::Tensor& key, const at::Tensor& value,
+                                                const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                const c10::SymInt& q_offset, const c10::SymInt& kv_offset,
+                                                double softcap, const std::optional<at::Tensor>& sinks) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                          q_offset, kv_offset, softcap, sinks);
+    const at::Tensor mask = attn_mask.value_or(at::Tensor());
+    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse});
+    // An unused lse gets an undefined gradient rather than a materialised zero one (a pass saved).
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;  // None stays None: the backward op resolves it
+    ctx->saved_data["q_offset"] = q_offset;
+    ctx->saved_data["kv_offset"] = kv_offset;
+    ctx->saved_data["softcap"] = softcap;
+    return {out, lse};
+  }
+
+  // One gradient per forward argument (12); needs_input_grad counts the tensor arguments given
+  // (query, key, value, then attn_mask and sinks where present).
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2], &mask = saved[3], &sinks = saved[4];
+    const at::Tensor &out = saved[5], &lse = saved[6];
+    const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const bool grad_mask_needed = mask.defined() && ctx->needs_input_grad(3);
+    const bool grad_sinks_needed = sinks.defined() && ctx->needs_input_grad(mask.defined() ? 4 : 3);
+    auto [grad_query, grad_key, grad_value, grad_mask, grad_sinks] = attention_backward_op().call(
+        grad_out, defined_or_none(grads[1]), query, key, value, out, lse, defined_or_none(mask),
+        ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
+        ctx->saved_data["q_offset"].toSymInt(), ctx->saved_data["kv_offset"].toSymInt(),
+        ctx->saved_data["softcap"].toDouble(), defined_or_none(sinks), grad_mask_needed);
+    torch::autograd::variable_list result(12);
+    result[0] = grad_query;
+    result[1] = grad_key;
+    result[2] = grad_value;
+    if (grad_mask_needed) {
+      result[3] = grad_mask;
+    }
+    if (grad_sinks_needed) {
+      result[11] = grad_sinks;
+    }
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, const at::Tensor& key,
+                                                      const at::Tensor& value,
+                                                      const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                      bool is_causal, std::optional<double> scale, bool enable_gqa,
+                                                      c10::SymInt q_offset, c10::SymInt kv_offset, double softcap,
+                                                      const std::optional<at::Tensor>& sinks) {
+  const torch::autograd::variable_list result =
+      AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
+                               kv_offset, softcap, sinks);
+  return {result[0], result[1]};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                              const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                              bool is_causal, std::optional<double> scale, bool enable_gqa,
                                              int64_t q_offset, int64_t kv_offset, double softcap,
                                              const std::optional<at::Tensor>& sinks) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("safeattn::attention", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           double, bool, std::optional<double>, bool, c10::SymInt, c10::SymInt, double,
-                           const std::optional<at::Tensor>&)>();
-  return op.call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap,
-                 sinks);
+  return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
+                             kv_offset, softcap, sinks);
 }
 
 TORCH_LIBRARY_FRAGMENT(safeattn, m) {
@@ -272,10 +366,10 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
       "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
       "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
-  // Private: the backward as its own op, so it stays traceable (register_autograd in
-  // python/safeattn/_autograd.py calls it). `scale` is the forward's argument, None included
-  // (resolved here, so a traced caller does not guard on the head dim). grad_mask and
-  // grad_sinks are empty when not asked for (no mask gradient needed, no sinks).
+  // Private: the backward as its own op, so it stays traceable (AttentionFunction above calls it).
+  // `scale` is the forward's argument, None included (resolved here, so a traced caller does not
+  // guard on the head dim). grad_mask and grad_sinks are empty when not asked for (no mask
+  // gradient needed, no sinks).
   m.def(
       "_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor lse, Tensor? attn_mask, bool is_causal, float? scale, SymInt q_offset, SymInt kv_offset, "
@@ -288,8 +382,9 @@ TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("_attention_backward", &attention_backward_cpu);
 }
 
-// No double backward: asking for one raises "not implemented" naming the op.
 TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  // No double backward: asking for one raises "not implemented" naming the op.
   m.impl("_attention_backward", torch::autograd::autogradNotImplementedFallback());
 }
 

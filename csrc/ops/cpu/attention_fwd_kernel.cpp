@@ -26,6 +26,14 @@ namespace {
 constexpr int64_t kQBlock = 64;
 constexpr int64_t kKvBlock = 512;
 constexpr int64_t kPackBlock = 256;  // keys per packing task
+// Work per parallel chunk, in elements touched (as at::internal::GRAIN_SIZE): a small call
+// (decoding: one query, a short cache) runs on the calling thread instead of waking the pool
+// for a few microseconds of work.
+constexpr int64_t kWorkPerChunk = 32768;
+
+int64_t grain_for(int64_t work_per_task) {
+  return std::max<int64_t>(1, kWorkPerChunk / std::max<int64_t>(work_per_task, 1));
+}
 
 template <typename scalar_t>
 void attention_fwd_typed(const AttentionFwdArgs& a) {
@@ -56,7 +64,8 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
     const int64_t k_sb = key.stride(0), k_sh = key.stride(1), k_sj = key.stride(2), k_sd = key.stride(3);
     const int64_t v_sb = value.stride(0), v_sh = value.stride(1), v_sj = value.stride(2), v_sd = value.stride(3);
     const int64_t chunks = (kv_len + kPackBlock - 1) / kPackBlock;
-    at::parallel_for(0, batch * hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t pack_work = std::min(kPackBlock, kv_len) * (head_dim + (v_dst != nullptr ? dv : 0));
+    at::parallel_for(0, batch * hkv * chunks, grain_for(pack_work), [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t bh = task / chunks, b = bh / hkv, hk = bh % hkv;
         const int64_t j0 = (task % chunks) * kPackBlock, j1 = std::min(kv_len, j0 + kPackBlock);
@@ -93,11 +102,16 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
   const int64_t diagonal = a.q_offset - a.kv_offset;
 
   const int64_t tasks = batch * hq * q_tiles;
-  at::parallel_for(0, tasks, 1, [&](int64_t task_begin, int64_t task_end) {
-    std::vector<acc_t> q_tile(kQBlock * head_dim);
-    std::vector<acc_t> scores(kQBlock * kKvBlock);
-    std::vector<acc_t> acc(kQBlock * dv);
-    std::vector<acc_t> row_max(kQBlock), row_sum(kQBlock);
+  // Tiles no larger than the problem: a decoding call allocates and clears a few hundred bytes,
+  // not the 128 KB of a full 64 x 512 score tile. ld_scores is the score tile's row stride.
+  const int64_t q_block = std::min(kQBlock, q_len);
+  const int64_t ld_scores = std::min(kKvBlock, round_up(kv_len, Vec::size()));
+  const int64_t task_work = q_block * kv_len * (head_dim + dv);
+  at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t task_begin, int64_t task_end) {
+    std::vector<acc_t> q_tile(q_block * head_dim);
+    std::vector<acc_t> scores(q_block * ld_scores);
+    std::vector<acc_t> acc(q_block * dv);
+    std::vector<acc_t> row_max(q_block), row_sum(q_block);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t bh = task / q_tiles;
       const int64_t b = bh / hq, h = bh % hq, hk = h / group;
@@ -126,10 +140,10 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
       for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
         const int64_t n = std::min(kKvBlock, kv_end - j0);
         const int64_t n_pad = round_up(n, Vec::size());
-        gemm(m, n, head_dim, q_tile.data(), head_dim, kt + j0, kv_len, scores.data(), kKvBlock, false);
+        gemm(m, n, head_dim, q_tile.data(), head_dim, kt + j0, kv_len, scores.data(), ld_scores, false);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
-          acc_t* s = scores.data() + r * kKvBlock;
+          acc_t* s = scores.data() + r * ld_scores;
           scale_scores<acc_t>(s, n, scale, softcap, nullptr);
           if (mask.kind != MaskKind::kNone) {
             apply_mask_run(s, n, mask, mask.offset(b, h, i, j0), mask.stride_kv);
@@ -164,7 +178,7 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
             at::vec::map([rescale](Vec x) { return x * Vec(rescale); }, o, o, dv);
           }
         }
-        gemm(m, dv, n, scores.data(), kKvBlock, v + j0 * v_si, v_si, acc.data(), dv, true);
+        gemm(m, dv, n, scores.data(), ld_scores, v + j0 * v_si, v_si, acc.data(), dv, true);
       }
 
       for (int64_t r = 0; r < m; ++r) {
