@@ -255,9 +255,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
 namespace {
 
-using AttentionSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
-    std::optional<double>, bool, c10::SymInt, c10::SymInt, double, const std::optional<at::Tensor>&);
+using AttentionSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const std::optional<at::Tensor>&, double, bool,
+                                                              std::optional<double>, bool, c10::SymInt, c10::SymInt,
+                                                              double, const std::optional<at::Tensor>&);
 using AttentionBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, std::optional<double>, c10::SymInt,
@@ -344,9 +345,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                                       bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                       c10::SymInt q_offset, c10::SymInt kv_offset, double softcap,
                                                       const std::optional<at::Tensor>& sinks) {
-  const torch::autograd::variable_list result =
-      AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
-                               kv_offset, softcap, sinks);
+  const torch::autograd::variable_list result = AttentionFunction::apply(
+      query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks);
   return {result[0], result[1]};
 }
 
@@ -357,8 +357,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::
                                              bool is_causal, std::optional<double> scale, bool enable_gqa,
                                              int64_t q_offset, int64_t kv_offset, double softcap,
                                              const std::optional<at::Tensor>& sinks) {
-  return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
-                             kv_offset, softcap, sinks);
+  return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                             softcap, sinks);
 }
 
 TORCH_LIBRARY_FRAGMENT(safeattn, m) {

@@ -8,7 +8,6 @@ no gradient: its Autograd kernel is PyTorch's not-implemented fallback, register
 
 from __future__ import annotations
 
-
 import torch
 
 # ---- softmax family ----------------------------------------------------------------------

@@ -17,8 +17,7 @@ namespace {
 
 // softmax(q k^T / sqrt(D), masked) v with ATen's own safe softmax (a row with no visible key
 // gives 0), q: [B, H, Q, D], mask: [Q, KV] bool (True attends).
-at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& mask) {
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
   const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
   const at::Tensor masked = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
   return at::matmul(at::_safe_softmax(masked, -1), v);
@@ -40,8 +39,7 @@ CATCH_TEST_CASE("attention differentiates from C++, fully masked row 0") {
   CATCH_REQUIRE(out.requires_grad());
   const torch::autograd::variable_list grads = torch::autograd::grad({(out * weight).sum()}, {q, k, v});
   const at::Tensor expected = reference_attention(q, k, v, mask);
-  const torch::autograd::variable_list expected_grads =
-      torch::autograd::grad({(expected * weight).sum()}, {q, k, v});
+  const torch::autograd::variable_list expected_grads = torch::autograd::grad({(expected * weight).sum()}, {q, k, v});
 
   CATCH_CHECK(at::allclose(out, expected, 1e-10, 1e-10));
   for (size_t i = 0; i < grads.size(); ++i) {

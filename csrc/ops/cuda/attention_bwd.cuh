@@ -298,8 +298,7 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
 // kWarps: the CTA's shape (DkvTraits). kAtomicDq: also dQ of every step, added into p.dq_accum
 // (the atomic mode, see the top).
 template <typename T, int kHeadDim, int kWarps, bool kAtomicDq>
-__global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads)
-    attention_bwd_dkdv_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
   using Tr = DkvTraits<kHeadDim, kWarps>;
   constexpr int kStride = Tr::kStride;
   constexpr int kKeys = Tr::kKeys;
@@ -741,8 +740,8 @@ void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
                            : &attention_bwd_dkdv_kernel<T, kHeadDim, kWarps, false>;
   const size_t smem = atomic_dq ? Tr::kAtomicDqSmem : Tr::kSmem;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kKeys - 1) / Tr::kKeys),
-                  static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kKeys - 1) / Tr::kKeys), static_cast<unsigned>(params.hkv),
+                  static_cast<unsigned>(batch));
   kernel<<<grid, Tr::kThreads, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -229,8 +229,8 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;
-    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, warps, tiles),
-                          "attention backward (CUDA): no tile sizes for ", head_dim);
+    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, warps, tiles), "attention backward (CUDA): no tile sizes for ",
+                          head_dim);
     summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
     p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
     // The atomic mode runs no dQ kernel: its summary is not needed.
