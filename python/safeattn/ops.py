@@ -79,29 +79,22 @@ def sdpa_mask(
     """
     # Only the keywords that differ from the schema's defaults: each keyword the dispatcher parses
     # costs about 0.4 us, and most calls give two or three of the eleven.
-    kwargs = {}
-    if q_positions is not None:
-        kwargs["q_positions"] = q_positions
+    optional = {
+        "q_positions": q_positions,
+        "sliding_window": sliding_window,
+        "chunk_size": chunk_size,
+        "chunk_left_padding": chunk_left_padding,
+        "padding_mask": padding_mask,
+        "packed_ids": packed_ids,
+        "block_ids": block_ids,
+        "dtype": dtype,
+        "device": torch.device(device) if isinstance(device, str) else device,
+    }
+    kwargs = {name: value for name, value in optional.items() if value is not None}
     if not causal:
         kwargs["causal"] = False
-    if sliding_window is not None:
-        kwargs["sliding_window"] = sliding_window
-    if chunk_size is not None:
-        kwargs["chunk_size"] = chunk_size
-    if chunk_left_padding is not None:
-        kwargs["chunk_left_padding"] = chunk_left_padding
-    if padding_mask is not None:
-        kwargs["padding_mask"] = padding_mask
-    if packed_ids is not None:
-        kwargs["packed_ids"] = packed_ids
-    if block_ids is not None:
-        kwargs["block_ids"] = block_ids
-    if dtype is not None:
-        kwargs["dtype"] = dtype
     if use_finfo_min:
         kwargs["use_finfo_min"] = True
-    if device is not None:
-        kwargs["device"] = torch.device(device) if isinstance(device, str) else device
     return torch.ops.safeattn.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
 
 
