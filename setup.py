@@ -20,6 +20,7 @@ Environment switches:
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
@@ -145,7 +146,11 @@ defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',
     "-DSAFEATTN_PYTHON_MODULE",
 ]
-cxx_flags = ["-O3", *defines]
+# -fopenmp at compile time only: ATen's at::parallel_for is an OpenMP region in its headers, so
+# without it every CPU kernel runs on one thread. Not at link time: the GOMP_* calls then bind to
+# the libgomp that libtorch_cpu already loaded (torch's own copy, so torch.set_num_threads holds),
+# never to a second OpenMP runtime.
+cxx_flags = ["-O3", *(["-fopenmp"] if sys.platform.startswith("linux") else []), *defines]
 if WITH_CUDA:
     cxx_flags.append("-DSAFEATTN_WITH_CUDA")
 nvcc_flags = [

@@ -24,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "Version, torch built against, CPU ISA variants and CUDA archs.");
+  m.def("cpu_parallel_threads", &safeattn::cpu_parallel_threads,
+        "Threads at::parallel_for uses in safeattn's CPU code (1 if built without OpenMP).");
 }

@@ -3,7 +3,10 @@
 #include "safeattn.h"
 
 #include <algorithm>
+#include <atomic>
+#include <vector>
 
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -18,6 +21,15 @@ TORCH_LIBRARY(safeattn, m) {
 }
 
 namespace safeattn {
+
+int cpu_parallel_threads() {
+  const int threads = at::get_num_threads();
+  std::vector<std::atomic<bool>> seen(threads);
+  at::parallel_for(0, 64 * static_cast<int64_t>(threads), 1, [&](int64_t, int64_t) {
+    seen[at::get_thread_num()] = true;
+  });
+  return static_cast<int>(std::count_if(seen.begin(), seen.end(), [](const std::atomic<bool>& s) { return s.load(); }));
+}
 
 BuildInfo build_info() {
   BuildInfo info;

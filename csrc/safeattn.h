@@ -26,6 +26,12 @@ struct BuildInfo {
 
 BuildInfo build_info();
 
+// How many threads at::parallel_for gives a loop of many items here: at::get_num_threads()
+// (torch.set_num_threads) when this library was compiled with OpenMP, 1 without it (ATen's
+// parallel_for then runs the loop inline: its OpenMP region is in the headers). The CPU kernels
+// are compiled with the same flags.
+int cpu_parallel_threads();
+
 #ifdef SAFEATTN_WITH_CUDA
 namespace cuda {
 // From nvcc's __CUDA_ARCH_LIST__ and CUDART_VERSION (csrc/common/cuda_info.cu).

@@ -66,6 +66,25 @@ def test_info_reports_build():
         assert f"tensor-core head dims (bf16, fp16): forward {fwd};" in out, out
 
 
+def test_cpu_kernels_run_on_torch_threads():
+    # ATen's at::parallel_for is an OpenMP region in its headers: built without -fopenmp, every
+    # safeattn CPU kernel ran on one thread whatever torch.set_num_threads said.
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert safeattn._C.cpu_parallel_threads() == 2, (
+            "at::parallel_for in safeattn's code used one thread of two: built without OpenMP?"
+        )
+        torch.set_num_threads(1)
+        assert safeattn._C.cpu_parallel_threads() == 1, "torch.set_num_threads(1) must hold for safeattn's kernels"
+    finally:
+        torch.set_num_threads(before)
+    out = run("info", env={"OMP_NUM_THREADS": "2"})
+    assert "CPU kernels     2 of 2 threads" in out, out
+
+
 def test_info_follows_aten_cpu_capability():
     out = run("info", env={"ATEN_CPU_CAPABILITY": "default"})
     assert "CPU ISA in use  DEFAULT" in out, out
