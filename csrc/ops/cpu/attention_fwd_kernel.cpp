@@ -98,6 +98,9 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
   const acc_t scale = static_cast<acc_t>(a.scale);
   const acc_t softcap = static_cast<acc_t>(a.softcap);
   const bool causal = a.is_causal;
+  // Without a softcap the scale goes into the Q tile as it is converted, which saves a pass over
+  // every score tile; a softcap needs the unscaled product.
+  const acc_t q_scale = softcap > 0 ? acc_t(1) : scale;
   // Key j is visible to query i iff j <= i + diagonal.
   const int64_t diagonal = a.q_offset - a.kv_offset;
 
@@ -126,7 +129,7 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
         const scalar_t* src = q_ptr + b * q_sb + h * q_sh + (i0 + r) * q_si;
         acc_t* dst = q_tile.data() + r * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) {
-          dst[d] = static_cast<acc_t>(src[d * q_sd]);
+          dst[d] = static_cast<acc_t>(src[d * q_sd]) * q_scale;
         }
       }
       std::fill(row_max.begin(), row_max.end(), kNegInf<acc_t>);
@@ -144,7 +147,9 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           acc_t* s = scores.data() + r * ld_scores;
-          scale_scores<acc_t>(s, n, scale, softcap, nullptr);
+          if (softcap > 0) {
+            scale_scores<acc_t>(s, n, scale, softcap, nullptr);
+          }
           if (mask.kind != MaskKind::kNone) {
             apply_mask_run(s, n, mask, mask.offset(b, h, i, j0), mask.stride_kv);
           }
