@@ -810,3 +810,27 @@ def test_generated_instantiations_are_current(direction):
         [sys.executable, str(script), "--direction", direction, "--check"], capture_output=True, text=True
     )
     assert done.returncode == 0, f"stale generated files (rerun the script): {done.stderr}"
+
+
+@pytest.mark.slow
+def test_cpu_isa_variants_match_reference():
+    """Every CPU variant this machine runs (ATEN_CPU_CAPABILITY, read once per process, so one
+    subprocess each) matches the float64 reference, forward and backward. The variants take
+    different tile GEMMs (the BLAS sgemm below AVX-512, oneDNN's brgemm with it), so an AVX-512
+    machine would otherwise test only one of them. Sizes span several query and key tiles."""
+    isas = safeattn.build_info()["cpu_isas_runnable"]
+    script = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "from test_attention import _qkv, _check_against_reference\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for d, causal in ((64, True), (128, False)):\n"
+        "        q, k, v = _qkv(1, 4, 2, 130, 600, d, dtype, 'cpu')\n"
+        "        mask = torch.rand(1, 1, 130, 600, generator=torch.Generator().manual_seed(d)) > 0.3\n"
+        "        _check_against_reference(q, k, v, attn_mask=None if causal else mask, is_causal=causal,\n"
+        "                                 enable_gqa=True, check_lse_grad=True)\n"
+    )
+    for isa in isas:
+        env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY=isa.lower())
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, f"ISA variant {isa}: {done.stderr[-2000:]}"
