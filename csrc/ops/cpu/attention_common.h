@@ -16,8 +16,9 @@
 
 #include "ops/attention.h"
 
-// The BLAS sgemm (Fortran interface) that libtorch_cpu exports on x86-64 Linux (MKL in the
-// PyPI wheels). Weak: a torch without it leaves the address null and the tiles take brgemm.
+// The BLAS sgemm (Fortran interface, 32-bit ints as ATen's CPUBlas.cpp declares it) that
+// libtorch_cpu exports on x86-64 Linux (MKL in the PyPI wheels). Weak: a torch without it leaves
+// the address null and the tiles take brgemm.
 #if defined(__linux__) && defined(__x86_64__)
 #define SAFEATTN_BLAS_SGEMM 1
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
