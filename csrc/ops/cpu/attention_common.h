@@ -15,6 +15,7 @@
 #include <c10/util/Half.h>
 
 #include "ops/attention.h"
+#include "ops/cpu/parallel.h"
 
 // The BLAS sgemm (Fortran interface, 32-bit ints as ATen's CPUBlas.cpp declares it) that
 // libtorch_cpu exports on x86-64 Linux (MKL in the PyPI wheels). Weak: a torch without it leaves

@@ -26,14 +26,9 @@ namespace {
 constexpr int64_t kQBlock = 64;
 constexpr int64_t kKvBlock = 512;
 constexpr int64_t kPackBlock = 256;  // keys per packing task
-// Work per parallel chunk, in elements touched (as at::internal::GRAIN_SIZE): a small call
-// (decoding: one query, a short cache) runs on the calling thread instead of waking the pool
-// for a few microseconds of work.
-constexpr int64_t kWorkPerChunk = 32768;
-
-int64_t grain_for(int64_t work_per_task) {
-  return std::max<int64_t>(1, kWorkPerChunk / std::max<int64_t>(work_per_task, 1));
-}
+// Elements touched per parallel chunk (grain_for): a decoding call (one query, a short cache)
+// stays on the calling thread.
+constexpr int64_t kElementsPerTask = int64_t{1} << 15;
 
 template <typename scalar_t>
 void attention_fwd_typed(const AttentionFwdArgs& a) {
@@ -65,7 +60,7 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
     const int64_t v_sb = value.stride(0), v_sh = value.stride(1), v_sj = value.stride(2), v_sd = value.stride(3);
     const int64_t chunks = (kv_len + kPackBlock - 1) / kPackBlock;
     const int64_t pack_work = std::min(kPackBlock, kv_len) * (head_dim + (v_dst != nullptr ? dv : 0));
-    at::parallel_for(0, batch * hkv * chunks, grain_for(pack_work), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * hkv * chunks, grain_for(pack_work, kElementsPerTask), [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t bh = task / chunks, b = bh / hkv, hk = bh % hkv;
         const int64_t j0 = (task % chunks) * kPackBlock, j1 = std::min(kv_len, j0 + kPackBlock);
@@ -110,7 +105,7 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
   const int64_t q_block = std::min(kQBlock, q_len);
   const int64_t ld_scores = std::min(kKvBlock, round_up(kv_len, Vec::size()));
   const int64_t task_work = q_block * kv_len * (head_dim + dv);
-  at::parallel_for(0, tasks, grain_for(task_work), [&](int64_t task_begin, int64_t task_end) {
+  at::parallel_for(0, tasks, grain_for(task_work, kElementsPerTask), [&](int64_t task_begin, int64_t task_end) {
     std::vector<acc_t> q_tile(q_block * head_dim);
     std::vector<acc_t> scores(q_block * ld_scores);
     std::vector<acc_t> acc(q_block * dv);

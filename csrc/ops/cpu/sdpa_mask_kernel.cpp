@@ -14,6 +14,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "ops/cpu/parallel.h"
 #include "ops/sdpa_mask.h"
 
 namespace safeattn::cpu {
@@ -107,25 +108,36 @@ void write_row(const SdpaMaskParams& p, int64_t b, int64_t i, T* row, T on, T of
 // of its own in the OpenMP build). Read there from captured variables, they left GCC with a
 // scalar, branchy padding loop, 8x slower than the vectorised one.
 struct BoolValues {
-  static bool on() { return true; }
-  static bool off() { return false; }
+  static bool on() {
+    return true;
+  }
+  static bool off() {
+    return false;
+  }
 };
 template <typename T>
 struct AdditiveValues {  // 0 attends, -inf blocks
-  static T on() { return T(0); }
-  static T off() { return -std::numeric_limits<T>::infinity(); }
+  static T on() {
+    return T(0);
+  }
+  static T off() {
+    return -std::numeric_limits<T>::infinity();
+  }
 };
 template <typename T>
 struct FinfoMinValues {  // 0 attends, finfo.min blocks, as Transformers' eager_mask does
-  static T on() { return T(0); }
-  static T off() { return std::numeric_limits<T>::lowest(); }
+  static T on() {
+    return T(0);
+  }
+  static T off() {
+    return std::numeric_limits<T>::lowest();
+  }
 };
 
 template <typename Values, typename T>
 void write_mask(const SdpaMaskParams& p, T* out) {
   const int64_t rows = p.batch_size * p.q_length;
-  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(p.kv_length, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t row_begin, int64_t row_end) {
+  at::parallel_for(0, rows, grain_for(p.kv_length, kElementsPerTask), [&](int64_t row_begin, int64_t row_end) {
     for (int64_t r = row_begin; r < row_end; ++r) {
       write_row(p, r / p.q_length, r % p.q_length, out + r * p.kv_length, Values::on(), Values::off());
     }

@@ -29,6 +29,7 @@
 #include <c10/util/Half.h>
 #include <c10/util/bit_cast.h>
 
+#include "ops/cpu/parallel.h"
 #include "ops/softmax.h"
 
 namespace safeattn::cpu {
@@ -379,8 +380,7 @@ template <typename T, typename acc_t, typename RowSource>
 void forward_rows(const SoftmaxGeometry& g, T* out, const RowSource& row_source) {
   constexpr int64_t V = vec_size<acc_t>();
   const int64_t n = g.dim_size;
-  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
-  at::parallel_for(0, g.outer, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, g.outer, grain_for(n, kElementsPerTask), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(round_up(std::min(n, kStagedElements), V));
     for (int64_t r = begin; r < end; ++r) {
       softmax_row<T, acc_t>(row_source(r), n, out + r * n, buf.data());
@@ -399,8 +399,7 @@ void forward_columns(const SoftmaxGeometry& g, T* out, const ColumnSource& colum
   const int64_t width = staged ? std::min(round_up(g.inner, V), kStagedElements / n / V * V) : V;
   const int64_t blocks_per_outer = (g.inner + width - 1) / width;
   const int64_t tasks = g.outer * blocks_per_outer;
-  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n * width, 1));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, grain_for(n * width, kElementsPerTask), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> buf(staged ? n * round_up(width, V) : 0);
     std::vector<acc_t> col_shift(round_up(width, V));
     std::vector<acc_t> col_inv(round_up(width, V));
@@ -543,8 +542,7 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
   auto dot_term_v = [&](const Vec& go, const Vec& o) { return Vec::blendv(go * o, zero, o == zero); };
   auto grad_v = [&](const Vec& go, const Vec& o, const Vec& dot) { return Vec::blendv(o * (go - dot), zero, o == zero); };
   if (g.inner == 1) {
-    const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
-    at::parallel_for(0, g.outer, grain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, g.outer, grain_for(n, kElementsPerTask), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* go = grad_out + r * n;
         const T* o = out + r * n;
@@ -585,8 +583,7 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
   // when dim_size x V fits).
   const int64_t blocks_per_outer = (g.inner + V - 1) / V;
   const int64_t tasks = g.outer * blocks_per_outer;
-  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n * V, 1));
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, grain_for(n * V, kElementsPerTask), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t o_idx = t / blocks_per_outer;
       const int64_t c0 = (t % blocks_per_outer) * V;
