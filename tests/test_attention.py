@@ -488,7 +488,12 @@ def _bad_inputs():
             re.escape("query heads (4) must be a multiple"),
         ),
         ((q, k, v), {"enable_gqa": True, "dropout_p": 0.1}, "attention: dropout_p must be 0"),
-        ((q, k, v), {"enable_gqa": True, "softcap": -1.0}, "attention: softcap must be >= 0"),
+        ((q, k, v), {"enable_gqa": True, "softcap": -1.0}, re.escape("attention: softcap must be 0 (none) or a finite positive number in float32, got -1")),
+        ((q, k, v), {"enable_gqa": True, "softcap": math.inf}, "attention: softcap must be 0 .* got inf"),
+        ((q, k, v), {"enable_gqa": True, "softcap": math.nan}, "attention: softcap must be 0 .* got nan"),
+        ((q, k, v), {"enable_gqa": True, "softcap": 1e-300}, "attention: softcap must be 0 .* in float32, got 1e-300"),
+        ((q, k, v), {"enable_gqa": True, "scale": math.inf}, "attention: scale must be a finite number in float32, got inf"),
+        ((q, k, v), {"enable_gqa": True, "scale": 1e39}, "attention: scale must be a finite number in float32, got 1e\\+39"),
         (
             (q, k, v, t(5, 7, dtype=torch.int64)),
             {"enable_gqa": True},

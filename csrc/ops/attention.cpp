@@ -4,6 +4,7 @@
 #include "ops/attention.h"
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -21,7 +22,6 @@ SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
 namespace {
 
-constexpr const char* kOp = "attention";
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
@@ -44,8 +44,7 @@ at::Tensor mask_as_4d(const at::Tensor& mask) {
 
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
-                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks) {
-  (void)scale;
+                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks, const char* kOp) {
   TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [batch, heads, q_length, head_dim], got ", query.dim(),
               "-D");
   TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [batch, kv_heads, kv_length, head_dim], got ", key.dim(), "-D");
@@ -79,7 +78,19 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                 "; pass enable_gqa=True for grouped-query attention");
   }
   TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p must be 0 (dropout is not implemented), got ", dropout_p);
-  TORCH_CHECK(softcap >= 0.0, kOp, ": softcap must be >= 0, got ", softcap);
+  // The kernels compute in float32 (float64 for float64 inputs): a softcap or scale that is not
+  // a finite number there cannot be honoured (softcap=inf would give inf/inf = NaN, a softcap
+  // that underflows to 0 would silently mean "none").
+  const bool acc_is_double = query.scalar_type() == at::kDouble;
+  auto finite_in_acc = [&](double x) {
+    return std::isfinite(x) && (acc_is_double || std::fabs(x) <= std::numeric_limits<float>::max());
+  };
+  auto positive_in_acc = [&](double x) { return acc_is_double || static_cast<float>(x) > 0.0f; };
+  TORCH_CHECK(softcap == 0.0 || (softcap > 0.0 && finite_in_acc(softcap) && positive_in_acc(softcap)), kOp,
+              ": softcap must be 0 (none) or a finite positive number", acc_is_double ? "" : " in float32", ", got ",
+              softcap);
+  TORCH_CHECK(!scale.has_value() || finite_in_acc(*scale), kOp, ": scale must be a finite number",
+              acc_is_double ? "" : " in float32", ", got ", scale.value_or(0.0));
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
     const at::ScalarType t = m.scalar_type();
@@ -104,16 +115,53 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   }
 }
 
+void check_attention_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                              const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                              std::optional<double> scale, double softcap, const std::optional<at::Tensor>& sinks,
+                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo) {
+  constexpr const char* op = "_attention_backward";
+  // The forward's rules (query heads a multiple of the kv heads, as the forward let through).
+  check_attention(query, key, value, attn_mask, 0.0, scale, /*enable_gqa=*/true, softcap, sinks, op);
+  common_device(op, query.device(),
+                {{"grad_out", grad_out}, {"grad_lse", grad_lse}, {"out", out}, {"lse", lse}, {"lse_lo", lse_lo}});
+  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2), dv = value.size(3);
+  const std::vector<int64_t> out_shape{batch, hq, q_len, dv};
+  const std::vector<int64_t> row_shape{batch, hq, q_len};
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape), op, ": out must be [batch, heads, q_length, head_dim_v] = ",
+              at::IntArrayRef(out_shape), ", got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out has dtype ", dtype_name(out.scalar_type()),
+              " but query has ", dtype_name(query.scalar_type()));
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out has shape ", grad_out.sizes(), " but out has ",
+              out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == query.scalar_type(), op, ": grad_out has dtype ",
+              dtype_name(grad_out.scalar_type()), " but query has ", dtype_name(query.scalar_type()));
+  auto check_rows = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.is_floating_point(), op, ": ", name, " must have a floating dtype, got ",
+                dtype_name(t.scalar_type()));
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(row_shape), op, ": ", name, " must be [batch, heads, q_length] = ",
+                at::IntArrayRef(row_shape), ", got ", t.sizes());
+  };
+  check_rows("lse", lse);
+  if (lse_lo.has_value()) {
+    check_rows("lse_lo", *lse_lo);
+  }
+  if (grad_lse.has_value()) {
+    check_rows("grad_lse", *grad_lse);
+  }
+  TORCH_CHECK(!grad_mask_needed || !attn_mask.has_value() || attn_mask->is_floating_point(), op,
+              ": grad_mask_needed needs a floating attn_mask (a bool mask has no gradient)");
+}
+
 double attention_scale(const at::Tensor& query, std::optional<double> scale) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(3)));
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const at::Tensor& key,
-                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                                  double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-                                                  double softcap, const std::optional<at::Tensor>& sinks,
-                                                  AttentionFwdFn kernel) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks,
+    bool with_lse_lo, AttentionFwdFn kernel) {
   check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t kv_len = key.size(2), dv = value.size(3);
@@ -121,8 +169,9 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const
   // [B, Q, Hq, Dv] storage so that out.transpose(1, 2) (what Transformers returns) is contiguous.
   at::Tensor out = at::empty({batch, q_len, hq, dv}, query.options()).transpose(1, 2);
   at::Tensor lse = at::empty({batch, hq, q_len}, query.options().dtype(acc));
-  if (out.numel() == 0) {
-    return {out, lse};
+  at::Tensor lse_lo = with_lse_lo ? at::empty({batch, hq, q_len}, lse.options()) : at::Tensor();
+  if (out.numel() == 0) {  // Dv > 0 (checked), so lse is empty too
+    return {out, lse, lse_lo};
   }
   AttentionFwdArgs args;
   args.query = query;
@@ -136,25 +185,37 @@ std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const
   }
   args.out = out;
   args.lse = lse;
+  args.lse_lo = lse_lo;
   args.scale = attention_scale(query, scale);
   args.softcap = softcap;
   args.is_causal = is_causal;
-  args.q_offset = q_offset;
-  args.kv_offset = kv_offset;
+  args.q_offset = causal_shift(q_offset, kv_offset, q_len, kv_len);
+  args.kv_offset = 0;
   kernel(args);
-  return {out, lse};
+  return {out, lse, lse_lo};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& grad_out_in, const std::optional<at::Tensor>& grad_lse_in, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel) {
-  TORCH_CHECK(grad_out.sizes() == out.sizes(), "_attention_backward: grad_out has shape ", grad_out.sizes(),
-              " but out has ", out.sizes());
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo, AttentionBwdFn kernel) {
+  check_attention_backward(grad_out_in, grad_lse_in, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
+                           grad_mask_needed, lse_lo);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t hkv = key.size(1), kv_len = key.size(2);
   const at::ScalarType acc = acc_type(query.scalar_type());
+
+  // A row with no visible key (lse -inf) passes no gradient on, whatever its upstream gradient
+  // holds: with p = 0 for every key, a NaN or inf in that row's dO would still reach dQ (0 * NaN)
+  // and, through P^T dO, dV and dK of every key. Dropped here once, for every backend.
+  const at::Tensor empty_rows = lse.eq(-std::numeric_limits<double>::infinity());
+  const at::Tensor grad_out = grad_out_in.masked_fill(empty_rows.unsqueeze(-1), 0);
+  std::optional<at::Tensor> grad_lse;
+  if (grad_lse_in.has_value()) {
+    grad_lse = grad_lse_in->masked_fill(empty_rows, 0);
+  }
 
   // Written in full by the kernel; zeros only when it has nothing to run.
   const bool empty = query.numel() == 0 || kv_len == 0;
@@ -175,6 +236,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
       delta = delta - grad_lse->to(acc);
     }
     at::Tensor sink_prob = at::exp(sinks->to(acc).view({1, hq, 1}) - lse.to(acc));
+    if (lse_lo.has_value()) {
+      sink_prob = at::exp((sinks->to(acc).view({1, hq, 1}) - lse.to(acc)) - lse_lo->to(acc));
+    }
     grad_sinks = (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
   }
 
@@ -201,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.key = key;
     args.value = value;
     args.out = out;
-    args.lse = lse.to(acc);
+    args.lse = lse.to(acc).contiguous();
+    args.lse_lo = lse_lo.has_value() ? lse_lo->to(acc).contiguous() : at::zeros_like(args.lse);
     if (mask4.defined()) {
       args.mask = mask4.expand({batch, hq, q_len, kv_len});
     }
@@ -213,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.scale = attention_scale(query, scale);
     args.softcap = softcap;
     args.is_causal = is_causal;
-    args.q_offset = q_offset;
-    args.kv_offset = kv_offset;
+    args.q_offset = causal_shift(q_offset, kv_offset, q_len, kv_len);
+    args.kv_offset = 0;
     kernel(args);
   }
   if (partial.defined()) {
@@ -237,17 +302,28 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
                                                  double dropout_p, bool is_causal, std::optional<double> scale,
                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
                                                  const std::optional<at::Tensor>& sinks) {
+  auto [out, lse, unused] = attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                           q_offset, kv_offset, softcap, sinks, /*with_lse_lo=*/false,
+                                           attention_fwd_cpu_stub().pick());
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks) {
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                        softcap, sinks, attention_fwd_cpu_stub().pick());
+                        softcap, sinks, /*with_lse_lo=*/true, attention_fwd_cpu_stub().pick());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo) {
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
-                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed,
+                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed, lse_lo,
                                  attention_bwd_cpu_stub().pick());
 }
 
@@ -259,14 +335,24 @@ using AttentionSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                               const std::optional<at::Tensor>&, double, bool,
                                                               std::optional<double>, bool, c10::SymInt, c10::SymInt,
                                                               double, const std::optional<at::Tensor>&);
+using AttentionForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
+    std::optional<double>, bool, c10::SymInt, c10::SymInt, double, const std::optional<at::Tensor>&);
 using AttentionBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, std::optional<double>, c10::SymInt,
-    c10::SymInt, double, const std::optional<at::Tensor>&, bool);
+    c10::SymInt, double, const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&);
 
 const c10::TypedOperatorHandle<AttentionSignature>& attention_op() {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("safeattn::attention", "").typed<AttentionSignature>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<AttentionForwardSignature>& attention_forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("safeattn::_attention_forward", "")
+                             .typed<AttentionForwardSignature>();
   return op;
 }
 
@@ -296,10 +382,11 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 const c10::SymInt& q_offset, const c10::SymInt& kv_offset,
                                                 double softcap, const std::optional<at::Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                          q_offset, kv_offset, softcap, sinks);
+    // _attention_forward: attention plus lse_lo, which only the backward reads.
+    auto [out, lse, lse_lo] = attention_forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                          enable_gqa, q_offset, kv_offset, softcap, sinks);
     const at::Tensor mask = attn_mask.value_or(at::Tensor());
-    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse});
+    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse, lse_lo});
     // An unused lse gets an undefined gradient rather than a materialised zero one (a pass saved).
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_causal"] = is_causal;
@@ -316,7 +403,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                  torch::autograd::variable_list grads) {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2], &mask = saved[3], &sinks = saved[4];
-    const at::Tensor &out = saved[5], &lse = saved[6];
+    const at::Tensor &out = saved[5], &lse = saved[6], &lse_lo = saved[7];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const bool grad_mask_needed = mask.defined() && ctx->needs_input_grad(3);
     const bool grad_sinks_needed = sinks.defined() && ctx->needs_input_grad(mask.defined() ? 4 : 3);
@@ -324,7 +411,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         grad_out, defined_or_none(grads[1]), query, key, value, out, lse, defined_or_none(mask),
         ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
         ctx->saved_data["q_offset"].toSymInt(), ctx->saved_data["kv_offset"].toSymInt(),
-        ctx->saved_data["softcap"].toDouble(), defined_or_none(sinks), grad_mask_needed);
+        ctx->saved_data["softcap"].toDouble(), defined_or_none(sinks), grad_mask_needed, defined_or_none(lse_lo));
     torch::autograd::variable_list result(12);
     result[0] = grad_query;
     result[1] = grad_key;
@@ -366,25 +453,34 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
       "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
       "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+  // Private: the forward that AttentionFunction calls, with lse's rounding error as a third
+  // output (attention.h says why the backward needs it).
+  m.def(
+      "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
+      "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
+      "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor lse_lo)");
   // Private: the backward as its own op, so it stays traceable (AttentionFunction above calls it).
   // `scale` is the forward's argument, None included (resolved here, so a traced caller does not
   // guard on the head dim). grad_mask and grad_sinks are empty when not asked for (no mask
-  // gradient needed, no sinks).
+  // gradient needed, no sinks). lse_lo: _attention_forward's third output (None: zeros).
   m.def(
       "_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor lse, Tensor? attn_mask, bool is_causal, float? scale, SymInt q_offset, SymInt kv_offset, "
-      "float softcap, Tensor? sinks, bool grad_mask_needed) -> (Tensor grad_query, Tensor grad_key, "
-      "Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
+      "float softcap, Tensor? sinks, bool grad_mask_needed, Tensor? lse_lo=None) -> (Tensor grad_query, "
+      "Tensor grad_key, Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("attention", &attention_cpu);
+  m.impl("_attention_forward", &attention_forward_cpu);
   m.impl("_attention_backward", &attention_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
   m.impl("attention", &attention_autograd);
-  // No double backward: asking for one raises "not implemented" naming the op.
+  // No double backward: asking for one raises "not implemented" naming the op. The private
+  // forward has no gradient of its own (attention's Autograd kernel calls it below autograd).
+  m.impl("_attention_forward", torch::autograd::autogradNotImplementedFallback());
   m.impl("_attention_backward", torch::autograd::autogradNotImplementedFallback());
 }
 

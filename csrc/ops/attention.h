@@ -8,6 +8,11 @@
 //   out       [B, Hq, Q, Dv] in query's dtype, stored as [B, Q, Hq, Dv] (a transposed view)
 //   lse       [B, Hq, Q] float32 (float64 for float64 inputs): log-sum-exp of each row,
 //             sink included
+//   lse_lo    [B, Hq, Q] (private output of _attention_forward, input of the backward): the
+//             rounding error of lse, lse + lse_lo = max + log(sum) to twice lse's precision.
+//             A row whose scores are all huge and negative (a Transformers eager mask of
+//             finfo.min) has lse == its max in float32: without lse_lo the backward's
+//             exp(s - lse) would lose log(sum) and give every key weight 1 instead of 1/KV.
 //
 // Scores of query i and key j, in float32 (float64 for float64 inputs):
 //   s = scale * <q_i, k_j>;  s = softcap * tanh(s / softcap) if softcap > 0;
@@ -21,9 +26,11 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
 
 #include "common/isa_dispatch.h"
 
@@ -41,9 +48,12 @@ struct AttentionFwdArgs {
   at::Tensor sinks;  // undefined, or [Hq] acc dtype contiguous
   at::Tensor out;    // [B, Hq, Q, Dv], input dtype, strided view (written)
   at::Tensor lse;    // [B, Hq, Q], acc dtype, contiguous (written)
+  at::Tensor lse_lo;  // undefined, or [B, Hq, Q] acc dtype contiguous (written): lse's rounding error
   double scale = 1.0;
   double softcap = 0.0;  // 0: none
   bool is_causal = false;
+  // Key j is visible to query i iff j <= i + q_offset - kv_offset. The entry points pass
+  // q_offset = causal_shift(...) and kv_offset = 0, so no kernel subtracts two int64 offsets.
   int64_t q_offset = 0;
   int64_t kv_offset = 0;
 };
@@ -60,6 +70,7 @@ struct AttentionBwdArgs {
   at::Tensor value;     // [B, Hkv, KV, Dv], any strides
   at::Tensor out;       // [B, Hq, Q, Dv], any strides
   at::Tensor lse;       // [B, Hq, Q], acc dtype
+  at::Tensor lse_lo;    // [B, Hq, Q], acc dtype: lse's rounding error (zeros when not given)
   at::Tensor mask;      // as in AttentionFwdArgs
   at::Tensor grad_query;  // [B, Hq, Q, D], input dtype, contiguous (written)
   at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous (written)
@@ -75,9 +86,29 @@ struct AttentionBwdArgs {
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;
-  int64_t q_offset = 0;
+  int64_t q_offset = 0;   // as in AttentionFwdArgs: the causal shift, kv_offset 0
   int64_t kv_offset = 0;
 };
+
+// The causal rule's shift q_offset - kv_offset, saturated and clamped to [-q_len, kv_len]: the
+// same keys are visible to every query i < q_len (a shift >= kv_len - 1 shows every key, one
+// < -(q_len - 1) none), and no kernel's index arithmetic can overflow, whatever the offsets.
+inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, int64_t kv_len) {
+  int64_t shift = 0;
+  if (__builtin_sub_overflow(q_offset, kv_offset, &shift)) {
+    shift = q_offset > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+  }
+  return shift < -q_len ? -q_len : (shift > kv_len ? kv_len : shift);
+}
+
+// sum + err == a + b exactly (Knuth's TwoSum; no multiplication, so FMA contraction cannot
+// change it). The forward kernels use it for lse and lse_lo.
+template <typename T>
+C10_HOST_DEVICE inline void two_sum(T a, T b, T& sum, T& err) {
+  sum = a + b;
+  const T b_part = sum - a;
+  err = (a - (sum - b_part)) + (b - b_part);
+}
 
 // A backend's kernels: they get the arguments prepared (and the outputs allocated) by the
 // shared entry points below, so CPU and CUDA differ only in these two functions.
@@ -86,10 +117,21 @@ using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
-// Validates the arguments (shared by every backend; _fake.py raises the same messages).
+// Validates the arguments (shared by every backend; _fake.py raises the same messages). `op`
+// names the op in the messages.
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
-                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks);
+                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks,
+                     const char* op = "attention");
+
+// Validates every argument of _attention_backward: the forward's rules, then out, grad_out,
+// lse, lse_lo and grad_lse against the shapes and dtypes they must have, so that no call (a
+// traced graph's included) can make a kernel read past a tensor.
+void check_attention_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                              const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                              std::optional<double> scale, double softcap, const std::optional<at::Tensor>& sinks,
+                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo);
 
 // The scale actually used: `scale`, or 1/sqrt(head_dim).
 double attention_scale(const at::Tensor& query, std::optional<double> scale);
@@ -97,17 +139,18 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale);
 // The backend-independent bodies of the attention and _attention_backward kernels
 // (validation, output allocation, sinks and mask-gradient reductions); each backend's
 // registration passes its kernel.
-std::tuple<at::Tensor, at::Tensor> attention_impl(const at::Tensor& query, const at::Tensor& key,
-                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                                  double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-                                                  double softcap, const std::optional<at::Tensor>& sinks,
-                                                  AttentionFwdFn kernel);
+// attention_impl returns (out, lse, lse_lo), lse_lo undefined unless with_lse_lo.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks,
+    bool with_lse_lo, AttentionFwdFn kernel);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed, AttentionBwdFn kernel);
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo, AttentionBwdFn kernel);
 
 // Typed C++ entry points: call the dispatcher (autograd and tracing included).
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

@@ -1,6 +1,8 @@
 // Schema, validation, the CPU entry point and the typed C++ entry point of sdpa_mask.
 #include "ops/sdpa_mask.h"
 
+#include <limits>
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -45,6 +47,12 @@ c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_len
   TORCH_CHECK(kv_length >= 0, kOp, ": kv_length must be >= 0, got ", kv_length);
   TORCH_CHECK(q_offset >= 0, kOp, ": q_offset must be >= 0, got ", q_offset);
   TORCH_CHECK(kv_offset >= 0, kOp, ": kv_offset must be >= 0, got ", kv_offset);
+  // Every query and key position must be an int64 (the kernels compute the rule exactly from there).
+  constexpr int64_t kMaxPosition = std::numeric_limits<int64_t>::max();
+  TORCH_CHECK(q_offset <= kMaxPosition - q_length, kOp, ": q_offset + q_length must be <= 2**63 - 1, got ", q_offset,
+              " + ", q_length);
+  TORCH_CHECK(kv_offset <= kMaxPosition - kv_length, kOp, ": kv_offset + kv_length must be <= 2**63 - 1, got ",
+              kv_offset, " + ", kv_length);
   TORCH_CHECK(!sliding_window.has_value() || *sliding_window > 0, kOp, ": sliding_window must be > 0, got ",
               sliding_window.value_or(0));
   TORCH_CHECK(!chunk_size.has_value() || *chunk_size > 0, kOp, ": chunk_size must be > 0, got ",

@@ -54,19 +54,26 @@ struct SdpaMaskParams {
 
 namespace sdpa_mask_detail {
 
+// Positions are computed in 128 bits: a query position is q_offset + i or a position tensor's
+// value (+ i), any int64, and the rule's sums (q + window, q - pad, ...) pass the int64 range
+// near its ends; in 128 bits every one of them is exact, and only the final columns, clipped to
+// [0, kv_length], go back to int64. Validation keeps q_offset + q_length and kv_offset +
+// kv_length within int64.
+using Position = __int128;
+
 // Python's floor division (chunk indices of left-padded positions are negative).
-C10_HOST_DEVICE inline int64_t floor_div(int64_t a, int64_t b) {
-  const int64_t q = a / b;
+C10_HOST_DEVICE inline Position floor_div(Position a, Position b) {
+  const Position q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 
-C10_HOST_DEVICE inline int64_t query_position(const SdpaMaskParams& p, int64_t b, int64_t i) {
+C10_HOST_DEVICE inline Position query_position(const SdpaMaskParams& p, int64_t b, int64_t i) {
   if (p.q_positions == nullptr) {
-    return p.q_offset + i;
+    return Position{p.q_offset} + i;
   }
   switch (p.q_positions_rank) {
     case 0:
-      return p.q_positions[0] + i;
+      return Position{p.q_positions[0]} + i;
     case 1:
       return p.q_positions[i];
     default:
@@ -75,9 +82,9 @@ C10_HOST_DEVICE inline int64_t query_position(const SdpaMaskParams& p, int64_t b
 }
 
 // ids[b, position], or `outside` when the position is not inside the tensor.
-C10_HOST_DEVICE inline int64_t id_at(const int64_t* ids, int64_t width, int64_t b, int64_t position,
+C10_HOST_DEVICE inline int64_t id_at(const int64_t* ids, int64_t width, int64_t b, Position position,
                                      int64_t outside) {
-  return (position >= 0 && position < width) ? ids[b * width + position] : outside;
+  return (position >= 0 && position < width) ? ids[b * width + static_cast<int64_t>(position)] : outside;
 }
 
 // Columns [begin, end) of the row's base interval (empty when begin >= end).
@@ -86,10 +93,11 @@ struct Interval {
   int64_t end;
 };
 
-C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b, int64_t q_pos) {
-  // Inclusive key positions; start unbounded and intersect.
-  int64_t lo = INT64_MIN / 2;
-  int64_t hi = INT64_MAX / 2;
+C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b, Position q_pos) {
+  // Inclusive key positions; start unbounded (far outside any int64 position) and intersect.
+  constexpr Position kUnbounded = Position{1} << 100;
+  Position lo = -kUnbounded;
+  Position hi = kUnbounded;
   if (p.causal) {
     hi = q_pos;
   }
@@ -102,17 +110,17 @@ C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b
     }
   }
   if (p.chunk_size > 0) {
-    const int64_t pad = p.chunk_left_padding != nullptr ? p.chunk_left_padding[b] : 0;
-    const int64_t first = pad + floor_div(q_pos - pad, p.chunk_size) * p.chunk_size;
+    const Position pad = p.chunk_left_padding != nullptr ? p.chunk_left_padding[b] : 0;
+    const Position first = pad + floor_div(q_pos - pad, p.chunk_size) * p.chunk_size;
     lo = lo > first ? lo : first;
     hi = hi < first + p.chunk_size - 1 ? hi : first + p.chunk_size - 1;
   }
   // Positions to columns, clipped to [0, kv_length].
-  int64_t begin = lo - p.kv_offset;
-  int64_t end = hi - p.kv_offset + 1;
+  Position begin = lo - p.kv_offset;
+  Position end = hi - p.kv_offset + 1;
   begin = begin < 0 ? 0 : (begin > p.kv_length ? p.kv_length : begin);
   end = end < begin ? begin : (end > p.kv_length ? p.kv_length : end);
-  return {begin, end};
+  return {static_cast<int64_t>(begin), static_cast<int64_t>(end)};
 }
 
 // What a row needs beyond its interval: the query's packed id and block group.
@@ -122,11 +130,11 @@ struct RowKeys {
   int64_t block_group;  // < 0: the query is in no block
 };
 
-C10_HOST_DEVICE inline RowKeys row_keys(const SdpaMaskParams& p, int64_t b, int64_t q_pos) {
+C10_HOST_DEVICE inline RowKeys row_keys(const SdpaMaskParams& p, int64_t b, Position q_pos) {
   RowKeys keys{0, false, -1};
   if (p.packed_ids != nullptr) {
     keys.packed_known = q_pos >= 0 && q_pos < p.packed_width;
-    keys.packed_id = keys.packed_known ? p.packed_ids[b * p.packed_width + q_pos] : 0;
+    keys.packed_id = keys.packed_known ? p.packed_ids[b * p.packed_width + static_cast<int64_t>(q_pos)] : 0;
   }
   if (p.block_ids != nullptr) {
     keys.block_group = id_at(p.block_ids, p.block_width, b, q_pos, -1);

@@ -130,6 +130,26 @@ void check_backward_pair(const char* op, const at::Tensor& grad_out, const at::T
   common_device(op, std::nullopt, {{"grad_out", grad_out}, {"out", out}});
 }
 
+// The mask of masked_softmax and of its backward: dtype, broadcastable to `against` (the scores,
+// or the backward's out), same device.
+void check_mask(const char* op, const std::optional<at::Tensor>& mask, const char* against_name,
+                const at::Tensor& against) {
+  if (!mask.has_value()) {
+    return;
+  }
+  const at::ScalarType mt = mask->scalar_type();
+  TORCH_CHECK(mt == at::kBool || is_supported_float(mt), op,
+              ": mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got ", dtype_name(mt));
+  bool broadcastable = mask->dim() <= against.dim();
+  for (int64_t k = 1; broadcastable && k <= mask->dim(); ++k) {
+    const int64_t m = mask->size(-k);
+    broadcastable = m == 1 || m == against.size(-k);
+  }
+  TORCH_CHECK(broadcastable, op, ": mask of shape ", mask->sizes(), " is not broadcastable to ", against_name,
+              " of shape ", against.sizes());
+  common_device(op, std::nullopt, {{against_name, against}, {"mask", mask}});
+}
+
 }  // namespace
 
 int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
@@ -149,19 +169,7 @@ int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::T
     check_float(op, "dtype", *dtype);
   }
   const int64_t wrapped = wrap_dim(op, dim, scores.dim());
-  if (mask.has_value()) {
-    const at::ScalarType mt = mask->scalar_type();
-    TORCH_CHECK(mt == at::kBool || is_supported_float(mt), op,
-                ": mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got ", dtype_name(mt));
-    bool broadcastable = mask->dim() <= scores.dim();
-    for (int64_t k = 1; broadcastable && k <= mask->dim(); ++k) {
-      const int64_t m = mask->size(-k);
-      broadcastable = m == 1 || m == scores.size(-k);
-    }
-    TORCH_CHECK(broadcastable, op, ": mask of shape ", mask->sizes(), " is not broadcastable to scores of shape ",
-                scores.sizes());
-    common_device(op, std::nullopt, {{"scores", scores}, {"mask", mask}});
-  }
+  check_mask(op, mask, "scores", scores);
   return wrapped;
 }
 
@@ -215,9 +223,7 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_impl(const at::Tensor
   const int64_t wrapped = wrap_dim(op, dim, out.dim());
   TORCH_CHECK(!mask_requires_grad || (mask.has_value() && mask->is_floating_point()), op,
               ": mask_requires_grad needs a floating mask");
-  if (mask.has_value()) {
-    common_device(op, std::nullopt, {{"out", out}, {"mask", mask}});
-  }
+  check_mask(op, mask, "out", out);
   const at::Tensor o = out.contiguous();
   const at::Tensor g = grad_out.to(o.scalar_type()).contiguous();
   at::Tensor grad_scores = at::empty(o.sizes(), o.options());

@@ -5,6 +5,9 @@ argument checks as the C++ kernels (same messages), so ``torch.compile`` and
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 
 # c10's names for dtypes, as the C++ checks print them.
@@ -89,6 +92,15 @@ def _sdpa_mask_fake(
     torch._check(kv_length >= 0, lambda: f"{op}: kv_length must be >= 0, got {kv_length}")
     torch._check(q_offset >= 0, lambda: f"{op}: q_offset must be >= 0, got {q_offset}")
     torch._check(kv_offset >= 0, lambda: f"{op}: kv_offset must be >= 0, got {kv_offset}")
+    max_position = 2**63 - 1
+    torch._check(
+        q_offset <= max_position - q_length,
+        lambda: f"{op}: q_offset + q_length must be <= 2**63 - 1, got {q_offset} + {q_length}",
+    )
+    torch._check(
+        kv_offset <= max_position - kv_length,
+        lambda: f"{op}: kv_offset + kv_length must be <= 2**63 - 1, got {kv_offset} + {kv_length}",
+    )
     torch._check(sliding_window is None or sliding_window > 0, lambda: f"{op}: sliding_window must be > 0, got {sliding_window}")
     torch._check(chunk_size is None or chunk_size > 0, lambda: f"{op}: chunk_size must be > 0, got {chunk_size}")
     out_dtype = torch.bool if dtype is None else dtype
@@ -182,6 +194,25 @@ def _check_softmax_backward_pair(op, grad_out, out):
     common_device(op, None, {"grad_out": grad_out, "out": out})
 
 
+def _check_softmax_mask(op, mask, against_name, against):
+    """csrc/ops/softmax.cpp: check_mask."""
+    if mask is None:
+        return
+    torch._check(
+        mask.dtype == torch.bool or mask.dtype in _SOFTMAX_FLOATS,
+        lambda: f"{op}: mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got {dtype_name(mask.dtype)}",
+    )
+    broadcastable = mask.dim() <= against.dim()
+    if broadcastable:
+        for k in range(1, mask.dim() + 1):
+            broadcastable = broadcastable and (mask.shape[-k] == 1 or mask.shape[-k] == against.shape[-k])
+    torch._check(
+        broadcastable,
+        lambda: f"{op}: mask of shape {_shape(mask)} is not broadcastable to {against_name} of shape {_shape(against)}",
+    )
+    common_device(op, None, {against_name: against, "mask": mask})
+
+
 @torch.library.register_fake("safeattn::safe_softmax")
 def _safe_softmax_fake(self, dim, dtype=None):
     op = "safe_softmax"
@@ -208,24 +239,7 @@ def _masked_softmax_fake(scores, mask=None, scale=1.0, dim=-1, dtype=None):
     if dtype is not None:
         _check_softmax_float(op, "dtype", dtype)
     _wrap_softmax_dim(op, dim, scores.dim())
-    if mask is not None:
-        torch._check(
-            mask.dtype == torch.bool or mask.dtype in _SOFTMAX_FLOATS,
-            lambda: (
-                f"{op}: mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got {dtype_name(mask.dtype)}"
-            ),
-        )
-        broadcastable = mask.dim() <= scores.dim()
-        if broadcastable:
-            for k in range(1, mask.dim() + 1):
-                broadcastable = broadcastable and (mask.shape[-k] == 1 or mask.shape[-k] == scores.shape[-k])
-        torch._check(
-            broadcastable,
-            lambda: (
-                f"{op}: mask of shape {_shape(mask)} is not broadcastable to scores of shape {_shape(scores)}"
-            ),
-        )
-        common_device(op, None, {"scores": scores, "mask": mask})
+    _check_softmax_mask(op, mask, "scores", scores)
     return torch.empty(scores.shape, dtype=scores.dtype if dtype is None else dtype, device=scores.device)
 
 
@@ -239,8 +253,7 @@ def _masked_softmax_backward_fake(grad_out, out, mask, scale, dim, input_dtype, 
         not mask_requires_grad or (mask is not None and mask.dtype.is_floating_point),
         lambda: f"{op}: mask_requires_grad needs a floating mask",
     )
-    if mask is not None:
-        common_device(op, None, {"out": out, "mask": mask})
+    _check_softmax_mask(op, mask, "out", out)
     grad_scores = torch.empty(out.shape, dtype=input_dtype, device=out.device)
     if mask_requires_grad:
         grad_mask = torch.empty(mask.shape, dtype=mask.dtype, device=out.device)
@@ -253,10 +266,10 @@ def _masked_softmax_backward_fake(grad_out, out, mask, scale, dim, input_dtype, 
 # attention (csrc/ops/attention.cpp: check_attention)
 
 _ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks):
-    op = "attention"
+def _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks, scale=None, op="attention"):
     torch._check(
         query.dim() == 4,
         lambda: f"{op}: query must be 4-D [batch, heads, q_length, head_dim], got {query.dim()}-D",
@@ -322,7 +335,23 @@ def _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softca
     torch._check(
         dropout_p == 0.0, lambda: f"{op}: dropout_p must be 0 (dropout is not implemented), got {dropout_p}"
     )
-    torch._check(softcap >= 0.0, lambda: f"{op}: softcap must be >= 0, got {softcap}")
+    acc_is_double = query.dtype == torch.float64
+    in_acc = "" if acc_is_double else " in float32"
+
+    def finite_in_acc(x):
+        return math.isfinite(x) and (acc_is_double or abs(x) <= _FLOAT32_MAX)
+
+    def positive_in_acc(x):
+        return acc_is_double or struct.unpack("f", struct.pack("f", x))[0] > 0.0
+
+    torch._check(
+        softcap == 0.0 or (softcap > 0.0 and finite_in_acc(softcap) and positive_in_acc(softcap)),
+        lambda: f"{op}: softcap must be 0 (none) or a finite positive number{in_acc}, got {softcap}",
+    )
+    torch._check(
+        scale is None or finite_in_acc(scale),
+        lambda: f"{op}: scale must be a finite number{in_acc}, got {scale}",
+    )
     if attn_mask is not None:
         m = attn_mask
         torch._check(
@@ -373,12 +402,86 @@ def _attention_fake(
     softcap=0.0,
     sinks=None,
 ):
-    _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks)
+    _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks, scale)
     batch, heads, q_length = query.shape[0], query.shape[1], query.shape[2]
     # Same strides as the kernel: stored [B, Q, H, Dv], returned as the [B, H, Q, Dv] view.
     out = query.new_empty((batch, q_length, heads, value.shape[3])).transpose(1, 2)
     lse = query.new_empty((batch, heads, q_length), dtype=_attention_acc_dtype(query.dtype))
     return out, lse
+
+
+@torch.library.register_fake("safeattn::_attention_forward")
+def _attention_forward_fake(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    q_offset=0,
+    kv_offset=0,
+    softcap=0.0,
+    sinks=None,
+):
+    out, lse = _attention_fake(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        q_offset=q_offset, kv_offset=kv_offset, softcap=softcap, sinks=sinks,
+    )
+    return out, lse, torch.empty_like(lse)
+
+
+def _check_attention_backward(grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
+                              grad_mask_needed, lse_lo):
+    """csrc/ops/attention.cpp: check_attention_backward."""
+    op = "_attention_backward"
+    _check_attention(query, key, value, attn_mask, 0.0, True, softcap, sinks, scale, op=op)
+    common_device(
+        op,
+        query.device,
+        {"grad_out": grad_out, "grad_lse": grad_lse, "out": out, "lse": lse, "lse_lo": lse_lo},
+    )
+    out_shape = (query.shape[0], query.shape[1], query.shape[2], value.shape[3])
+    row_shape = out_shape[:3]
+
+    def shape_str(shape):
+        return "[" + ", ".join(str(d) for d in shape) + "]"
+
+    torch._check(
+        tuple(out.shape) == out_shape,
+        lambda: f"{op}: out must be [batch, heads, q_length, head_dim_v] = {shape_str(out_shape)}, got {_shape(out)}",
+    )
+    torch._check(
+        out.dtype == query.dtype,
+        lambda: f"{op}: out has dtype {dtype_name(out.dtype)} but query has {dtype_name(query.dtype)}",
+    )
+    torch._check(
+        grad_out.shape == out.shape,
+        lambda: f"{op}: grad_out has shape {_shape(grad_out)} but out has {_shape(out)}",
+    )
+    torch._check(
+        grad_out.dtype == query.dtype,
+        lambda: f"{op}: grad_out has dtype {dtype_name(grad_out.dtype)} but query has {dtype_name(query.dtype)}",
+    )
+    for name, t in (("lse", lse), ("lse_lo", lse_lo), ("grad_lse", grad_lse)):
+        if t is None:
+            continue
+        torch._check(
+            t.dtype.is_floating_point,
+            lambda name=name, t=t: f"{op}: {name} must have a floating dtype, got {dtype_name(t.dtype)}",
+        )
+        torch._check(
+            tuple(t.shape) == row_shape,
+            lambda name=name, t=t: (
+                f"{op}: {name} must be [batch, heads, q_length] = {shape_str(row_shape)}, got {_shape(t)}"
+            ),
+        )
+    torch._check(
+        not grad_mask_needed or attn_mask is None or attn_mask.dtype.is_floating_point,
+        lambda: f"{op}: grad_mask_needed needs a floating attn_mask (a bool mask has no gradient)",
+    )
 
 
 @torch.library.register_fake("safeattn::_attention_backward")
@@ -398,7 +501,11 @@ def _attention_backward_fake(
     softcap,
     sinks,
     grad_mask_needed,
+    lse_lo=None,
 ):
+    _check_attention_backward(
+        grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks, grad_mask_needed, lse_lo
+    )
     grad_mask = (
         attn_mask.new_empty(attn_mask.shape)
         if attn_mask is not None and grad_mask_needed

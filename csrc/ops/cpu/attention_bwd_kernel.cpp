@@ -58,6 +58,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
   const scalar_t* go_src = grad_out.const_data_ptr<scalar_t>();
   const scalar_t* out_src = out.const_data_ptr<scalar_t>();
   const acc_t* lse_ptr = a.lse.const_data_ptr<acc_t>();
+  const acc_t* lse_lo_ptr = a.lse_lo.const_data_ptr<acc_t>();
   // grad_lse may be any float dtype and strides: read it as acc through a converted copy (tiny).
   const at::Tensor grad_lse =
       a.grad_lse.defined() ? a.grad_lse.to(c10::CppTypeToScalarType<acc_t>::value).contiguous() : at::Tensor();
@@ -83,11 +84,12 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
     const int64_t ld = round_up(kQBlock, Vec::size());
     std::vector<acc_t> q_rows(group * q_len * head_dim), q_cols(group * head_dim * q_len);
     std::vector<acc_t> go_rows(group * q_len * dv), go_cols(group * dv * q_len);
-    std::vector<acc_t> delta(group * q_len), lse(group * q_len), dq_cols(group * head_dim * q_len);
+    std::vector<acc_t> delta(group * q_len), lse(group * q_len), lse_lo(group * q_len);
+    std::vector<acc_t> dq_cols(group * head_dim * q_len);
     std::vector<acc_t> k_rows(kv_len * head_dim), k_cols(head_dim * kv_len), v_rows(kv_len * dv);
     std::vector<acc_t> st(kKvBlock * ld), dpt(kKvBlock * ld), tanh_t(softcap > 0 ? kKvBlock * ld : 0);
     std::vector<acc_t> dk(kKvBlock * head_dim), dvb(kKvBlock * dv);
-    std::vector<acc_t> lse_tile(ld), delta_tile(ld);
+    std::vector<acc_t> lse_tile(ld), lse_lo_tile(ld), delta_tile(ld);
     std::vector<acc_t> mask_tile(mask.kind != MaskKind::kNone ? kKvBlock * ld : 0);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task / hkv, hk = task % hkv;
@@ -119,6 +121,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
           // No visible key and no sink: lse = -inf; use +inf so that every p is exactly 0.
           const acc_t l = lse_ptr[row];
           lse[g * q_len + i] = l == kNegInf<acc_t> ? std::numeric_limits<acc_t>::infinity() : l;
+          lse_lo[g * q_len + i] = l == kNegInf<acc_t> ? acc_t(0) : lse_lo_ptr[row];
         }
       }
       std::fill(dq_cols.begin(), dq_cols.end(), acc_t(0));
@@ -149,6 +152,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
             const int64_t m_pad = round_up(m, Vec::size());
             for (int64_t c = 0; c < ld; ++c) {
               lse_tile[c] = c < m ? lse[g * q_len + i0 + c] : acc_t(0);
+              lse_lo_tile[c] = c < m ? lse_lo[g * q_len + i0 + c] : acc_t(0);
               delta_tile[c] = c < m ? delta[g * q_len + i0 + c] : acc_t(0);
             }
             gemm(n, m, head_dim, k_rows.data() + j0 * head_dim, head_dim, qc + i0, q_len, st.data(), ld, false);
@@ -170,9 +174,11 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
                 const int64_t hidden = clamp_to(j - diagonal - i0, 0, m);
                 std::fill(s, s + hidden, kNegInf<acc_t>);
               }
-              // P^T then dS^T, in place: s holds p, dp holds ds.
+              // P^T then dS^T, in place: s holds p, dp holds ds. (s - lse) - lse_lo: lse_lo is
+              // what lse lost to rounding, and subtracting it last keeps it.
               for (int64_t c = 0; c < m_pad; c += Vec::size()) {
-                const Vec p = exp_keep_nan(Vec::loadu(s + c) - Vec::loadu(lse_tile.data() + c));
+                const Vec p = exp_keep_nan((Vec::loadu(s + c) - Vec::loadu(lse_tile.data() + c)) -
+                                           Vec::loadu(lse_lo_tile.data() + c));
                 p.store(s + c);
                 (p * (Vec::loadu(dp + c) - Vec::loadu(delta_tile.data() + c))).store(dp + c);
               }
@@ -188,7 +194,8 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
                   for (int64_t r = 0; r < n; ++r) {
                     sum += dpt[r * ld + c];
                   }
-                  gm_row[0] += sum;
+                  // Assigned when this is the only key (KV == 1: one tile, one contribution).
+                  gm_row[0] = a.grad_mask_assign ? sum : gm_row[0] + sum;
                 } else if (a.grad_mask_assign) {
                   for (int64_t r = 0; r < n; ++r) {
                     gm_row[j0 + r] = dpt[r * ld + c];

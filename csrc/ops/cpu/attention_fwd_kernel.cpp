@@ -88,6 +88,7 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
   scalar_t* out_ptr = a.out.data_ptr<scalar_t>();
   const int64_t o_sb = a.out.stride(0), o_sh = a.out.stride(1), o_si = a.out.stride(2), o_sd = a.out.stride(3);
   acc_t* lse_ptr = a.lse.data_ptr<acc_t>();
+  acc_t* lse_lo_ptr = a.lse_lo.defined() ? a.lse_lo.data_ptr<acc_t>() : nullptr;
   const acc_t* sinks_ptr = a.sinks.defined() ? a.sinks.const_data_ptr<acc_t>() : nullptr;
   const MaskView mask(a.mask);
   const acc_t scale = static_cast<acc_t>(a.scale);
@@ -183,28 +184,27 @@ void attention_fwd_typed(const AttentionFwdArgs& a) {
 
       for (int64_t r = 0; r < m; ++r) {
         const int64_t i = i0 + r;
-        const acc_t mx = row_max[r] == kNegInf<acc_t> ? acc_t(0) : row_max[r];
         const acc_t l = row_sum[r];
-        acc_t lse, factor;
-        if (sinks_ptr != nullptr) {
-          // The sink joins the denominator: lse = logaddexp(m + log l, sink); out = O exp(m - lse).
-          const acc_t sink = sinks_ptr[h];
-          const acc_t row_lse = mx + std::log(l);
-          const acc_t top = max_keep_nan(row_lse, sink);
-          lse = top == kNegInf<acc_t> ? top : top + std::log(std::exp(row_lse - top) + std::exp(sink - top));
-          factor = lse == kNegInf<acc_t> ? acc_t(0) : std::exp(mx - lse);
-        } else if (l == acc_t(0)) {
-          lse = kNegInf<acc_t>;  // no visible key: out 0
-          factor = 0;
-        } else {
-          lse = mx + std::log(l);
-          factor = acc_t(1) / l;
+        const bool empty = l == acc_t(0);  // no visible key (a NaN row is not empty)
+        // lse = top + log(total): top is the row max, or the sink logit when that is larger (the
+        // sink joins the denominator only); total = l exp(max - top) (+ exp(sink - top)).
+        // two_sum keeps what the rounding of lse drops in lse_lo (attention.h says why).
+        const acc_t row_top = empty ? kNegInf<acc_t> : row_max[r];
+        const acc_t top = sinks_ptr != nullptr ? max_keep_nan(row_top, sinks_ptr[h]) : row_top;
+        acc_t lse = kNegInf<acc_t>, lse_lo = 0, factor = 0;
+        if (!(top == kNegInf<acc_t>)) {
+          const acc_t row_weight = empty ? acc_t(0) : std::exp(row_top - top);
+          const acc_t total = l * row_weight + (sinks_ptr != nullptr ? std::exp(sinks_ptr[h] - top) : acc_t(0));
+          two_sum(top, std::log(total), lse, lse_lo);
+          factor = row_weight / total;
         }
         lse_ptr[(b * hq + h) * q_len + i] = lse;
+        if (lse_lo_ptr != nullptr) {
+          lse_lo_ptr[(b * hq + h) * q_len + i] = lse_lo;
+        }
         const acc_t* o = acc.data() + r * dv;
         scalar_t* dst = out_ptr + b * o_sb + h * o_sh + i * o_si;
         // A row without visible keys is exactly 0, even if a masked value held NaN or inf.
-        const bool empty = l == acc_t(0);
         for (int64_t d = 0; d < dv; ++d) {
           dst[d * o_sd] = empty ? scalar_t(0) : static_cast<scalar_t>(o[d] * factor);
         }

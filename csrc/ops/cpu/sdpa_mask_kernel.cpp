@@ -65,7 +65,7 @@ void apply_padding(T* row, int64_t begin, int64_t end, const bool* pad, int64_t 
 template <typename T>
 void write_row(const SdpaMaskParams& p, int64_t b, int64_t i, T* row, T on, T off) {
   const int64_t kv_length = p.kv_length;
-  const int64_t q_pos = query_position(p, b, i);
+  const Position q_pos = query_position(p, b, i);
   const Interval base = base_interval(p, b, q_pos);
   std::fill(row, row + base.begin, off);
   std::fill(row + base.end, row + kv_length, off);
@@ -86,9 +86,13 @@ void write_row(const SdpaMaskParams& p, int64_t b, int64_t i, T* row, T on, T of
     return;
   }
   // Row views shifted so that column j reads position kv_offset + j.
+  // (validation: packed_ids reach past kv_offset + kv_length; a padding mask may end sooner, and
+  // its columns from pad_end on are padding, never read.)
   const int64_t* ids = p.packed_ids != nullptr ? p.packed_ids + b * p.packed_width + p.kv_offset : nullptr;
-  const bool* pad = p.padding_mask != nullptr ? p.padding_mask + b * p.padding_width + p.kv_offset : nullptr;
   const int64_t pad_end = std::clamp<int64_t>(p.padding_width - p.kv_offset, 0, kv_length);
+  const bool* pad = p.padding_mask == nullptr ? nullptr
+                    : pad_end > 0             ? p.padding_mask + b * p.padding_width + p.kv_offset
+                                              : p.padding_mask;
   constexpr bool kBool = std::is_same_v<T, bool>;
   if (ids != nullptr) {
     write_packed(row, base.begin, base.end, ids, keys.packed_id, kBool ? nullptr : pad, pad_end, on, off);

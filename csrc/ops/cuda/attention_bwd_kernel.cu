@@ -303,10 +303,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed) {
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, &attention_bwd_cuda);
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, &attention_bwd_cuda);
 }
 
 }  // namespace

@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         }
       }
     }
-    const int64_t q_pos = query_position(p, b, row - b * p.q_length);
+    const Position q_pos = query_position(p, b, row - b * p.q_length);
     Interval base = base_interval(p, b, q_pos);
     RowKeys keys{0, false, -1};
     if constexpr (kRule == RowRule::kGeneral || kRule == RowRule::kPacked) {
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 4)
       } else if (!keys.packed_known) {
         base.end = base.begin;  // a query position outside the ids matches nothing
       } else {
-        const int64_t at = b * p.packed_width + q_pos;
+        const int64_t at = b * p.packed_width + static_cast<int64_t>(q_pos);  // known: inside the ids
         base.begin = std::max(base.begin, runs.begin[at] - p.kv_offset);
         base.end = std::max(base.begin, std::min(base.end, runs.end[at] - p.kv_offset));
       }
