@@ -839,3 +839,201 @@ def test_cpu_isa_variants_match_reference():
         env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY=isa.lower())
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
         assert done.returncode == 0, f"ISA variant {isa}: {done.stderr[-2000:]}"
+
+
+# ---- edges found from outside (issue 16) -----------------------------------------------------
+
+
+def _reference_grads(q, k, v, out_grad, *, extra=(), lse_grad=None, **kwargs):
+    """Gradients of reference.attention w.r.t. q, k, v and `extra` inputs."""
+    ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
+    outs, grads = [ref_out], [out_grad.to(ref_out.dtype)]
+    if lse_grad is not None:
+        outs.append(torch.where(ref_lse.isfinite(), ref_lse, 0.0))
+        grads.append(lse_grad.to(ref_lse.dtype))
+    return ref_out, torch.autograd.grad(outs, (q, k, v, *extra), grads)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("bias_shape", [(2, 2, 5, 1), (1, 2, 5, 1), (5, 1)])
+def test_bias_gradient_over_one_key(device, head_dim, bias_shape):
+    """A softmax over one key is constant: a learnable bias there gets gradient 0 (it got
+    uninitialised memory on CPU when the bias had the full [B, H, Q, KV] shape and KV == 1)."""
+    q, k, v = _qkv(2, 2, 2, 5, 1, head_dim, torch.float32, device)
+    for trial in range(3):  # garbage differs from call to call
+        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(trial)).to(device).requires_grad_()
+        out, _ = safeattn.attention(q, k, v, bias)
+        (grad_bias,) = torch.autograd.grad(out, bias, torch.randn_like(out))
+        assert grad_bias.shape == bias.shape
+        assert grad_bias.abs().max().item() < 1e-5, f"bias gradient over one key: {grad_bias.flatten()[:4]}"
+
+
+_HUGE_ROWS = [
+    # (input dtype, mask dtype, the value of the row)
+    (torch.float32, torch.float32, torch.finfo(torch.float32).min),
+    (torch.float32, torch.float32, -1e8),
+    (torch.float64, torch.float64, -1e30),
+    (torch.bfloat16, torch.bfloat16, torch.finfo(torch.bfloat16).min),
+    (torch.bfloat16, torch.float32, torch.finfo(torch.float32).min),
+    (torch.float16, torch.float32, torch.finfo(torch.float32).min),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("dtype", "mask_dtype", "huge"), _HUGE_ROWS)
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_rows_of_huge_negative_bias(device, dtype, mask_dtype, huge, head_dim):
+    """A row whose every bias is a huge negative constant (Transformers' eager masks: finfo.min)
+    is a softmax of equal scores: uniform attention, and gradients consistent with it. The
+    scores round to the constant in the compute dtype, so the yardstick is PyTorch computing
+    the same formula in that dtype (float32, float64 for float64 inputs)."""
+    if device == "cpu" and dtype in (torch.bfloat16, torch.float16) and head_dim == 8:
+        pytest.skip("covered by head_dim 64 on CPU")
+    q, k, v = _qkv(2, 2, 2, 4, 5, head_dim, dtype, device)
+    mask = torch.zeros(4, 5, dtype=mask_dtype)
+    mask[1] = huge
+    mask[3, :2] = huge  # a row with a few huge entries: those keys get weight 0
+    mask = mask.to(device)
+    out, lse = safeattn.attention(q, k, v, mask)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+    grad_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    got = torch.autograd.grad([out, lse], (q, k, v), [grad_out, grad_lse])
+    scores = torch.float64 if dtype == torch.float64 else torch.float32
+    ref_out, want = _reference_grads(q, k, v, grad_out, attn_mask=mask, score_dtype=scores, lse_grad=grad_lse)
+    compute = torch.float64
+    uniform = v.detach().to(compute).mean(dim=2)  # row 1 attends uniformly
+    tol = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert (out[:, :, 1].to(compute) - uniform).abs().max().item() < tol * 4, "the huge row is not uniform"
+    assert (out.to(compute) - ref_out).abs().max().item() < tol * 4, "out differs from the reference"
+    for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got, want, strict=True):
+        scale = max(1.0, w.abs().max().item())
+        err = (g.to(compute) - w).abs().max().item()
+        assert err < tol * 8 * scale, f"{name}: error {err:.3g} against the reference (magnitude {scale:.3g})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("empty_by", ["bool_mask", "causal_shift", "float_mask"])
+def test_upstream_nan_on_empty_row_stays_out(device, dtype, empty_by):
+    """A fully masked row passes no gradient on: NaN or inf in its upstream gradient (out and lse)
+    changes nothing, and its grad_query row is 0."""
+    head_dim = 64
+    q, k, v = _qkv(1, 2, 2, 6, 7, head_dim, dtype, device)
+    kwargs = {}
+    if empty_by == "bool_mask":
+        mask = torch.ones(6, 7, dtype=torch.bool)
+        mask[2] = False
+        kwargs["attn_mask"] = mask.to(device)
+        empty = [2]
+    elif empty_by == "float_mask":
+        mask = torch.zeros(6, 7)
+        mask[2] = float("-inf")
+        kwargs["attn_mask"] = mask.to(device)
+        empty = [2]
+    else:
+        kwargs.update(is_causal=True, q_offset=0, kv_offset=2)  # rows 0 and 1 see no key
+        empty = [0, 1]
+    out, lse = safeattn.attention(q, k, v, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    grad_out = torch.randn(out.shape, generator=gen).to(device, dtype)
+    grad_lse = torch.randn(lse.shape, generator=gen).to(device)
+    clean_out, clean_lse = grad_out.clone(), grad_lse.clone()
+    for r in empty:
+        clean_out[:, :, r] = 0
+        clean_lse[:, :, r] = 0
+        grad_out[:, :, r, ::2] = float("nan")
+        grad_out[:, :, r, 1::2] = float("inf")
+        grad_lse[:, :, r] = float("nan")
+    got = torch.autograd.grad([out, lse], (q, k, v), [grad_out, grad_lse], retain_graph=True)
+    want = torch.autograd.grad([out, lse], (q, k, v), [clean_out, clean_lse])
+    for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got, want, strict=True):
+        assert torch.isfinite(g).all(), f"{name}: a NaN upstream gradient on an empty row leaked"
+        assert torch.equal(g, w), f"{name}: differs from the gradient with that row's upstream zeroed"
+    for r in empty:
+        assert (got[0][:, :, r] == 0).all(), "an empty row's grad_query must be 0"
+
+
+_OFFSET_CASES = [
+    (2**63 - 1, 0),  # every key visible
+    (0, 2**63 - 1),  # none
+    (-(2**63), 2**63 - 1),  # none, and the difference overflows int64
+    (2**63 - 1, -(2**63)),  # all, the difference overflows the other way
+    (2**62 + 5, 2**62 + 1),  # shift 4
+    (-(2**62) - 1, -(2**62) + 2),  # shift -3: the first rows see nothing
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("q_offset", "kv_offset"), _OFFSET_CASES)
+def test_causal_offsets_near_int64_limits(device, q_offset, kv_offset):
+    """The causal rule kv_offset + j <= q_offset + i holds exactly whatever the offsets (the
+    reference takes their difference in Python integers)."""
+    q, k, v = _qkv(1, 2, 2, 5, 6, 64, torch.float32, device)
+    _check_against_reference(q, k, v, is_causal=True, q_offset=q_offset, kv_offset=kv_offset)
+
+
+def _private_backward_args(device="cpu"):
+    """Valid arguments of _attention_backward (positional), from a real forward."""
+    q, k, v = (t.detach() for t in _qkv(1, 4, 2, 5, 7, 8, torch.float32, device))
+    out, lse, lse_lo = torch.ops.safeattn._attention_forward(q, k, v, None, 0.0, False, None, True)
+    grad_out = torch.randn_like(out)
+    return dict(
+        grad_out=grad_out, grad_lse=None, query=q, key=k, value=v, out=out, lse=lse, attn_mask=None,
+        is_causal=False, scale=None, q_offset=0, kv_offset=0, softcap=0.0, sinks=None, grad_mask_needed=False,
+        lse_lo=lse_lo,
+    )
+
+
+def _private_backward_bad():
+    f = torch.randn
+    return [
+        (dict(key=f(1, 2, 7, 3)), "_attention_backward: key has head_dim 3 but query has 8"),
+        (dict(value=f(1, 2, 2, 8)), "_attention_backward: value has kv_length 2 but key has 7"),
+        (dict(key=f(1, 0, 7, 8), value=f(1, 0, 7, 8)), re.escape("query heads (4) must be a multiple of key/value heads (0)")),
+        (dict(key=f(1, 3, 7, 8), value=f(1, 3, 7, 8)), re.escape("query heads (4) must be a multiple of key/value heads (3)")),
+        (dict(query=f(4, 5, 8)), "_attention_backward: query must be 4-D"),
+        (dict(lse=f(1, 4, 3)), re.escape("_attention_backward: lse must be [batch, heads, q_length] = [1, 4, 5], got [1, 4, 3]")),
+        (dict(lse_lo=f(1, 4)), re.escape("_attention_backward: lse_lo must be [batch, heads, q_length]")),
+        (dict(grad_lse=f(1, 4, 2)), re.escape("_attention_backward: grad_lse must be [batch, heads, q_length]")),
+        (dict(lse=torch.zeros(1, 4, 5, dtype=torch.int64)), "_attention_backward: lse must have a floating dtype, got Long"),
+        (dict(out=f(1, 4, 5, 3)), re.escape("_attention_backward: out must be [batch, heads, q_length, head_dim_v] = [1, 4, 5, 8]")),
+        (dict(grad_out=f(1, 4, 5, 3)), re.escape("_attention_backward: grad_out has shape [1, 4, 5, 3] but out has [1, 4, 5, 8]")),
+        (dict(grad_out=f(1, 4, 5, 8).double()), "_attention_backward: grad_out has dtype Double but query has Float"),
+        (dict(out=f(1, 4, 5, 8).half()), "_attention_backward: out has dtype Half but query has Float"),
+        (dict(attn_mask=f(3, 7) > 0), re.escape("_attention_backward: attn_mask of shape [3, 7] is not broadcastable")),
+        (dict(attn_mask=f(5, 7) > 0, grad_mask_needed=True), "_attention_backward: grad_mask_needed needs a floating attn_mask"),
+        (dict(sinks=f(3)), re.escape("_attention_backward: sinks must be [num_heads] = [4], got [3]")),
+        (dict(softcap=math.inf), "_attention_backward: softcap must be 0"),
+    ]
+
+
+@pytest.mark.parametrize(("overrides", "message"), _private_backward_bad())
+@pytest.mark.parametrize("mode", ["eager", "meta", "fake"])
+def test_private_backward_rejects_bad_arguments(overrides, message, mode):
+    """_attention_backward is reachable from Python (and from a traced graph): every argument is
+    checked, by the real op and its fake alike, so no call can crash or read out of bounds."""
+    args = _private_backward_args()
+    args.update(overrides)
+    if mode == "meta":
+        args = {n: (a.to("meta") if isinstance(a, torch.Tensor) else a) for n, a in args.items()}
+    if mode == "fake":
+        with torch._subclasses.FakeTensorMode() as fake_mode:
+            args = {n: (fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for n, a in args.items()}
+            with pytest.raises(RuntimeError, match=message):
+                torch.ops.safeattn._attention_backward(**args)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.safeattn._attention_backward(**args)
+
+
+def test_private_backward_valid_call_matches_autograd():
+    """The valid call of the test above gives what autograd gives (so the battery starts from a
+    call that works)."""
+    args = _private_backward_args()
+    grads = torch.ops.safeattn._attention_backward(**args)
+    q, k, v = (args[n].clone().requires_grad_() for n in ("query", "key", "value"))
+    out, _ = safeattn.attention(q, k, v, enable_gqa=True)
+    want = torch.autograd.grad(out, (q, k, v), args["grad_out"])
+    for g, w in zip(grads[:3], want, strict=True):
+        torch.testing.assert_close(g, w)

@@ -311,6 +311,8 @@ BAD = [
     (dict(packed_ids=torch.zeros(2, 5, dtype=torch.long)), "packed_ids is too short: 5 positions, needs 6"),
     (dict(packed_ids=torch.zeros(1, 6, dtype=torch.long)), "packed_ids has batch 1 but batch_size is 2"),
     (dict(block_ids=torch.zeros(6, dtype=torch.long)), "block_ids must be 2-D"),
+    (dict(q_offset=2**63 - 3), re.escape("q_offset + q_length must be <= 2**63 - 1, got 9223372036854775805 + 4")),
+    (dict(kv_offset=2**63 - 6), re.escape("kv_offset + kv_length must be <= 2**63 - 1")),
 ]
 
 
@@ -363,3 +365,84 @@ def test_more_than_2_pow_31_elements_cuda():
     )
     assert torch.equal(got[:, :, rows].cpu(), expected.cpu()), "sampled rows differ from the reference"
     assert got[-1, 0, -1].sum().item() > 0, "the last row must have been written"
+
+
+# --------------------------------------------------------------------------- int64 limits
+
+INT64_MAX = 2**63 - 1
+_NEAR_LIMITS = [
+    # (description, sizes and keywords)
+    ("kv_offset 2**62, bidirectional", dict(batch_size=1, q_length=2, kv_length=3, kv_offset=2**62, causal=False)),
+    ("both offsets past 2**62", dict(batch_size=1, q_length=2, kv_length=3, q_offset=2**62 + 5, kv_offset=2**62 + 1)),
+    ("q_offset at the end", dict(batch_size=1, q_length=2, kv_length=4, q_offset=INT64_MAX - 2)),
+    ("both at the end", dict(batch_size=1, q_length=3, kv_length=3, q_offset=INT64_MAX - 3, kv_offset=INT64_MAX - 4)),
+    ("window 2**63 - 1", dict(batch_size=1, q_length=3, kv_length=5, q_offset=2, sliding_window=INT64_MAX)),
+    (
+        "window 2**63 - 1, bidirectional, keys at the end",
+        dict(batch_size=1, q_length=3, kv_length=5, kv_offset=INT64_MAX - 5, causal=False, sliding_window=INT64_MAX),
+    ),
+    (
+        "chunk 2**63 - 1 with left padding",
+        dict(batch_size=3, q_length=3, kv_length=6, q_offset=3, chunk_size=INT64_MAX,
+             chunk_left_padding=torch.tensor([0, 5, -3])),
+    ),
+    (
+        "chunk 2**62 with left padding, positions past 2**62",
+        dict(batch_size=2, q_length=3, kv_length=4, q_offset=2**62 - 1, kv_offset=2**62 - 2, chunk_size=2**62,
+             chunk_left_padding=torch.tensor([0, 2])),
+    ),
+    ("start position 2**63 - 1", dict(batch_size=1, q_length=3, kv_length=3, q_positions=torch.tensor(INT64_MAX))),
+    (
+        "start position 2**63 - 1, sliding",
+        dict(batch_size=1, q_length=3, kv_length=3, kv_offset=INT64_MAX - 3, q_positions=torch.tensor(INT64_MAX),
+             sliding_window=2),
+    ),
+    (
+        "per-batch positions at both ends",
+        dict(batch_size=2, q_length=2, kv_length=3, q_positions=torch.tensor([[-(2**63), 1], [INT64_MAX, 2]]),
+             sliding_window=3),
+    ),
+    (
+        "padding mask far before the keys",
+        dict(batch_size=2, q_length=2, kv_length=3, kv_offset=2**62, causal=False,
+             padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", _NEAR_LIMITS, ids=[d for d, _ in _NEAR_LIMITS])
+def test_positions_near_int64_limits(device, case):
+    """Offsets, windows, chunks and positions near the int64 limits give the exact rule (the
+    reference computes these cases in Python integers), never a wrapped sum."""
+    _, kwargs = case
+    want = reference.sdpa_mask(**kwargs)
+    on_device = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    got = safeattn.sdpa_mask(**on_device, device=device)
+    assert torch.equal(got.cpu(), want), f"{case[0]}: got {got.int().tolist()}, want {want.int().tolist()}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_near_int64_limits_fuzzed(device):
+    """Random combinations of extreme offsets, windows, chunks and positions against the exact reference."""
+    rng = random.Random(7)
+    extremes = [0, 1, 5, 2**31, 2**62 - 3, 2**62, INT64_MAX - 40, INT64_MAX - 9]
+    for _ in range(60):
+        q_length, kv_length = rng.choice([1, 2, 5]), rng.choice([1, 3, 6])
+        kwargs = dict(batch_size=2, q_length=q_length, kv_length=kv_length, causal=rng.random() < 0.6)
+        kwargs["kv_offset"] = min(rng.choice(extremes), INT64_MAX - kv_length)
+        if rng.random() < 0.3:
+            kwargs["q_positions"] = torch.tensor(
+                [[rng.choice(extremes + [-(2**63), -7]) for _ in range(q_length)] for _ in range(2)]
+            )
+        else:
+            kwargs["q_offset"] = min(rng.choice(extremes), INT64_MAX - q_length)
+        if rng.random() < 0.5:
+            kwargs["sliding_window"] = rng.choice([1, 2, 7, 2**62, INT64_MAX])
+        if rng.random() < 0.4:
+            kwargs["chunk_size"] = rng.choice([1, 3, 2**62 + 1, INT64_MAX])
+            kwargs["chunk_left_padding"] = torch.tensor([rng.choice([0, 3, -(2**62), 2**62]) for _ in range(2)])
+        want = reference.sdpa_mask(**kwargs)
+        on_device = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        got = safeattn.sdpa_mask(**on_device, device=device)
+        assert torch.equal(got.cpu(), want), f"{kwargs}: got {got.int().tolist()}, want {want.int().tolist()}"

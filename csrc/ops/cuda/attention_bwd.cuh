@@ -3,8 +3,9 @@
 // cpu/attention_bwd_kernel.cpp and the float64 reference python/safeattn/reference.py.
 //
 // Kernels, launched in this order by attention_bwd_kernel.cu:
-//   1. rows (pre-pass): per query row, Delta = rowsum(dO * O) - dlse, and lse in the log2 domain
-//      (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
+//   1. rows (pre-pass): per query row, Delta = rowsum(dO * O) - dlse, and the row's shift: lse in
+//      the kernels' score units (attention_common.cuh, exp_of), with lse_lo beside it in natural
+//      units (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
 //   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
 //      memory and walks every query head of its GQA group and every query tile that can see the
 //      tile (the causal rule skips the tiles above the diagonal). Each warp owns 16 keys (4 or 8
@@ -61,7 +62,13 @@ struct BwdParams {
   int64_t k_stride_b, k_stride_h, k_stride_s;
   int64_t v_stride_b, v_stride_h, v_stride_s;
   int64_t do_stride_b, do_stride_h, do_stride_s;
-  const float* lse_log2;  // [B, Hq, Q] contiguous: lse * log2(e), +inf where lse is -inf
+  // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
+  bool natural;
+  // [B, Hq, Q] contiguous, +inf where lse is -inf: (lse + lse_lo) * log2(e) in log2 units; lse
+  // itself in natural units, with row_lo = lse_lo * log2(e) subtracted after the conversion
+  // (p = 2^((s - lse) log2(e) - row_lo): a row of finfo.min scores keeps its log(sum)).
+  const float* row_shift;
+  const float* row_lo;  // [B, Hq, Q] contiguous (natural units only; 0 where lse is -inf)
   const float* delta;     // [B, Hq, Q] contiguous
   void* grad_query;       // [B, Hq, Q, D] contiguous (written)
   void* grad_key;         // [B, Hkv, KV, D] contiguous (written)
@@ -124,9 +131,9 @@ struct DkvTraits {
   static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
   static_assert(kDqWarpsPerRows * (kQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
 
-  // K, V; Q and dO double-buffered; lse and Delta double-buffered; (atomic dQ) dS'^T.
+  // K, V; Q and dO double-buffered; row shift, row lo and Delta double-buffered; (atomic dQ) dS'^T.
   static constexpr size_t kSmem =
-      sizeof(uint16_t) * kStride * (2 * kKeys + 2 * 2 * kQueries) + sizeof(float) * 2 * 2 * kQueries;
+      sizeof(uint16_t) * kStride * (2 * kKeys + 2 * 2 * kQueries) + sizeof(float) * 3 * 2 * kQueries;
   static constexpr size_t kAtomicDqSmem = kSmem + sizeof(uint16_t) * kKeys * kDsStride;
 };
 
@@ -193,34 +200,39 @@ __device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride
   }
 }
 
-// The masked, transformed score of (query i, key j) from the raw dot product, in log2 units
-// (score * log2(e), as lse_log2); -inf where the element is masked, outside the sequence, or
-// hidden by the causal rule. `dscore` gets d score / d dot (the chain rule of the scale and the
-// softcap). `plain`: the tile is interior, causally visible and all visible in the mask summary,
-// so none of those tests is needed. Without softcap (the uniform common case) it is one multiply.
-__device__ __forceinline__ float score_log2_of(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h,
-                                               int64_t i, int64_t j, float& dscore) {
+// The exponent of p = 2^x for (query i, key j) from the raw dot product and the row's shift and lo
+// (BwdParams::row_shift): the transformed, masked score in the kernel's units minus the row's
+// lse; -inf where the element is masked, outside the sequence, or hidden by the causal rule.
+// `dscore` gets d score / d dot (the chain rule of the scale and the softcap). `plain`: the tile
+// is interior, causally visible and all visible in the mask summary, so none of those tests is
+// needed. Without softcap, in log2 units (the common case) it is one multiply and one subtract.
+__device__ __forceinline__ float exp2_arg(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h, int64_t i,
+                                          int64_t j, float shift, float lo, float& dscore) {
   float x;
   if (p.transform.softcap > 0.0f) {
     const float s = p.transform(dot);
     dscore = p.transform.derivative(s);
-    x = s * kLog2e;
+    x = p.natural ? s : s * kLog2e;
   } else {
     dscore = p.transform.scale;
-    x = dot * (p.transform.scale * kLog2e);
+    // Natural units: rounded on its own, as the forward does, before the bias is added.
+    x = p.natural ? __fmul_rn(dot, p.transform.scale) : dot * (p.transform.scale * kLog2e);
   }
-  if (plain) {
-    return x;
+  if (!plain) {
+    if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
+      return -INFINITY;
+    }
+    if (p.mask.kind != MaskKind::kNone) {
+      const float m = p.mask.additive(p.mask.offset(b, h, i, j));
+      // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included. In
+      // log2 units the mask is bool: m is 0.
+      if (m == -INFINITY) {
+        return -INFINITY;
+      }
+      x = x + m;
+    }
   }
-  if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
-    return -INFINITY;
-  }
-  if (p.mask.kind == MaskKind::kNone) {
-    return x;
-  }
-  const float m = p.mask.additive(p.mask.offset(b, h, i, j));
-  // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included.
-  return m == -INFINITY ? -INFINITY : x + m * kLog2e;
+  return p.natural ? (x - shift) * kLog2e - lo : x - shift;
 }
 
 // A tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) whose summary class is `cls` needs no
@@ -312,8 +324,9 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attenti
   T* v_s = k_s + kKeys * kStride;
   T* q_s = v_s + kKeys * kStride;                                          // [2][kQueries][kStride]
   T* do_s = q_s + 2 * kQueries * kStride;                                  // [2][kQueries][kStride]
-  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries]
-  float* delta_s = lse_s + 2 * kQueries;                                   // [2][kQueries]
+  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries] row shift
+  float* lo_s = lse_s + 2 * kQueries;                                      // [2][kQueries] row lo
+  float* delta_s = lo_s + 2 * kQueries;                                    // [2][kQueries]
   // kAtomicDq: dS'^T of the step, [kKeys][kDsStride] (past Tr::kSmem, 16-byte aligned).
   T* ds_s = reinterpret_cast<T*>(delta_s + 2 * kQueries);
 
@@ -358,7 +371,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attenti
     const int64_t row0 = (b * p.hq + h) * p.q_len;
     for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
       const bool valid = i0 + r < p.q_len;
-      lse_s[buf * kQueries + r] = valid ? p.lse_log2[row0 + i0 + r] : INFINITY;
+      lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
+      lo_s[buf * kQueries + r] = valid && p.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
       delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
     }
   };
@@ -405,6 +419,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attenti
       const T* qt = q_s + (buf * kQueries + q0) * kStride;
       const T* dot = do_s + (buf * kQueries + q0) * kStride;
       const float* lse_t = lse_s + buf * kQueries + q0;
+      const float* lo_t = lo_s + buf * kQueries + q0;
       const float* delta_t = delta_s + buf * kQueries + q0;
 
       // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the sub-tile's queries.
@@ -448,8 +463,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attenti
           const int64_t i = i0 + q0 + col;
           const int64_t j = j0 + key_row + g + (e >> 1) * 8;
           float dscore;
-          const float x = score_log2_of(p, plain, st[t][e], b, h, i, j, dscore);
-          const float prob = fast_exp2(x - lse_t[col]);
+          const float prob = fast_exp2(exp2_arg(p, plain, st[t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
           st[t][e] = prob;
           dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
         }
@@ -551,13 +565,14 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   cp_async_commit();
 
   const int query_row = warp * 16;  // this warp's queries within the tile
-  // This thread's two rows: lse (log2 domain) and Delta; rows past q_len get p = 0.
-  float row_lse[2], row_delta[2];
+  // This thread's two rows: shift and lo (BwdParams::row_shift) and Delta; rows past q_len get p = 0.
+  float row_lse[2], row_lo[2], row_delta[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t i = i0 + query_row + g + half * 8;
     const int64_t row = (b * p.hq + h) * p.q_len + i;
-    row_lse[half] = i < p.q_len ? p.lse_log2[row] : INFINITY;
+    row_lse[half] = i < p.q_len ? p.row_shift[row] : INFINITY;
+    row_lo[half] = i < p.q_len && p.natural ? p.row_lo[row] : 0.0f;
     row_delta[half] = i < p.q_len ? p.delta[row] : 0.0f;
   }
 
@@ -670,8 +685,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
           const int e = 2 * half + c;
           const int64_t j = j0 + t * 8 + 2 * tig + c;
           float dscore;
-          const float x = score_log2_of(p, plain, s_acc[t][e], b, h, i, j, dscore);
-          const float prob = fast_exp2(x - row_lse[half]);
+          const float prob =
+              fast_exp2(exp2_arg(p, plain, s_acc[t][e], b, h, i, j, row_lse[half], row_lo[half], dscore));
           ds[c] = prob * (dp_acc[t][e] - row_delta[half]);
           dp_acc[t][e] = ds[c] * dscore;
         }

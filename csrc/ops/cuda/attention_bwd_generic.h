@@ -53,6 +53,7 @@ inline void attention_bwd_generic(const AttentionBwdArgs& a) {
   at::Tensor grad_key = at::zeros(key.sizes(), key.options());
   at::Tensor grad_value = at::zeros(value.sizes(), value.options());
   const at::Tensor lse = a.lse.to(acc);
+  const at::Tensor lse_lo = a.lse_lo.to(acc);
   const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(acc) : at::Tensor();
 
   const at::Tensor& partial = a.grad_mask_partial;  // written in place
@@ -94,10 +95,13 @@ inline void attention_bwd_generic(const AttentionBwdArgs& a) {
       const at::Tensor cols = at::arange(kv_len, opts.dtype(at::kLong)).unsqueeze(0) + a.kv_offset;
       s = at::where(cols <= rows, s, at::scalar_tensor(neg_inf, opts));
     }
-    // A row with no visible key has lse -inf: use +inf so that every p is exactly 0.
+    // A row with no visible key has lse -inf: use +inf so that every p is exactly 0. lse_lo,
+    // what lse lost to rounding, is subtracted last so that it survives (ops/attention.h).
     at::Tensor row_lse = lse.narrow(2, i0, m);
-    row_lse = at::where(at::isneginf(row_lse), at::scalar_tensor(pos_inf, opts), row_lse);
-    const at::Tensor p = at::exp(s - row_lse.unsqueeze(-1));
+    const at::Tensor empty_row = at::isneginf(row_lse);
+    row_lse = at::where(empty_row, at::scalar_tensor(pos_inf, opts), row_lse);
+    const at::Tensor row_lo = at::where(empty_row, at::scalar_tensor(0.0, opts), lse_lo.narrow(2, i0, m));
+    const at::Tensor p = at::exp((s - row_lse.unsqueeze(-1)) - row_lo.unsqueeze(-1));
 
     at::Tensor delta = (d_out * o).sum(-1);  // [B, Hq, m]
     if (grad_lse.defined()) {

@@ -41,14 +41,17 @@ constexpr int64_t kMaskGradChunkBytes = int64_t(512) << 20;
 
 constexpr int kRowsWarps = 8;
 
-// Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse; lse_log2 = lse * log2(e), or
-// +inf where lse is -inf (no visible key: every p becomes exactly 0). NaN stays NaN.
+// Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse, and the row's shift and lo
+// (BwdParams::row_shift): in log2 units shift = (lse + lse_lo) log2(e); in natural units (a
+// floating mask) shift = lse and lo = lse_lo log2(e). A row whose lse is -inf (no visible key)
+// gets shift +inf and lo 0: every p becomes exactly 0. NaN stays NaN.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kRowsWarps * 32)
     attention_bwd_rows_kernel(const scalar_t* __restrict__ grad_out, int64_t go_sb, int64_t go_sh, int64_t go_ss,
                               int64_t go_sd, const scalar_t* __restrict__ out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
-                              int64_t o_sd, const float* __restrict__ lse, const float* __restrict__ grad_lse,
-                              float* __restrict__ delta, float* __restrict__ lse_log2, int64_t hq, int64_t q_len,
+                              int64_t o_sd, const float* __restrict__ lse, const float* __restrict__ lse_lo,
+                              const float* __restrict__ grad_lse, bool natural, float* __restrict__ delta,
+                              float* __restrict__ row_shift, float* __restrict__ row_lo, int64_t hq, int64_t q_len,
                               int64_t dv, int64_t rows) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -71,7 +74,13 @@ __global__ void __launch_bounds__(kRowsWarps * 32)
   if (lane == 0) {
     delta[row] = grad_lse != nullptr ? sum - grad_lse[row] : sum;
     const float l = lse[row];
-    lse_log2[row] = l == -INFINITY ? INFINITY : l * kLog2e;
+    const bool empty = l == -INFINITY;
+    if (natural) {
+      row_shift[row] = empty ? INFINITY : l;
+      row_lo[row] = empty ? 0.0f : lse_lo[row] * kLog2e;
+    } else {
+      row_shift[row] = empty ? INFINITY : fmaf(l, kLog2e, lse_lo[row] * kLog2e);
+    }
   }
 }
 
@@ -189,11 +198,14 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
 
-  // The rows pre-pass: Delta and lse in the log2 domain, [B, Hq, Q] float32.
+  // The rows pre-pass: Delta and each row's shift and lo, [B, Hq, Q] float32.
+  const bool natural = attn::natural_units(a.mask);
   const at::Tensor lse = a.lse.to(at::kFloat).contiguous();
+  const at::Tensor lse_lo = a.lse_lo.to(at::kFloat).contiguous();
   const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor delta = at::empty({batch, hq, q_len}, f32);
-  const at::Tensor lse_log2 = at::empty({batch, hq, q_len}, f32);
+  const at::Tensor row_shift = at::empty({batch, hq, q_len}, f32);
+  const at::Tensor row_lo = natural ? at::empty({batch, hq, q_len}, f32) : at::Tensor();
   const int64_t rows = batch * hq * q_len;
   {
     const auto& go = a.grad_out;
@@ -202,8 +214,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
     attention_bwd_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsWarps * 32, 0, stream>>>(
         static_cast<const T*>(go.const_data_ptr()), go.stride(0), go.stride(1), go.stride(2), go.stride(3),
         static_cast<const T*>(o.const_data_ptr()), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        lse.const_data_ptr<float>(), grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr,
-        delta.data_ptr<float>(), lse_log2.data_ptr<float>(), hq, q_len, a.value.size(3), rows);
+        lse.const_data_ptr<float>(), lse_lo.const_data_ptr<float>(),
+        grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr, natural, delta.data_ptr<float>(),
+        row_shift.data_ptr<float>(), natural ? row_lo.data_ptr<float>() : nullptr, hq, q_len, a.value.size(3), rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
@@ -216,7 +229,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.k_stride_b = key.stride(0), p.k_stride_h = key.stride(1), p.k_stride_s = key.stride(2);
   p.v_stride_b = value.stride(0), p.v_stride_h = value.stride(1), p.v_stride_s = value.stride(2);
   p.do_stride_b = grad_out.stride(0), p.do_stride_h = grad_out.stride(1), p.do_stride_s = grad_out.stride(2);
-  p.lse_log2 = lse_log2.const_data_ptr<float>();
+  p.natural = natural;
+  p.row_shift = row_shift.const_data_ptr<float>();
+  p.row_lo = natural ? row_lo.const_data_ptr<float>() : nullptr;
   p.delta = delta.const_data_ptr<float>();
   p.grad_query = a.grad_query.data_ptr();
   p.grad_key = a.grad_key.data_ptr();

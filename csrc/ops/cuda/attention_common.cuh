@@ -11,6 +11,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "ops/attention.h"  // two_sum
+
 namespace safeattn::cuda::attn {
 
 // Scores go to the log2 domain (exp2 is one instruction) and lse back to the natural one.
@@ -86,6 +88,50 @@ __device__ __forceinline__ float log2_add_exp2(float a, float b) {
   return top == -INFINITY ? top : top + log2f(exp2f(a - top) + exp2f(b - top));
 }
 
+// ---- score units ------------------------------------------------------------------------------
+
+// The kernels hold scores in log2 units (score * log2(e): exp is one ex2 and log2(e) folds into
+// the scale), except with a floating mask: a bias of finfo.min (Transformers' eager masks) times
+// log2(e) overflows float32 to -inf and would turn a row of finfo.min, whose softmax is uniform,
+// into an empty one. With a floating mask scores stay natural, the bias is added to them, and
+// exponents are taken as ex2((s - m) * log2(e)) after the subtraction.
+__device__ __forceinline__ float exp_of(float x, bool natural) {
+  return exp2f(natural ? x * kLog2e : x);
+}
+
+// The end of a row's online softmax: its max m and sum l (of exp(s - m)), both in the kernel's
+// units, and an optional sink logit (same units) that joins the denominator only. lse (natural
+// log) and lse_lo (what float32 drops from it, two_sum of ops/attention.h) are written by the
+// caller; `factor` normalises the row's accumulator (0 for a row with no visible key).
+struct RowEnd {
+  float lse, lse_lo, factor;
+};
+__device__ __forceinline__ RowEnd finish_row(float m, float l, bool has_sink, float sink, bool natural) {
+  const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
+  const float row_top = empty ? -INFINITY : m;
+  float top = row_top;
+  if (has_sink && !(row_top != row_top) && !(row_top >= sink)) {
+    top = sink;  // NaN-keeping max
+  }
+  if (top == -INFINITY) {
+    return {-INFINITY, 0.0f, 0.0f};
+  }
+  const float weight = empty ? 0.0f : exp_of(row_top - top, natural);
+  const float total = l * weight + (has_sink ? exp_of(sink - top, natural) : 0.0f);
+  RowEnd end;
+  if (natural) {
+    two_sum(top, logf(total), end.lse, end.lse_lo);
+  } else {
+    // lse = (top + log2(total)) ln 2: the sum's error from two_sum, the product's from an FMA.
+    float lse2, err2;
+    two_sum(top, log2f(total), lse2, err2);
+    end.lse = lse2 * kLn2;
+    end.lse_lo = fmaf(lse2, kLn2, -end.lse) + err2 * kLn2;
+  }
+  end.factor = weight / total;
+  return end;
+}
+
 // Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
@@ -141,6 +187,11 @@ struct MaskView {
 // Host: the view of a [B, Hq, Q, KV] (expanded, stride 0 on broadcast dims) mask tensor, or an
 // empty view for an undefined tensor.
 MaskView make_mask_view(const at::Tensor& mask);
+
+// Host: whether the kernels hold scores in natural units (a floating mask; see exp_of).
+inline bool natural_units(const at::Tensor& mask) {
+  return mask.defined() && mask.is_floating_point();
+}
 
 // Host: whether the kernels can read a 4-D tensor of 16-bit elements in place with 16-byte loads
 // (cp.async, uint4): unit stride along the last dim and every row on a 16-byte boundary. Size-1

@@ -320,7 +320,8 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                     const float* __restrict__ sinks, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
-                                    int64_t o_si, float* __restrict__ lse, int64_t total_rows, int64_t hq,
+                                    int64_t o_si, float* __restrict__ lse, float* __restrict__ lse_lo,
+                                    int64_t total_rows, int64_t hq,
                                     int64_t q_len, int splits) {
   static_assert(kD == 64 || kD == 128, "decode combine: a float2 or float4 per lane");
   constexpr int kVec = kD / 32;
@@ -400,6 +401,10 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
   if (lane == 0) {
     lse[row] = lse2 * kLn2;
+    if (lse_lo != nullptr) {
+      // The product's rounding error (log2 units: no row here is huge, see natural_units).
+      lse_lo[row] = lse2 == -INFINITY || lse2 != lse2 ? 0.0f : fmaf(lse2, kLn2, -lse[row]);
+    }
   }
 }
 
@@ -437,7 +442,7 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int
   attention_decode_combine_kernel<T, kD><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(
       p.o_part, p.lse_part, a.sinks.defined() ? a.sinks.const_data_ptr<float>() : nullptr,
       static_cast<T*>(a.out.data_ptr()), a.out.stride(0), a.out.stride(1), a.out.stride(2), a.lse.data_ptr<float>(),
-      total_rows, p.hq, p.q_len, p.splits);
+      a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr, total_rows, p.hq, p.q_len, p.splits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -453,7 +458,9 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
                        a.value.size(3) == head_dim && q_len >= 1 && group * q_len <= kMaxRows && batch <= 65535 &&
                        hkv <= 65535 && a.out.stride(3) == 1 && attn::rows_aligned_16(a.query) &&
                        attn::rows_aligned_16(a.key) && attn::rows_aligned_16(a.value) &&
-                       (!a.mask.defined() || a.mask.scalar_type() != at::kDouble) && a.lse.is_contiguous() &&
+                       // A floating mask needs natural score units (attention_common.cuh, exp_of),
+                       // which this kernel does not have: the prefill kernel takes those calls.
+                       !attn::natural_units(a.mask) && a.lse.is_contiguous() &&
                        a.lse.scalar_type() == at::kFloat;
   if (!applies) {
     return false;

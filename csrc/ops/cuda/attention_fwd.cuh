@@ -44,6 +44,7 @@ struct FwdParams {
   const void* v = nullptr;  // [B, Hkv, KV, D]
   void* out = nullptr;      // [B, Hq, Q, D] strided view, unit inner stride
   float* lse = nullptr;     // [B, Hq, Q] contiguous
+  float* lse_lo = nullptr;  // [B, Hq, Q] contiguous, or null: lse's rounding error
   const float* sinks = nullptr;  // [Hq] or null
   int64_t q_sb = 0, q_sh = 0, q_si = 0;
   int64_t k_sb = 0, k_sh = 0, k_si = 0;
@@ -53,9 +54,11 @@ struct FwdParams {
   int64_t group = 1;  // Hq / Hkv: query head h reads kv head h / group
   int64_t batch_heads = 1;  // B * Hq
   int64_t q_len = 0, kv_len = 0;
-  float scale_log2 = 0.0f;    // scale * log2(e) (no softcap)
+  // Score units (attention_common.cuh, exp_of): log2, or natural with a floating mask.
+  bool natural = false;
+  float score_scale = 0.0f;   // scale * log2(e), or scale when natural (no softcap)
   float softcap_pre = 0.0f;   // scale / softcap
-  float softcap_post = 0.0f;  // softcap * log2(e); 0: no softcap
+  float softcap_post = 0.0f;  // softcap * log2(e), or softcap when natural; 0: no softcap
   Causal causal;
   MaskView mask;
   TileSummaryView tiles;  // null ptr without a mask
@@ -302,7 +305,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
         }
       }
 
-      // ---- scores in log2 units: scale (softcap), mask, causal, key bounds ----
+      // ---- scores in the kernel's units: scale (softcap), mask, causal, key bounds ----
       if (p.softcap_post > 0.0f) {  // uniform: keeps tanhf off the plain path
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -314,6 +317,18 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
             }
           }
         }
+      } else if (p.natural) {
+        // Rounded on its own (never fused with the bias add), as the backward recomputes it.
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s_acc[mt][nt][e] = __fmul_rn(s_acc[mt][nt][e], p.score_scale);
+            }
+          }
+        }
       } else {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -321,7 +336,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              s_acc[mt][nt][e] *= p.scale_log2;
+              s_acc[mt][nt][e] *= p.score_scale;
             }
           }
         }
@@ -354,7 +369,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
                 float x = s_acc[mt][nt][2 * half + e];
                 if (visible && read_mask) {
                   const float m = p.mask.additive(mask_row + c * p.mask.stride_kv);
-                  x = m == -INFINITY ? -INFINITY : x + m * kLog2e;
+                  // Log2 units only without a floating mask: m is then 0 or -inf.
+                  x = m == -INFINITY ? -INFINITY : x + m;
                 }
                 s_acc[mt][nt][2 * half + e] = visible ? x : -INFINITY;
               }
@@ -378,14 +394,16 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
           const float m_new = fmaxf(row_max[mt][half], mx);
           const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
-          const float alpha = fast_exp2(row_max[mt][half] - offset);  // old max -inf: 0
+          // Natural units: subtract first, then convert (see exp_of).
+          const float unit = p.natural ? kLog2e : 1.0f;
+          const float alpha = fast_exp2((row_max[mt][half] - offset) * unit);  // old max -inf: 0
           row_max[mt][half] = m_new;
           float sum = 0.0f;
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pr = fast_exp2(s_acc[mt][nt][2 * half + e] - offset);
+              const float pr = fast_exp2((s_acc[mt][nt][2 * half + e] - offset) * unit);
               s_acc[mt][nt][2 * half + e] = pr;
               sum += pr;
             }
@@ -428,7 +446,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   cp_async_wait<0>();
 
   // ---- epilogue: normalise, lse, stage the tile in shared memory, 16-byte stores ----
-  const float sink_log2 = p.sinks != nullptr ? p.sinks[h] * kLog2e : 0.0f;
+  const float sink = p.sinks != nullptr ? p.sinks[h] * (p.natural ? 1.0f : kLog2e) : 0.0f;
   float* lse_row = p.lse + bh * p.q_len;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -437,27 +455,20 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       float l = row_sum[mt][half];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float m = row_max[mt][half];
-      const float offset = m == -INFINITY ? 0.0f : m;
       const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
-      float lse2, factor;
-      if (p.sinks != nullptr) {
-        // The sink joins the denominator only: lse = logaddexp(row lse, sink).
-        lse2 = log2_add_exp2(offset + log2f(l), sink_log2);  // the row's lse is -inf when empty
-        factor = lse2 == -INFINITY ? 0.0f : exp2f(offset - lse2);
-      } else {
-        lse2 = empty ? -INFINITY : offset + log2f(l);
-        factor = 1.0f / l;
-      }
+      const RowEnd end = finish_row(row_max[mt][half], l, p.sinks != nullptr, sink, p.natural);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         // An empty row is exactly 0, even if a masked value was NaN (0 * NaN in P V).
-        o_acc[mt][dt][2 * half] = empty ? 0.0f : o_acc[mt][dt][2 * half] * factor;
-        o_acc[mt][dt][2 * half + 1] = empty ? 0.0f : o_acc[mt][dt][2 * half + 1] * factor;
+        o_acc[mt][dt][2 * half] = empty ? 0.0f : o_acc[mt][dt][2 * half] * end.factor;
+        o_acc[mt][dt][2 * half + 1] = empty ? 0.0f : o_acc[mt][dt][2 * half + 1] * end.factor;
       }
       const int64_t i = i0 + warp_row0 + mt * 16 + g + 8 * half;
       if (warp_active && t == 0 && i < p.q_len) {
-        lse_row[i] = lse2 * kLn2;
+        lse_row[i] = end.lse;
+        if (p.lse_lo != nullptr) {
+          p.lse_lo[bh * p.q_len + i] = end.lse_lo;
+        }
       }
     }
   }

@@ -112,6 +112,7 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.v = value.data_ptr();
   p.out = a.out.data_ptr();
   p.lse = a.lse.data_ptr<float>();
+  p.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
   p.sinks = a.sinks.defined() ? a.sinks.data_ptr<float>() : nullptr;
   p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
   p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
@@ -122,11 +123,12 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.batch_heads = query.size(0) * query.size(1);
   p.q_len = query.size(2);
   p.kv_len = key.size(2);
-  constexpr double kLog2e = 1.4426950408889634;
-  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
+  p.natural = attn::natural_units(a.mask);
+  const double unit = p.natural ? 1.0 : 1.4426950408889634;  // log2(e)
+  p.score_scale = static_cast<float>(a.scale * unit);
   if (a.softcap > 0.0) {
     p.softcap_pre = static_cast<float>(a.scale / a.softcap);
-    p.softcap_post = static_cast<float>(a.softcap * kLog2e);
+    p.softcap_post = static_cast<float>(a.softcap * unit);
   }
   p.causal.enabled = a.is_causal;
   p.causal.shift = a.q_offset - a.kv_offset;
@@ -163,6 +165,9 @@ void attention_fwd_generic(const AttentionFwdArgs& a) {
       a.lse.copy_(a.sinks.view({1, hq, 1}).expand_as(a.lse));
     } else {
       a.lse.fill_(neg_inf);
+    }
+    if (a.lse_lo.defined()) {
+      a.lse_lo.zero_();
     }
     return;
   }
@@ -202,18 +207,33 @@ void attention_fwd_generic(const AttentionFwdArgs& a) {
     const at::Tensor prob = at::exp(s - offset);
     const at::Tensor row_sum = prob.sum(-1, /*keepdim=*/true);
     at::Tensor o = at::matmul(prob.view({batch, hkv, group * n, kv_len}), value).view({batch, hq, n, dv});
-    at::Tensor lse = offset + at::log(row_sum);  // -inf for an empty row
-    at::Tensor factor;
+    // lse = top + log(total) (top: the row max, or the sink logit when larger), by two_sum so
+    // that lse_lo keeps what the rounding drops (ops/attention.h); factor normalises the row.
+    const at::Tensor empty = row_sum == 0;
+    at::Tensor top = at::where(empty, minus_inf, row_max);
+    at::Tensor total = row_sum;
+    at::Tensor weight = at::ones_like(row_sum);
     if (a.sinks.defined()) {
-      lse = at::logaddexp(lse, a.sinks.to(acc).view({1, hq, 1, 1}));
-      factor = at::where(lse == neg_inf, zero, at::exp(offset - lse));
-    } else {
-      factor = at::where(row_sum == 0, zero, at::reciprocal(row_sum));
+      const at::Tensor sink = a.sinks.to(acc).view({1, hq, 1, 1}).expand_as(top);
+      const at::Tensor row_top = top;
+      top = at::where(at::isnan(row_top) | (row_top >= sink), row_top, sink);
+      weight = at::where(empty, zero, at::exp(row_top - top));
+      total = row_sum * weight + at::exp(sink - top);
     }
+    const at::Tensor log_total = at::log(total);
+    const at::Tensor lse = top + log_total;
+    const at::Tensor b_part = lse - top;
+    at::Tensor lse_lo = (top - (lse - b_part)) + (log_total - b_part);
+    const at::Tensor row_empty = top == neg_inf;  // no visible key and no sink: lse -inf, lo 0
+    lse_lo = at::where(row_empty, zero, lse_lo);
+    const at::Tensor factor = at::where(row_empty, zero, weight / total);
     // An empty row is exactly 0, even if a masked value held NaN (0 * NaN in P V).
-    o = at::where(row_sum == 0, zero, o * factor);
+    o = at::where(empty, zero, o * factor);
     a.out.narrow(2, i0, n).copy_(o);
-    a.lse.narrow(2, i0, n).copy_(lse.squeeze(-1));
+    a.lse.narrow(2, i0, n).copy_(at::where(row_empty, minus_inf, lse).squeeze(-1));
+    if (a.lse_lo.defined()) {
+      a.lse_lo.narrow(2, i0, n).copy_(lse_lo.squeeze(-1));
+    }
   }
 }
 
