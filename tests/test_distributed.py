@@ -18,6 +18,8 @@ import contextlib
 import importlib.util
 import os
 import queue
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -28,8 +30,8 @@ import safeattn
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safeattn import reference
 from safeattn import distributed as sd
+from safeattn import reference
 
 if not dist.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
@@ -52,7 +54,9 @@ def _worlds(*sizes: int) -> list:
                 size,
                 "cuda",
                 id=f"{size}xcuda",
-                marks=pytest.mark.skipif(not ok, reason=f"needs {size} CUDA GPUs and safeattn's CUDA kernels"),
+                marks=pytest.mark.skipif(
+                    not ok, reason=f"needs {size} CUDA GPUs and safeattn's CUDA kernels"
+                ),
             )
         )
     return params
@@ -125,7 +129,11 @@ class _World:
             if dead or time.monotonic() > deadline:
                 self.close()
                 missing = sorted(set(range(self.world)) - set(outcomes))
-                why = f"ranks {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})" if dead else "timed out"
+                why = (
+                    f"ranks {dead} died (exit codes {[self._procs[r].exitcode for r in dead]})"
+                    if dead
+                    else "timed out"
+                )
                 pytest.fail(f"{case.__name__}: no result from ranks {missing}: {why}", pytrace=False)
         errors = [f"rank {rank}:\n{error}" for rank, (error, _) in sorted(outcomes.items()) if error]
         if errors:
@@ -196,9 +204,13 @@ def _assert_close(got, want, ref, what: str, dtype=torch.float64, gradient=False
     allowed = 2 * err(want) + _FLOOR[dtype]
     if gradient:
         allowed = 3 * err(want) + _FLOOR[dtype] * max(1.0, ref.abs().max().item())
-    assert err(got) <= allowed, (
-        f"{what}: error {err(got):.3g} against the float64 reference, single process {err(want):.3g}"
-    )
+    assert (
+        err(got) <= allowed
+    ), f"{what}: error {err(got):.3g} against the float64 reference, single process {err(want):.3g}"
+
+
+def _float64_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64, copy=True)
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -253,10 +265,14 @@ def _case_dtensor_attention(rank, world, device, shard_dim):
             d_leaves = [distribute_tensor(t, mesh, [shard]).requires_grad_() for t in (q, k, v)]
             d_m = None
             if mask is not None:
-                d_m = distribute_tensor(mask, mesh, [placement_of(mask, 4 - shard_dim, full)]).requires_grad_(learnable)
+                d_m = distribute_tensor(mask, mesh, [placement_of(mask, 4 - shard_dim, full)]).requires_grad_(
+                    learnable
+                )
             d_s = None
             if with_sinks:
-                d_s = distribute_tensor(sinks, mesh, [Shard(0) if shard_dim == 1 else Replicate()]).requires_grad_()
+                d_s = distribute_tensor(
+                    sinks, mesh, [Shard(0) if shard_dim == 1 else Replicate()]
+                ).requires_grad_()
             d_grad_out, d_grad_lse = (distribute_tensor(t, mesh, [shard]) for t in (grad_out, grad_lse))
             with CommDebugMode() as comm:
                 d_out, d_lse = safeattn.attention(*d_leaves, d_m, sinks=d_s, **kwargs)
@@ -265,7 +281,9 @@ def _case_dtensor_attention(rank, world, device, shard_dim):
             report.append((case, comm.get_total_counts(), d_out.placements, d_lse.placements))
             # Forward and backward (from a Partial loss) without a single collective.
             assert comm.get_total_counts() == 0, f"{case}: communication {dict(comm.get_comm_counts())}"
-            assert d_out.placements == (shard,) and d_lse.placements == (shard,), f"{case}: {d_out.placements}"
+            assert d_out.placements == (shard,) and d_lse.placements == (
+                shard,
+            ), f"{case}: {d_out.placements}"
             pairs = [("out", d_out, out), ("lse", d_lse, lse)]
             pairs += [(f"grad {n}", d.grad, t.grad) for n, d, t in zip("qkv", d_leaves, leaves, strict=True)]
             if learnable:
@@ -288,7 +306,7 @@ def _case_dtensor_attention(rank, world, device, shard_dim):
 
 
 @pytest.mark.parametrize("shard_dim", [0, 1], ids=["batch", "heads"])
-@pytest.mark.parametrize(("world", "device"), _worlds(2, 4))
+@pytest.mark.parametrize(("world", "device"), _worlds(2))
 def test_dtensor_attention_sharded_without_communication(worlds, world, device, shard_dim):
     worlds(world, device).run(_case_dtensor_attention, shard_dim=shard_dim)
 
@@ -340,7 +358,9 @@ def _case_dtensor_softmax(rank, world, device):
                 _assert_close(d_x.grad.full_tensor(), x.grad, x.grad, f"{case}: grad")
                 if learnable:
                     want = Partial() if d_m.placements == (Replicate(),) else d_m.placements[0]
-                    assert d_m.grad.placements == (want,), f"{case}: mask grad placement {d_m.grad.placements}"
+                    assert d_m.grad.placements == (
+                        want,
+                    ), f"{case}: mask grad placement {d_m.grad.placements}"
                     _assert_close(d_m.grad.full_tensor(), m.grad, m.grad, f"{case}: mask grad")
 
 
@@ -360,13 +380,19 @@ def _case_dtensor_sdpa_mask(rank, world, device):
     padding = (torch.rand(batch, length, generator=gen) > 0.3).to(device)
     packed = torch.randint(0, 3, (batch, length), generator=gen).sort(-1).values.to(device)
     left = torch.randint(0, 3, (batch,), generator=gen).to(device)
-    want = safeattn.sdpa_mask(batch, length, length, sliding_window=4, padding_mask=padding, packed_ids=packed)
-    want_chunked = safeattn.sdpa_mask(batch, length, length, chunk_size=3, chunk_left_padding=left, padding_mask=padding)
+    want = safeattn.sdpa_mask(
+        batch, length, length, sliding_window=4, padding_mask=padding, packed_ids=packed
+    )
+    want_chunked = safeattn.sdpa_mask(
+        batch, length, length, chunk_size=3, chunk_left_padding=left, padding_mask=padding
+    )
     for placement in (Replicate(), Shard(0)):
         d_padding, d_packed = (distribute_tensor(t, mesh, [placement]) for t in (padding, packed))
         d_left = distribute_tensor(left, mesh, [Replicate()])  # cut locally where the mask is sharded
         with CommDebugMode() as comm:
-            got = safeattn.sdpa_mask(batch, length, length, sliding_window=4, padding_mask=d_padding, packed_ids=d_packed)
+            got = safeattn.sdpa_mask(
+                batch, length, length, sliding_window=4, padding_mask=d_padding, packed_ids=d_packed
+            )
             got_chunked = safeattn.sdpa_mask(
                 batch, length, length, chunk_size=3, chunk_left_padding=d_left, padding_mask=d_padding
             )
@@ -416,18 +442,22 @@ def _tp_compare(world, device, single, parallel, name) -> None:
         seen.clear()
         got = parallel(input_ids=input_ids, attention_mask=attention_mask).logits
     heads, kv_heads = tm.COMMON["num_attention_heads"], tm.COMMON["num_key_value_heads"]
-    assert seen and all(s == ("Tensor", heads // world, kv_heads // world) for s in seen), (
-        f"{name}: the attention should see this rank's heads as plain tensors, saw {seen}"
-    )
+    assert seen and all(
+        s == ("Tensor", heads // world, kv_heads // world) for s in seen
+    ), f"{name}: the attention should see this rank's heads as plain tensors, saw {seen}"
     real = attention_mask.bool()
-    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} logits: {m}")
+    torch.testing.assert_close(
+        got[real], want[real], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} logits: {m}"
+    )
     want[real].square().mean().backward()
     got[real].square().mean().backward()
     for param_name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.o_proj.weight"):
         want_grad = single.get_parameter(param_name).grad
         got_grad = parallel.get_parameter(param_name).grad
         got_grad = got_grad.full_tensor() if hasattr(got_grad, "full_tensor") else got_grad
-        torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-4, msg=lambda m: f"{name} {param_name}: {m}")
+        torch.testing.assert_close(
+            got_grad, want_grad, atol=1e-6, rtol=1e-4, msg=lambda m, p=param_name: f"{name} {p}: {m}"
+        )
 
 
 def _case_tensor_parallel_plan(rank, world, device, name):
@@ -444,7 +474,9 @@ def _case_tensor_parallel_plan(rank, world, device, name):
     parallel = tm.make_model(config, "safeattn").to(device)
     parallel = apply_tensor_parallelism(parallel, init_device_mesh(device, (world,)))
     weight = parallel.get_parameter("model.layers.0.self_attn.q_proj.weight")
-    assert type(weight.data).__name__ == "DTensor", f"{name}: q_proj is not sharded ({type(weight.data).__name__})"
+    assert (
+        type(weight.data).__name__ == "DTensor"
+    ), f"{name}: q_proj is not sharded ({type(weight.data).__name__})"
     _tp_compare(world, device, single, parallel, name)
 
 
@@ -499,25 +531,30 @@ _CP_CASES = [
 ]
 
 
-def _case_context_parallel(rank, world, device, layout, dtype_name, head_dim):
+def _case_context_parallel(rank, world, device, layouts, dtype_name, head_dim):
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(4)
     batch, heads, kv_heads, length = 2, 4, 2, 8 * world
-    q, k, v = (
-        _randn(batch, h, length, head_dim, dtype=dtype, device=device, gen=gen) for h in (heads, kv_heads, kv_heads)
-    )
+    q = _randn(batch, heads, length, head_dim, dtype=dtype, device=device, gen=gen)
+    k, v = (_randn(batch, kv_heads, length, head_dim, dtype=dtype, device=device, gen=gen) for _ in range(2))
     padding = torch.ones(batch, length, dtype=torch.bool, device=device)
     padding[0, :6] = False  # left padding: with a causal mask the first 6 queries see no key
     padding[1, -3:] = False  # right padding
     grad_out = _randn(batch, heads, length, head_dim, dtype=dtype, device=device, gen=gen)
     grad_lse = _randn(batch, heads, length, dtype=torch.float64, device=device, gen=gen)
-    sinks = _randn(heads, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device, gen=gen)
+    sinks_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    sinks = _randn(heads, dtype=sinks_dtype, device=device, gen=gen)
 
-    def shard(t, dim):
-        return sd.shard_sequence(t, dim, layout=layout)
+    def loss(out, lse, g_out, g_lse):
+        return (out.double() * g_out.double()).sum() + (_finite(lse).double() * g_lse).sum()
 
-    def gather(t, dim):
-        return sd.unshard_sequence(t.detach(), dim, layout=layout)
+    def whole_sequence(attention, cast, mask, is_causal, with_sinks, extras):
+        """(out, lse, [grad q, k, v], grad sinks) of one process over the whole sequence."""
+        leaves = [cast(t).requires_grad_() for t in (q, k, v)]
+        s = cast(sinks).requires_grad_() if with_sinks else None
+        out, lse = attention(*leaves, mask, is_causal=is_causal, enable_gqa=True, sinks=s, **extras)
+        loss(out, lse, grad_out, grad_lse).backward()
+        return out, lse, [t.grad for t in leaves], None if s is None else s.grad
 
     results = []
     for name, is_causal, window, padded, extras in _CP_CASES:
@@ -534,74 +571,142 @@ def _case_context_parallel(rank, world, device, layout, dtype_name, head_dim):
                 padding_mask=padding if padded else None,
                 device=device,
             )
-
-        def loss(out, lse, g_out, g_lse):
-            return (out.double() * g_out.double()).sum() + (_finite(lse).double() * g_lse).sum()
-
-        # One process: the whole sequence, the mask built.
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        s = sinks.clone().requires_grad_() if with_sinks else None
         op_causal = is_causal and mask is None
-        out, lse = safeattn.attention(*leaves, mask, is_causal=op_causal, enable_gqa=True, sinks=s, **extras)
-        loss(out, lse, grad_out, grad_lse).backward()
-        ref_leaves = [t.clone().double().requires_grad_() for t in (q, k, v)]
-        ref_s = sinks.clone().double().requires_grad_() if with_sinks else None
-        ref_out, ref_lse = reference.attention(
-            *ref_leaves, mask, is_causal=op_causal, enable_gqa=True, sinks=ref_s, **extras
-        )
-        loss(ref_out, ref_lse, grad_out, grad_lse).backward()
+        # One process, the mask built: safeattn in the inputs' dtype, and the float64 reference.
+        single = whole_sequence(safeattn.attention, torch.clone, mask, op_causal, with_sinks, extras)
+        ref = whole_sequence(reference.attention, _float64_copy, mask, op_causal, with_sinks, extras)
 
-        # The ring: each rank its part of the sequence; no mask built.
-        cp_leaves = [shard(t, 2).clone().requires_grad_() for t in (q, k, v)]
-        cp_s = sinks.clone().requires_grad_() if with_sinks else None
-        cp_out, cp_lse = sd.context_parallel_attention(
-            *cp_leaves,
-            layout=layout,
-            is_causal=is_causal,
-            enable_gqa=True,
-            sliding_window=window,
-            padding_mask=shard(padding, 1) if padded else None,
-            sinks=cp_s,
-            **extras,
-        )
-        loss(cp_out, cp_lse, shard(grad_out, 2), shard(grad_lse, 2)).backward()
-        got = {"out": gather(cp_out, 2), "lse": gather(cp_lse, 2)}
-        for n, leaf in zip("qkv", cp_leaves, strict=True):
-            got[f"grad {n}"] = gather(leaf.grad, 2)
-        if with_sinks:
-            got["grad sinks"] = cp_s.grad.clone()
-            dist.all_reduce(got["grad sinks"])  # each rank's share of a replicated parameter's gradient
-        results.append((name, got, out, lse, leaves, s, ref_out, ref_lse, ref_leaves, ref_s))
+        for layout in layouts:
+            # The ring: each rank its part of the sequence; no mask built.
+            def shard(t, dim, layout=layout):
+                return sd.shard_sequence(t, dim, layout=layout)
+
+            def gather(t, dim, layout=layout):
+                return sd.unshard_sequence(t.detach(), dim, layout=layout)
+
+            leaves = [shard(t, 2).clone().requires_grad_() for t in (q, k, v)]
+            s = sinks.clone().requires_grad_() if with_sinks else None
+            out, lse = sd.context_parallel_attention(
+                *leaves,
+                layout=layout,
+                is_causal=is_causal,
+                enable_gqa=True,
+                sliding_window=window,
+                padding_mask=shard(padding, 1) if padded else None,
+                sinks=s,
+                **extras,
+            )
+            loss(out, lse, shard(grad_out, 2), shard(grad_lse, 2)).backward()
+            grad_sinks = None
+            if with_sinks:
+                grad_sinks = s.grad.clone()
+                dist.all_reduce(grad_sinks)  # each rank's share of a replicated parameter's gradient
+            got = (gather(out, 2), gather(lse, 2), [gather(t.grad, 2) for t in leaves], grad_sinks)
+            results.append((f"{layout}, {dtype_name}, {name}", got, single, ref))
 
     # Every collective is done: assert.
-    for name, got, out, lse, leaves, s, ref_out, ref_lse, ref_leaves, ref_s in results:
-        case = f"{layout}, {dtype_name}, {name}"
-        _assert_close(got["out"], out, ref_out, f"{case}: out", dtype)
-        _assert_close(got["lse"], lse, ref_lse, f"{case}: lse", dtype)
-        for n, leaf, ref_leaf in zip("qkv", leaves, ref_leaves, strict=True):
-            _assert_close(got[f"grad {n}"], leaf.grad, ref_leaf.grad, f"{case}: grad {n}", dtype, gradient=True)
-        if s is not None:
-            _assert_close(got["grad sinks"], s.grad, ref_s.grad, f"{case}: grad sinks", dtype, gradient=True)
-        empty = ref_lse == float("-inf")
+    for case, got, single, ref in results:
+        for what, g, want, r in zip(("out", "lse"), got[:2], single[:2], ref[:2], strict=True):
+            _assert_close(g, want, r, f"{case}: {what}", dtype)
+        for n, g, want, r in zip("qkv", got[2], single[2], ref[2], strict=True):
+            _assert_close(g, want, r, f"{case}: grad {n}", dtype, gradient=True)
+        if got[3] is not None:
+            _assert_close(got[3], single[3], ref[3], f"{case}: grad sinks", dtype, gradient=True)
+        empty = ref[1] == float("-inf")
         if empty.any():  # rows that see no key: exactly 0, lse -inf, gradient 0
-            assert (got["out"][empty] == 0).all(), f"{case}: fully masked rows not 0"
-            assert (got["lse"][empty] == float("-inf")).all(), f"{case}: fully masked rows' lse not -inf"
-            assert (got["grad q"][empty] == 0).all(), f"{case}: fully masked rows' grad q not 0"
-    return [name for name, *_ in results]
+            assert (got[0][empty] == 0).all(), f"{case}: fully masked rows not 0"
+            assert (got[1][empty] == float("-inf")).all(), f"{case}: fully masked rows' lse not -inf"
+            assert (got[2][0][empty] == 0).all(), f"{case}: fully masked rows' grad q not 0"
+    return [case for case, *_ in results]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize(("world", "device"), _worlds(2, 4))
-def test_context_parallel_matches_one_process(worlds, world, device, layout):
+def _cp_params():
+    """2 ranks: one test per layout; 4 ranks: one test for both (one 4-process world to start)."""
+    params = []
+    for world, device in ((2, "cpu"), (4, "cpu"), (2, "cuda"), (4, "cuda")):
+        marks = [m for p in _worlds(world) if p.values[1] == device for m in p.marks]
+        groups = [("contiguous",), ("zigzag",)] if world == 2 else [("contiguous", "zigzag")]
+        for layouts in groups:
+            params.append(
+                pytest.param(world, device, layouts, marks=marks, id=f"{world}x{device}-{'+'.join(layouts)}")
+            )
+    return params
+
+
+@pytest.mark.parametrize(("world", "device", "layouts"), _cp_params())
+def test_context_parallel_matches_one_process(worlds, world, device, layouts):
     """Forward and backward, every mask kind, float64: the ring equals the whole-sequence op."""
-    worlds(world, device).run(_case_context_parallel, layout=layout, dtype_name="float64", head_dim=16)
+    worlds(world, device).run(_case_context_parallel, layouts=layouts, dtype_name="float64", head_dim=16)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("world", "device"), _worlds(2))
 def test_context_parallel_low_precision(worlds, world, device, dtype_name):
-    """float32 against the one-process op; bfloat16 within 2x its error against float64."""
-    worlds(world, device).run(_case_context_parallel, layout="zigzag", dtype_name=dtype_name, head_dim=64)
+    """float32 against the one-process op; bfloat16 within 2x (3x for gradients) its error
+    against float64."""
+    worlds(world, device).run(_case_context_parallel, layouts=("zigzag",), dtype_name=dtype_name, head_dim=64)
+
+
+def _case_torch_context_parallel(rank, world, device):
+    """Causal attention without a mask, the case torch's context_parallel (SDPA, head-tail load
+    balancing: the zigzag layout) supports: both rings against the float64 reference."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh(device, (world,))
+    gen = torch.Generator().manual_seed(5)
+    dtype, batch, heads, length, head_dim = torch.bfloat16, 2, 8, 128 * world, 64
+    q, k, v, grad_out = (
+        _randn(batch, heads, length, head_dim, dtype=dtype, device=device, gen=gen) for _ in range(4)
+    )
+
+    def shard(t):
+        return sd.shard_sequence(t, 2, layout="zigzag")
+
+    def gather(t):
+        return sd.unshard_sequence(t.detach(), 2, layout="zigzag")
+
+    ref_leaves = [_float64_copy(t).requires_grad_() for t in (q, k, v)]
+    ref_out, _ = reference.attention(*ref_leaves, is_causal=True)
+    (ref_out * grad_out.double()).sum().backward()
+
+    buffers = [t.clone() for t in (q, k, v)]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2], no_restore_buffers=set(buffers)):
+        same_layout = torch.equal(buffers[0], shard(q))
+        leaves = [b.requires_grad_() for b in buffers]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        (out.float() * shard(grad_out).float()).sum().backward()
+    theirs = [gather(out)] + [gather(t.grad) for t in leaves]
+
+    leaves = [shard(t).clone().requires_grad_() for t in (q, k, v)]
+    out, _ = sd.context_parallel_attention(*leaves, layout="zigzag", is_causal=True)
+    (out.float() * shard(grad_out).float()).sum().backward()
+    ours = [gather(out)] + [gather(t.grad) for t in leaves]
+
+    assert same_layout, "torch's head-tail sharding is not safeattn's zigzag layout"
+    errors = {}
+    for name, mine, torch_cp, ref in zip(
+        ("out", "grad q", "grad k", "grad v"),
+        ours,
+        theirs,
+        [ref_out] + [t.grad for t in ref_leaves],
+        strict=True,
+    ):
+        err_mine, err_torch = ((t.double() - ref).abs().max().item() for t in (mine, torch_cp))
+        errors[name] = (err_mine, err_torch)
+        factor = 2 if name == "out" else 3
+        assert (
+            err_mine <= factor * err_torch + _FLOOR[dtype]
+        ), f"{name}: error against float64 {err_mine:.3g}, torch's context_parallel {err_torch:.3g}"
+    return errors
+
+
+@pytest.mark.parametrize(("world", "device"), [p for p in _worlds(2) if p.values[1] == "cuda"])
+def test_context_parallel_as_accurate_as_torch_context_parallel(worlds, world, device):
+    """torch's context_parallel has no CPU path (gloo): aten._scaled_dot_product_flash_attention_for_cpu
+    has no DTensor sharding strategy, and the math backend fails on mixed Tensor and DTensor."""
+    worlds(world, device).run(_case_torch_context_parallel)
 
 
 def test_context_parallel_rejects_bad_arguments():
@@ -620,3 +725,21 @@ def test_context_parallel_rejects_bad_arguments():
         query, key, value = args.pop("query"), args.pop("key"), args.pop("value")
         with pytest.raises(ValueError, match=message):
             sd.context_parallel_attention(query, key, value, **args)
+
+
+def test_dtensor_rules_registered_when_torch_distributed_tensor_is_imported():
+    """`import safeattn` leaves torch.distributed.tensor unimported (about 0.5 s); importing it
+    later registers the rules. A fresh interpreter: this one has imported both already."""
+    code = (
+        "import sys, safeattn, torch\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'import safeattn imported DTensor'\n"
+        "from torch.distributed.tensor import DTensor\n"
+        "rules = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs\n"
+        "ops = torch.ops.safeattn\n"
+        "missing = [str(op) for op in (ops.attention.default, ops._attention_backward.default,\n"
+        "    ops.safe_softmax.default, ops.masked_softmax.default) if op not in rules]\n"
+        "assert not missing, missing\n"
+        "assert ops.sdpa_mask.default in DTensor._op_dispatcher._custom_op_handlers\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -23,9 +23,12 @@ import warnings
 
 import torch
 
-from ._context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
+__all__ = ["register_dtensor_sharding"]
+# `import safeattn` imports this package: it must not fail in a torch built without distributed.
+if torch.distributed.is_available():
+    from ._context_parallel import context_parallel_attention, shard_sequence, unshard_sequence
 
-__all__ = ["context_parallel_attention", "register_dtensor_sharding", "shard_sequence", "unshard_sequence"]
+    __all__ += ["context_parallel_attention", "shard_sequence", "unshard_sequence"]
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
@@ -69,7 +72,9 @@ def _register_quietly() -> None:
     except ImportError:
         pass
     except Exception as error:  # noqa: BLE001
-        warnings.warn(f"safeattn: DTensor sharding rules not registered: {error!r}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"safeattn: DTensor sharding rules not registered: {error!r}", RuntimeWarning, stacklevel=2
+        )
 
 
 def _register_when_dtensor_loads() -> None:

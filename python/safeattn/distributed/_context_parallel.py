@@ -49,7 +49,9 @@ _KV_TAG, _GRAD_TAG = 0, 8
 def _group_of(group) -> dist.ProcessGroup:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"group: a DeviceMesh must be 1-D (the context-parallel dim), got {group.ndim}-D")
+            raise ValueError(
+                f"group: a DeviceMesh must be 1-D (the context-parallel dim), got {group.ndim}-D"
+            )
         return group.get_group()
     return group if group is not None else dist.group.WORLD
 
@@ -82,7 +84,9 @@ def _check_layout(op: str, layout: str, local_length: int) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: layout must be one of {_LAYOUTS}, got {layout!r}")
     if layout == "zigzag" and local_length % 2:
-        raise ValueError(f"{op}: with layout 'zigzag' a rank's part must have an even length, got {local_length}")
+        raise ValueError(
+            f"{op}: with layout 'zigzag' a rank's part must have an even length, got {local_length}"
+        )
 
 
 def shard_sequence(tensor: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
@@ -103,7 +107,9 @@ def shard_sequence(tensor: torch.Tensor, dim: int, *, group=None, layout: str = 
     return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim)
 
 
-def unshard_sequence(tensor: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
+def unshard_sequence(
+    tensor: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous"
+) -> torch.Tensor:
     """The full sequence from every rank's part (``all_gather``), in position order: the inverse
     of :func:`shard_sequence`. Not differentiable."""
     pg = _group_of(group)
@@ -166,7 +172,9 @@ def _block(q: _Segment, kv: _Segment, cfg: _Config) -> _Block | None:
     return _Block(q, kv, False, max(q.last - kv.position, kv.last - q.position) > window)
 
 
-def _block_mask(block: _Block, padding: torch.Tensor | None, cfg: _Config, batch: int, device) -> torch.Tensor | None:
+def _block_mask(
+    block: _Block, padding: torch.Tensor | None, cfg: _Config, batch: int, device
+) -> torch.Tensor | None:
     """The block's bool mask: [B|1, 1, q_len, kv_len] for a window, [B, 1, 1, kv_len] for
     key padding alone (broadcast by the op), None when the op's causal rule is enough.
     padding: the block's keys' [B, kv_len] (nonzero = a real token)."""
@@ -387,7 +395,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         query, key, value, padding, sinks, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grad_query, grad_key, grad_value = _backward(grad_out, grad_lse, query, key, value, padding, out, lse, ctx.cfg)
+        grad_query, grad_key, grad_value = _backward(
+            grad_out, grad_lse, query, key, value, padding, out, lse, ctx.cfg
+        )
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             grad_sinks = _sinks_grad(grad_out, grad_lse, out, lse, sinks)
@@ -448,13 +458,17 @@ def context_parallel_attention(
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 4:
-            raise ValueError(f"context_parallel_attention: {name} must be 4-D [batch, heads, seq, dim], got {t.dim()}-D")
+            raise ValueError(
+                f"context_parallel_attention: {name} must be 4-D [batch, heads, seq, dim], got {t.dim()}-D"
+            )
     if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
         raise ValueError(
             "context_parallel_attention: query, key and value must hold the same positions (local lengths "
             f"{query.shape[2]}, {key.shape[2]}, {value.shape[2]})"
         )
-    if padding_mask is not None and (padding_mask.dim() != 2 or tuple(padding_mask.shape) != (query.shape[0], query.shape[2])):
+    if padding_mask is not None and (
+        padding_mask.dim() != 2 or tuple(padding_mask.shape) != (query.shape[0], query.shape[2])
+    ):
         raise ValueError(
             "context_parallel_attention: padding_mask must be [batch, S_local] = "
             f"[{query.shape[0]}, {query.shape[2]}], got {list(padding_mask.shape)}"

@@ -28,11 +28,11 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import register_sharding
 
 # DTensorSpec is what register_sharding passes in place of a tensor argument (placements, mesh,
 # tensor_meta); its module is private but has held it since DTensor went public (torch 2.5).
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.experimental import register_sharding
 
 _ops = torch.ops.safeattn
 _R = Replicate()
@@ -58,7 +58,9 @@ def _register(op: torch._ops.OpOverload, rule: Rule) -> None:
             for name in given:
                 if isinstance(bound[name], DTensorSpec):
                     if name not in inputs:
-                        raise NotImplementedError(f"safeattn: no DTensor sharding rule for {op}'s argument {name!r}")
+                        raise NotImplementedError(
+                            f"safeattn: no DTensor sharding rule for {op}'s argument {name!r}"
+                        )
                     placements.append(inputs[name])
                 else:
                     placements.append(None)
@@ -136,7 +138,9 @@ def _attention_strategies(a: dict, backward: bool) -> list:
             shard = Shard(dim)
             mask_p = _shard_if_full(mask, 4 - dim, batch if dim == 0 else heads)
             sinks_p = None if sinks is None else (Shard(0) if dim == 1 else _R)
-        inputs = {name: shard for name in ("grad_out", "grad_lse", "query", "key", "value", "out", "lse", "lse_lo")}
+        inputs = {
+            name: shard for name in ("grad_out", "grad_lse", "query", "key", "value", "out", "lse", "lse_lo")
+        }
         inputs["attn_mask"], inputs["sinks"] = mask_p, sinks_p
         if not backward:
             return [shard, shard], inputs
@@ -173,7 +177,13 @@ def _softmax_strategies(a: dict, input_name: str, outputs: int) -> list:
         else:
             placement = Shard(shard)
             mask_p = _shard_if_full(mask, ndim - shard, scores.shape[shard])
-        inputs = {"self": placement, "scores": placement, "grad_out": placement, "out": placement, "mask": mask_p}
+        inputs = {
+            "self": placement,
+            "scores": placement,
+            "grad_out": placement,
+            "out": placement,
+            "mask": mask_p,
+        }
         # The mask gradient (an empty tensor, replicated, when not asked for) is summed over the
         # ranks where the mask is broadcast over the sharded dim.
         grad_mask_p = _grad_of(mask_p) if mask_grad else _R
@@ -229,7 +239,9 @@ def _sdpa_mask_handler(op_call, args, kwargs):
     mask = op_call(*local_args, **local_kwargs)
     global_shape = (batch_size, *mask.shape[1:])
     global_stride = torch.empty(global_shape, device="meta").stride()
-    return DTensor.from_local(mask, mesh, placements, run_check=False, shape=global_shape, stride=global_stride)
+    return DTensor.from_local(
+        mask, mesh, placements, run_check=False, shape=global_shape, stride=global_stride
+    )
 
 
 _registered = False
