@@ -5,9 +5,10 @@ comparison is tight) and, for context parallelism, with reference.py.
 The ranks are worker processes of one process group (gloo on CPU; NCCL on CUDA, one GPU a rank,
 where the machine has enough GPUs), started once per (world size, device) for this module and
 reused by its tests: a test sends a case (a function of this module, by name) to every rank and
-fails with the ranks' tracebacks if any raises. Cases assert after their last collective, so a
-failing rank never leaves the others waiting; a rank that does not answer within the timeout
-fails the test and the world is started afresh for the next one.
+fails with the ranks' tracebacks if any raises. Every rank builds the same global data and
+asserts on what every rank sees alike (full tensors, placements), so the ranks fail together
+rather than one leaving the others waiting in a collective; a rank that does not answer within
+the timeout fails the test, and the world is started afresh for the next one.
 
 On a machine with 2 GPUs (NCCL): ``NCCL_NVLS_ENABLE=0 python -m pytest tests/test_distributed.py -k cuda``.
 """
@@ -532,6 +533,9 @@ _CP_CASES = [
 
 
 def _case_context_parallel(rank, world, device, layouts, dtype_name, head_dim):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device, (world,))
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(4)
     batch, heads, kv_heads, length = 2, 4, 2, 8 * world
@@ -588,6 +592,7 @@ def _case_context_parallel(rank, world, device, layouts, dtype_name, head_dim):
             s = sinks.clone().requires_grad_() if with_sinks else None
             out, lse = sd.context_parallel_attention(
                 *leaves,
+                group=mesh if layout == "contiguous" else None,  # a 1-D DeviceMesh or the default group
                 layout=layout,
                 is_causal=is_causal,
                 enable_gqa=True,
@@ -620,23 +625,25 @@ def _case_context_parallel(rank, world, device, layouts, dtype_name, head_dim):
     return [case for case, *_ in results]
 
 
-def _cp_params():
-    """2 ranks: one test per layout; 4 ranks: one test for both (one 4-process world to start)."""
-    params = []
-    for world, device in ((2, "cpu"), (4, "cpu"), (2, "cuda"), (4, "cuda")):
-        marks = [m for p in _worlds(world) if p.values[1] == device for m in p.marks]
-        groups = [("contiguous",), ("zigzag",)] if world == 2 else [("contiguous", "zigzag")]
-        for layouts in groups:
-            params.append(
-                pytest.param(world, device, layouts, marks=marks, id=f"{world}x{device}-{'+'.join(layouts)}")
-            )
-    return params
-
-
-@pytest.mark.parametrize(("world", "device", "layouts"), _cp_params())
-def test_context_parallel_matches_one_process(worlds, world, device, layouts):
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize(("world", "device"), _worlds(2))
+def test_context_parallel_matches_one_process(worlds, world, device, layout):
     """Forward and backward, every mask kind, float64: the ring equals the whole-sequence op."""
-    worlds(world, device).run(_case_context_parallel, layouts=layouts, dtype_name="float64", head_dim=16)
+    worlds(world, device).run(_case_context_parallel, layouts=(layout,), dtype_name="float64", head_dim=16)
+
+
+def _case_four_ranks(rank, world, device):
+    dtensor = [_case_dtensor_attention(rank, world, device, shard_dim=dim) for dim in (0, 1)]
+    ring = _case_context_parallel(rank, world, device, ("contiguous", "zigzag"), "float64", 16)
+    return dtensor, ring
+
+
+@pytest.mark.parametrize(("world", "device"), _worlds(4))
+def test_four_ranks_dtensor_attention_and_context_parallel(worlds, world, device):
+    """The DTensor attention and context-parallel cases above on 4 ranks (heads 8 over 4 kv heads:
+    grouped-query pairs stay together). One test, so that one pytest worker pays the start of a
+    4-process world (about 12 s of CPU here), not each."""
+    worlds(world, device).run(_case_four_ranks)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
