@@ -90,8 +90,10 @@ def _check_layout(op: str, layout: str, local_length: int) -> None:
 
 
 def shard_sequence(tensor: torch.Tensor, dim: int, *, group=None, layout: str = "contiguous") -> torch.Tensor:
-    """This rank's part of a full sequence ``tensor`` (a view), cut along ``dim`` in ``layout``
-    (see :func:`context_parallel_attention`). No communication: every rank holds ``tensor``."""
+    """This rank's part of a full sequence ``tensor``, cut along ``dim`` in ``layout`` (see
+    :func:`context_parallel_attention`): a view for ``"contiguous"``, a copy for ``"zigzag"``.
+    No communication: every rank holds ``tensor``."""
+    _check_layout("shard_sequence", layout, 0)
     pg = _group_of(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     parts = world * (2 if layout == "zigzag" else 1)
@@ -100,7 +102,6 @@ def shard_sequence(tensor: torch.Tensor, dim: int, *, group=None, layout: str = 
             f"shard_sequence: the length {tensor.shape[dim]} of dim {dim} must be a multiple of {parts} "
             f"({world} ranks, layout {layout!r})"
         )
-    _check_layout("shard_sequence", layout, tensor.shape[dim] // world)
     if layout == "contiguous":
         return tensor.chunk(world, dim)[rank]
     chunks = tensor.chunk(2 * world, dim)
