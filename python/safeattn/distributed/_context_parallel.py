@@ -269,6 +269,7 @@ def _forward(query, key, value, padding, sinks, cfg: _Config):
     out = query.new_zeros((batch, length, heads, value.shape[3]), dtype=acc).transpose(1, 2)
     lse = query.new_full((batch, heads, length), _NEG_INF, dtype=acc)
     q_segments = _segments(cfg.layout, cfg.rank, cfg.world, length)
+    filled: set[_Segment] = set()  # query segments holding a result (a segment may see no block)
     travelling = [key, value] + ([padding] if padding is not None else [])
     for step in range(cfg.world):
         if step + 1 < cfg.world:
@@ -295,7 +296,13 @@ def _forward(query, key, value, padding, sinks, cfg: _Config):
                     kv_offset=kv_seg.position,
                     softcap=cfg.softcap,
                 )
-                _merge_into(out[:, :, q_seg.rows], lse[:, :, q_seg.rows], out_part, lse_part)
+                rows = (slice(None), slice(None), q_seg.rows)
+                if q_seg in filled:
+                    _merge_into(out[rows], lse[rows], out_part, lse_part)
+                else:  # the segment's first block: nothing to merge with yet
+                    out[rows].copy_(out_part)
+                    lse[rows].copy_(lse_part)
+                    filled.add(q_seg)
         if step + 1 < cfg.world:
             _wait(works)
             travelling = arriving
