@@ -10,6 +10,7 @@ from . import (  # noqa: F401  registrations
     _C,  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
     _autograd,
     _fake,
+    distributed,  # DTensor sharding rules, registered once torch.distributed.tensor is imported
 )
 from ._version import __version__
 from .ops import attention, masked_softmax, safe_softmax, sdpa_mask
