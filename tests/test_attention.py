@@ -1037,3 +1037,20 @@ def test_private_backward_valid_call_matches_autograd():
     want = torch.autograd.grad(out, (q, k, v), args["grad_out"])
     for g, w in zip(grads[:3], want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_private_backward_reads_strided_rows():
+    """lse, lse_lo and grad_lse may be views with any strides (a ring-attention caller slices them
+    along the queries): the backward must read them through their strides, not as contiguous."""
+    args = _private_backward_args()
+    want = torch.ops.safeattn._attention_backward(**args)
+    wide = {}
+    for name in ("lse", "lse_lo"):
+        t = args[name]
+        big = torch.full((t.shape[0], t.shape[1], 2 * t.shape[2] + 3), float("nan"))
+        big[:, :, 3 : 3 + 2 * t.shape[2] : 2] = t
+        wide[name] = big[:, :, 3 : 3 + 2 * t.shape[2] : 2]
+        assert not wide[name].is_contiguous()
+    got = torch.ops.safeattn._attention_backward(**{**args, **wide})
+    for g, w in zip(got[:3], want[:3], strict=True):
+        assert torch.equal(g, w), "strided lse / lse_lo read as if contiguous"

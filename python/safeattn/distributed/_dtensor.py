@@ -4,7 +4,7 @@ Each rule lists, for one mesh dimension, the placements under which the op can r
 rank's local shard with no communication; DTensor expands them over every mesh dimension and
 picks the one needing the least redistribution (none when the inputs already match one):
 
-- ``attention`` and ``_attention_backward``: everything replicated; batch-sharded (q, k, v,
+- ``attention``, ``_attention_forward`` and ``_attention_backward``: everything replicated; batch-sharded (q, k, v,
   out, lse on dim 0); head-sharded (dim 1; ``sinks`` and its gradient on dim 0). A mask or bias
   is sharded on the same dim where it has that dim at full size, else replicated (a broadcast
   dim); the gradient of a replicated mask or of ``sinks`` under batch sharding is ``Partial``
@@ -122,7 +122,7 @@ def _head_shardable(query: DTensorSpec, key: DTensorSpec) -> bool:
     return kv_heads % shards == 0
 
 
-def _attention_strategies(a: dict, backward: bool) -> list:
+def _attention_strategies(a: dict, backward: bool, forward_outputs: int = 2) -> list:
     query, key = a["query"], a["key"]
     mask, sinks = _spec(a.get("attn_mask")), _spec(a.get("sinks"))
     batch, heads = query.shape[0], query.shape[1]
@@ -143,7 +143,7 @@ def _attention_strategies(a: dict, backward: bool) -> list:
         }
         inputs["attn_mask"], inputs["sinks"] = mask_p, sinks_p
         if not backward:
-            return [shard, shard], inputs
+            return [shard] * forward_outputs, inputs  # out, lse (and lse_lo: _attention_forward)
         # Unused gradient outputs are empty tensors: replicated.
         grad_mask_p = _grad_of(mask_p) if mask_grad else _R
         grad_sinks_p = _grad_of(sinks_p) if sinks is not None else _R
@@ -253,6 +253,8 @@ def register() -> None:
     if _registered:
         return
     _register(_ops.attention.default, lambda a: _attention_strategies(a, backward=False))
+    # What attention's Autograd kernel calls: out, lse and lse_lo, placed alike.
+    _register(_ops._attention_forward.default, lambda a: _attention_strategies(a, backward=False, forward_outputs=3))
     _register(_ops._attention_backward.default, lambda a: _attention_strategies(a, backward=True))
     _register(_ops.safe_softmax.default, lambda a: _softmax_strategies(a, "self", outputs=1))
     _register(_ops._safe_softmax_backward.default, lambda a: _softmax_strategies(a, "out", outputs=1))
