@@ -262,7 +262,9 @@ def attention(
         if attn_mask.dtype == torch.bool:
             s = torch.where(attn_mask, s, neg_inf)
         else:
-            s = s + attn_mask.to(s.dtype)
+            # A -inf bias masks its element whatever the score (NaN included), as False does.
+            bias = attn_mask.to(s.dtype)
+            s = torch.where(torch.isneginf(bias), neg_inf, s + bias)
     s = s.to(compute_dtype)
     v = v.to(compute_dtype)
     neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype)

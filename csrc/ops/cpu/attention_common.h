@@ -145,16 +145,13 @@ struct MaskView {
   }
 };
 
+// s += bias, except s = -inf where the bias is -inf: a masked element hides its score, NaN
+// included (as a False bool does, and as the CUDA kernels and the backward's add_staged_mask do).
 template <typename T, typename M>
 inline void add_bias_run(T* s, int64_t count, const M* m, int64_t stride) {
-  if (stride == 1) {
-    for (int64_t c = 0; c < count; ++c) {
-      s[c] += static_cast<T>(m[c]);
-    }
-  } else {
-    for (int64_t c = 0; c < count; ++c) {
-      s[c] += static_cast<T>(m[c * stride]);
-    }
+  for (int64_t c = 0; c < count; ++c) {
+    const T bias = static_cast<T>(m[c * stride]);
+    s[c] = bias == kNegInf<T> ? bias : s[c] + bias;
   }
 }
 
