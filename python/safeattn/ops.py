@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = ["masked_softmax", "safe_softmax", "sdpa_mask"]
 
@@ -175,6 +176,16 @@ def masked_softmax(
 __all__ += ["attention"]
 
 
+def _needs_decomposition(*tensors: torch.Tensor | None) -> bool:
+    """True under a torch.func transform, or when an input carries a forward-AD tangent: what
+    the fused kernels' C++ autograd cannot serve. Two cheap checks on every other call."""
+    if torch._C._are_functorch_transforms_active():
+        return True
+    if _forward_ad._current_level < 0:  # no dual level open: no input can be dual
+        return False
+    return any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -247,6 +258,21 @@ def attention(
         (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
         float32 (float64 for float64 inputs). Both are differentiable.
     """
+    if _needs_decomposition(query, key, value, attn_mask, sinks):
+        return torch.ops.safeattn._attention_math(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return torch.ops.safeattn.attention(
         query,
         key,
