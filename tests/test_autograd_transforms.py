@@ -33,7 +33,9 @@ def _assert_close(actual, expected, what, **tol):
 def _masked_input(shape, generator, all_masked=False):
     """Random values with -inf where a random bool mask is False (as the _safe_softmax OpInfo)."""
     x = torch.randn(shape, dtype=F64, generator=generator)
-    keep = torch.zeros(shape, dtype=torch.bool) if all_masked else torch.rand(shape, generator=generator) > 0.5
+    keep = (
+        torch.zeros(shape, dtype=torch.bool) if all_masked else torch.rand(shape, generator=generator) > 0.5
+    )
     return x.masked_fill(~keep, NEG_INF)
 
 
@@ -79,7 +81,9 @@ def test_safe_softmax_gradcheck_forward_and_reverse(shape, dim, all_masked):
     x, dim = _sample(shape, dim, all_masked)
     x.requires_grad_(True)
     fn = lambda t: safe(t, dim)  # noqa: E731
-    assert gradcheck(fn, (x,), check_forward_ad=True, check_batched_grad=True, check_batched_forward_grad=True)
+    assert gradcheck(
+        fn, (x,), check_forward_ad=True, check_batched_grad=True, check_batched_forward_grad=True
+    )
     assert gradgradcheck(fn, (x,), check_fwd_over_rev=True, check_rev_over_rev=True, check_batched_grad=True)
 
 
@@ -129,7 +133,9 @@ def test_safe_softmax_func_grad_jacobians_hessian_match_aten(shape, dim, all_mas
     xr = x.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(loss(safe)(xr), xr, create_graph=True)
     (gg,) = torch.autograd.grad((g * weights).sum(), xr)
-    _assert_close(gg, hess_ref.reshape(x.numel(), x.numel()).mv(weights.flatten()).reshape(x.shape), "double backward")
+    _assert_close(
+        gg, hess_ref.reshape(x.numel(), x.numel()).mv(weights.flatten()).reshape(x.shape), "double backward"
+    )
 
 
 @pytest.mark.parametrize("in_dim", [0, 1, -1])
@@ -180,7 +186,9 @@ def test_safe_softmax_fully_masked_rows_have_zero_tangent_and_gradient():
     _, tangent = torch.func.jvp(lambda a: safe(a, -1), (x,), (t_nan,))
     assert (tangent[3] == 0).all() and not tangent.isnan().any(), "NaN tangent on a fully masked row leaked"
     grad = torch.func.vjp(lambda a: safe(a, -1), x)[1](t_nan)[0]
-    assert (grad[3] == 0).all() and not grad.isnan().any(), "NaN upstream gradient on a fully masked row leaked"
+    assert (
+        grad[3] == 0
+    ).all() and not grad.isnan().any(), "NaN upstream gradient on a fully masked row leaked"
     hess = torch.func.hessian(lambda a: safe(a, -1).pow(2).sum())(x)
     assert (hess[3] == 0).all() and (hess[:, :, 3] == 0).all(), "fully masked rows: second derivatives 0"
     assert not hess.isnan().any(), "NaN in the Hessian"
@@ -257,8 +265,12 @@ def test_masked_softmax_gradcheck_forward_and_reverse(kind):
     else:
         inputs = (scores,)
         fn = lambda s: safeattn.masked_softmax(s, mask, 0.7, dim=2)  # noqa: E731
-    assert gradcheck(fn, inputs, check_forward_ad=True, check_batched_grad=True, check_batched_forward_grad=True)
-    assert gradgradcheck(fn, inputs, check_fwd_over_rev=True, check_rev_over_rev=True, check_batched_grad=True)
+    assert gradcheck(
+        fn, inputs, check_forward_ad=True, check_batched_grad=True, check_batched_forward_grad=True
+    )
+    assert gradgradcheck(
+        fn, inputs, check_fwd_over_rev=True, check_rev_over_rev=True, check_batched_grad=True
+    )
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
@@ -306,8 +318,10 @@ def test_masked_softmax_jvp_grad_hessian_match_reference(kind):
     def cube(fn):
         if float_mask:
             return lambda s, m: fn(s, m).pow(3).sum()
-        return lambda s: masked_ref(s, mask_small, 0.7, -1).pow(3).sum() if fn is theirs else (
-            safeattn.masked_softmax(s, mask_small, 0.7).pow(3).sum()
+        return (
+            lambda s: masked_ref(s, mask_small, 0.7, -1).pow(3).sum()
+            if fn is theirs
+            else (safeattn.masked_softmax(s, mask_small, 0.7).pow(3).sum())
         )
 
     hess = torch.func.hessian(cube(ours), argnums=argnums)(*small)
@@ -336,7 +350,9 @@ def test_masked_softmax_vmap_matches_loop(kind, batched):
     if mask_in.is_floating_point() and batched != "scores":
         mask_in = mask_in + torch.randn(mask_in.shape, dtype=F64, generator=g)
     in_dims = (1 if batched != "mask" else None, -1 if batched != "scores" else None)
-    got = torch.vmap(lambda s, m: safeattn.masked_softmax(s, m, 0.5, dim=1), in_dims=in_dims)(scores_in, mask_in)
+    got = torch.vmap(lambda s, m: safeattn.masked_softmax(s, m, 0.5, dim=1), in_dims=in_dims)(
+        scores_in, mask_in
+    )
     expected = torch.stack(
         [
             safeattn.masked_softmax(
@@ -362,10 +378,15 @@ def test_masked_softmax_per_example_bias_gradients():
     def loss(s, b, fn):
         return (fn(s, b).pow(2) * weights).sum()
 
-    ours = torch.vmap(torch.func.grad(lambda s, b: loss(s, b, lambda x, m: safeattn.masked_softmax(x, m)), argnums=1),
-                      in_dims=(0, None))(scores, bias)
+    ours = torch.vmap(
+        torch.func.grad(lambda s, b: loss(s, b, lambda x, m: safeattn.masked_softmax(x, m)), argnums=1),
+        in_dims=(0, None),
+    )(scores, bias)
     theirs = torch.stack(
-        [torch.func.grad(lambda b, s=s: loss(s, b, lambda x, m: masked_ref(x, m, 1.0, -1)))(bias) for s in scores]
+        [
+            torch.func.grad(lambda b, s=s: loss(s, b, lambda x, m: masked_ref(x, m, 1.0, -1)))(bias)
+            for s in scores
+        ]
     )
     _assert_close(ours, theirs, "per-example bias gradients")
     jac = torch.func.jacrev(lambda b: safeattn.masked_softmax(scores, b), argnums=0)(bias)
@@ -395,18 +416,30 @@ def test_backward_ops_vmap_match_loop():
     got = torch.vmap(lambda a, b: torch.ops.safeattn._safe_softmax_backward(a, b, 0, F64), in_dims=(0, 1))(
         grad, out.transpose(0, 1)
     )
-    expected = torch.stack([torch.ops.safeattn._safe_softmax_backward(a, b, 0, F64) for a, b in zip(grad, out)])
+    expected = torch.stack(
+        [torch.ops.safeattn._safe_softmax_backward(a, b, 0, F64) for a, b in zip(grad, out, strict=True)]
+    )
     _assert_close(got, expected, "_safe_softmax_backward vmap")
     bias = torch.randn(3, 1, dtype=F64, generator=g)
+    op = torch.ops.safeattn._masked_softmax_backward
     for requires_grad in (True, False):
-        op = torch.ops.safeattn._masked_softmax_backward
-        got_s, got_m = torch.vmap(lambda a, b: op(a, b, bias, 0.5, -1, F64, requires_grad))(grad, out)
-        loop = [op(a, b, bias, 0.5, -1, F64, requires_grad) for a, b in zip(grad, out)]
+        got_s, got_m = torch.vmap(lambda a, b, r=requires_grad: op(a, b, bias, 0.5, -1, F64, r))(grad, out)
+        loop = [op(a, b, bias, 0.5, -1, F64, requires_grad) for a, b in zip(grad, out, strict=True)]
         _assert_close(got_s, torch.stack([s for s, _ in loop]), "_masked_softmax_backward vmap: grad_scores")
         if requires_grad:
-            _assert_close(got_m, torch.stack([m for _, m in loop]), "_masked_softmax_backward vmap: grad_mask")
+            _assert_close(
+                got_m, torch.stack([m for _, m in loop]), "_masked_softmax_backward vmap: grad_mask"
+            )
         else:
             assert got_m.numel() == 0, "no mask gradient asked: the placeholder stays empty"
+
+
+def test_every_softmax_op_has_a_batching_rule():
+    # Without one, vmap still gives the right values, through a loop of one op call per slice.
+    for op in ("safe_softmax", "_safe_softmax_backward", "masked_softmax", "_masked_softmax_backward"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"safeattn::{op}", "FuncTorchBatched"
+        ), f"safeattn::{op} has no vmap rule"
 
 
 def test_plain_calls_keep_the_fused_graph():
@@ -530,7 +563,9 @@ def test_attention_jvp_matches_finite_differences():
     def f(a, b, c):
         return safeattn.attention(a, b, c, **kwargs)[0]
 
-    numeric = (f(q + eps * tq, k + eps * tk, v + eps * tv) - f(q - eps * tq, k - eps * tk, v - eps * tv)) / (2 * eps)
+    numeric = (f(q + eps * tq, k + eps * tk, v + eps * tv) - f(q - eps * tq, k - eps * tk, v - eps * tv)) / (
+        2 * eps
+    )
     _, tangent = torch.func.jvp(f, (q, k, v), (tq, tk, tv))
     _assert_close(tangent, numeric, "attention jvp vs central differences", atol=1e-7, rtol=1e-6)
 
@@ -615,10 +650,15 @@ def test_attention_fully_masked_rows_are_zero_under_transforms():
 def test_attention_composite_matches_fused_in_low_precision():
     for name in ATTENTION_CASES:
         q, k, v, kwargs = _attention_case(name, dtype=torch.bfloat16)
-        kwargs = {n: (t.to(torch.float32) if n == "attn_mask" and t.is_floating_point() else t) for n, t in kwargs.items()}
+        kwargs = {
+            n: (t.to(torch.float32) if n == "attn_mask" and t.is_floating_point() else t)
+            for n, t in kwargs.items()
+        }
         out, lse = torch.ops.safeattn._attention_math(q, k, v, **kwargs)
         fused_out, fused_lse = torch.ops.safeattn.attention(q, k, v, **kwargs)
-        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, f"{name}: dtypes {out.dtype}, {lse.dtype}"
+        assert (
+            out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        ), f"{name}: dtypes {out.dtype}, {lse.dtype}"
         _assert_close(out.float(), fused_out.float(), f"{name}: bf16 out", atol=2e-2, rtol=2e-2)
         _assert_close(lse, fused_lse, f"{name}: bf16 lse", atol=1e-4, rtol=1e-4)
 

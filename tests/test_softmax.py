@@ -439,7 +439,9 @@ def test_double_backward_matches_aten():
     gs, gm = torch.autograd.grad(safeattn.masked_softmax(s, m), (s, m), upstream, create_graph=True)
     second = torch.autograd.grad((gs * v).sum() + (gm * v).sum(), (s, m))
     s2, m2 = x.clone().requires_grad_(True), m.detach().clone().requires_grad_(True)
-    gs2, gm2 = torch.autograd.grad(torch.ops.aten._safe_softmax(s2 + m2, -1), (s2, m2), upstream, create_graph=True)
+    gs2, gm2 = torch.autograd.grad(
+        torch.ops.aten._safe_softmax(s2 + m2, -1), (s2, m2), upstream, create_graph=True
+    )
     expected = torch.autograd.grad((gs2 * v).sum() + (gm2 * v).sum(), (s2, m2))
     for got, want in zip(second, expected, strict=True):
         torch.testing.assert_close(got, want, msg="masked_softmax double backward vs aten._safe_softmax")

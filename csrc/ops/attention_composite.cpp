@@ -23,9 +23,8 @@ bool has_symbolic_sizes(const at::Tensor& t) {
 std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, c10::SymInt q_offset,
-                                                  c10::SymInt kv_offset, double softcap,
-                                                  const std::optional<at::Tensor>& sinks) {
+                                                  bool enable_gqa, c10::SymInt q_offset, c10::SymInt kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks) {
   // The fused op's checks and messages. Traced with symbolic sizes (torch.compile of a
   // transformed function), the ATen ops below check the shapes instead.
   const bool symbolic = has_symbolic_sizes(query) || has_symbolic_sizes(key) || has_symbolic_sizes(value) ||

@@ -34,8 +34,7 @@ namespace safeattn {
 std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const at::Tensor& key,
                                                   const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, c10::SymInt q_offset,
-                                                  c10::SymInt kv_offset, double softcap,
-                                                  const std::optional<at::Tensor>& sinks);
+                                                  bool enable_gqa, c10::SymInt q_offset, c10::SymInt kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks);
 
 }  // namespace safeattn

@@ -2,15 +2,24 @@
 (``torch.autograd.forward_ad``, ``torch.func.jvp``) and the ``torch.func`` transforms.
 
 Each of the four softmax ops (``safe_softmax``, ``masked_softmax`` and their private backward ops)
-gets an Autograd kernel here that applies an ``autograd.Function`` with ``setup_context``,
-``backward`` and ``jvp``, and a vmap rule (``torch.library.register_vmap``). Every formula is
-written with the fused ops themselves (or a few ATen ops), so no transform decomposes the
-kernels: the softmax Jacobian ``J = diag(y) - y y^T`` is symmetric, so the tangent of
-``y = softmax(x)`` is the backward op applied to the tangent, ``J t``.
+gets an Autograd kernel here that applies a Function with ``setup_context``, ``backward`` and
+``jvp``, and a vmap rule (``torch.library.register_vmap``). Every formula is written with the
+fused ops themselves (or a few ATen ops), so no transform decomposes the kernels: the softmax
+Jacobian ``J = diag(y) - y y^T`` is symmetric, so the tangent of ``y = softmax(x)`` is the
+backward op applied to the input's tangent, ``J t``. Second derivatives go through the backward
+ops' own Functions.
 
-Why not ``torch.library.register_autograd``: the ``autograd.Function`` it generates has no
-``setup_context`` staticmethod (``torch.func`` refuses it) and no ``jvp`` (forward AD then gives a
-zero tangent without a word), and torch 2.14's custom-op API has no way to add a jvp.
+Why not ``torch.library.register_autograd``: the Function it generates has no ``setup_context``
+(``torch.func`` refuses it) and no ``jvp`` (forward AD got a zero tangent without a word), and
+torch 2.14's custom-op API has no way to add a jvp.
+
+Why ``_SingleLevelFunction`` and not ``torch.autograd.Function``: under a ``torch.func`` transform
+an ``autograd.Function.apply`` becomes torch.func's ``custom_function_call``, which must run above
+the dispatcher, not inside an op's Autograd kernel ("could not find kernel for HigherOrderOperator
+custom_function_call at dispatch key AutogradCPU"). A single-level Function records the op at the
+current transform level only, as a C++ autograd kernel does, and its forward redispatches below
+Autograd, which hands the op to the next level down. Both names are private to torch (present
+since torch 2.0); torch.func's own generated Functions are built the same way.
 
 ``attention``'s Autograd kernel is C++ (csrc/ops/attention.cpp, AttentionFunction): its twelve
 arguments made a Python kernel cost more than the op itself on small problems. Under ``torch.func``
@@ -33,17 +42,6 @@ _ops = torch.ops.safeattn
 _lib = torch.library.Library("safeattn", "IMPL")
 
 
-def _wants_function(*args) -> bool:
-    """True when a call must go through its autograd.Function: a gradient is wanted, a
-    forward-AD dual level is open, or a torch.func transform is active. Otherwise the kernel is
-    called directly: that is the inference path, which pays only these three checks."""
-    return (
-        (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
-        or _forward_ad._current_level >= 0
-        or torch._C._are_functorch_transforms_active()
-    )
-
-
 def _redispatch_below_autograd(op, keyset, *args):
     """The op's kernel, for a Function's forward: the keys after Autograd, as a C++ autograd
     kernel redispatches. Under a torch.func transform that reaches the next transform level
@@ -56,7 +54,7 @@ def _redispatch_below_autograd(op, keyset, *args):
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
 
-def _register_autograd_kernel(name: str, function: type[torch.autograd.Function]) -> None:
+def _register_autograd_kernel(name: str, function: type[_SingleLevelFunction]) -> None:
     op = getattr(_ops, name).default
     # The dispatcher drops trailing arguments equal to their defaults; the Function gets them all.
     defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
@@ -65,8 +63,12 @@ def _register_autograd_kernel(name: str, function: type[torch.autograd.Function]
         if torch._C._are_functorch_transforms_active():
             with enable_single_level_autograd_function():
                 return function.apply(keyset, *args, *defaults[len(args) :])
-        if _wants_function(*args):
+        # A gradient wanted, or a forward-AD dual level open (an input may carry a tangent).
+        if (
+            torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+        ) or _forward_ad._current_level >= 0:
             return function.apply(keyset, *args, *defaults[len(args) :])
+        # The inference path: the fused kernel, after the three checks above.
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args)
 
@@ -83,7 +85,8 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 # (an element whose output is 0, such as a masked one, neither gets nor passes a gradient:
 # a NaN upstream gradient there never leaks). With respect to g, h is J g (the op itself);
 # with respect to y, these two give the tangent and the vector-Jacobian product. The same
-# convention holds for the incoming vector: 0 where y == 0.
+# convention holds for the incoming tangent or cotangent: 0 where y == 0, so that a NaN there
+# stays out too (in a composition y == 0 only where its own tangent is 0 anyway).
 
 
 def _zero_where_out_zero(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -91,10 +94,10 @@ def _zero_where_out_zero(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_jvp_wrt_out(g, y, tangent_y, dim):
-    """d h / d y applied to tangent_y: tangent_y * (g' - sum(g' y)) - y * sum(g' tangent_y)."""
+    """d h / d y applied to tangent_y: t' * (g' - sum(g' y)) - y * sum(g' t')."""
     y_acc = _acc(y)
     g_acc = _zero_where_out_zero(_acc(g).to(y_acc.dtype), y)
-    t_acc = _acc(tangent_y).to(y_acc.dtype)
+    t_acc = _zero_where_out_zero(_acc(tangent_y).to(y_acc.dtype), y)
     s = (g_acc * y_acc).sum(dim, keepdim=True)
     return t_acc * (g_acc - s) - y_acc * (g_acc * t_acc).sum(dim, keepdim=True)
 
@@ -141,7 +144,9 @@ class _SafeSoftmaxGrad(_SingleLevelFunction):
 
     @staticmethod
     def forward(keyset, grad_out, out, dim, input_dtype):
-        return _redispatch_below_autograd(_ops._safe_softmax_backward.default, keyset, grad_out, out, dim, input_dtype)
+        return _redispatch_below_autograd(
+            _ops._safe_softmax_backward.default, keyset, grad_out, out, dim, input_dtype
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -180,7 +185,9 @@ class _SafeSoftmaxGrad(_SingleLevelFunction):
 class _MaskedSoftmax(_SingleLevelFunction):
     @staticmethod
     def forward(keyset, scores, mask, scale, dim, dtype):
-        return _redispatch_below_autograd(_ops.masked_softmax.default, keyset, scores, mask, scale, dim, dtype)
+        return _redispatch_below_autograd(
+            _ops.masked_softmax.default, keyset, scores, mask, scale, dim, dtype
+        )
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -231,7 +238,15 @@ class _MaskedSoftmaxGrad(_SingleLevelFunction):
     @staticmethod
     def forward(keyset, grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad):
         return _redispatch_below_autograd(
-            _ops._masked_softmax_backward.default, keyset, grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad
+            _ops._masked_softmax_backward.default,
+            keyset,
+            grad_out,
+            out,
+            mask,
+            scale,
+            dim,
+            input_dtype,
+            mask_requires_grad,
         )
 
     @staticmethod
@@ -294,7 +309,9 @@ def _wrap_dim(op: str, dim: int, rank: int) -> int:
     n = max(rank, 1)
     if not -n <= dim < n:
         # The op's own message (csrc/ops/softmax.cpp), with the rank the caller sees.
-        raise RuntimeError(f"{op}: dim {dim} is out of range for a {rank}-D tensor (expected in [{-n}, {n - 1}])")
+        raise RuntimeError(
+            f"{op}: dim {dim} is out of range for a {rank}-D tensor (expected in [{-n}, {n - 1}])"
+        )
     return dim % n
 
 
@@ -352,7 +369,9 @@ def _masked_softmax_vmap(info, in_dims, scores, mask=None, scale=1.0, dim=-1, dt
 
 
 @torch.library.register_vmap("safeattn::_masked_softmax_backward", lib=_lib)
-def _masked_softmax_backward_vmap(info, in_dims, grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad):
+def _masked_softmax_backward_vmap(
+    info, in_dims, grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad
+):
     n = info.batch_size
     g_dim, y_dim, m_dim = _in_dims(in_dims, 3)[:3]
     g, y = _front(grad_out, g_dim, n), _front(out, y_dim, n)
