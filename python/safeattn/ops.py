@@ -180,10 +180,13 @@ def masked_softmax(
 __all__ += ["attention"]
 
 
+_transforms_active = torch._C._are_functorch_transforms_active  # bound once: checked on every call
+
+
 def _needs_decomposition(*tensors: torch.Tensor | None) -> bool:
     """True under a torch.func transform, or when an input carries a forward-AD tangent: what
     the fused kernels' C++ autograd cannot serve. Two cheap checks on every other call."""
-    if torch._C._are_functorch_transforms_active():
+    if _transforms_active():
         return True
     if _forward_ad._current_level < 0:  # no dual level open: no input can be dual
         return False
