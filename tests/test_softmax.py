@@ -420,17 +420,31 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda x: safeattn.masked_softmax(x, b, 0.7), (s,))
 
 
-def test_double_backward_raises():
-    s = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    out = safeattn.safe_softmax(s, -1)
-    (g,) = torch.autograd.grad(out, s, torch.randn_like(out), create_graph=True)
-    with pytest.raises(RuntimeError, match="_safe_softmax_backward is not implemented"):
-        g.sum().backward()
+def test_double_backward_matches_aten():
+    # Second derivatives go through the backward ops' own autograd (tests/test_autograd_transforms.py
+    # covers forward AD, torch.func and gradgradcheck); here one value check against PyTorch.
+    x = torch.randn(3, 5, dtype=torch.float64)
+    x[1] = NEG_INF
+    v = torch.randn(3, 5, dtype=torch.float64)
+    upstream = torch.randn(3, 5, dtype=torch.float64)
+    results = []
+    for fn in (lambda t: safeattn.safe_softmax(t, -1), lambda t: torch.ops.aten._safe_softmax(t, -1)):
+        s = x.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(fn(s), s, upstream, create_graph=True)
+        results.append(torch.autograd.grad((g * v).sum(), s)[0])
+    torch.testing.assert_close(results[0], results[1], msg="double backward vs aten._safe_softmax")
+    assert (results[0][1] == 0).all(), "a fully masked row has second derivative 0"
     m = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    out = safeattn.masked_softmax(s, m)
-    gs, _ = torch.autograd.grad(out, (s, m), torch.randn_like(out), create_graph=True)
-    with pytest.raises(RuntimeError, match="_masked_softmax_backward is not implemented"):
-        gs.sum().backward()
+    s = x.clone().requires_grad_(True)
+    gs, gm = torch.autograd.grad(safeattn.masked_softmax(s, m), (s, m), upstream, create_graph=True)
+    second = torch.autograd.grad((gs * v).sum() + (gm * v).sum(), (s, m))
+    s2, m2 = x.clone().requires_grad_(True), m.detach().clone().requires_grad_(True)
+    gs2, gm2 = torch.autograd.grad(
+        torch.ops.aten._safe_softmax(s2 + m2, -1), (s2, m2), upstream, create_graph=True
+    )
+    expected = torch.autograd.grad((gs2 * v).sum() + (gm2 * v).sum(), (s2, m2))
+    for got, want in zip(second, expected, strict=True):
+        torch.testing.assert_close(got, want, msg="masked_softmax double backward vs aten._safe_softmax")
 
 
 # ---- PyTorch's fully masked row cases, for our ops ----------------------------------------

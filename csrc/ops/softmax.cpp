@@ -9,7 +9,6 @@
 #include <ATen/ExpandUtils.h>
 #include <ATen/WrapDimUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "common/checks.h"
@@ -312,12 +311,7 @@ TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("_masked_softmax_backward", &masked_softmax_backward_cpu);
 }
 
-// The forward ops get their autograd formula in Python (_autograd.py). The backward ops have
-// none: double backward raises "derivative for safeattn::_..._backward is not implemented"
-// instead of silently returning a gradient without history.
-TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
-  m.impl("_safe_softmax_backward", torch::autograd::autogradNotImplementedFallback());
-  m.impl("_masked_softmax_backward", torch::autograd::autogradNotImplementedFallback());
-}
+// All four ops (the backward ops too: double backward, forward AD, torch.func) get their
+// Autograd kernels and vmap rules in Python (python/safeattn/_autograd.py).
 
 }  // namespace safeattn

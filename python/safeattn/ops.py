@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = ["masked_softmax", "safe_softmax", "sdpa_mask"]
 
@@ -113,8 +114,11 @@ def safe_softmax(input: torch.Tensor, dim: int, dtype: torch.dtype | None = None
              [-inf, -inf]]                          [0.0, 0.0]]   # torch.softmax: NaN
 
     Gradient: ``out * (grad - sum(grad * out))``, exactly 0 on every element whose output is 0
-    (so 0 on fully masked slices, never NaN). Double backward is not supported: it raises
-    "derivative for safeattn::_safe_softmax_backward is not implemented".
+    (so 0 on fully masked slices, never NaN). As ``aten._safe_softmax``, it also supports forward
+    AD (``torch.autograd.forward_ad``, ``torch.func.jvp``: the tangent is the same formula applied
+    to the input tangent, 0 on fully masked slices), double backward, and the ``torch.func``
+    transforms (``grad``, ``vmap``, ``jacrev``, ``jacfwd``, ``hessian``), all through the fused
+    kernels.
 
     Args:
         input: floating tensor (float32, float64, float16, bfloat16), any shape.
@@ -152,8 +156,9 @@ def masked_softmax(
         mask  ■ ■ ⬚ ⬚    ->  softmax over the first two keys, 0 on the others
         mask  ⬚ ⬚ ⬚ ⬚    ->  0 0 0 0 (torch.softmax with -inf: NaN)
 
-    Double backward is not supported (raises "derivative for
-    safeattn::_masked_softmax_backward is not implemented").
+    Forward AD, double backward and the ``torch.func`` transforms are supported as for
+    ``safe_softmax`` (the bias gets its tangent and second derivatives too); an element whose
+    output is 0 (masked) neither gets nor passes a gradient or tangent, even a NaN one.
 
     Args:
         scores: floating tensor ``[..., dim, ...]`` (float32, float64, float16, bfloat16).
@@ -173,6 +178,19 @@ def masked_softmax(
 # attention
 
 __all__ += ["attention"]
+
+
+_transforms_active = torch._C._are_functorch_transforms_active  # bound once: checked on every call
+
+
+def _needs_decomposition(*tensors: torch.Tensor | None) -> bool:
+    """True under a torch.func transform, or when an input carries a forward-AD tangent: what
+    the fused kernels' C++ autograd cannot serve. Two cheap checks on every other call."""
+    if _transforms_active():
+        return True
+    if _forward_ad._current_level < 0:  # no dual level open: no input can be dual
+        return False
+    return any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def attention(
@@ -224,6 +242,16 @@ def attention(
     ``out`` 0, ``lse`` -inf and 0 gradients; with ``sinks`` such a row gives ``out`` 0 and
     ``lse = sinks[h]``. A NaN in a row's inputs gives NaN (it is never hidden).
 
+    Autograd: first-order gradients run the fused backward kernel. Under a ``torch.func``
+    transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ``jacfwd``, ``hessian``) or with a
+    forward-AD dual input, this function computes the same thing with an ATen composite
+    (``torch.ops.safeattn._attention_math``: dense ``[B, H, Q, KV]`` scores, so O(Q * KV) memory)
+    that every transform and any order of derivative goes through; every other call keeps the
+    fused kernels. Calling ``torch.ops.safeattn.attention`` itself under those transforms raises.
+    Double backward outside ``torch.func`` (``create_graph=True`` through the fused op) raises
+    "derivative for safeattn::_attention_backward is not implemented": use ``torch.func``
+    (e.g. ``torch.func.hessian``) for second derivatives.
+
     Args:
         query: ``[B, Hq, Q, D]`` float32, float16, bfloat16 (or float64). Any strides: a
             transposed view such as Transformers' ``[B, S, H, D].transpose(1, 2)`` is read in place.
@@ -247,6 +275,21 @@ def attention(
         (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
         float32 (float64 for float64 inputs). Both are differentiable.
     """
+    if _needs_decomposition(query, key, value, attn_mask, sinks):
+        return torch.ops.safeattn._attention_math(
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return torch.ops.safeattn.attention(
         query,
         key,
