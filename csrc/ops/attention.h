@@ -41,6 +41,7 @@ struct AttentionFwdArgs {
   at::Tensor sinks;  // undefined, or [Hq] acc dtype contiguous
   at::Tensor out;    // [B, Hq, Q, Dv], input dtype, strided view (written)
   at::Tensor lse;    // [B, Hq, Q], acc dtype, contiguous (written)
+  at::Tensor lse_lo;  // undefined, or [B, Hq, Q] acc dtype contiguous (written): lse's rounding error
   double scale = 1.0;
   double softcap = 0.0;  // 0: none
   bool is_causal = false;
