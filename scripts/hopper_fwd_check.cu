@@ -5,7 +5,8 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        scripts/hopper_fwd_check.cu -o hopper_fwd_check
 //
-// Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the grid comparison)]. For each kernel variant: fresh random inputs
+// Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
+// [--profile (two causal launches of each default, nothing else: for ncu)]. For each kernel variant: fresh random inputs
 // (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd
 // shapes (Q/KV in 1, 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row;
 // GQA 4:1; transposed-view and padded strides) comparing out, lse, lse + lse_lo, and fully
@@ -127,6 +128,12 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   p.max_ctas = sms;
+  int* counter = nullptr;
+  if (cs.causal || cs.q_len == 1025) {  // the dynamic schedule (and once without causality)
+    CHECK_CUDA(cudaMalloc(&counter, sizeof(int)));
+    CHECK_CUDA(cudaMemset(counter, 0, sizeof(int)));
+    p.tile_counter = counter;
+  }
   CHECK_CUDA((safeattn::cuda::hopper::launch_fwd_config<T, Config>(p, 0)));
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<T> hout(on);
@@ -134,7 +141,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemcpy(hout.data(), dout, on * sizeof(T), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hlse.data(), dlse, rows * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hlo.data(), dlo, rows * sizeof(float), cudaMemcpyDeviceToHost));
-  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dout), cudaFree(dlse), cudaFree(dlo);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dout), cudaFree(dlse), cudaFree(dlo), cudaFree(counter);
 
   Errors e;
   double err2 = 0, ref2 = 0;
@@ -224,16 +231,20 @@ __global__ void fill_uniform(T* p, size_t n, uint64_t seed) {
   }
 }
 
+static int g_only = -1, g_variant = 0;  // --only N: run variant N alone (a hang stays in its process)
+static bool g_profile = false;          // --profile: two launches of each default, causal, for ncu
+
 struct Timing {
   std::string name;
   bool causal;
   int ctas;
+  bool dynamic;
   double ms, tflops;
 };
 static std::vector<Timing> g_timings;
 
 template <typename T, class Config>
-static void time_variant(const char* name, bool causal, bool persistent) {
+static void time_variant(const char* name, bool causal, bool persistent, bool dynamic, int KV = 4096) {
   constexpr int D = Config::kHeadDim;
   const int B = 4, H = 16, S = 4096;
   const size_t n = size_t(B) * H * S * D;
@@ -254,6 +265,8 @@ static void time_variant(const char* name, bool causal, bool persistent) {
   CHECK_CUDA(cudaMalloc(&lo, size_t(B) * H * S * sizeof(float)));
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  int* counter;
+  CHECK_CUDA(cudaMalloc(&counter, sizeof(int)));
   auto params = [&](int s) {
     FwdParams p;
     p.q = buf[s][0], p.k = buf[s][1], p.v = buf[s][2], p.out = out, p.lse = lse, p.lse_lo = lo;
@@ -261,21 +274,30 @@ static void time_variant(const char* name, bool causal, bool persistent) {
     p.q_sb = p.k_sb = p.v_sb = p.o_sb = int64_t{S} * H * D;
     p.q_sh = p.k_sh = p.v_sh = p.o_sh = D;
     p.q_si = p.k_si = p.v_si = p.o_si = int64_t{H} * D;
-    p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = S, p.kv_len = S;
+    p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = S, p.kv_len = KV;
+    p.causal_shift = KV - S;  // bottom-right aligned when KV < S (rows before S - KV see no key)
     p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
     p.causal = causal;
     p.max_ctas = persistent ? sms : 0;
+    p.tile_counter = dynamic ? counter : nullptr;
     return p;
+  };
+  // One call as the op makes it: the counter's memset (dynamic schedule), then the kernel.
+  auto launch = [&](const FwdParams& p) {
+    if (p.tile_counter != nullptr) {
+      CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), 0));
+    }
+    CHECK_CUDA((safeattn::cuda::hopper::launch_fwd_config<T, Config>(p, 0)));
   };
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA((safeattn::cuda::hopper::launch_fwd_config<T, Config>(params(i % kSets), 0)));
+  for (int i = 0; i < (g_profile ? 1 : 3); ++i) launch(params(i % kSets));
   std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
+  for (int i = 0; i < (g_profile ? 1 : 20); ++i) {
     const FwdParams p = params(i % kSets);
     CHECK_CUDA(cudaEventRecord(start));
-    CHECK_CUDA((safeattn::cuda::hopper::launch_fwd_config<T, Config>(p, 0)));
+    launch(p);
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float t = 0;
@@ -284,17 +306,17 @@ static void time_variant(const char* name, bool causal, bool persistent) {
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
-  const double flops = 4.0 * B * H * double(S) * S * D * (causal ? 0.5 : 1.0);
-  g_timings.push_back({name, causal, persistent ? sms : 0, med, flops / (med * 1e-3) / 1e12});
-  printf("time %-28s %s %s: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ",
-         persistent ? "persistent" : "grid=tiles", med, ms.front(), ms.back(), g_timings.back().tflops);
+  const double flops = 4.0 * B * H * double(S) * KV * D * (causal ? 0.5 : 1.0);
+  g_timings.push_back({name, causal, persistent ? sms : 0, dynamic, med, flops / (med * 1e-3) / 1e12});
+  printf("time %-28s %s %s %s KV %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ",
+         persistent ? "persistent" : "grid=tiles", dynamic ? "dynamic" : "static", KV, med, ms.front(), ms.back(),
+         g_timings.back().tflops);
   for (int s = 0; s < kSets; ++s)
     for (int t = 0; t < 3; ++t) cudaFree(buf[s][t]);
-  cudaFree(out), cudaFree(lse), cudaFree(lo);
+  cudaFree(out), cudaFree(lse), cudaFree(lo), cudaFree(counter);
   cudaEventDestroy(start), cudaEventDestroy(stop);
 }
 
-static int g_only = -1, g_variant = 0;  // --only N: run variant N alone (a hang stays in its process)
 
 template <typename T, class Config>
 static int check_variant(const char* name, bool quick, bool timing) {
@@ -325,8 +347,8 @@ static int check_variant(const char* name, bool quick, bool timing) {
     failed += !run_case<T, Config>(cs, rng, scale, name);
   }
   if (timing) {
-    time_variant<T, Config>(name, false, true);
-    time_variant<T, Config>(name, true, true);
+    time_variant<T, Config>(name, false, true, false);
+    time_variant<T, Config>(name, true, true, true);  // causal: the dynamic schedule, as the op runs it
   }
   return failed;
 }
@@ -337,6 +359,21 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--quick")) quick = true;
     if (!strcmp(argv[i], "--no-timing")) timing = false;
     if (!strcmp(argv[i], "--only") && i + 1 < argc) g_only = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--profile")) g_profile = true;
+  }
+  if (argc > 1 && !strcmp(argv[1], "--sweep")) {  // per-tile overhead: full tiles of 4 .. 32 key blocks
+    for (int kv : {512, 1024, 2048, 4096}) {
+      time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, true, false, kv);
+    }
+    for (int kv : {512, 1024, 2048, 4096}) {
+      time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
+    }
+    return 0;
+  }
+  if (g_profile) {
+    time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
+    time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
+    return 0;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -348,22 +385,23 @@ int main(int argc, char** argv) {
   failed += check_variant<T, FwdConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
   VARIANT(bf16, 128, 128, 2, 2, true);
   VARIANT(__half, 128, 128, 2, 2, true);
-  VARIANT(bf16, 64, 128, 4, 2, true);
-  VARIANT(__half, 64, 128, 4, 2, true);
-#ifndef HOPPER_CHECK_DEFAULTS_ONLY
-  VARIANT(bf16, 128, 128, 2, 2, false);
-  VARIANT(bf16, 128, 176, 2, 2, true);
   VARIANT(bf16, 64, 128, 4, 3, true);
-  VARIANT(bf16, 64, 192, 3, 3, true);
+  VARIANT(__half, 64, 128, 4, 3, true);
+#ifndef HOPPER_CHECK_DEFAULTS_ONLY
+  failed += check_variant<bf16, FwdConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
+  failed += check_variant<__half, FwdConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
+  VARIANT(bf16, 64, 128, 5, 3, true);
+  VARIANT(bf16, 64, 192, 3, 2, true);
 #endif
 #undef VARIANT
-  if (timing && (g_only < 0 || g_only == 99)) {  // one CTA per tile instead of a persistent grid
-    time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, false);
-    time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, false);
+  if (timing && (g_only < 0 || g_only == 99)) {  // the static schedule under causality
+    time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
+    time_variant<bf16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);
   }
-  printf("\n%-30s %-7s %-5s %9s %9s\n", "variant", "mask", "ctas", "ms", "TFLOP/s");
+  printf("\n%-30s %-7s %-5s %-8s %9s %9s\n", "variant", "mask", "ctas", "schedule", "ms", "TFLOP/s");
   for (const Timing& t : g_timings) {
-    printf("%-30s %-7s %-5d %9.3f %9.1f\n", t.name.c_str(), t.causal ? "causal" : "full", t.ctas, t.ms, t.tflops);
+    printf("%-30s %-7s %-5d %-8s %9.3f %9.1f\n", t.name.c_str(), t.causal ? "causal" : "full", t.ctas,
+           t.dynamic ? "dynamic" : "static", t.ms, t.tflops);
   }
   printf("%s: %d failed checks\n", failed ? "FAIL" : "PASS", failed);
   return failed ? 1 : 0;

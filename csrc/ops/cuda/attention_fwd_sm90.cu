@@ -11,6 +11,7 @@
 #include <limits>
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -121,6 +122,13 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   }
   p.causal_shift = std::clamp<int64_t>(shift, -int64_t{p.q_len} - 1, p.kv_len);
   p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
+  // Causal tiles differ in length: the CTAs take them from a counter (zeroed on the stream, kept
+  // alive until the launch is queued; the caching allocator orders its reuse after the kernel).
+  at::Tensor tile_counter;
+  if (a.is_causal) {
+    tile_counter = at::zeros({1}, query.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16
                               ? launch_for_head_dim<__nv_bfloat16>(query.size(3), p, stream)

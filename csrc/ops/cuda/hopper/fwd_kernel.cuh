@@ -50,7 +50,7 @@ namespace safeattn::cuda::hopper {
 
 // Tile shape and schedule of one kernel variant. Shared memory: Q kBlockM x D, K and V kStages x
 // kBlockN x D each (16-bit); registers per consumer thread: S kBlockN / 2, O D / 2, P kBlockN / 4.
-template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMmaWGs = kMmaWGs_;
@@ -58,6 +58,8 @@ struct FwdConfig {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kPingPong = kPingPong_;
+  // Q buffers: with 2 the next tile's Q loads while the current one is still in use.
+  static constexpr int kQStages = kQStages_;
 };
 
 // The variant each head dim runs (measured on an H100, benchmarks/notes_attention_cuda.md).
@@ -65,7 +67,7 @@ template <int kHeadDim>
 struct DefaultFwdConfig;
 template <>
 struct DefaultFwdConfig<64> {
-  using type = FwdConfig<64, 128, 4, 2, true>;
+  using type = FwdConfig<64, 128, 4, 3, true>;  // 192-row tiles: 3 consumer warpgroups
 };
 template <>
 struct DefaultFwdConfig<128> {
@@ -131,13 +133,19 @@ struct Fwd {
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;
+  static constexpr int kQStages = Config::kQStages;
   static constexpr int kMmaWGs = Config::kMmaWGs;
   static constexpr bool kPingPong = Config::kPingPong && kMmaWGs > 1;
   static constexpr int kMmaThreads = 128 * kMmaWGs;
   static constexpr int kThreads = kMmaThreads + 128;
-  // Registers per thread after setmaxnreg (multiples of 8; 64K registers per SM in all).
-  static constexpr int kProducerRegs = kMmaWGs == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kMmaWGs == 2 ? 240 : 160;
+  // Registers per thread after setmaxnreg (multiples of 8). The CTA starts with the launch bound's
+  // share (65536 / threads, rounded down to 8: 168 for 384 threads) and setmaxnreg.inc waits until
+  // the pool has the registers, so the new split must fit in what the launch gave (24 / 240 does
+  // for 2 consumer warpgroups but spills the producer's schedule arithmetic; 32 / 240 hangs).
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = kMmaWGs == 2 ? 232 : 160;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= kLaunchRegs * kThreads);
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
 
   // wgmma: each consumer warpgroup computes 64 rows. S = Q K^T: both operands K-major in shared
@@ -180,15 +188,19 @@ struct Fwd {
   using PipelineState = typename Pipeline::PipelineState;
 
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, kQStages * cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
-    cutlass::arch::ClusterTransactionBarrier q_full;  // Q landed (TMA transaction count)
-    cutlass::arch::ClusterBarrier q_empty;            // every consumer thread is done reading Q
+    // Per Q buffer: Q landed (TMA transaction count); every consumer thread is done reading it;
+    // the tile it belongs to (-1: no more tiles), published by q_full.
+    cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
+    cutlass::arch::ClusterBarrier q_empty[kQStages];
+    int tile_index[kQStages];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
 
   struct Params {
     TmaQ tma_q;
@@ -200,6 +212,7 @@ struct Fwd {
     float* lse;
     float* lse_lo;
     int heads, group, q_len, kv_len, m_blocks, tiles;
+    int* tile_counter;  // zeroed before the launch: dynamic schedule; null: static
     float scale_log2;
     bool causal;
     int64_t causal_shift;
@@ -232,24 +245,37 @@ struct Fwd {
   // ---- producer ------------------------------------------------------------------------------
 
   static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutVt{});
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    auto& q_full = smem.q_full;
-    auto& q_empty = smem.q_empty;
     int q_loads = 0;
-    for (int index = blockIdx.x; index < p.tiles; index += gridDim.x) {
+    for (int index = blockIdx.x;;) {
+      // Every tile, and the end, passes through a Q buffer's q_full with its index: the consumers
+      // learn what to compute from the producer (the schedule may be dynamic).
+      const int slot = q_loads % kQStages;
+      auto& q_full = smem.q_full[slot];
+      if (q_loads >= kQStages) {
+        smem.q_empty[slot].wait((q_loads / kQStages - 1) & 1);  // that tile's last QK is done
+      }
+      ++q_loads;
+      publish_tile(smem, slot, index < p.tiles ? index : -1);
+      if (index >= p.tiles) {
+        q_full.arrive();
+        break;
+      }
       const Tile t = tile_at(p, index);
-      if (t.n_blocks == 0) {
-        continue;  // no key visible to any row: the consumers write the empty rows alone
+      if (t.n_blocks == 0) {  // no key visible to any row: the consumers write the empty rows alone
+        q_full.arrive();
+        index = next_tile(p, index);
+        continue;
       }
       const int kv_head = t.head / p.group;
       Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch);
       Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, t.batch);
       Tensor mVt = p.tma_v.get_tma_tensor(p.shape_vt)(_, _, kv_head, t.batch);
       Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+      Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{});
       Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
       Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
       auto cta_q = p.tma_q.get_slice(_0{});
@@ -275,12 +301,9 @@ struct Fwd {
         ++write_v;
       };
 
-      if (q_loads > 0) {
-        q_empty.wait((q_loads - 1) & 1);  // the previous tile's last QK product is done
-      }
       q_full.arrive_and_expect_tx(kBytesQ);
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
-      ++q_loads;
+      const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order: K(n-1), V(n-1); then K(n-2), V(n-1); ...; V(0).
       load_k(t.n_blocks - 1);
       for (int n = t.n_blocks - 1; n > 0; --n) {
@@ -288,26 +311,43 @@ struct Fwd {
         load_v(n);
       }
       load_v(0);
+      index = next;
     }
+  }
+
+  // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
+  // barrier asm has no memory clobber, so the compiler is told here.
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index) {
+    *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
+    asm volatile("" ::: "memory");
+  }
+
+  // Dynamic: tiles in order (head-major, longest rows first under causal), each taken by the
+  // first CTA free, so the CTAs finish together and the running tiles share a few heads' K/V.
+  static __device__ __forceinline__ int next_tile(const Params& p, int index) {
+    return p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
+                                     : index + static_cast<int>(gridDim.x);
   }
 
   // ---- consumers -----------------------------------------------------------------------------
 
   // One consumer thread's rows: r = 0, 1 -> row 16 * warp + lane / 4 + 8 r of its warpgroup's 64.
   // Accumulator element e + 2 r + 4 c (c < N / 8) is column 8 c + 2 (lane % 4) + e.
+  // last_key[r]: the last key row r sees (causality and kv_len folded in, clamped to int range).
+  // One compare with a constant and one select per element: the diagonal tiles cost little more
+  // than the others.
   template <class FragS>
-  static __device__ __forceinline__ void mask_tile(FragS& s, int n_block, const int64_t (&row_limit)[2], int kv_len,
-                                                   int lane) {
+  static __device__ __forceinline__ void mask_tile(FragS& s, int n_block, const int (&last_key)[2], int lane) {
     constexpr int kCols = kBlockN / 8;
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
+    for (int r = 0; r < 2; ++r) {
+      const int limit = last_key[r] - col0;  // element (c, e) is visible iff 8 c + e <= limit
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = col0 + 8 * c + e;
+      for (int c = 0; c < kCols; ++c) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (j >= kv_len || j > row_limit[r]) {
+        for (int e = 0; e < 2; ++e) {
+          if (8 * c + e > limit) {
             s(e + 2 * r + 4 * c) = -INFINITY;
           }
         }
@@ -401,14 +441,12 @@ struct Fwd {
     const int wg = mma_thread / 128;
     const int lane = threadIdx.x % 32;
     const int warp_in_wg = (mma_thread % 128) / 32;
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutVt{});
     TiledMmaQK mma_qk;
     TiledMmaPV mma_pv;
     auto wg_qk = mma_qk.get_slice(wg * 128);
     auto wg_pv = mma_pv.get_slice(wg * 128);
-    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // (MMA, 1, D / 16) descriptors
     Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, 1, D / 16, stage)
     Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, 1, N / 16, stage)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2, 2, N / 8), 1, 1)
@@ -419,8 +457,6 @@ struct Fwd {
     static_assert(decltype(size(tSrS))::value == kBlockN / 2 && decltype(size(tOrP))::value == kBlockN / 2);
     static_assert(decltype(size(tOrO))::value == kHeadDim / 2);
 
-    auto& q_full = smem.q_full;
-    auto& q_empty = smem.q_empty;
     PipelineState read_k, read_v;
     int q_loads = 0;
     const int turn_barrier = 1 + wg;
@@ -441,14 +477,26 @@ struct Fwd {
       }
     }
 
-    for (int index = blockIdx.x; index < p.tiles; index += gridDim.x) {
+    for (;;) {
+      const int slot = q_loads % kQStages;
+      smem.q_full[slot].wait((q_loads / kQStages) & 1);
+      ++q_loads;
+      asm volatile("" ::: "memory");
+      const int index = *reinterpret_cast<volatile int*>(&smem.tile_index[slot]);
+      if (index < 0) {
+        break;
+      }
+      auto& q_empty = smem.q_empty[slot];
+      Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
+          make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{}));
       const Tile t = tile_at(p, index);
       const int row_in_tile = 64 * wg + 16 * warp_in_wg + lane / 4;
       const int64_t row0 = int64_t{t.m_block} * kBlockM + row_in_tile;
-      int64_t row_limit[2];  // the last visible key of each row (int64: no overflow)
+      int last_key[2];  // the last key each row sees, in [-1, kv_len - 1]
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        row_limit[r] = p.causal ? row0 + 8 * r + p.causal_shift : int64_t{p.kv_len};
+        const int64_t causal_last = p.causal ? row0 + 8 * r + p.causal_shift : int64_t{p.kv_len};
+        last_key[r] = static_cast<int>(std::max<int64_t>(std::min<int64_t>(causal_last, p.kv_len - 1), -1));
       }
       float row_max[2] = {-INFINITY, -INFINITY};
       float row_sum[2] = {0.0f, 0.0f};
@@ -457,13 +505,13 @@ struct Fwd {
       const int64_t tile_row0 = int64_t{t.m_block} * kBlockM;
       // Key tile n tests elements when it reaches past kv_len or past the first row's limit.
       auto needs_mask = [&](int n) {
-        const int64_t last_key = int64_t{n + 1} * kBlockN - 1;
-        return last_key >= p.kv_len || (p.causal && last_key > tile_row0 + p.causal_shift);
+        const int64_t tile_last_key = int64_t{n + 1} * kBlockN - 1;
+        return tile_last_key >= p.kv_len || (p.causal && tile_last_key > tile_row0 + p.causal_shift);
       };
 
-      if (t.n_blocks > 0) {
-        q_full.wait(q_loads & 1);
-        ++q_loads;
+      if (t.n_blocks == 0) {
+        q_empty.arrive();
+      } else {
         // The last key tile: S, mask, softmax.
         int n = t.n_blocks - 1;
         take_turn();
@@ -477,7 +525,7 @@ struct Fwd {
           q_empty.arrive();
         }
         if (needs_mask(n)) {
-          mask_tile(tSrS, n, row_limit, p.kv_len, lane);
+          mask_tile(tSrS, n, last_key, lane);
         }
         softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
         convert_p(tSrS, tOrP);
@@ -496,7 +544,7 @@ struct Fwd {
             q_empty.arrive();  // the tile's last read of Q
           }
           if (needs_mask(n - 1)) {
-            mask_tile(tSrS, n - 1, row_limit, p.kv_len, lane);
+            mask_tile(tSrS, n - 1, last_key, lane);
           }
           softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
           warpgroup_wait<0>();
@@ -576,8 +624,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    smem.q_full.init(1);
-    smem.q_empty.init(Kernel::kMmaThreads);
+    for (int s = 0; s < Kernel::kQStages; ++s) {
+      smem.q_full[s].init(1);
+      smem.q_empty[s].init(Kernel::kMmaThreads);
+    }
   }
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Kernel::kBytesKV;
@@ -653,6 +703,7 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   p.scale_log2 = a.scale_log2;
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
+  p.tile_counter = a.tile_counter;
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);

@@ -31,6 +31,9 @@ struct FwdParams {
   int64_t causal_shift = 0;
   // Persistent grid: at most this many CTAs (the multiprocessor count); 0: one CTA per tile.
   int max_ctas = 0;
+  // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
+  // CTAs take tiles dynamically, which keeps unequal (causal) tiles balanced.
+  int* tile_counter = nullptr;
 };
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
