@@ -5,11 +5,17 @@
 //
 // One CTA = 1 producer warpgroup + kMmaWGs consumer warpgroups, persistent over the output tiles
 // (kBlockM query rows of one (batch, head); consumer warpgroup w owns rows [64w, 64w + 64)).
-//   producer  one thread issues TMA loads: Q once per tile (q_full / q_empty mbarriers), then
-//             K and V tiles of kBlockN keys into two kStages-deep mbarrier pipelines, from the
-//             last key tile down to the first, so the causal and end-of-keys tiles (the only
-//             ones that test elements) come first. Keys past kv_len are zero-filled by TMA and
-//             masked to -inf; query rows past q_len are zero-filled and never written.
+//   schedule  tiles in (batch, head)-major order, longest causal rows first within a head; CTA c
+//             starts with tile c, then takes the next from an atomic counter (causal: unequal
+//             tiles stay balanced, and the running tiles share a few heads' K/V in L2) or, with
+//             no counter, tile + grid. The producer publishes each tile index (-1: done) with Q's
+//             mbarrier, so the consumers follow it.
+//   producer  one thread issues TMA loads: Q once per tile into one of kQStages buffers (q_full /
+//             q_empty mbarriers; the next tile's Q loads under the current one), then K and V
+//             tiles of kBlockN keys into two kStages-deep mbarrier pipelines, from the last key
+//             tile down to the first, so the causal and end-of-keys tiles (the only ones that
+//             test elements) come first. Keys past kv_len are zero-filled by TMA and masked to
+//             -inf; query rows past q_len are zero-filled and never written.
 //   consumers S = Q K^T (wgmma, both operands in shared memory, fp32 accumulators), online
 //             softmax in registers (log2 domain), O += P V (wgmma, P from registers). The QK
 //             product of key tile n-1 is issued before the PV product of tile n, so the tensor
@@ -104,7 +110,8 @@ __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf
   return y;
 }
 
-// The 16-bit K-major / MN-major shared-memory atom whose swizzle fits a row of `bytes`.
+// The 16-bit K-major / MN-major shared-memory atom with the widest swizzle that divides the
+// contiguous extent (128-byte swizzle for head dims that are multiples of 64).
 template <typename Element, int kRowElements>
 auto k_major_atom() {
   if constexpr (kRowElements % 64 == 0) {
