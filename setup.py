@@ -14,9 +14,14 @@ Environment switches:
                                 (files attention_{fwd,bwd}_d<D>_<dtype>.cu; "all" for every file);
                                 the others take the generic path. Default: 64,128, the dims whose
                                 tensor-core kernels have been tested on a GPU
+  SAFEATTN_CUTLASS_INCLUDE=dir  the CUTLASS / CuTe headers (default: the nvidia-cutlass package's
+                                cutlass_library/source/include); with them and sm_90 among the
+                                archs, the Hopper kernels (csrc/ops/cuda/hopper/*.cu) are built for
+                                sm_90a and SAFEATTN_WITH_SM90 is defined
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
 """
 
+import importlib.util
 import os
 import platform
 import re
@@ -75,6 +80,18 @@ def cuda_archs():
     return archs
 
 
+def cutlass_include():
+    """The CUTLASS / CuTe include dir, or None: SAFEATTN_CUTLASS_INCLUDE, else the installed
+    nvidia-cutlass package's (found without importing it)."""
+    path = os.environ.get("SAFEATTN_CUTLASS_INCLUDE")
+    if not path:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        path = Path(spec.submodule_search_locations[0]) / "source" / "include"
+    return str(path) if (Path(path) / "cute" / "tensor.hpp").exists() else None
+
+
 def op_filter(paths):
     ops = [o for o in re.split(r"[;, ]+", os.environ.get("SAFEATTN_OPS", "")) if o]
     if not ops:
@@ -93,10 +110,10 @@ def head_dim_filter(paths):
     dims; returns the kept paths and, per direction, the dims kept, which the dispatch code sees
     as SAFEATTN_ATTN_FWD_D<D> / SAFEATTN_ATTN_BWD_D<D> macros and build_info() as lists (a dim
     without its files takes the generic path)."""
-    pattern = re.compile(r"attention_(fwd|bwd)_d(\d+)_\w+\.cu")
+    pattern = re.compile(r"attention_(fwd|bwd|fwd_sm90)_d(\d+)_\w+\.cu")
     setting = os.environ.get("SAFEATTN_ATTN_HEAD_DIMS", DEFAULT_ATTN_HEAD_DIMS)
     wanted = [] if setting == "all" else [d for d in re.split(r"[;, ]+", setting) if d]
-    kept, dims = [], {"fwd": set(), "bwd": set()}
+    kept, dims = [], {"fwd": set(), "bwd": set(), "fwd_sm90": set()}
     for p in paths:
         m = pattern.fullmatch(Path(p).name)
         if m and wanted and m.group(2) not in wanted:
@@ -138,9 +155,15 @@ ARCHS = cuda_archs() if WITH_CUDA else []
 
 common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
 isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
+# The Hopper kernels (wgmma, setmaxnreg) need the sm_90a target and CUTLASS; they are compiled
+# on their own (Build below) so that every other .cu file keeps the plain sm_90 target.
+CUTLASS_INCLUDE = cutlass_include() if WITH_CUDA and any(a.startswith("90") for a in ARCHS) else None
+hopper_sources = op_filter(rel((ROOT / "csrc/ops/cuda/hopper").glob("*.cu"))) if CUTLASS_INCLUDE else []
 cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
-    rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+    rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu"))) + hopper_sources
 )
+hopper_sources = [p for p in cuda_sources if p in hopper_sources]
+cuda_sources = [p for p in cuda_sources if p not in hopper_sources]
 
 defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',
@@ -166,6 +189,7 @@ nvcc_flags = [
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__",
     *head_dim_macros(ATTN_HEAD_DIMS),
+    *(["-DSAFEATTN_WITH_SM90"] if hopper_sources else []),
     *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
 ]
 
@@ -184,6 +208,15 @@ class Build(BuildExtension):
                 macros=[("CPU_CAPABILITY", isa), (f"CPU_CAPABILITY_{isa}", None)],
                 include_dirs=ext.include_dirs,
                 extra_postargs={"cxx": base + flags},
+                depends=ext.depends,
+            )
+        if hopper_sources:
+            nvcc = [f for f in ext.extra_compile_args["nvcc"] if not f.startswith("-gencode")]
+            objects += self.compiler.compile(
+                hopper_sources,
+                output_dir=os.path.join(self.build_temp, "sm90a"),
+                include_dirs=ext.include_dirs + [CUTLASS_INCLUDE],
+                extra_postargs={"cxx": base, "nvcc": nvcc + ["-gencode=arch=compute_90a,code=sm_90a"]},
                 depends=ext.depends,
             )
         ext.extra_objects = objects

@@ -1,8 +1,9 @@
 // CUDA forward of safeattn::attention and its CUDA registration.
 //
-// attention_fwd_cuda picks one of three paths:
+// attention_fwd_cuda picks one of four paths:
 //   - the split-KV decode kernels (attention_decode_kernel.cu) for a few query rows per kv head
 //     over a long cache (SAFEATTN_ATTN_DECODE=0 turns it off);
+//   - on an H100/H200, the sm_90a TMA + wgmma kernels (attention_fwd_sm90.h) for what they cover;
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
 //     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
@@ -24,6 +25,7 @@
 
 #include "ops/attention.h"
 #include "ops/cuda/attention_decode.h"
+#include "ops/cuda/attention_fwd_sm90.h"
 #include "ops/cuda/attention_fwd.cuh"
 
 namespace safeattn::cuda {
@@ -239,6 +241,9 @@ void attention_fwd_generic(const AttentionFwdArgs& a) {
 
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
   if (attention_fwd_decode(args)) {  // at most 16 query rows per kv head
+    return;
+  }
+  if (attention_fwd_sm90(args)) {  // Hopper: TMA + wgmma kernels, where they cover the call
     return;
   }
   if (use_tensor_cores(args)) {

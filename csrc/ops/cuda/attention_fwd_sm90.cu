@@ -1,0 +1,152 @@
+// attention_fwd_sm90 (attention_fwd_sm90.h): which calls the Hopper forward takes, and its
+// parameters. Host code only, compiled like the other .cu files; the kernels are in
+// ops/cuda/hopper/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
+#include "ops/cuda/attention_fwd_sm90.h"
+
+#ifdef SAFEATTN_WITH_SM90
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/hopper/fwd_params.h"
+
+namespace safeattn::cuda {
+namespace {
+
+bool has_sm90_kernel(int64_t head_dim) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_FWD_SM90_D64
+    case 64:
+#endif
+#ifdef SAFEATTN_ATTN_FWD_SM90_D128
+    case 128:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cudaStream_t stream) {
+  switch (head_dim) {
+#ifdef SAFEATTN_ATTN_FWD_SM90_D64
+    case 64:
+      return hopper::launch_attention_fwd_sm90<T, 64>(p, stream);
+#endif
+#ifdef SAFEATTN_ATTN_FWD_SM90_D128
+    case 128:
+      return hopper::launch_attention_fwd_sm90<T, 128>(p, stream);
+#endif
+    default:
+      TORCH_INTERNAL_ASSERT(false, "attention (CUDA): no sm90 kernel for head dim ", head_dim);
+  }
+}
+
+bool fits_int32(const at::Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > std::numeric_limits<int32_t>::max()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool takes(const AttentionFwdArgs& a) {
+  const at::ScalarType dtype = a.query.scalar_type();
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.sinks.defined() || a.softcap > 0.0) {
+    return false;
+  }
+  // The row max is taken over raw dot products and scaled after: that needs scale > 0 (and a
+  // scale * log2(e) that neither rounds to 0 nor overflows in float32).
+  const float scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  if (!(a.scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
+    return false;
+  }
+  const int64_t head_dim = a.query.size(3);
+  if (a.value.size(3) != head_dim || !has_sm90_kernel(head_dim)) {
+    return false;
+  }
+  if (a.query.numel() == 0 || a.key.size(2) == 0 || !fits_int32(a.query) || !fits_int32(a.key)) {
+    return false;  // empty inputs: the generic path writes the empty rows
+  }
+  // out is written with 4-byte stores through its strides.
+  if (!attn::rows_aligned_16(a.out)) {
+    return false;
+  }
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(a.query.get_device());
+  return props->major == 9 && props->minor == 0;
+}
+
+}  // namespace
+
+bool attention_fwd_sm90(const AttentionFwdArgs& a) {
+  if (!takes(a)) {
+    return false;
+  }
+  // TMA reads rows in place when they are 16-byte aligned; otherwise from an aligned copy.
+  const at::Tensor query = attn::with_aligned_rows(a.query);
+  const at::Tensor key = attn::with_aligned_rows(a.key);
+  const at::Tensor value = attn::with_aligned_rows(a.value);
+  hopper::FwdParams p;
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  p.out = a.out.data_ptr();
+  p.lse = a.lse.data_ptr<float>();
+  p.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
+  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
+  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
+  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
+  p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
+  p.batch = static_cast<int>(query.size(0));
+  p.heads = static_cast<int>(query.size(1));
+  p.kv_heads = static_cast<int>(key.size(1));
+  p.q_len = static_cast<int>(query.size(2));
+  p.kv_len = static_cast<int>(key.size(2));
+  p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  p.causal = a.is_causal;
+  // shift = q_offset - kv_offset, saturated and then clamped to [-q_len - 1, kv_len]: the same
+  // visibility for every (i, j) in range, and no overflow in i + shift.
+  int64_t shift = 0;
+  if (__builtin_sub_overflow(a.q_offset, a.kv_offset, &shift)) {
+    shift = a.q_offset < 0 ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
+  }
+  p.causal_shift = std::clamp<int64_t>(shift, -int64_t{p.q_len} - 1, p.kv_len);
+  p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
+  // Causal tiles differ in length: the CTAs take them from a counter (zeroed on the stream, kept
+  // alive until the launch is queued; the caching allocator orders its reuse after the kernel).
+  at::Tensor tile_counter;
+  if (a.is_causal) {
+    tile_counter = at::zeros({1}, query.options().dtype(at::kInt));
+    p.tile_counter = tile_counter.data_ptr<int>();
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = query.scalar_type() == at::kBFloat16
+                              ? launch_for_head_dim<__nv_bfloat16>(query.size(3), p, stream)
+                              : launch_for_head_dim<__half>(query.size(3), p, stream);
+  C10_CUDA_CHECK(err);
+  return true;
+}
+
+}  // namespace safeattn::cuda
+
+#else  // no Hopper kernels in this build
+
+namespace safeattn::cuda {
+
+bool attention_fwd_sm90(const AttentionFwdArgs&) {
+  return false;
+}
+
+}  // namespace safeattn::cuda
+
+#endif

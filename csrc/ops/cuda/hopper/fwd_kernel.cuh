@@ -1,0 +1,730 @@
+// The sm_90a (Hopper) forward of safeattn::attention on CuTe: TMA loads, wgmma, warp
+// specialisation. Built only with -gencode=arch=compute_90a,code=sm_90a (wgmma, setmaxnreg);
+// instantiated once per (head dim, dtype) in hopper/attention_fwd_sm90_d<D>_<dtype>.cu. Semantics:
+// ops/attention.h; what it is given: hopper/fwd_params.h.
+//
+// One CTA = 1 producer warpgroup + kMmaWGs consumer warpgroups, persistent over the output tiles
+// (kBlockM query rows of one (batch, head); consumer warpgroup w owns rows [64w, 64w + 64)).
+//   schedule  tiles in (batch, head)-major order, longest causal rows first within a head; CTA c
+//             starts with tile c, then takes the next from an atomic counter (causal: unequal
+//             tiles stay balanced, and the running tiles share a few heads' K/V in L2) or, with
+//             no counter, tile + grid. The producer publishes each tile index (-1: done) with Q's
+//             mbarrier, so the consumers follow it.
+//   producer  one thread issues TMA loads: Q once per tile into one of kQStages buffers (q_full /
+//             q_empty mbarriers; the next tile's Q loads under the current one), then K and V
+//             tiles of kBlockN keys into two kStages-deep mbarrier pipelines, from the last key
+//             tile down to the first, so the causal and end-of-keys tiles (the only ones that
+//             test elements) come first. Keys past kv_len are zero-filled by TMA and masked to
+//             -inf; query rows past q_len are zero-filled and never written.
+//   consumers S = Q K^T (wgmma, both operands in shared memory, fp32 accumulators), online
+//             softmax in registers (log2 domain), O += P V (wgmma, P from registers). The QK
+//             product of key tile n-1 is issued before the PV product of tile n, so the tensor
+//             cores run while the softmax of the previous tile is computed; with kPingPong the
+//             warpgroups also take turns issuing (named barriers), so one's softmax overlaps the
+//             other's products.
+//   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
+//             lse_lo (the rounding error of lse, from a double-precision sum) per row.
+// setmaxnreg moves registers from the producer warpgroup to the consumers.
+//
+// Numerics: a row's running max starts at -inf and its exponent offset is 0 while the max is
+// -inf, so a row whose scores are all -inf gets p = 0 (never exp2(-inf + inf) = NaN) and ends
+// with out 0 (written as 0 even if a V behind it held NaN), lse -inf, lse_lo 0. The max uses
+// fmaxf (drops NaN) but a NaN score gives p = NaN, so NaN reaches out and lse. Masked elements
+// are set to -inf, never added to, so nothing behind them leaks.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "ops/cuda/hopper/fwd_params.h"
+
+namespace safeattn::cuda::hopper {
+
+// ---- configuration ------------------------------------------------------------------------------
+
+// Tile shape and schedule of one kernel variant. Shared memory: Q kBlockM x D, K and V kStages x
+// kBlockN x D each (16-bit); registers per consumer thread: S kBlockN / 2, O D / 2, P kBlockN / 4.
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2>
+struct FwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kMmaWGs = kMmaWGs_;
+  static constexpr int kBlockM = 64 * kMmaWGs_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kPingPong = kPingPong_;
+  // Q buffers: with 2 the next tile's Q loads while the current one is still in use.
+  static constexpr int kQStages = kQStages_;
+};
+
+// The variant each head dim runs (measured on an H100, benchmarks/notes_attention_cuda.md).
+template <int kHeadDim>
+struct DefaultFwdConfig;
+template <>
+struct DefaultFwdConfig<64> {
+  using type = FwdConfig<64, 128, 4, 3, true>;  // 192-row tiles: 3 consumer warpgroups
+};
+template <>
+struct DefaultFwdConfig<128> {
+  using type = FwdConfig<128, 128, 2, 2, true>;
+};
+
+template <typename T>
+struct CutlassElement;
+template <>
+struct CutlassElement<__nv_bfloat16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct CutlassElement<__half> {
+  using type = cutlass::half_t;
+};
+
+namespace detail {
+
+using namespace cute;
+
+// Named barriers 1.. (0 is __syncthreads): the ping-pong turn of consumer warpgroup w is barrier
+// 1 + w, shared by w (sync) and its predecessor (arrive).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf -> 0, NaN -> NaN
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The 16-bit K-major / MN-major shared-memory atom with the widest swizzle that divides the
+// contiguous extent (128-byte swizzle for head dims that are multiples of 64).
+template <typename Element, int kRowElements>
+auto k_major_atom() {
+  if constexpr (kRowElements % 64 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kRowElements % 32 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+template <typename Element, int kColElements>
+auto mn_major_atom() {
+  if constexpr (kColElements % 64 == 0) {
+    return GMMA::Layout_MN_SW128_Atom<Element>{};
+  } else if constexpr (kColElements % 32 == 0) {
+    return GMMA::Layout_MN_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_MN_SW32_Atom<Element>{};
+  }
+}
+
+template <typename Element_, class Config>
+struct Fwd {
+  using Element = Element_;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kQStages = Config::kQStages;
+  static constexpr int kMmaWGs = Config::kMmaWGs;
+  static constexpr bool kPingPong = Config::kPingPong && kMmaWGs > 1;
+  static constexpr int kMmaThreads = 128 * kMmaWGs;
+  static constexpr int kThreads = kMmaThreads + 128;
+  // Registers per thread after setmaxnreg (multiples of 8). The CTA starts with the launch bound's
+  // share (65536 / threads, rounded down to 8: 168 for 384 threads) and setmaxnreg.inc waits until
+  // the pool has the registers, so the new split must fit in what the launch gave (24 / 240 does
+  // for 2 consumer warpgroups but spills the producer's schedule arithmetic; 32 / 240 hangs).
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kConsumerRegs = kMmaWGs == 2 ? 232 : 160;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= kLaunchRegs * kThreads);
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+
+  // wgmma: each consumer warpgroup computes 64 rows. S = Q K^T: both operands K-major in shared
+  // memory. O = P V: P (A) from registers, V^T (B, N = head dim) MN-major in shared memory.
+  using AtomLayout = Layout<Shape<Int<kMmaWGs>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  using SmemLayoutQ = decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK =
+      decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // V^T: (head dim, keys, stage), head dim contiguous, as V is in global memory.
+  using SmemLayoutVt = decltype(tile_to_shape(mn_major_atom<Element, kHeadDim>(),
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  // Global tensors as TMA sees them: (rows, head dim, head, batch), 32-bit sizes, 64-bit strides.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;  // V viewed as (head dim, keys, head, batch)
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                                                  StrideQK{}),
+                                      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                                                  StrideQK{}),
+                                      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
+                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
+                                                  StrideVt{}),
+                                      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, kQStages * cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+    // Per Q buffer: Q landed (TMA transaction count); every consumer thread is done reading it;
+    // the tile it belongs to (-1: no more tiles), published by q_full.
+    cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
+    cutlass::arch::ClusterBarrier q_empty[kQStages];
+    int tile_index[kQStages];
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
+
+  struct Params {
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaV tma_v;
+    ShapeQKV shape_q, shape_k, shape_vt;
+    Element* out;
+    int64_t o_sb, o_sh, o_si;
+    float* lse;
+    float* lse_lo;
+    int heads, group, q_len, kv_len, m_blocks, tiles;
+    int* tile_counter;  // zeroed before the launch: dynamic schedule; null: static
+    float scale_log2;
+    bool causal;
+    int64_t causal_shift;
+  };
+
+  // ---- the tile schedule ---------------------------------------------------------------------
+
+  struct Tile {
+    int m_block, head, batch;
+    int n_blocks;  // key tiles to visit: [0, n_blocks)
+  };
+
+  static __device__ __forceinline__ Tile tile_at(const Params& p, int index) {
+    Tile t;
+    const int bh = index / p.m_blocks;
+    const int m = index - bh * p.m_blocks;
+    // Causal: the longest rows first within each head, so the short tiles fill the tail.
+    t.m_block = p.causal ? p.m_blocks - 1 - m : m;
+    t.head = bh % p.heads;
+    t.batch = bh / p.heads;
+    int64_t kv_end = p.kv_len;
+    if (p.causal) {
+      const int64_t q_end = std::min<int64_t>(int64_t{t.m_block + 1} * kBlockM, p.q_len);
+      kv_end = std::min<int64_t>(std::max<int64_t>(q_end + p.causal_shift, 0), p.kv_len);
+    }
+    t.n_blocks = static_cast<int>((kv_end + kBlockN - 1) / kBlockN);
+    return t;
+  }
+
+  // ---- producer ------------------------------------------------------------------------------
+
+  static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutVt{});
+    PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
+    int q_loads = 0;
+    for (int index = blockIdx.x;;) {
+      // Every tile, and the end, passes through a Q buffer's q_full with its index: the consumers
+      // learn what to compute from the producer (the schedule may be dynamic).
+      const int slot = q_loads % kQStages;
+      auto& q_full = smem.q_full[slot];
+      if (q_loads >= kQStages) {
+        smem.q_empty[slot].wait((q_loads / kQStages - 1) & 1);  // that tile's last QK is done
+      }
+      ++q_loads;
+      publish_tile(smem, slot, index < p.tiles ? index : -1);
+      if (index >= p.tiles) {
+        q_full.arrive();
+        break;
+      }
+      const Tile t = tile_at(p, index);
+      if (t.n_blocks == 0) {  // no key visible to any row: the consumers write the empty rows alone
+        q_full.arrive();
+        index = next_tile(p, index);
+        continue;
+      }
+      const int kv_head = t.head / p.group;
+      Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch);
+      Tensor mK = p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, t.batch);
+      Tensor mVt = p.tma_v.get_tma_tensor(p.shape_vt)(_, _, kv_head, t.batch);
+      Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
+      Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{});
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
+      Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
+      auto cta_q = p.tma_q.get_slice(_0{});
+      auto cta_k = p.tma_k.get_slice(_0{});
+      auto cta_v = p.tma_v.get_slice(_0{});
+      Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(gQ));
+      Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));
+      Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(gK));   // (TMA, n)
+      Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));   // (TMA, stage)
+      Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gVt));  // (TMA, n)
+      Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stage)
+
+      auto load_k = [&](int n) {
+        pipe_k.producer_acquire(write_k);
+        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
+             tKsK(_, write_k.index()));
+        ++write_k;
+      };
+      auto load_v = [&](int n) {
+        pipe_v.producer_acquire(write_v);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n),
+             tVsV(_, write_v.index()));
+        ++write_v;
+      };
+
+      q_full.arrive_and_expect_tx(kBytesQ);
+      copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
+      const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
+      // The consumers' order: K(n-1), V(n-1); then K(n-2), V(n-1); ...; V(0).
+      load_k(t.n_blocks - 1);
+      for (int n = t.n_blocks - 1; n > 0; --n) {
+        load_k(n - 1);
+        load_v(n);
+      }
+      load_v(0);
+      index = next;
+    }
+  }
+
+  // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
+  // barrier asm has no memory clobber, so the compiler is told here.
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index) {
+    *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
+    asm volatile("" ::: "memory");
+  }
+
+  // Dynamic: tiles in order (head-major, longest rows first under causal), each taken by the
+  // first CTA free, so the CTAs finish together and the running tiles share a few heads' K/V.
+  static __device__ __forceinline__ int next_tile(const Params& p, int index) {
+    return p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
+                                     : index + static_cast<int>(gridDim.x);
+  }
+
+  // ---- consumers -----------------------------------------------------------------------------
+
+  // One consumer thread's rows: r = 0, 1 -> row 16 * warp + lane / 4 + 8 r of its warpgroup's 64.
+  // Accumulator element e + 2 r + 4 c (c < N / 8) is column 8 c + 2 (lane % 4) + e.
+  // last_key[r]: the last key row r sees (causality and kv_len folded in, clamped to int range).
+  // One compare with a constant and one select per element: the diagonal tiles cost little more
+  // than the others.
+  template <class FragS>
+  static __device__ __forceinline__ void mask_tile(FragS& s, int n_block, const int (&last_key)[2], int lane) {
+    constexpr int kCols = kBlockN / 8;
+    const int col0 = n_block * kBlockN + 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int limit = last_key[r] - col0;  // element (c, e) is visible iff 8 c + e <= limit
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (8 * c + e > limit) {
+            s(e + 2 * r + 4 * c) = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  }
+  static __device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+  }
+
+  // Online softmax over one tile of scores (raw dot products in s, overwritten by p). Returns the
+  // factors that rescale the rows' earlier sums and outputs.
+  template <class FragS>
+  static __device__ __forceinline__ void softmax_step(FragS& s, float (&row_max)[2], float (&row_sum)[2],
+                                                      float (&correction)[2], float scale_log2) {
+    constexpr int kCols = kBlockN / 8;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float m = row_max[r];
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        m = fmaxf(m, fmaxf(s(2 * r + 4 * c), s(1 + 2 * r + 4 * c)));
+      }
+      m = quad_max(m);
+      // While the max is -inf (nothing visible yet) the offset is 0: p = exp2(-inf) = 0, never NaN.
+      const float offset = m == -INFINITY ? 0.0f : m * scale_log2;
+      correction[r] = exp2_approx(row_max[r] * scale_log2 - offset);  // 0 while row_max is -inf
+      row_max[r] = m;
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = e + 2 * r + 4 * c;
+          s(i) = exp2_approx(fmaf(s(i), scale_log2, -offset));
+          sum += s(i);
+        }
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;  // this thread's columns only, until the end
+    }
+  }
+
+  template <class FragO>
+  static __device__ __forceinline__ void rescale(FragO& o, const float (&correction)[2]) {
+#pragma unroll
+    for (int i = 0; i < size(o); ++i) {
+      o(i) *= correction[(i / 2) % 2];
+    }
+  }
+
+  template <class FragS, class FragP>
+  static __device__ __forceinline__ void convert_p(const FragS& s, FragP& p) {
+    constexpr int kN = decltype(size(s))::value;
+    cutlass::NumericArrayConverter<Element, float, kN> convert;
+    *reinterpret_cast<cutlass::Array<Element, kN>*>(raw_pointer_cast(p.data())) =
+        convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
+  }
+
+  // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
+  template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+  static __device__ __forceinline__ void gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+    constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+    if constexpr (kRegsA) {
+      warpgroup_fence_operand(const_cast<TA&>(a));
+    }
+    warpgroup_fence_operand(c);
+    warpgroup_arrive();
+    if constexpr (kZeroInit) {
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+    }
+#pragma unroll
+    for (int kb = 0; kb < size<2>(a); ++kb) {
+      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(c);
+    if constexpr (kRegsA) {
+      warpgroup_fence_operand(const_cast<TA&>(a));
+    }
+  }
+
+  static __device__ void consume(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
+    const int mma_thread = threadIdx.x - 128;
+    const int wg = mma_thread / 128;
+    const int lane = threadIdx.x % 32;
+    const int warp_in_wg = (mma_thread % 128) / 32;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutVt{});
+    TiledMmaQK mma_qk;
+    TiledMmaPV mma_pv;
+    auto wg_qk = mma_qk.get_slice(wg * 128);
+    auto wg_pv = mma_pv.get_slice(wg * 128);
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, 1, D / 16, stage)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, 1, N / 16, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2, 2, N / 8), 1, 1)
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // ((2, 2, D / 8), 1, 1)
+    // P as the A operand of O += P V: k block kb holds accumulator elements [8 kb, 8 kb + 8) of S.
+    Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
+                                              Stride<Stride<_1, _2, _4>, _0, _8>>{});
+    static_assert(decltype(size(tSrS))::value == kBlockN / 2 && decltype(size(tOrP))::value == kBlockN / 2);
+    static_assert(decltype(size(tOrO))::value == kHeadDim / 2);
+
+    PipelineState read_k, read_v;
+    int q_loads = 0;
+    const int turn_barrier = 1 + wg;
+    const int next_turn_barrier = 1 + (wg + 1) % kMmaWGs;
+    auto take_turn = [&] {
+      if constexpr (kPingPong) {
+        named_barrier_sync(turn_barrier, 256);
+      }
+    };
+    auto pass_turn = [&] {
+      if constexpr (kPingPong) {
+        named_barrier_arrive(next_turn_barrier, 256);
+      }
+    };
+    if constexpr (kPingPong) {
+      if (wg == kMmaWGs - 1) {  // warpgroup 0 goes first
+        named_barrier_arrive(1, 256);
+      }
+    }
+
+    for (;;) {
+      const int slot = q_loads % kQStages;
+      smem.q_full[slot].wait((q_loads / kQStages) & 1);
+      ++q_loads;
+      asm volatile("" ::: "memory");
+      const int index = *reinterpret_cast<volatile int*>(&smem.tile_index[slot]);
+      if (index < 0) {
+        break;
+      }
+      auto& q_empty = smem.q_empty[slot];
+      Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
+          make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{}));
+      const Tile t = tile_at(p, index);
+      const int row_in_tile = 64 * wg + 16 * warp_in_wg + lane / 4;
+      const int64_t row0 = int64_t{t.m_block} * kBlockM + row_in_tile;
+      int last_key[2];  // the last key each row sees, in [-1, kv_len - 1]
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t causal_last = p.causal ? row0 + 8 * r + p.causal_shift : int64_t{p.kv_len};
+        last_key[r] = static_cast<int>(std::max<int64_t>(std::min<int64_t>(causal_last, p.kv_len - 1), -1));
+      }
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.0f, 0.0f};
+      float correction[2];
+      clear(tOrO);
+      const int64_t tile_row0 = int64_t{t.m_block} * kBlockM;
+      // Key tile n tests elements when it reaches past kv_len or past the first row's limit.
+      auto needs_mask = [&](int n) {
+        const int64_t tile_last_key = int64_t{n + 1} * kBlockN - 1;
+        return tile_last_key >= p.kv_len || (p.causal && tile_last_key > tile_row0 + p.causal_shift);
+      };
+
+      if (t.n_blocks == 0) {
+        q_empty.arrive();
+      } else {
+        // The last key tile: S, mask, softmax.
+        int n = t.n_blocks - 1;
+        take_turn();
+        pipe_k.consumer_wait(read_k);
+        gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        pass_turn();
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(read_k);
+        ++read_k;
+        if (n == 0) {
+          q_empty.arrive();
+        }
+        if (needs_mask(n)) {
+          mask_tile(tSrS, n, last_key, lane);
+        }
+        softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
+        convert_p(tSrS, tOrP);
+        // Each further tile: S of tile n - 1 is issued before P V of tile n.
+        for (; n > 0; --n) {
+          take_turn();
+          pipe_k.consumer_wait(read_k);
+          gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          pipe_v.consumer_wait(read_v);
+          gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          pass_turn();
+          warpgroup_wait<1>();  // S done, P V may still run
+          pipe_k.consumer_release(read_k);
+          ++read_k;
+          if (n == 1) {
+            q_empty.arrive();  // the tile's last read of Q
+          }
+          if (needs_mask(n - 1)) {
+            mask_tile(tSrS, n - 1, last_key, lane);
+          }
+          softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(read_v);
+          ++read_v;
+          rescale(tOrO, correction);
+          convert_p(tSrS, tOrP);
+        }
+        take_turn();
+        pipe_v.consumer_wait(read_v);
+        gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        pass_turn();
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(read_v);
+        ++read_v;
+      }
+      store_tile(p, t, tOrO, row_max, row_sum, row0, lane);
+    }
+  }
+
+  template <class FragO>
+  static __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, FragO& o, const float (&row_max)[2],
+                                                    float (&row_sum)[2], int64_t row0, int lane) {
+    constexpr double kLn2 = 0.69314718055994530942;
+    const int64_t bh = int64_t{t.batch} * p.heads + t.head;
+    Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const int64_t row = row0 + 8 * r;
+      if (row >= p.q_len) {
+        continue;
+      }
+      // An empty row (sum 0) is exactly 0 even if a masked V held NaN (0 * NaN in P V).
+      const bool empty = sum == 0.0f;
+      const float inv = empty ? 0.0f : 1.0f / sum;
+      Element* out_row = out + row * p.o_si + 2 * (lane % 4);
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        const float lo = empty ? 0.0f : o(2 * r + 4 * c) * inv;
+        const float hi = empty ? 0.0f : o(1 + 2 * r + 4 * c) * inv;
+        cutlass::AlignedArray<Element, 2> pair;  // one 4-byte store
+        pair[0] = Element(lo);
+        pair[1] = Element(hi);
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(out_row + 8 * c) = pair;
+      }
+      if (lane % 4 == 0) {
+        float lse = -INFINITY, lse_lo = 0.0f;
+        if (!empty) {
+          // lse = ln 2 * (offset + log2 sum) with offset = max * scale_log2 (float, as the
+          // exponents used it); summed in double so that a huge offset keeps log(sum) in lse_lo.
+          const float offset = row_max[r] == -INFINITY ? 0.0f : row_max[r] * p.scale_log2;
+          const double exact = static_cast<double>(offset) * kLn2 + log(static_cast<double>(sum));
+          lse = static_cast<float>(exact);
+          lse_lo = (lse == lse && fabsf(lse) != INFINITY) ? static_cast<float>(exact - static_cast<double>(lse)) : 0.0f;
+        }
+        p.lse[bh * p.q_len + row] = lse;
+        if (p.lse_lo != nullptr) {
+          p.lse_lo[bh * p.q_len + row] = lse_lo;
+        }
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_constant__ typename Kernel::Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Kernel::SharedStorage*>(smem_raw);
+  using Pipeline = typename Kernel::Pipeline;
+  const int warp = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 32, 0);
+  const int warp_group = warp / 4;
+  const bool producer = warp_group == 0;
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    for (int s = 0; s < Kernel::kQStages; ++s) {
+      smem.q_full[s].init(1);
+      smem.q_empty[s].init(Kernel::kMmaThreads);
+    }
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Kernel::kBytesKV;
+  pipe_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Kernel::kMmaThreads;
+  // The constructors initialise the barriers (warp 0) and fence the initialisation.
+  Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();
+
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      Kernel::produce(p, smem, pipe_k, pipe_v);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegs>();
+    Kernel::consume(p, smem, pipe_k, pipe_v);
+  }
+#endif
+}
+
+}  // namespace detail
+
+// Host: builds the TMA descriptors and launches one variant. Returns the launch error.
+template <typename T, class Config>
+cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename CutlassElement<T>::type;
+  using Kernel = detail::Fwd<Element, Config>;
+  constexpr int D = Config::kHeadDim;
+  typename Kernel::Params p;
+  // A size-1 dim is never stepped over; TMA still wants its stride to be a multiple of 16 bytes.
+  auto dim_stride = [](int64_t size, int64_t stride, int64_t fallback) { return size == 1 ? fallback : stride; };
+  const int64_t q_plane = int64_t{a.q_len} * a.q_si, k_plane = int64_t{a.kv_len} * a.k_si,
+                v_plane = int64_t{a.kv_len} * a.v_si;
+  p.shape_q = make_shape(int32_t{a.q_len}, int32_t{D}, int32_t{a.heads}, int32_t{a.batch});
+  p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{D}, int32_t{a.kv_heads}, int32_t{a.batch});
+  p.shape_vt = make_shape(int32_t{D}, int32_t{a.kv_len}, int32_t{a.kv_heads}, int32_t{a.batch});
+  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), p.shape_q,
+                          make_stride(a.q_si, _1{}, dim_stride(a.heads, a.q_sh, q_plane),
+                                      dim_stride(a.batch, a.q_sb, q_plane * a.heads)));
+  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), p.shape_k,
+                          make_stride(a.k_si, _1{}, dim_stride(a.kv_heads, a.k_sh, k_plane),
+                                      dim_stride(a.batch, a.k_sb, k_plane * a.kv_heads)));
+  Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), p.shape_vt,
+                           make_stride(_1{}, a.v_si, dim_stride(a.kv_heads, a.v_sh, v_plane),
+                                       dim_stride(a.batch, a.v_sb, v_plane * a.kv_heads)));
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Kernel::SmemLayoutQ{}, Shape<Int<Config::kBlockM>, Int<D>>{},
+                          _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Kernel::SmemLayoutK{}),
+                          Shape<Int<Config::kBlockN>, Int<D>>{}, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Kernel::SmemLayoutVt{}),
+                          Shape<Int<D>, Int<Config::kBlockN>>{}, _1{});
+  p.out = static_cast<Element*>(a.out);
+  p.o_sb = a.o_sb, p.o_sh = a.o_sh, p.o_si = a.o_si;
+  p.lse = a.lse;
+  p.lse_lo = a.lse_lo;
+  p.heads = a.heads;
+  p.group = a.heads / a.kv_heads;
+  p.q_len = a.q_len;
+  p.kv_len = a.kv_len;
+  p.m_blocks = (a.q_len + Config::kBlockM - 1) / Config::kBlockM;
+  const int64_t tiles = int64_t{p.m_blocks} * a.heads * a.batch;
+  if (tiles == 0) {
+    return cudaSuccess;
+  }
+  if (tiles > INT32_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  p.tiles = static_cast<int>(tiles);
+  p.scale_log2 = a.scale_log2;
+  p.causal = a.causal;
+  p.causal_shift = a.causal_shift;
+  p.tile_counter = a.tile_counter;
+
+  auto kernel = &detail::fwd_kernel<Kernel>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  if (err != cudaSuccess) {
+    return err;
+  }
+  const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
+  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t launch_attention_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
+  return launch_fwd_config<T, typename DefaultFwdConfig<kHeadDim>::type>(params, stream);
+}
+
+}  // namespace safeattn::cuda::hopper

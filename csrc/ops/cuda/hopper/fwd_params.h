@@ -1,0 +1,45 @@
+// What the sm_90a forward attention kernel (hopper/fwd_kernel.cuh) reads and writes: plain data,
+// no CuTe and no torch, so the dispatch code (attention_fwd_sm90.cu, built for plain sm_90) and
+// the standalone check (scripts/hopper_fwd_check.cu) can both fill it. Semantics: ops/attention.h.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace safeattn::cuda::hopper {
+
+struct FwdParams {
+  // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
+  // of 8 elements (what TMA needs); sizes below 2^31.
+  const void* q = nullptr;  // [B, Hq, Q, D]
+  const void* k = nullptr;  // [B, Hkv, KV, D]
+  const void* v = nullptr;  // [B, Hkv, KV, D]
+  void* out = nullptr;      // [B, Hq, Q, D] strided view, 4-byte aligned rows
+  float* lse = nullptr;     // [B, Hq, Q] contiguous, natural log
+  float* lse_lo = nullptr;  // [B, Hq, Q] contiguous or null: lse + lse_lo = m + log(l) closely
+  int64_t q_sb = 0, q_sh = 0, q_si = 0;  // strides in elements
+  int64_t k_sb = 0, k_sh = 0, k_si = 0;
+  int64_t v_sb = 0, v_sh = 0, v_si = 0;
+  int64_t o_sb = 0, o_sh = 0, o_si = 0;
+  int batch = 1, heads = 1, kv_heads = 1;  // query head h reads kv head h / (heads / kv_heads)
+  int q_len = 0, kv_len = 0;
+  float scale_log2 = 0.0f;  // scale * log2(e)
+  bool causal = false;
+  // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
+  // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
+  int64_t causal_shift = 0;
+  // Persistent grid: at most this many CTAs (the multiprocessor count); 0: one CTA per tile.
+  int max_ctas = 0;
+  // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
+  // CTAs take tiles dynamically, which keeps unequal (causal) tiles balanced.
+  int* tile_counter = nullptr;
+};
+
+// The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
+// fwd_kernel.cuh, instantiated once per generated file attention_fwd_sm90_d<D>_<dtype>.cu.
+// Returns the launch's error (cudaErrorInvalidValue for more than 2^31 - 1 tiles).
+template <typename T, int kHeadDim>
+cudaError_t launch_attention_fwd_sm90(const FwdParams& params, cudaStream_t stream);
+
+}  // namespace safeattn::cuda::hopper
