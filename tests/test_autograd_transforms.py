@@ -673,16 +673,22 @@ def test_attention_composite_checks_arguments_as_the_op():
         torch.func.grad(lambda a: safeattn.attention(a, k[:, :1], v[:, :1])[0].sum())(q)
 
 
-def test_attention_direct_op_under_transforms_raises_never_silent():
-    # torch.ops.safeattn.attention has a C++ autograd kernel that torch.func cannot use: it must
-    # raise (safeattn.attention is the call that works), never give zero tangents.
+def test_attention_direct_op_under_transforms_matches_the_wrapper():
+    # torch.ops.safeattn.attention (what Transformers' drop-in calls) routes itself to the
+    # composite under a transform or with a dual input: the same values as safeattn.attention,
+    # never an error or a zero tangent.
     q, k, v, _ = _attention_case("plain")
-    with pytest.raises(RuntimeError):
-        torch.func.grad(lambda a: torch.ops.safeattn.attention(a, k, v)[0].sum())(q)
-    with pytest.raises(RuntimeError):
-        torch.func.jvp(lambda a: torch.ops.safeattn.attention(a, k, v)[0], (q,), (torch.ones_like(q),))
-    with pytest.raises(RuntimeError), fwAD.dual_level():
-        torch.ops.safeattn.attention(fwAD.make_dual(q, torch.ones_like(q)), k, v)
+    tangent = torch.randn_like(q)
+    got = torch.func.grad(lambda a: torch.ops.safeattn.attention(a, k, v)[0].sum())(q)
+    want = torch.func.grad(lambda a: safeattn.attention(a, k, v)[0].sum())(q)
+    torch.testing.assert_close(got, want)
+    _, got_t = torch.func.jvp(lambda a: torch.ops.safeattn.attention(a, k, v)[0], (q,), (tangent,))
+    _, want_t = torch.func.jvp(lambda a: safeattn.attention(a, k, v)[0], (q,), (tangent,))
+    torch.testing.assert_close(got_t, want_t)
+    assert got_t.abs().max() > 0, "a zero tangent"
+    with fwAD.dual_level():
+        out, _ = torch.ops.safeattn.attention(fwAD.make_dual(q, tangent), k, v)
+        torch.testing.assert_close(fwAD.unpack_dual(out).tangent, want_t)
 
 
 def test_attention_outside_transforms_keeps_the_fused_op():

@@ -9,11 +9,13 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/FuncTorchTLS.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include "common/checks.h"
+#include "ops/attention_composite.h"
 
 namespace safeattn {
 
@@ -426,12 +428,39 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
+// Whether a torch.func transform is active: the check a C++ autograd::Function makes before it
+// runs (ATen/FuncTorchTLS.h: it raises under a transform), asked here first. The functorch TLS
+// exists only once a transform has run, so an ordinary call pays one null test.
+bool under_functorch_transform() {
+  const auto& tls = at::functorch::functorchTLSAccessor();
+  if (!tls) {
+    return false;
+  }
+  try {
+    tls->checkSupportsCppAutogradFunction();
+    return false;
+  } catch (const c10::Error&) {
+    return true;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, const at::Tensor& key,
                                                       const at::Tensor& value,
                                                       const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                                       bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                       c10::SymInt q_offset, c10::SymInt kv_offset, double softcap,
                                                       const std::optional<at::Tensor>& sinks) {
+  // Under a torch.func transform (which rejects a C++ autograd::Function) or with a forward-AD
+  // dual input (which it has no rule for), the ATen composite: every transform and every order
+  // of derivative then work, at O(Q * KV) memory. Only such calls take it (ops.py routes the
+  // public wrapper the same way; this covers direct calls of the op, Transformers' included).
+  auto dual = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() && t->_fw_grad(/*level=*/0).defined();
+  };
+  if (under_functorch_transform() || dual(query) || dual(key) || dual(value) || dual(attn_mask) || dual(sinks)) {
+    return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                          softcap, sinks);
+  }
   const torch::autograd::variable_list result = AttentionFunction::apply(
       query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks);
   return {result[0], result[1]};

@@ -69,7 +69,13 @@ std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const
     const at::TensorOptions index_options = query.options().dtype(at::kLong);
     const at::Tensor relative = at::arange(c10::Scalar(kv_len), index_options).unsqueeze(0) -
                                 at::arange(c10::Scalar(q_len), index_options).unsqueeze(1);
-    s = at::where(relative <= c10::Scalar(q_offset - kv_offset), s, neg_inf);
+    // The shift without int64 overflow where the offsets are concrete (causal_shift).
+    const auto q_int = q_offset.maybe_as_int(), kv_int = kv_offset.maybe_as_int();
+    const c10::SymInt shift = q_int.has_value() && kv_int.has_value()
+                                  ? c10::SymInt(causal_shift(*q_int, *kv_int, q_len.maybe_as_int().value_or(0),
+                                                             kv_len.maybe_as_int().value_or(0)))
+                                  : q_offset - kv_offset;
+    s = at::where(relative <= c10::Scalar(shift), s, neg_inf);
   }
 
   // A row is empty when every key is masked: its output is 0. With sinks its log-sum-exp is
@@ -86,7 +92,9 @@ std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const
   // every order) then see finite values, never -inf - (-inf).
   const at::Tensor finite = at::where(empty, 0.0, logits);
   const at::Tensor lse = at::logsumexp(finite, {-1}, /*keepdim=*/true);
-  at::Tensor prob = at::exp(finite - lse);
+  // softmax, not exp(s - lse): a row of finfo.min scores has lse == its max in float32 (and in
+  // float64), and exp(s - lse) would give every key weight 1 (ops/attention.h, lse_lo).
+  at::Tensor prob = at::softmax(finite, -1);
   if (sinks.has_value()) {
     prob = prob.narrow_symint(-1, 0, kv_len);  // the sink takes no value
   }
