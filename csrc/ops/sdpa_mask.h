@@ -150,6 +150,9 @@ C10_HOST_DEVICE inline bool needs_elementwise(const SdpaMaskParams& p) {
 // The full rule for one element (column j) of a row.
 C10_HOST_DEVICE inline bool element_attends(const SdpaMaskParams& p, int64_t b, const Interval& base,
                                             const RowKeys& keys, int64_t j) {
+  if (j >= p.kv_length) {
+    return false;  // a column past the row (a vector's tail): not stored, and kv_offset + j could overflow
+  }
   const int64_t kv_pos = p.kv_offset + j;
   bool attend = j >= base.begin && j < base.end;
   if (attend && p.packed_ids != nullptr) {

@@ -182,19 +182,23 @@ __global__ void __launch_bounds__(kThreads, 4)
       padding_b = b;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t pos0 = p.kv_offset + first_col + static_cast<int64_t>(u) * threads * kVec;
-        const bool* src = p.padding_mask + b * p.padding_width + pos0;
         uint32_t(&keep)[4] = keep_cache[u];
         keep[0] = keep[1] = keep[2] = keep[3] = 0;
-        if (first_col + static_cast<int64_t>(u) * threads * kVec >= p.kv_length) {
+        const int64_t col0 = first_col + static_cast<int64_t>(u) * threads * kVec;
+        if (col0 >= p.kv_length) {
           continue;
         }
-        if (aligned.padding && pos0 + kVec <= p.padding_width) {
+        // A key position (kv_offset + kv_length fits int64); compared with the width by
+        // subtraction, since pos0 + k could pass the int64 range near its end.
+        const int64_t pos0 = p.kv_offset + col0;
+        const int64_t left = p.padding_width - pos0;  // columns of the mask from pos0 on (may be <= 0)
+        const bool* src = p.padding_mask + b * p.padding_width + (left > 0 ? pos0 : 0);
+        if (aligned.padding && left >= kVec) {
           load_padding<kVec>(src, keep);
         } else {
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
-            const uint32_t byte = pos0 + k < p.padding_width ? src[k] : 0;  // past the width: padding
+            const uint32_t byte = k < left ? src[k] : 0;  // past the width: padding
             keep[k / 4] |= byte << ((k % 4) * 8);
           }
         }
