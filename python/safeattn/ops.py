@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch.autograd import forward_ad as _forward_ad
 
 __all__ = ["masked_softmax", "safe_softmax", "sdpa_mask"]
 
@@ -180,19 +179,6 @@ def masked_softmax(
 __all__ += ["attention"]
 
 
-_transforms_active = torch._C._are_functorch_transforms_active  # bound once: checked on every call
-
-
-def _needs_decomposition(*tensors: torch.Tensor | None) -> bool:
-    """True under a torch.func transform, or when an input carries a forward-AD tangent: what
-    the fused kernels' C++ autograd cannot serve. Two cheap checks on every other call."""
-    if _transforms_active():
-        return True
-    if _forward_ad._current_level < 0:  # no dual level open: no input can be dual
-        return False
-    return any(t is not None and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
-
-
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -244,10 +230,11 @@ def attention(
 
     Autograd: first-order gradients run the fused backward kernel. Under a ``torch.func``
     transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ``jacfwd``, ``hessian``) or with a
-    forward-AD dual input, this function computes the same thing with an ATen composite
+    forward-AD dual input, the op computes the same thing with an ATen composite
     (``torch.ops.safeattn._attention_math``: dense ``[B, H, Q, KV]`` scores, so O(Q * KV) memory)
     that every transform and any order of derivative goes through; every other call keeps the
-    fused kernels. Calling ``torch.ops.safeattn.attention`` itself under those transforms raises.
+    fused kernels. The op decides (its C++ Autograd kernel), so ``torch.ops.safeattn.attention``
+    called directly, as the Transformers drop-in does, behaves the same.
     Double backward outside ``torch.func`` (``create_graph=True`` through the fused op) raises
     "derivative for safeattn::_attention_backward is not implemented": use ``torch.func``
     (e.g. ``torch.func.hessian``) for second derivatives.
@@ -275,21 +262,6 @@ def attention(
         (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
         float32 (float64 for float64 inputs). Both are differentiable.
     """
-    if _needs_decomposition(query, key, value, attn_mask, sinks):
-        return torch.ops.safeattn._attention_math(
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            softcap=softcap,
-            sinks=sinks,
-        )
     return torch.ops.safeattn.attention(
         query,
         key,
