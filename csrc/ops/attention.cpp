@@ -461,6 +461,17 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
     return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                           softcap, sinks);
   }
+  // Nothing to differentiate: the op itself below autograd, with no graph node and no lse_lo
+  // (an inference call, and what an exported graph keeps after run_decompositions).
+  auto requires_grad = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() && t->requires_grad();
+  };
+  if (!at::GradMode::is_enabled() || !(requires_grad(query) || requires_grad(key) || requires_grad(value) ||
+                                       requires_grad(attn_mask) || requires_grad(sinks))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
+                               kv_offset, softcap, sinks);
+  }
   const torch::autograd::variable_list result = AttentionFunction::apply(
       query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks);
   return {result[0], result[1]};
