@@ -574,8 +574,8 @@ def test_descriptions_have_dense_twins(fn_name):
         )
         q_positions = kw.get("cache_position")  # 4.57 passes query positions as a tensor
         dense = description.with_padding(PADDINGS[pad_name]).materialise(
-            B, q_length, kv_length, 0 if q_positions is not None else q_offset, kv_offset,
-            q_positions=q_positions,
+            B, q_length, kv_length, q_offset=0 if q_positions is not None else q_offset,
+            kv_offset=kv_offset, q_positions=q_positions,
         )
         what = f"{fn_name} sizes={(q_length, kv_length, q_offset, kv_offset)} padding={pad_name}"
         assert_same_mask(dense, mu.sdpa_mask(**kw), "materialised description " + what)

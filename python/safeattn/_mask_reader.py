@@ -89,33 +89,13 @@ class MaskDescription:
             "block_ids": self.block_ids,
         }
 
-    def materialise(
-        self,
-        batch_size: int,
-        q_length: int,
-        kv_length: int,
-        q_offset: int = 0,
-        kv_offset: int = 0,
-        *,
-        q_positions: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-        use_finfo_min: bool = False,
-        device: torch.device | str | None = None,
-    ) -> torch.Tensor:
-        """The dense ``[batch_size, 1, q_length, kv_length]`` mask, by ``safeattn.sdpa_mask``
-        (positions, ``dtype``, ``use_finfo_min`` and ``device`` as there)."""
-        return _sdpa_mask(
-            batch_size,
-            q_length,
-            kv_length,
-            q_offset,
-            kv_offset,
-            q_positions=q_positions,
-            dtype=dtype,
-            use_finfo_min=use_finfo_min,
-            device=device,
-            **self.sdpa_mask_kwargs(),
-        )
+    def materialise(self, batch_size: int, q_length: int, kv_length: int, **call) -> torch.Tensor:
+        """The dense ``[batch_size, 1, q_length, kv_length]`` mask, by ``safeattn.sdpa_mask``.
+
+        ``call``: that op's keywords that are not rules: the positions (``q_offset``,
+        ``kv_offset``, ``q_positions``) and the output (``dtype``, ``use_finfo_min``, ``device``).
+        """
+        return _sdpa_mask(batch_size, q_length, kv_length, **call, **self.sdpa_mask_kwargs())
 
     def padding_key_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The keys the padding keeps, per batch row, as one interval: ``(start, end, exact)``.
