@@ -16,18 +16,10 @@
 #   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
 #   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op (SANITIZE_FILES
 #             and SANITIZE_K override the files and the -k expression)
-#   bench     bench_sdpa_mask / bench_softmax / bench_attention with --device cuda
-#   quickbench the same, attention with --quick
-#   attnbench only bench_attention --quick
-#   maskbench only bench_sdpa_mask
-#   masksweep bench_sdpa_mask at 4096^2 once per SAFEATTN_MASK_WAVES in MASK_WAVES (1 2 4 8)
-#   softmaxbench only bench_softmax, its forward rows copied into the summary
-#   softmaxprofile Nsight Compute over our softmax forward and torch.softmax's (float32 shapes)
-#   aoti      scripts/aoti_probe.py: which AOTInductor package crashes on load (the torch-only
-#             control on CPU, then every case on CUDA)
-#   decodeprofile torch.profiler tables of both decode paths, Nsight Compute over the split one
-#   profile   Nsight Compute over scripts/profile_attention.py (D=PROFILE_HEAD_DIM, default 128):
-#             speed of light, occupancy, warp stalls, memory and compute of each attention kernel
+#   bench     `python -m safeattn bench NAME --device cuda --markdown` for each NAME in BENCH
+#             (default: sdpa_mask softmax attention), BENCH_ARGS added (e.g. --quick); the README
+#             tables end each bench_NAME.txt
+#   profile   benchmarks/profile.sh over the targets in PROFILE (default: attention; also softmax)
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +29,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
 TIMEOUT="${STAGE_TIMEOUT:-420}"
 WORKERS="${PYTEST_WORKERS:-4}"
 SUMMARY="$OUT/summary.txt"
-NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis
-  --section MemoryWorkloadAnalysis --section LaunchStats)
+export OUT STAGE_TIMEOUT="$TIMEOUT"
 : >"$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -108,86 +99,21 @@ stage_sanitize() {
 run_bench() {
   local name=$1
   shift
-  timeout -k 10 "$TIMEOUT" python "$@" >"$OUT/bench_$name.txt" 2>&1
+  timeout -k 10 "$TIMEOUT" python -m safeattn bench "$name" "$@" >"$OUT/bench_$name.txt" 2>&1
   say "bench $name (rc $?): $OUT/bench_$name.txt"
 }
 
 stage_bench() {
-  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
-  run_bench softmax benchmarks/bench_softmax.py --device cuda
-  run_bench attention benchmarks/bench_attention.py --device cuda
-}
-
-stage_quickbench() {
-  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
-  run_bench softmax benchmarks/bench_softmax.py --device cuda
-  stage_attnbench
-}
-
-stage_maskbench() {
-  run_bench sdpa_mask benchmarks/bench_sdpa_mask.py --device cuda
-  grep -E '^\| [0-9]' "$OUT/bench_sdpa_mask.txt" | tee -a "$SUMMARY"
-}
-
-stage_masksweep() {
-  # bench_sdpa_mask at Q = KV = 4096 once per SAFEATTN_MASK_WAVES (blocks: waves of 2048 threads per SM).
-  local w
-  for w in ${MASK_WAVES:-1 2 4 8}; do
-    SAFEATTN_MASK_WAVES=$w run_bench "sdpa_mask_waves$w" benchmarks/bench_sdpa_mask.py --device cuda --lengths 4096 \
-      ${MASK_SWEEP_ARGS:-}
-    grep -E '^\| [0-9]' "$OUT/bench_sdpa_mask_waves$w.txt" | sed "s/^/waves $w /" | tee -a "$SUMMARY"
+  local name
+  for name in ${BENCH:-sdpa_mask softmax attention}; do
+    # shellcheck disable=SC2086
+    run_bench "$name" --device cuda --markdown ${BENCH_ARGS:-}
   done
-}
-
-stage_softmaxbench() {
-  run_bench softmax benchmarks/bench_softmax.py --device cuda
-  grep -E '^ *(bf16|fp32) ' "$OUT/bench_softmax.txt" | head -10 | tee -a "$SUMMARY"
-}
-
-stage_softmaxprofile() {
-  # Nsight Compute over our forward and torch.softmax's at the float32 shapes where torch is ahead.
-  timeout -k 10 "$TIMEOUT" ncu --kernel-name regex:'softmax' "${NCU_SECTIONS[@]}" \
-    python benchmarks/bench_softmax.py --device cuda --profile --dtypes fp32 --shapes 1048576x1024,4194304x128 \
-    >"$OUT/ncu_softmax.txt" 2>&1
-  say "softmaxprofile (rc $?): ncu_softmax.txt"
-  grep -E '^  [a-z_:]*softmax|Duration|DRAM Throughput|Achieved Occupancy|Registers Per' "$OUT/ncu_softmax.txt" |
-    cut -c1-150 | tee -a "$SUMMARY"
-}
-
-stage_attnbench() {
-  run_bench attention benchmarks/bench_attention.py --device cuda --quick
-}
-
-stage_aoti() {
-  # The control first: a plain package in a process that never imports safeattn, and one that
-  # does. AOTI_BACKTRACE=1 reruns crashed cases under cuda-gdb (minutes each).
-  local backtrace=()
-  [ "${AOTI_BACKTRACE:-0}" = 1 ] && backtrace=(--backtrace)
-  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cpu --cases torch_only,linear --out "$OUT" 2>&1 |
-    tee "$OUT/aoti_cpu.txt" | grep -E '^aoti' | cut -c1-240 | tee -a "$SUMMARY"
-  timeout -k 10 "$TIMEOUT" python scripts/aoti_probe.py --device cuda --out "$OUT" "${backtrace[@]}" 2>&1 |
-    tee "$OUT/aoti_cuda.txt" | grep -E '^aoti' | cut -c1-240 | tee -a "$SUMMARY"
 }
 
 stage_profile() {
-  # Past the first is_causal call (4 kernels): the second one and the first dense-mask call.
-  timeout -k 10 "$TIMEOUT" ncu --target-processes all --kernel-name regex:'attention|summarize' \
-    --launch-skip 4 --launch-count 12 "${NCU_SECTIONS[@]}" \
-    python scripts/profile_attention.py --head-dim "${PROFILE_HEAD_DIM:-128}" --calls 2 >"$OUT/ncu_attention.txt" 2>&1
-  say "profile (rc $?): $(grep -c 'attention' "$OUT/ncu_attention.txt") lines naming attention kernels in ncu_attention.txt"
-}
-
-stage_decodeprofile() {
-  # Per-kernel device times of both decode paths, then Nsight Compute over the split kernels.
-  local kv
-  for kv in 4096 32768; do
-    SAFEATTN_ATTN_DECODE=0 python scripts/profile_attention.py --decode "$kv" --table >"$OUT/decode_table_$kv.txt" 2>&1
-    python scripts/profile_attention.py --decode "$kv" --table >"$OUT/decode_split_table_$kv.txt" 2>&1
-  done
-  timeout -k 10 "$TIMEOUT" ncu --kernel-name regex:decode --launch-skip 2 --launch-count 2 \
-    "${NCU_SECTIONS[@]}" python scripts/profile_attention.py --decode 32768 --calls 2 >"$OUT/ncu_decode.txt" 2>&1
-  say "decodeprofile (rc $?): decode_*table_*.txt, ncu_decode.txt"
-  grep -hE '^-- |attention' "$OUT"/decode_*table_*.txt | cut -c1-260 | tee -a "$SUMMARY"
+  # shellcheck disable=SC2086
+  bash benchmarks/profile.sh ${PROFILE:-attention} 2>&1 | tee -a "$SUMMARY"
 }
 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -195,8 +121,7 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | quickbench | attnbench | maskbench | masksweep | softmaxbench | \
-      softmaxprofile | aoti | profile | decodeprofile) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | profile) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done

@@ -10,8 +10,6 @@ import pytest
 import safeattn
 import torch
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 HAS_ATTENTION = hasattr(safeattn, "attention")
 NEEDS_ATTENTION = pytest.mark.skipif(not HAS_ATTENTION, reason="safeattn.attention is not in this build")
 NEG_INF = float("-inf")

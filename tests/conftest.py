@@ -2,9 +2,24 @@ import pytest
 import safeattn  # noqa: F401  registers torch.ops.safeattn.*
 import torch
 
-DEVICES = [
+# The device parametrisations of every test file, defined here once: the CUDA cases run where a GPU
+# is visible (the GPU host runs the same files) and skip with their reason elsewhere.
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
+# The attention's CUDA cases also need the CUDA kernels of both directions (built when CUDA is).
+HAS_CUDA_ATTENTION = all(
+    torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    for op in ("safeattn::attention", "safeattn::_attention_backward")
+)
+ATTENTION_DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not (torch.cuda.is_available() and HAS_CUDA_ATTENTION),
+            reason="needs a CUDA GPU and the CUDA attention kernels",
+        ),
+    ),
 ]
 
 

@@ -18,24 +18,9 @@ import pytest
 import safeattn
 import torch
 import torch.nn.functional as F
+from conftest import ATTENTION_DEVICES as DEVICES
+from conftest import HAS_CUDA_ATTENTION as _HAS_CUDA_KERNEL
 from safeattn import reference
-
-# CUDA cases need a GPU and the CUDA kernels of both directions (built when CUDA is).
-_HAS_CUDA_KERNEL = all(
-    torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
-    for op in ("safeattn::attention", "safeattn::_attention_backward")
-)
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not (torch.cuda.is_available() and _HAS_CUDA_KERNEL),
-            reason="needs a CUDA GPU and the CUDA attention kernels",
-        ),
-    ),
-]
-
 
 FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3, torch.float64: 1e-10}
 

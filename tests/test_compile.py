@@ -24,14 +24,13 @@ import safeattn
 import torch
 from _op_cases import (
     CASE_PARAMS,
-    DEVICES,
     HAS_ATTENTION,
-    NEEDS_CUDA,
     assert_same,
     clone_inputs,
     make_inputs,
     run,
 )
+from conftest import DEVICES, NEEDS_CUDA
 from torch._dynamo.testing import CompileCounterWithBackend
 
 # Five sequence lengths (none is 0 or 1, which dynamo specialises on), odd and even.

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from _op_cases import CASE_PARAMS, DEVICES, clone_inputs, make_inputs, run
+from _op_cases import CASE_PARAMS, clone_inputs, make_inputs, run
+from conftest import DEVICES
 
 THREADS = 8
 REPEATS = 3

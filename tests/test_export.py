@@ -19,7 +19,8 @@ import sys
 import pytest
 import safeattn
 import torch
-from _op_cases import DEVICES, HAS_ATTENTION
+from _op_cases import HAS_ATTENTION
+from conftest import DEVICES
 from torch.export import Dim
 
 EMBED, HEADS = 16, 2

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import safeattn
 import torch
+from conftest import DEVICES, NEEDS_CUDA
 from safeattn import reference
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 LOW_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPES = [*LOW_DTYPES, torch.float64]
 NEG_INF = float("-inf")

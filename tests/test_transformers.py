@@ -222,7 +222,7 @@ def test_compile_where_dynamo_cannot_read_closures(monkeypatch):
     """Before torch 2.14 dynamo cannot read the cells of a mask closure made inside the compiled
     region (seen with torch 2.11): safeattn then leaves such masks to Transformers' own code, and a
     sliding-window model still compiles with fullgraph=True and matches eager."""
-    monkeypatch.setattr(st, "_DYNAMO_READS_CLOSURES", False)
+    monkeypatch.setattr(st._mask_reader, "DYNAMO_READS_CLOSURES", False)
     config = make_config("gemma2")
     model = make_model(config, "safeattn")
     torch._dynamo.reset()
@@ -242,7 +242,7 @@ def test_fallback_masks_under_compile_apply_padding_by_broadcast(monkeypatch):
     padding applied by broadcasting (Transformers' gather is what inductor miscompiles on CPU in
     torch 2.11, pytorch #178244): the bool and the float mask equal Transformers' own, for left and
     right padding and a sliding window at a decode offset."""
-    monkeypatch.setattr(st, "_DYNAMO_READS_CLOSURES", False)
+    monkeypatch.setattr(st._mask_reader, "DYNAMO_READS_CLOSURES", False)
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[0, :3] = False  # left padding
     pad[1, 7:] = False  # right padding

@@ -1,10 +1,15 @@
-"""The "safeattn" mask function against Transformers' own sdpa and eager masks.
+"""The "safeattn" mask function against Transformers' own sdpa and eager masks, and the mask
+reader (safeattn._mask_reader) against every mask the supported models build.
 
 Runs against Transformers 5.x and 4.57.x (the mask-function keywords differ; `mask_kwargs` and
 `create` speak the installed version's). The cases include those of Transformers' own
 `tests/utils/test_masking_utils.py` (packed sequences, chunked attention with left padding at
 prefill and at decode, the non-packed skip, the bidirectional skip), compared here with what
 Transformers' sdpa mask returns for the same call, None included.
+
+The reader tests fail when a Transformers release renames or changes what the reader reads (a
+factory, a closure's free variable): every mask that the supported models and Transformers'
+create_*_mask functions build must be recognised, not merely fall back correctly.
 """
 
 from __future__ import annotations
@@ -19,7 +24,21 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import safeattn.transformers as st  # noqa: E402  registers "safeattn"
+from _transformers_models import (  # noqa: E402
+    MODELS,
+    make_config,
+    make_model,
+    packed_batch,
+    padded_batch,
+)
+from safeattn._mask_reader import (  # noqa: E402
+    MaskDescription,
+    NotRecognised,
+    read_mask_function,
+    recognised_factories,
+)
 from transformers import masking_utils as mu  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 IS_TF5 = "q_length" in inspect.signature(mu.sdpa_mask).parameters
 needs_tf5 = pytest.mark.skipif(
@@ -184,25 +203,34 @@ def test_eager_mask_dtypes_use_finfo_min():
         assert ours.min().item() == torch.finfo(dtype).min, "eager masks block with finfo.min, not -inf"
 
 
-# ---- what Transformers cannot express natively falls back, and says so once ----
-def test_unrecognised_mask_function_falls_back_and_logs_once(caplog):
+# ---- what Transformers cannot express natively falls back, and says so once per reason ----
+def test_unrecognised_mask_function_falls_back_and_logs_once_per_reason(caplog):
     def user_overlay(batch_idx, head_idx, q_idx, kv_idx):
         return kv_idx != 2
 
-    fn = mu.and_masks(mu.causal_mask_function, user_overlay)
+    functions = {
+        "user overlay": mu.and_masks(mu.causal_mask_function, user_overlay),
+        "two windows": mu.and_masks(
+            mu.sliding_window_causal_mask_function(2), mu.sliding_window_overlay(3)
+        ),
+    }
     st._FALLBACK_LOGGED.clear()
-    with caplog.at_level(logging.DEBUG, logger="safeattn.transformers"):
-        for q_length, kv_length, q_offset, kv_offset in SIZES[:3]:
-            kw = mask_kwargs(
-                B, q_length, kv_length, q_offset, kv_offset, mask_function=fn, attention_mask=PADDINGS["left"]
-            )
-            assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), "fallback sdpa")
-            assert_same_mask(st.eager_mask(**kw), mu.eager_mask(**kw), "fallback eager")
-    records = [
-        r for r in caplog.records if r.name == "safeattn.transformers" and "unrecognised" in r.getMessage()
-    ]
-    assert len(records) == 1, f"the fallback is logged once at debug level, got {len(records)} records"
-    assert records[0].levelno == logging.DEBUG, "the fallback log is at debug level"
+    with caplog.at_level(logging.INFO, logger="safeattn.transformers"):
+        for _ in range(2):
+            for what, fn in functions.items():
+                for q_length, kv_length, q_offset, kv_offset in SIZES[:3]:
+                    kw = mask_kwargs(
+                        B, q_length, kv_length, q_offset, kv_offset, mask_function=fn,
+                        attention_mask=PADDINGS["left"],
+                    )
+                    assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), f"fallback sdpa, {what}")
+                    assert_same_mask(st.eager_mask(**kw), mu.eager_mask(**kw), f"fallback eager, {what}")
+    records = [r for r in caplog.records if r.name == "safeattn.transformers"]
+    messages = [r.getMessage() for r in records]
+    assert len(records) == 2, f"one log line per fallback reason, got {messages}"
+    assert all(r.levelno == logging.INFO for r in records), f"fallbacks are logged at INFO: {messages}"
+    assert "user_overlay is not one of Transformers' mask functions" in messages[0], messages[0]
+    assert "and_masks of two different sliding rules" in messages[1], messages[1]
 
 
 def test_recognised_mask_functions_build_natively(monkeypatch):
@@ -235,8 +263,9 @@ def test_unsupported_compositions_are_not_recognised():
         )
         cases["or of a block and something ANDed after"] = mu.and_masks(mu.or_masks(causal, blocks), sliding)
     for what, fn in cases.items():
-        form = st._recognise(fn)
-        assert form is None or st._native_arguments(form, None) is None, f"{what} must fall back"
+        description = read_mask_function(fn)
+        assert isinstance(description, NotRecognised), f"{what} must fall back, read as {description}"
+        assert description.reason, f"{what}: the reason is said"
         kw = mask_kwargs(B, 7, 7, mask_function=fn, attention_mask=PADDINGS["left"])
         assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), f"fallback {what}")
 
@@ -490,3 +519,193 @@ def test_registration():
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS[st.NAME] is st.sdpa_mask, "the mask function is registered"
     assert AttentionInterface._global_mapping[st.NAME] is st.attention_forward, "the attention is registered"
     assert mu.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is mu.sdpa_mask, "sdpa is untouched until patch_masks()"
+
+
+# ---- the mask reader: closure in, description (with a dense twin) or reason out ----
+# The factories each supported release has and the reader must read: a release that renames one,
+# or the free variables the reader takes from its closures, fails here by name.
+EXPECTED_FACTORIES = {
+    "causal_mask_function",
+    "and_masks",
+    "or_masks",
+    "sliding_window_overlay",
+    "chunked_overlay",
+    "padding_mask_function",
+    "packed_sequence_mask_function",
+}
+if IS_TF5:
+    EXPECTED_FACTORIES |= {
+        "bidirectional_mask_function",
+        "sliding_window_bidirectional_overlay",
+        "blockwise_overlay",
+    }
+else:
+    EXPECTED_FACTORIES |= {"_legacy_chunked_overlay"}
+
+
+def test_reader_reads_every_factory_of_this_release():
+    missing = EXPECTED_FACTORIES - recognised_factories()
+    assert not missing, (
+        f"transformers {transformers.__version__} renamed or changed masking_utils factories that "
+        f"safeattn._mask_reader reads: {sorted(missing)}; every mask using them falls back"
+    )
+
+
+def _unskipped(kw):
+    """The keywords with both of Transformers' skips off, so its sdpa_mask returns a tensor."""
+    kw = dict(kw, allow_is_causal_skip=False)
+    if IS_TF5:
+        kw["allow_is_bidirectional_skip"] = False
+    return kw
+
+
+@pytest.mark.parametrize("fn_name", list(FUNCTIONS))
+def test_descriptions_have_dense_twins(fn_name):
+    description = read_mask_function(FUNCTIONS[fn_name])
+    assert isinstance(description, MaskDescription), f"{fn_name} is read: {description}"
+    for (q_length, kv_length, q_offset, kv_offset), pad_name in itertools.product(
+        SIZES, ("none", "left", "narrow")
+    ):
+        kw = _unskipped(
+            mask_kwargs(
+                B, q_length, kv_length, q_offset, kv_offset, mask_function=FUNCTIONS[fn_name],
+                attention_mask=PADDINGS[pad_name],
+            )
+        )
+        q_positions = kw.get("cache_position")  # 4.57 passes query positions as a tensor
+        dense = description.with_padding(PADDINGS[pad_name]).materialise(
+            B, q_length, kv_length, q_offset=0 if q_positions is not None else q_offset,
+            kv_offset=kv_offset, q_positions=q_positions,
+        )
+        what = f"{fn_name} sizes={(q_length, kv_length, q_offset, kv_offset)} padding={pad_name}"
+        assert_same_mask(dense, mu.sdpa_mask(**kw), "materialised description " + what)
+
+
+def test_description_fields_are_the_native_rules():
+    pad = PADDINGS["left"]
+    sliding = read_mask_function(
+        mu.and_masks(mu.sliding_window_causal_mask_function(3), mu.padding_mask_function(pad))
+    )
+    assert (sliding.causal, sliding.sliding_window, sliding.chunk_size) == (True, 3, None), sliding
+    assert sliding.padding_mask is pad, "one padding mask is kept as given"
+    chunked = read_mask_function(mu.chunked_causal_mask_function(4, LEFT))
+    assert (chunked.chunk_size, chunked.chunk_left_padding) == (4, LEFT), chunked
+    packed = read_mask_function(FUNCTIONS["packed"])
+    assert packed.packed_ids is PACKED and packed.block_ids is None, packed
+    assert packed.sdpa_mask_kwargs() == dict(
+        causal=True, sliding_window=None, chunk_size=None, chunk_left_padding=None, padding_mask=None,
+        packed_ids=PACKED, block_ids=None,
+    ), "the description is safeattn.sdpa_mask's keywords"
+    if IS_TF5:
+        window = read_mask_function(mu.sliding_window_bidirectional_mask_function(2))
+        assert (window.causal, window.sliding_window) == (False, 2), window
+        causal_window = read_mask_function(FUNCTIONS["causal_and_bidirectional_window"])
+        assert (causal_window.causal, causal_window.sliding_window) == (True, 3), (
+            "kv <= q and |q - kv| <= 2 is the causal window of 3 keys"
+        )
+        block = read_mask_function(FUNCTIONS["block"])
+        assert block.block_ids is BLOCKS and block.causal, block
+
+
+def test_padding_key_bounds():
+    keep = torch.tensor(
+        [
+            [0, 0, 1, 1, 1, 1],  # left padding
+            [1, 1, 1, 1, 0, 0],  # right padding
+            [1, 1, 1, 1, 1, 1],  # none
+            [0, 1, 1, 0, 1, 0],  # a hole: not one interval
+            [0, 0, 0, 0, 0, 0],  # nothing kept
+        ],
+        dtype=torch.bool,
+    )
+    assert MaskDescription().padding_key_bounds() is None, "no padding, no bounds"
+    description = MaskDescription(padding_mask=keep)
+    start, end, exact = description.padding_key_bounds()
+    assert start.tolist() == [2, 0, 0, 1, 0], start
+    assert end.tolist() == [6, 4, 6, 5, 0], end
+    assert exact.tolist() == [True, True, True, False, True], exact
+    # Where the bounds are exact, the interval alone gives the dense twin's mask.
+    dense = description.materialise(5, 6, 6)
+    kv = torch.arange(6)
+    interval = (kv >= start[:, None]) & (kv < end[:, None])
+    causal = kv[None, :] <= kv[:, None]
+    for row in exact.nonzero().flatten().tolist():
+        assert torch.equal(dense[row, 0], causal & interval[row]), f"row {row}: the interval is the padding"
+
+
+def _recording_mask_interface(monkeypatch):
+    """Routes the "safeattn" mask interface through a recorder of what the reader makes of each
+    mask function, and makes Transformers' own construction (the fallback) fail."""
+    seen = []
+
+    def record(**kwargs):
+        fn = kwargs.get("mask_function", mu.causal_mask_function)
+        seen.append((getattr(fn, "__qualname__", repr(fn)), read_mask_function(fn)))
+        return st.sdpa_mask(**kwargs)
+
+    def no_fallback(**kwargs):
+        raise AssertionError("a mask went to Transformers' own construction")
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, st.NAME, record)
+    monkeypatch.setattr(st, "_TF_SDPA_MASK", no_fallback)
+    return seen
+
+
+def _assert_all_read(seen, what):
+    assert seen, f"{what}: no mask was built (nothing was checked)"
+    failed = [f"{name}: {result.reason}" for name, result in seen if isinstance(result, NotRecognised)]
+    assert not failed, (
+        f"{what}: transformers {transformers.__version__} built masks that safeattn._mask_reader "
+        f"does not recognise (renamed or changed factories?): {failed}"
+    )
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_mask_of_the_supported_models_is_read(name, monkeypatch):
+    config = make_config(name)
+    model = make_model(config, st.NAME)
+    seen = _recording_mask_interface(monkeypatch)
+    input_ids, position_ids = packed_batch()
+    with torch.no_grad():
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        for side in ("left", "right"):
+            input_ids, attention_mask = padded_batch(side)
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        # Prefill into a cache, then decode steps: masks of other shapes (sliding caches too).
+        input_ids, attention_mask = padded_batch("left")
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+        for _ in range(6):
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(3, 1)], dim=1)
+            out = model(
+                input_ids=input_ids[:, -1:], attention_mask=attention_mask,
+                past_key_values=out.past_key_values, use_cache=True,
+            )
+    _assert_all_read(seen, name)
+
+
+def test_every_mask_of_the_create_functions_is_read(monkeypatch):
+    seen = _recording_mask_interface(monkeypatch)
+    embeds = torch.empty(2, 8, 8)
+    padding = torch.tensor([[0] * 3 + [1] * 5, [1] * 8])
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], list(range(8))])
+    config = llama_config(st.NAME, sliding_window=3, attention_chunk_size=4)
+    for fn_name in ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"):
+        create(fn_name, config, embeds, padding)
+        create(fn_name, config, embeds, None, position_ids=position_ids)  # packed sequences
+        create(fn_name, config, embeds, padding, and_mask_function=mu.padding_mask_function(padding.bool()))
+    if IS_TF5:
+        blocks = torch.tensor([[-1, -1, -1, 0, 0, 0, -1, -1], [1, 1, -1, -1, 2, 2, 2, -1]])
+        create("create_causal_mask", config, embeds, padding, or_mask_function=mu.blockwise_overlay(blocks))
+        create("create_causal_mask", config, embeds, padding, block_sequence_ids=blocks)
+        create("create_sliding_window_causal_mask", config, embeds, padding, block_sequence_ids=blocks)
+        for padded in (padding, None):
+            mu.create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=padded)
+            mu.create_bidirectional_mask(
+                config=config, inputs_embeds=embeds, attention_mask=None if padded is None else padded[:, 3:],
+                encoder_hidden_states=torch.empty(2, 5, 8),
+            )
+            mu.create_bidirectional_mask(
+                config=config, inputs_embeds=embeds, attention_mask=padded,
+                and_mask_function=mu.sliding_window_bidirectional_overlay(2),
+            )
+    _assert_all_read(seen, "create_*_mask")

@@ -6,7 +6,8 @@ import argparse
 import platform
 import sys
 
-from ._cli_bench import add_arguments, machine_name
+from ._bench import machine_name
+from ._cli_bench import add_arguments
 
 
 def _info() -> int:
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     demo.add_argument("--quick", action="store_true", help="small sizes (CI)")
     demo.add_argument("--no-compile", action="store_true", help="skip the torch.compile timings")
-    bench = sub.add_parser("bench", help="the benchmark suite: ratio tables against peers, plots")
+    bench = sub.add_parser(
+        "bench", help="the benchmark suite: ratio tables against peers, plots; the README's tables"
+    )
     add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -1,47 +1,39 @@
-"""``python -m safeattn bench``: the benchmark suite, over sequence lengths, with plots.
+"""``python -m safeattn bench``: the benchmark suite.
 
-Each op is timed against its peers in the same run, at every sequence length, on fresh random
-data (never zeros): the median of repeats taken round-robin across the implementations
-(``_bench.time_ms`` per call: CUDA events on the GPU, perf_counter on the CPU). The
-tables give each peer's time divided by safeattn's (> 1: safeattn is faster); the plots
-(``--plot DIR``, one PNG per op) give throughput against sequence length.
+Two forms, one suite (each op's cases live in ``_bench_<op>.py``, shared timing in ``_bench.py``):
 
-The scripts in ``benchmarks/`` measure the same ops at fixed, larger shapes in more detail; this
-suite is the sweep over sequence length that a user can run from an installed package.
+- ``python -m safeattn bench [--op OP ...] [--plot DIR]``: the sweep over sequence length. Each
+  op is timed against its peers in the same run, at every sequence length, on fresh random data
+  (never zeros): the median of repeats taken round-robin across the implementations
+  (``_bench.time_ms`` per call: CUDA events on the GPU, perf_counter on the CPU). The tables give
+  each peer's time divided by safeattn's (> 1: safeattn is faster); the plots (``--plot DIR``,
+  one PNG per op) give throughput against sequence length.
+- ``python -m safeattn bench {sdpa_mask,softmax,attention,transformers} [options] [--markdown]``:
+  the fixed, larger shapes of the README's tables, in more detail (each module's docstring says
+  what it measures); ``--markdown`` also prints the README's tables from the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from . import ops
-from ._bench import mask_workload, time_ms
+from . import _bench_attention, _bench_sdpa_mask, _bench_softmax, _bench_transformers
+from ._bench import Case, Settings, machine_name, time_ms
 
-NEG_INF = float("-inf")
-
-
-@dataclass
-class Case:
-    """One (op, sequence length, pass) point: the callables to time, safeattn's first."""
-
-    op: str
-    seq: int
-    mode: str  # "fwd", "fwd+bwd", a mask kind, ...
-    impls: dict[str, Callable[[], object]]
-    work: float  # units of work per call, in the op's throughput unit (bytes, FLOPs, tokens)
-    ms: dict[str, float] = field(default_factory=dict)
-
-    def throughput(self, impl: str) -> float:
-        return self.work / (self.ms[impl] * 1e-3)
+# The fixed-shape tables: python -m safeattn bench <name> [options].
+TABLES = {
+    "sdpa_mask": _bench_sdpa_mask,
+    "softmax": _bench_softmax,
+    "attention": _bench_attention,
+    "transformers": _bench_transformers,
+}
 
 
 @dataclass
@@ -56,183 +48,6 @@ class OpSuite:
     note: str
 
 
-@dataclass
-class Settings:
-    device: torch.device
-    dtype: torch.dtype
-    quick: bool
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def machine_name() -> str:
-    """The CPU's model name (for benchmark tables and plots), or the platform's when unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# ---- sdpa_mask ---------------------------------------------------------------------------
-
-
-def _mask_batch(s: Settings) -> int:
-    return 2 if s.quick or s.device.type == "cpu" else 8
-
-
-def _build_sdpa_mask(seq: int, mode: str, s: Settings) -> Case:
-    import transformers.masking_utils as mu
-
-    batch = _mask_batch(s)
-    ours, theirs = mask_workload(mode, batch, seq, str(s.device), seed=seq)
-    got, expected = ops.sdpa_mask(**ours), mu.sdpa_mask(**theirs)
-    if not torch.equal(got, expected.expand_as(got)):
-        raise AssertionError(
-            f"sdpa_mask {mode} B={batch} L={seq}: the native mask differs from Transformers'"
-        )
-    numel = batch * seq * seq
-    return Case(
-        "sdpa_mask",
-        seq,
-        mode,
-        {
-            "safeattn": lambda: ops.sdpa_mask(**ours),
-            "transformers": lambda: mu.sdpa_mask(**theirs),
-            # The floor: allocating and filling a bool tensor of the same size.
-            "bool fill_": lambda: torch.empty(numel, dtype=torch.bool, device=s.device).fill_(True),
-        },
-        work=numel,  # one byte per mask element
-    )
-
-
-# ---- safe_softmax and masked_softmax -----------------------------------------------------
-
-
-def _scores(seq: int, s: Settings, heads: int, batch: int = 1) -> torch.Tensor:
-    """Attention-shaped scores [B, H, S, S] with every 7th query row fully -inf."""
-    x = torch.randn(batch, heads, seq, seq, device=s.device).mul_(2).to(s.dtype)
-    x[:, :, ::7] = NEG_INF
-    return x
-
-
-def _softmax_where(x: torch.Tensor) -> torch.Tensor:
-    """What users write by hand: softmax, then zero the rows that were all -inf."""
-    return torch.where(x.isneginf().all(-1, keepdim=True), 0, torch.softmax(x, -1))
-
-
-def _build_safe_softmax(seq: int, mode: str, s: Settings) -> Case:
-    x = _scores(seq, s, heads=8)
-    size = _element_size(s.dtype)
-    if mode == "fwd":
-        impls = {
-            "safeattn": lambda: ops.safe_softmax(x, -1),
-            "torch.softmax": lambda: torch.softmax(x, -1),
-            "aten._safe_softmax": lambda: torch.ops.aten._safe_softmax(x, -1),
-            "softmax+where": lambda: _softmax_where(x),
-        }
-        return Case("safe_softmax", seq, mode, impls, work=2 * x.numel() * size)  # read + write
-    out = ops.safe_softmax(x, -1)
-    grad = torch.randn_like(out)
-    impls = {
-        "safeattn": lambda: torch.ops.safeattn._safe_softmax_backward(grad, out, -1, s.dtype),
-        # Also the backward of aten._safe_softmax (and of softmax+where, after its where).
-        "torch.softmax": lambda: torch.ops.aten._softmax_backward_data(grad, out, -1, s.dtype),
-    }
-    return Case("safe_softmax", seq, mode, impls, work=3 * x.numel() * size)  # 2 reads + write
-
-
-def _build_masked_softmax(seq: int, mode: str, s: Settings) -> Case:
-    batch, heads = 2, 4
-    x = torch.randn(batch, heads, seq, seq, device=s.device).to(s.dtype)
-    pad = torch.ones(batch, seq, dtype=torch.bool)
-    pad[1, : seq // 8] = False  # left padding: batch 1's first rows see nothing
-    mask = ops.sdpa_mask(batch, seq, seq, padding_mask=pad).to(s.device)  # [B, 1, S, S] bool
-    scale = 0.125
-    finfo_min = torch.finfo(s.dtype).min
-    impls = {
-        "safeattn": lambda: ops.masked_softmax(x, mask, scale),
-        "scale+masked_fill+_safe_softmax": lambda: torch.ops.aten._safe_softmax(
-            (x * scale).masked_fill(~mask, NEG_INF), -1
-        ),
-        # Transformers' eager attention: a finfo.min bias added, then softmax.
-        "scale+bias+softmax": lambda: torch.softmax(
-            x * scale + torch.zeros((), dtype=s.dtype, device=s.device).masked_fill(~mask, finfo_min), -1
-        ),
-    }
-    size = _element_size(s.dtype)
-    return Case("masked_softmax", seq, mode, impls, work=2 * x.numel() * size)
-
-
-# ---- attention ---------------------------------------------------------------------------
-
-
-def _build_attention(seq: int, mode: str, s: Settings) -> Case:
-    batch, heads, head_dim = 1, 8, 64
-    backward = mode == "fwd+bwd"
-    q, k, v = (
-        torch.randn(batch, heads, seq, head_dim, device=s.device, dtype=s.dtype).requires_grad_(backward)
-        for _ in range(3)
-    )
-    pad = torch.ones(batch, seq, dtype=torch.bool)
-    pad[:, : seq // 8] = False  # left padding: causal + padding mask, the first rows empty
-    mask = ops.sdpa_mask(batch, seq, seq, padding_mask=pad).to(s.device)
-    grad_out = torch.randn(batch, heads, seq, head_dim, device=s.device, dtype=s.dtype)
-
-    def run(fn):
-        if not backward:
-
-            def forward():
-                with torch.no_grad():
-                    return fn()
-
-            return forward
-        # autograd.grad rather than .backward(): nothing accumulates into .grad between repeats.
-        return lambda: torch.autograd.grad(fn(), (q, k, v), grad_out)
-
-    impls = {
-        "safeattn": run(lambda: ops.attention(q, k, v, attn_mask=mask)[0]),
-        "sdpa (bool mask)": run(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
-        # No padding: PyTorch's flash path, the ceiling for a causal mask without a tensor.
-        "sdpa (is_causal, no padding)": run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
-    }
-    # Nominal FLOPs of the two matmuls (not halved for causal, the same for every peer); the
-    # backward does 2.5x the forward's.
-    flops = 4 * batch * heads * seq * seq * head_dim * (3.5 if backward else 1.0)
-    return Case("attention", seq, mode, impls, work=flops)
-
-
-# ---- a Transformers model ----------------------------------------------------------------
-
-
-def _build_transformers(seq: int, mode: str, s: Settings) -> Case:
-    from ._demo import left_padded_batch, tiny_llama, tiny_llama_config
-
-    config = tiny_llama_config(quick=s.quick)
-    batch = 2 if s.quick or s.device.type == "cpu" else 8
-    input_ids, attention_mask = left_padded_batch(batch, seq, config.vocab_size, s.device, seed=seq)
-    dtype = s.dtype if s.device.type == "cuda" else torch.float32
-
-    def prefill(model):
-        def forward():
-            with torch.no_grad():
-                return model(
-                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
-                )
-
-        return forward
-
-    impls = {
-        impl: prefill(tiny_llama(config, impl, s.device, dtype)) for impl in ("safeattn", "sdpa", "eager")
-    }
-    return Case("transformers", seq, mode, impls, work=batch * seq)
-
-
 SUITES = {
     suite.name: suite
     for suite in (
@@ -241,7 +56,7 @@ SUITES = {
             "Gmask elements/s",
             1e9,
             ("causal", "sliding"),
-            _build_sdpa_mask,
+            _bench_sdpa_mask.sweep_case,
             "[B, 1, S, S] bool, left padding on half the rows; bool fill_ = allocate + fill the same bytes",
         ),
         OpSuite(
@@ -249,7 +64,7 @@ SUITES = {
             "GB/s",
             1e9,
             ("fwd", "bwd"),
-            _build_safe_softmax,
+            _bench_softmax.sweep_case_safe_softmax,
             "rows of S over [1, 8, S, S], every 7th row all -inf; bytes an ideal kernel moves",
         ),
         OpSuite(
@@ -257,7 +72,7 @@ SUITES = {
             "GB/s",
             1e9,
             ("fwd",),
-            _build_masked_softmax,
+            _bench_softmax.sweep_case_masked_softmax,
             "scores [2, 4, S, S] with a causal + left-padding bool mask [2, 1, S, S]; scale 0.125",
         ),
         OpSuite(
@@ -265,7 +80,7 @@ SUITES = {
             "GFLOP/s",
             1e9,
             ("fwd", "fwd+bwd"),
-            _build_attention,
+            _bench_attention.sweep_case,
             "[1, 8, S, 64], causal + left-padding bool mask; nominal 4*S*S*D FLOPs per head (x3.5 with bwd)",
         ),
         OpSuite(
@@ -273,7 +88,7 @@ SUITES = {
             "tokens/s",
             1.0,
             ("prefill",),
-            _build_transformers,
+            _bench_transformers.sweep_case,
             "tiny random Llama prefill, left padding, attn_implementation per column",
         ),
     )
@@ -432,9 +247,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: float32 on CPU, bfloat16 on CUDA",
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per point")
+    tables = parser.add_subparsers(
+        dest="table",
+        metavar="{" + ",".join(TABLES) + "}",
+        help="instead of the sweep: one op's fixed-shape tables (the README's); options after the name",
+    )
+    for name, module in TABLES.items():
+        sub = tables.add_parser(
+            name,
+            help=module.__doc__.splitlines()[0],
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.table is not None:
+        return TABLES[args.table].run(args)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench: --device cuda but no CUDA device is visible", file=sys.stderr)

@@ -15,7 +15,6 @@ Three sections, each measured in the same run:
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops
-from ._bench import mask_workload, time_ms
+from ._bench import left_padded_batch, mask_workload, time_ms, tiny_llama, tiny_llama_config
 
 IMPLEMENTATIONS = ("eager", "sdpa", "safeattn")
 
@@ -46,46 +45,6 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> str:
 
 
 # ---- 1. a tiny Llama with left padding ---------------------------------------------------
-
-
-def tiny_llama_config(quick: bool):
-    import transformers
-
-    # Grouped-query attention (4 query heads over 2 key/value heads), as current Llamas have.
-    return transformers.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128 if quick else 256,
-        intermediate_size=256 if quick else 512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32 if quick else 64,
-        max_position_embeddings=4096,
-        pad_token_id=0,
-    )
-
-
-def tiny_llama(config, impl: str, device, dtype):
-    """The same random weights for every implementation (the seed is reset before each build)."""
-    import transformers
-
-    import safeattn.transformers  # noqa: F401  registers attn_implementation="safeattn"
-
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def left_padded_batch(batch_size: int, length: int, vocab: int, device, seed: int = 0):
-    """input_ids, attention_mask: [B, S]; row b has b * S / (2B) padding tokens on the left."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, vocab, (batch_size, length), generator=g)
-    attention_mask = torch.ones(batch_size, length, dtype=torch.long)
-    for row in range(batch_size):
-        pads = row * length // (2 * batch_size)
-        attention_mask[row, :pads] = 0
-        input_ids[row, :pads] = 0
-    return input_ids.to(device), attention_mask.to(device)
 
 
 class _PaddedRowSpy:

@@ -1,7 +1,8 @@
 """Slow, obviously-correct references used by the tests and benchmarks.
 
-They evaluate each formula of DESIGN.md on broadcast index grids (masks) or in float64
-(softmax, attention), sharing no code with the kernels.
+They evaluate each op's formulas, as its public docstring in ``ops.py`` and the comment at the
+top of ``csrc/ops/<op>.h`` write them, on broadcast index grids (masks) or in float64 (softmax,
+attention), sharing no code with the kernels.
 """
 
 from __future__ import annotations

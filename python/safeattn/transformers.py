@@ -11,12 +11,13 @@ What the model gets, compared with ``"sdpa"``:
 
 - the same outputs on real tokens; on fully padded query rows (left padding) the attention output
   is exactly 0 and nothing is NaN;
-- masks built by the native ``safeattn.sdpa_mask`` op, which recognises Transformers' own mask
-  functions (causal, bidirectional, sliding window, chunked with left padding, padding, packed
-  sequences, bidirectional blocks, and ``and_masks`` / ``or_masks`` of those at any nesting). A
-  mask function it does not recognise (a user overlay) is evaluated by Transformers' own
-  ``sdpa_mask`` instead: correct and slower, and said once through ``logging`` at debug level
-  (logger ``safeattn.transformers``). The mask is None exactly where Transformers' sdpa mask is
+- masks built by the native ``safeattn.sdpa_mask`` op from Transformers' own mask functions
+  (causal, bidirectional, sliding window, chunked with left padding, padding, packed sequences,
+  bidirectional blocks, and ``and_masks`` / ``or_masks`` of those at any nesting), which
+  ``safeattn._mask_reader`` reads into mask descriptions. A mask function it does not recognise
+  (a user overlay) is evaluated by Transformers' own ``sdpa_mask`` instead: correct and slower,
+  and said through ``logging`` at INFO level once per process and reason (logger
+  ``safeattn.transformers``). The mask is None exactly where Transformers' sdpa mask is
   None (so causal attention keeps its mask-free path), except with a static cache on an
   accelerator, where the query offset is a device tensor and reading it would be a host sync: there
   a mask is built instead (same result);
@@ -51,7 +52,8 @@ try:  # 5.x and 4.57 both export it at the top level; the module moved between v
 except ImportError:  # pragma: no cover
     from transformers.modeling_utils import AttentionInterface
 
-from .ops import sdpa_mask as _native_sdpa_mask
+from . import _mask_reader
+from ._mask_reader import NotRecognised, read_mask_function
 
 __all__ = ["NAME", "attention_forward", "eager_mask", "patch_masks", "sdpa_mask", "unpatch_masks"]
 
@@ -60,308 +62,9 @@ NAME = "safeattn"
 _logger = logging.getLogger(__name__)
 
 # Transformers' own constructions, kept before anything here is registered: the fallback for
-# mask functions this module does not recognise, and what unpatch_masks() restores.
+# mask functions the reader does not recognise, and what unpatch_masks() restores.
 _TF_SDPA_MASK = _mu.sdpa_mask
 _TF_EAGER_MASK = _mu.eager_mask
-
-
-# --------------------------------------------------------------------------------------------
-# Recognising Transformers' mask functions
-# --------------------------------------------------------------------------------------------
-# Transformers describes a mask as a Python predicate mask_function(b, h, q_idx, kv_idx) built
-# from a few factories; what is not passed as data (the window, the chunk size, the padding and
-# sequence-id tensors) lives in the closures. The inner function of a factory has one code
-# object for every closure it makes, so a closure is recognised by its code object, and its
-# parameters are read from its cells by free-variable name. A factory missing in this
-# Transformers version, or with other free-variable names, is simply not recognised.
-
-
-# Dynamo in torch 2.11 cannot read the cells of a closure created inside the compiled region
-# (Transformers builds its mask closures in the model's forward): iterating `__closure__` is an
-# unsupported graph break there (seen on the GPU host: torch 2.11, Python 3.12), while torch 2.14
-# traces it. Before 2.14, under compile, such closures are left to Transformers' own mask code.
-_DYNAMO_READS_CLOSURES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
-
-
-def _cells(fn) -> dict | None:
-    """{free variable name: value} of a closure, or None if it has none (or cannot be read)."""
-    if not _DYNAMO_READS_CLOSURES and torch.compiler.is_compiling():
-        return None
-    closure = getattr(fn, "__closure__", None)
-    code = getattr(fn, "__code__", None)
-    if closure is None or code is None:
-        return None
-    try:
-        return dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
-    except ValueError:  # an empty cell
-        return None
-
-
-def _probe_code(factory_name: str, *args):
-    """The code object of the closures a masking_utils factory returns (None if absent)."""
-    factory = getattr(_mu, factory_name, None)
-    if factory is None:
-        return None
-    try:
-        fn = factory(*args)
-    except Exception:  # a factory whose arguments changed: leave it unrecognised
-        return None
-    return getattr(fn, "__code__", None)
-
-
-_DUMMY_LEFT_PADDING = torch.zeros(1, dtype=torch.long)
-_DUMMY_IDS = torch.zeros(1, 1, dtype=torch.long)
-
-# [(code object, leaf kind)]: a list compared by identity (code objects are not hashed, so
-# torch.compile traces the lookup as plain constants).
-_LEAF_CODES: list = []
-
-
-def _add_leaf(code, kind: str, freevars: tuple[str, ...]) -> None:
-    if code is not None and all(name in code.co_freevars for name in freevars):
-        _LEAF_CODES.append((code, kind))
-
-
-def _leaf_kind(code) -> str | None:
-    for leaf_code, kind in _LEAF_CODES:
-        if leaf_code is code:
-            return kind
-    return None
-
-
-_AND_CODE = _probe_code("and_masks", _mu.causal_mask_function)
-_OR_CODE = _probe_code("or_masks", _mu.causal_mask_function)
-_add_leaf(_probe_code("sliding_window_overlay", 1), "sliding", ("sliding_window",))
-_add_leaf(
-    _probe_code("sliding_window_bidirectional_overlay", 1), "sliding_bidirectional", ("sliding_window",)
-)
-_add_leaf(_probe_code("chunked_overlay", 1, _DUMMY_LEFT_PADDING), "chunked", ("chunk_size", "left_padding"))
-_add_leaf(_probe_code("_legacy_chunked_overlay", 1), "chunked", ("chunk_size",))
-_add_leaf(_probe_code("padding_mask_function", _DUMMY_IDS), "padding", ("padding_mask",))
-_add_leaf(_probe_code("packed_sequence_mask_function", _DUMMY_IDS), "packed", ("packed_sequence_mask",))
-_add_leaf(_probe_code("blockwise_overlay", _DUMMY_IDS), "block", ("block_sequence_ids",))
-
-_CAUSAL_FN = _mu.causal_mask_function
-_BIDIRECTIONAL_FN = getattr(_mu, "bidirectional_mask_function", None)
-
-
-def _self_check_leaves() -> None:
-    """Drops a leaf whose Transformers predicate does not mean what this module builds for it.
-
-    The factories are evaluated on a small grid of positions and compared with the formulas of
-    the native op; a Transformers release that changed a predicate then falls back instead of
-    giving a different mask.
-    """
-    q = torch.arange(-3, 12).view(1, 1, -1, 1)
-    kv = torch.arange(-3, 12).view(1, 1, 1, -1)
-    b = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    left = torch.tensor([2])
-    expected = {
-        "sliding": lambda: (_mu.sliding_window_overlay(3), kv > q - 3),
-        "sliding_bidirectional": lambda: (_mu.sliding_window_bidirectional_overlay(3), (q - kv).abs() <= 3),
-        "chunked": lambda: (
-            _mu.chunked_overlay(3, left),
-            torch.div(kv - 2, 3, rounding_mode="floor") == torch.div(q - 2, 3, rounding_mode="floor"),
-        ),
-    }
-    legacy_chunked = _probe_code("_legacy_chunked_overlay", 1)
-    for entry in list(_LEAF_CODES):
-        code, kind = entry
-        if kind not in expected or code is legacy_chunked:
-            continue
-        try:
-            fn, want = expected[kind]()
-            got = fn(b, h, q, kv)
-            ok = fn.__code__ is code and torch.equal(torch.as_tensor(got).expand_as(want), want)
-        except Exception:
-            ok = False
-        if not ok:
-            _logger.debug(
-                "safeattn: Transformers' %s overlay changed meaning; it will use the fallback", kind
-            )
-            _LEAF_CODES.remove(entry)
-    if not torch.equal(_CAUSAL_FN(b, h, q, kv), kv <= q):
-        _LEAF_CODES.clear()  # causal itself changed: recognise nothing
-
-
-_self_check_leaves()
-
-
-class _Form:
-    """A recognised mask in the native op's shape: ``((base AND packed) OR block) AND padding``.
-
-    base: ``causal`` (or everything), intersected with at most one sliding window and at most
-    one chunking. ``None`` fields are absent.
-    """
-
-    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "block_ored", "padding")
-
-    def __init__(self):
-        self.causal = False
-        self.sliding = None  # (kind, window): kind "causal" (kv > q - w) or "bidirectional" (|q - kv| <= w)
-        self.chunk = None  # (chunk_size, left_padding [B] tensor or None)
-        self.packed = None  # [B, L] sequence ids
-        self.block = None  # [B, L] block ids
-        # The block rule is native only ORed onto a base (blockwise_overlay alone, or ANDed,
-        # is a different mask): False for the bare overlay, True once an OR has absorbed it.
-        self.block_ored = False
-        self.padding = None  # list of [B, L] padding masks, ANDed
-
-    def has_inner(self) -> bool:
-        """True when the form constrains more than padding (so nothing may be ORed past it)."""
-        return self.causal or self.sliding is not None or self.chunk is not None or self.packed is not None
-
-
-def _leaf_form(fn) -> _Form | None:
-    form = _Form()
-    if fn is _CAUSAL_FN:
-        form.causal = True
-        return form
-    if fn is not None and fn is _BIDIRECTIONAL_FN:
-        return form  # every query attends every key
-    kind = _leaf_kind(getattr(fn, "__code__", None))
-    if kind is None:
-        return None
-    cells = _cells(fn)
-    if cells is None:
-        return None
-    if kind == "sliding":
-        form.sliding = ("causal", cells["sliding_window"])
-    elif kind == "sliding_bidirectional":
-        form.sliding = ("bidirectional", cells["sliding_window"])
-    elif kind == "chunked":
-        form.chunk = (cells["chunk_size"], cells.get("left_padding"))
-    elif kind == "padding":
-        form.padding = [cells["padding_mask"]]
-    elif kind == "packed":
-        form.packed = cells["packed_sequence_mask"]
-    elif kind == "block":
-        form.block = cells["block_sequence_ids"]
-    else:  # pragma: no cover
-        return None
-    # A window or chunk size that is not a plain int (a tensor, say) is not ours to read.
-    if form.sliding is not None and not isinstance(form.sliding[1], int):
-        return None
-    if form.chunk is not None and not isinstance(form.chunk[0], int):
-        return None
-    return form
-
-
-def _and_forms(forms: list[_Form]) -> _Form | None:
-    out = _Form()
-    for form in forms:
-        if form.block is not None:
-            # (X OR block) AND Y is representable only when Y is padding: padding is the
-            # outermost AND of the native rule.
-            if out.block is not None or not form.block_ored:
-                return None
-            out.block, out.block_ored = form.block, True
-        if form.padding is not None:
-            out.padding = (out.padding or []) + form.padding
-        out.causal = out.causal or form.causal
-        for field in ("sliding", "chunk", "packed"):
-            theirs = getattr(form, field)
-            if theirs is None:
-                continue
-            ours = getattr(out, field)
-            # Windows compare by value; chunkings and ids hold tensors, which must be the same
-            # object (comparing their values would read them). Otherwise: not one native mask.
-            same = ours == theirs if field == "sliding" else ours is theirs
-            if ours is not None and not same:
-                return None
-            setattr(out, field, theirs)
-    if out.block is not None:
-        # Everything other than padding must have come from the same OR branch as the block.
-        inner = [f for f in forms if f.has_inner()]
-        if len(inner) > 1 or (inner and inner[0].block is None):
-            return None
-    return out
-
-
-def _or_forms(forms: list[_Form]) -> _Form | None:
-    if len(forms) == 1:
-        return forms[0]
-    if len(forms) != 2:
-        return None
-    first, second = forms
-    for base, block in ((first, second), (second, first)):
-        block_only = (
-            block.block is not None
-            and not block.block_ored
-            and not block.has_inner()
-            and block.padding is None
-        )
-        if block_only and base.block is None and base.padding is None:
-            out = _Form()
-            for field in ("causal", "sliding", "chunk", "packed"):
-                setattr(out, field, getattr(base, field))
-            out.block, out.block_ored = block.block, True
-            return out
-    return None
-
-
-def _recognise(fn, depth: int = 0) -> _Form | None:
-    """The native form of a Transformers mask function, or None when it is not recognised."""
-    if depth > 32 or not callable(fn):
-        return None
-    code = getattr(fn, "__code__", None)
-    if code is not None and (code is _AND_CODE or code is _OR_CODE):
-        cells = _cells(fn)
-        children = cells.get("mask_functions") if cells else None
-        if not isinstance(children, tuple) or not children:
-            return None
-        forms = []
-        for child in children:
-            form = _recognise(child, depth + 1)
-            if form is None:
-                return None
-            forms.append(form)
-        return _and_forms(forms) if code is _AND_CODE else _or_forms(forms)
-    return _leaf_form(fn)
-
-
-def _native_arguments(form: _Form, attention_mask):
-    """Keyword arguments of safeattn.sdpa_mask for a form, or None if it cannot express it."""
-    if form.block is not None and not form.block_ored:
-        return None  # a bare blockwise_overlay: its rule alone is not a native mask
-    kwargs = {"causal": form.causal}
-    if form.sliding is not None:
-        kind, window = form.sliding
-        if kind == "causal":
-            if not form.causal:
-                return None  # kv > q - w alone is not a window the op builds
-            kwargs["sliding_window"] = window
-        elif form.causal:
-            # kv <= q and |q - kv| <= w is the causal window of w + 1 keys.
-            kwargs["sliding_window"] = window + 1
-        else:
-            kwargs["sliding_window"] = window
-        if kwargs["sliding_window"] <= 0:
-            return None
-    if form.chunk is not None:
-        chunk_size, left_padding = form.chunk
-        if chunk_size <= 0:
-            return None
-        kwargs["chunk_size"] = chunk_size
-        kwargs["chunk_left_padding"] = left_padding
-    kwargs["packed_ids"] = form.packed
-    kwargs["block_ids"] = form.block
-    paddings = list(form.padding or [])
-    if attention_mask is not None:
-        paddings.append(attention_mask)
-    if len(paddings) == 1:
-        kwargs["padding_mask"] = paddings[0]
-    elif paddings:
-        width = max(p.shape[-1] for p in paddings)
-        combined = None
-        for p in paddings:
-            p = p.bool()
-            if p.shape[-1] < width:  # narrower masks count as padding past their end
-                p = F.pad(p, (0, width - p.shape[-1]))
-            combined = p if combined is None else combined & p
-        kwargs["padding_mask"] = combined
-    return kwargs
 
 
 # --------------------------------------------------------------------------------------------
@@ -407,16 +110,20 @@ def _skip_causal(padding_mask, q_length, kv_length, q_offset, kv_offset, local_s
 _FALLBACK_LOGGED: set = set()
 
 
-def _log_once(message: str) -> None:
-    """Logs `message` once per process at debug level (never while torch.compile traces)."""
+def _log_once(message: str, level: int = logging.DEBUG) -> None:
+    """Logs `message` once per process (never while torch.compile traces)."""
     if torch.compiler.is_compiling() or message in _FALLBACK_LOGGED:
         return
     _FALLBACK_LOGGED.add(message)
-    _logger.debug("safeattn: %s", message)
+    _logger.log(level, "safeattn: %s", message)
 
 
 def _log_fallback(reason: str) -> None:
-    _log_once(f"{reason}; using Transformers' own mask construction (correct, slower)")
+    """Says at INFO, once per process and reason, that a mask goes to Transformers' construction."""
+    _log_once(
+        f"mask not recognised ({reason}); using Transformers' own mask construction (correct, slower)",
+        logging.INFO,
+    )
 
 
 def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirectional_skip: bool):
@@ -445,13 +152,9 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
         device = kwargs.get("device", "cpu")
     device = torch.device(device)
 
-    form = _recognise(kwargs.get("mask_function", _CAUSAL_FN))
-    if form is None:
-        _log_fallback("unrecognised mask_function")
-        return False, None
-    native = _native_arguments(form, attention_mask)
-    if native is None:
-        _log_fallback("mask_function has no native equivalent")
+    description = read_mask_function(kwargs.get("mask_function", _mu.causal_mask_function))
+    if isinstance(description, NotRecognised):
+        _log_fallback(description.reason)
         return False, None
 
     if not _is_tracing(attention_mask):
@@ -467,17 +170,16 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
 
     if q_positions is not None and q_positions.dim() == 0:
         q_positions = q_positions.to(torch.long)
-    mask = _native_sdpa_mask(
+    mask = description.with_padding(attention_mask).materialise(
         batch_size,
         q_length,
         kv_length,
-        q_offset,
-        kv_offset,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
         q_positions=q_positions,
         dtype=float_dtype if float_dtype is not None else torch.bool,
         use_finfo_min=float_dtype is not None,
         device=device,
-        **native,
     )
     return True, mask
 
@@ -492,7 +194,7 @@ def _tf_mask(tf_fn, kwargs: dict, float_dtype) -> torch.Tensor | None:
     generation miscompiles there (pytorch #178244: "'tmp2' was not declared in this scope").
     """
     attention_mask = kwargs.get("attention_mask")
-    if _DYNAMO_READS_CLOSURES or not torch.compiler.is_compiling():
+    if _mask_reader.DYNAMO_READS_CLOSURES or not torch.compiler.is_compiling():
         return tf_fn(**kwargs)
     if attention_mask is None or attention_mask.dim() != 2:  # no 2-D padding: no gather to avoid
         return tf_fn(**kwargs)

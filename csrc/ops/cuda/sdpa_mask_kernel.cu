@@ -308,15 +308,15 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   const int64_t per_block = static_cast<int64_t>(threads) * kUnroll * kVec;
   const int64_t col_blocks = (p.kv_length + per_block - 1) / per_block;
   // About two waves of blocks (of 2048 threads per SM), each a contiguous range of rows: enough
-  // blocks that the last wave leaves little idle, and long ranges that read the padding rarely.
-  // H100, B=8 4096^2 with padding, % of fill bandwidth for 1 / 2 / 4 / 8 waves: causal 87 / 90 /
-  // 81 / 70, chunked 83 / 82 / 76 / 65. SAFEATTN_MASK_WAVES overrides it (measurements).
+  // blocks that the last wave leaves little idle, and long ranges that read the padding rarely
+  // (two measured best of 1, 2, 4 and 8 on H100: CHANGELOG.md). SAFEATTN_MASK_WAVES overrides it,
+  // for measurements.
   const char* waves_setting = std::getenv("SAFEATTN_MASK_WAVES");
   const double waves = waves_setting != nullptr ? std::max(0.01, std::atof(waves_setting)) : 2.0;
   const int64_t wanted = std::max<int64_t>(
       1, static_cast<int64_t>(waves * static_cast<double>(cuda::multiprocessor_count() * (2048 / threads))) /
              col_blocks);
-  // At least two rows per block: B=1 4096^2 went from 75% to 82% of fill with two (four: 80%).
+  // At least two rows per block: faster than one or four where rows are few (B=1 4096^2).
   const int64_t rows_per_block =
       std::max({int64_t{2}, (rows + wanted - 1) / wanted, (rows + kMaxGridY - 1) / kMaxGridY});
   const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));

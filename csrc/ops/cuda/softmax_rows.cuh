@@ -10,8 +10,8 @@
 //   2. e = exp(x - max) in place and their sum, reduced the same way;
 //   3. out = e * (1 / sum), written once.
 // So: one read and one write of global memory, one exponential per element (element_exp says
-// which and why), no data-dependent branch. (The earlier kernel updated an online (max, sum) per
-// element: two expf per element plus divergent branches, bound by instruction issue.)
+// which and why), no data-dependent branch (an online (max, sum) per element would take two
+// exponentials and divergent branches per element: bound by instruction issue).
 // Each thread holds 32 values (64 bytes of bfloat16, 128 of float32 in flight; 80 registers
 // at most, 24 warps per SM), or 8 for float32 rows that fit one block (48 warps per SM); one
 // block per row group, the hardware scheduling them. The threads per row follow the row length:
@@ -22,8 +22,11 @@
 // rescaled once per batch of vectors, then exp(x - max) / sum (the second read mostly hits L2).
 //
 // Backward: dot = sum(grad_out * out) per row, then out * (grad_out - dot), with both inputs in
-// registers up to 2048 vectors per block and the same cluster split beyond (the earlier
-// 1024-thread variant for 64k rows spilled its caches).
+// registers up to 2048 vectors per block and the same cluster split beyond (one block of 1024
+// threads for 64k rows spills its caches).
+//
+// The measurements behind the choices below (values per thread, grids, cluster sizes) are in
+// CHANGELOG.md.
 #pragma once
 
 #include <algorithm>
@@ -79,10 +82,10 @@ __device__ __forceinline__ acc_t accurate_exp(acc_t x) {
 // 2^-126 flush to 0, which no tolerance can see), plus the rounding of d * log2 e, a relative
 // error of about |d| * 2^-24, the size of the rounding of x - max itself. So a few ulp where
 // the outputs are large (small |d|), in 2 instructions against about 9 for expf (5 for __expf
-// without -ftz=true); expf made the bfloat16 kernels issue-bound. An earlier kernel failed the
-// float32 tolerance with __expf because it rescaled its running sum at every new max,
-// compounding the error; here each element takes one exponential against its set's final max,
-// and the few rescale factors (cluster merge, the read-twice path's batches) use accurate_exp.
+// without -ftz=true); expf makes the bfloat16 kernels issue-bound. The approximation holds the
+// float32 tolerance because each element takes one exponential against its set's final max (a
+// running sum rescaled at every new max would compound the error); the few rescale factors
+// (cluster merge, the read-twice path's batches) use accurate_exp.
 // -DSAFEATTN_SOFTMAX_ACCURATE_EXP makes every exponential expf.
 template <typename acc_t>
 __device__ __forceinline__ acc_t element_exp(acc_t d) {
@@ -634,10 +637,8 @@ constexpr int forward_cache(int vec) {
 }
 
 // Vectors per thread of the float32 forward (4-element vectors) for rows that fit one block: 8
-// values, so that 1536 threads fit an SM (40 registers) instead of 768. Measured on H100 with
-// 8, 16 and 32 values per thread (2026-11-25, bench_softmax): float32 [1M, 1024] 3003 / 2994 /
-// 2988 GB/s and [4M, 128] 2976 / 2964 / 2928 (torch.softmax 2982 / 2989); 16-bit types did best
-// with 32 (bf16 [1M, 1024] 2906 / 2834 / 2982), so they keep forward_cache. 0: none.
+// values, so that 1536 threads fit an SM (40 registers) instead of 768, the fastest of 8, 16 and
+// 32 for float32 on H100; 16-bit types are fastest with 32, so they keep forward_cache. 0: none.
 constexpr int small_forward_cache(int vec) {
   return vec == 4 ? 2 : 0;
 }
@@ -685,7 +686,7 @@ inline RowConfig forward_config(int64_t vectors, int cache, bool clusters, int s
 }
 
 // Backward: lanes of a warp up to 1024 elements, then 256 threads with up to 8 vectors each
-// (both measured at 95-99% of copy bandwidth on H100), then clusters of 2-8 blocks of 256
+// (both at copy bandwidth on H100), then clusters of 2-8 blocks of 256
 // threads with 32 values of each input per thread (one 256-thread block holding 64 bfloat16
 // values of each input per thread runs one block per SM), then read twice.
 inline RowConfig backward_config(int64_t n, int64_t vectors, int vec, bool clusters) {
@@ -801,9 +802,9 @@ int64_t resident_units(int threads, int split, int device) {
 
 // Launches kKernel on `stream` for `units` row groups of `threads` threads (clusters of `split`
 // blocks when split > 1). Single blocks get one block per row group (up to the grid limit; the
-// kernels loop past it): on H100 that ran at 99-100% of copy bandwidth where a persistent grid
-// of resident blocks ran at 90-95% (float32 [1M, 1024]: 2988 against 2795 GB/s). Clusters keep
-// the persistent grid, which measured better for bfloat16 [4096, 65536] (2118-2213 against 1977).
+// kernels loop past it): the hardware's scheduler reaches copy bandwidth where a persistent grid
+// of resident blocks does not. Clusters keep the persistent grid, which is the faster of the two
+// for 64k-long rows.
 template <auto kKernel, typename... Args>
 void launch(int64_t units, int threads, int split, int device, cudaStream_t stream, Args&&... args) {
   const int64_t resident = split > 1 ? resident_units<kKernel>(threads, split, device) : int64_t{INT32_MAX};

@@ -1,4 +1,4 @@
-"""Benchmark safeattn.attention against F.scaled_dot_product_attention, forward and forward+backward.
+"""safeattn.attention against F.scaled_dot_product_attention, forward and forward+backward.
 
 Peers, measured in the same run on fresh random data (median of repeats):
   none    no mask                                       (PyTorch CPU: flash kernel)
@@ -6,7 +6,7 @@ Peers, measured in the same run on fresh random data (median of repeats):
   bool    bool mask (causal + left padding, [1,1,S,S])   (PyTorch picks its backend)
   bias    float bias [1,H,S,S] that requires grad        (PyTorch: math path, O(S^2) memory)
 
-  python benchmarks/bench_attention.py --device cpu --threads 2
+  python -m safeattn bench attention --device cpu --threads 2
 
 With --device cuda (H100 / H200) it prints a markdown table for bf16 B=4 H=16 S=4096, D 64 and
 128, forward and forward+backward TFLOP/s (causal work counted as half of the dense work, the
@@ -22,12 +22,16 @@ CUDA events around each call, warm-up first, median of many calls, fresh random 
 every call. Rows a peer cannot run (or safeattn's forward+backward before the CUDA backward
 exists) print n/a.
 
-  python benchmarks/bench_attention.py --device cuda [--quick]
+  python -m safeattn bench attention --device cuda [--quick]
 
 Both devices end with the host time of one call on a tiny decode step (B=1, Hq=8, Hkv=2, Q=1,
 KV=16, D=64, no gradient): back-to-back calls, no synchronisation inside the loop, so on the GPU
 it is the time the host needs to queue a call (the call overhead a decode loop pays per layer),
-against SDPA with enable_gqa and safeattn's mask builder at the same size.
+against SDPA with enable_gqa and safeattn's mask builder at the same size (``--overhead``: only
+that table). ``--markdown`` also prints the README's tables from the same measurements.
+
+The sweep over sequence length (``python -m safeattn bench --op attention``) takes its case from
+``sweep_case`` below.
 """
 
 from __future__ import annotations
@@ -38,9 +42,12 @@ import os
 import statistics
 import time
 
-import safeattn
 import torch
 import torch.nn.functional as F
+
+import safeattn
+
+from ._bench import Case, Settings, markdown_table
 
 KINDS = ("none", "causal", "bool", "bias")
 
@@ -88,6 +95,47 @@ def ours(q, k, v, **kwargs):
 
 def sdpa(q, k, v, **kwargs):
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+# ---- the sweep over sequence length (python -m safeattn bench --op attention) -------------
+
+
+def sweep_case(seq: int, mode: str, s: Settings) -> Case:
+    batch, heads, head_dim = 1, 8, 64
+    backward = mode == "fwd+bwd"
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device=s.device, dtype=s.dtype).requires_grad_(backward)
+        for _ in range(3)
+    )
+    pad = torch.ones(batch, seq, dtype=torch.bool)
+    pad[:, : seq // 8] = False  # left padding: causal + padding mask, the first rows empty
+    mask = safeattn.sdpa_mask(batch, seq, seq, padding_mask=pad).to(s.device)
+    grad_out = torch.randn(batch, heads, seq, head_dim, device=s.device, dtype=s.dtype)
+
+    def run(fn):
+        if not backward:
+
+            def forward():
+                with torch.no_grad():
+                    return fn()
+
+            return forward
+        # autograd.grad rather than .backward(): nothing accumulates into .grad between repeats.
+        return lambda: torch.autograd.grad(fn(), (q, k, v), grad_out)
+
+    impls = {
+        "safeattn": run(lambda: safeattn.attention(q, k, v, attn_mask=mask)[0]),
+        "sdpa (bool mask)": run(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)),
+        # No padding: PyTorch's flash path, the ceiling for a causal mask without a tensor.
+        "sdpa (is_causal, no padding)": run(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    }
+    # Nominal FLOPs of the two matmuls (not halved for causal, the same for every peer); the
+    # backward does 2.5x the forward's.
+    flops = 4 * batch * heads * seq * seq * head_dim * (3.5 if backward else 1.0)
+    return Case("attention", seq, mode, impls, work=flops)
+
+
+# ---- the fixed shapes of the README's tables (python -m safeattn bench attention) ---------
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -142,7 +190,10 @@ def _prefill_cases(batch, heads, seq, device):
     cases = {
         "SDPA flash, is_causal": (sdpa_with(SDPBackend.FLASH_ATTENTION), False),
         "SDPA cuDNN, is_causal": (sdpa_with(SDPBackend.CUDNN_ATTENTION), False),
-        "SDPA, causal+padding mask": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), False),
+        "SDPA, causal+padding mask": (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+            False,
+        ),
     }
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -152,18 +203,25 @@ def _prefill_cases(batch, heads, seq, device):
 
         block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
         flex = torch.compile(flex_attention, dynamic=False)
-        cases["Flex (compiled), causal+padding"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask), False)
+        cases["Flex (compiled), causal+padding"] = (
+            lambda q, k, v: flex(q, k, v, block_mask=block_mask),
+            False,
+        )
     except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
     cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
     cases[DETERMINISTIC_DQ_CASE] = cases["safeattn, is_causal"]  # timed with the atomic dQ off
     cases[WIDE_DKDV_CAUSAL_CASE] = cases["safeattn, is_causal"]  # timed with the 8-warp dK/dV kernel
-    cases["safeattn, causal+padding mask"] = (lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0], True)
+    cases["safeattn, causal+padding mask"] = (
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
+        True,
+    )
     cases[WIDE_DKDV_MASK_CASE] = cases["safeattn, causal+padding mask"]
     return cases
 
 
 def main_cuda(args):
+    """Prints the prefill and decode tables; returns their rows for the README's tables."""
     device = "cuda"
     repeats, warmup = (5, 2) if args.quick else (args.repeats_cuda, 5)
     dtype = torch.bfloat16
@@ -177,6 +235,7 @@ def main_cuda(args):
     print()
     print("| case | D | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash |")
     print("|---|---|---|---|---|---|---|")
+    prefill_rows, decode_rows = [], []
     for head_dim in (64, 128):
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         cases = _prefill_cases(batch, heads, seq, device)
@@ -190,7 +249,9 @@ def main_cuda(args):
 
                 def make(backward=backward, head_dim=head_dim):
                     qkv = [
-                        torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype).requires_grad_(backward)
+                        torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype).requires_grad_(
+                            backward
+                        )
                         for _ in range(3)
                     ]
                     if backward:
@@ -215,6 +276,7 @@ def main_cuda(args):
             b_ms, b_tf = cell(both_ms, 3.5 * flops_fwd)
             ratio = "n/a" if fwd_ms is None or flash_fwd is None else f"{flash_fwd / fwd_ms:.2f}x"
             print(f"| {name} | {head_dim} | {f_ms} | {f_tf} | {b_ms} | {b_tf} | {ratio} |", flush=True)
+            prefill_rows.append([name, head_dim, f_ms, f_tf, b_ms, b_tf])
 
     print()
     batch, hq, hkv, head_dim = 8, 32, 4, 128
@@ -256,6 +318,8 @@ def main_cuda(args):
                 ms = _try_ms(fn, make, repeats * 4, warmup)
             cells = ("n/a", "n/a") if ms is None else (f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6:.0f}")
             print(f"| {name} | {kv_len} | {cells[0]} | {cells[1]} |", flush=True)
+            decode_rows.append([name, kv_len, *cells])
+    return prefill_rows, decode_rows
 
 
 PREFILL_KERNEL_CASE = "safeattn, prefill kernel (SAFEATTN_ATTN_DECODE=0)"
@@ -293,7 +357,8 @@ def _environment(settings):
 
 
 def call_overhead(device):
-    """Host microseconds per call of a tiny decode step (best of 7 rounds of back-to-back calls)."""
+    """Host microseconds per call of a tiny decode step (best of 7 rounds of back-to-back calls):
+    prints the table, returns its rows."""
     q = torch.randn(1, 8, 1, 64, device=device)
     k, v = (torch.randn(1, 2, 16, 64, device=device) for _ in range(2))
     pad = torch.ones(1, 16, dtype=torch.bool, device=device)
@@ -308,6 +373,7 @@ def call_overhead(device):
     print("| call | us |")
     print("|---|---|")
     calls = 2000
+    rows = []
     for name, fn in cases.items():
         with torch.no_grad():
             for _ in range(200):
@@ -323,35 +389,13 @@ def call_overhead(device):
                 if device == "cuda":
                     torch.cuda.synchronize()
         print(f"| {name} | {best:.1f} |", flush=True)
+        rows.append([name, f"{best:.1f}"])
+    return rows
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--repeats-cuda", type=int, default=30, help="timed calls per case with --device cuda")
-    parser.add_argument("--quick", action="store_true", help="--device cuda: few calls per case (a smoke run)")
-    parser.add_argument("--overhead", action="store_true", help="only the call-overhead table")
-    args = parser.parse_args(argv)
-    if args.overhead:
-        torch.set_num_threads(args.threads)
-        call_overhead(args.device)
-        return
-    if args.device == "cuda":
-        main_cuda(args)
-        call_overhead("cuda")
-        return
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
+def main_cpu(args):
+    """Prints the CPU table; returns its rows (dtype, S, D, mask, pass, safeattn ms, SDPA ms)."""
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     print(
@@ -360,6 +404,7 @@ def main(argv=None):
     header = f"{'dtype':<9}{'S':>6}{'D':>5}  {'mask':<7}{'pass':<8}{'safeattn ms':>12}{'SDPA ms':>10}{'speedup':>9}"
     print(header)
     print("-" * len(header))
+    rows = []
     for dtype_name in args.dtype:
         dtype = getattr(torch, dtype_name)
         for seq in args.seq:
@@ -380,8 +425,78 @@ def main(argv=None):
                             f"{t_ours:>12.2f}{t_sdpa:>10.2f}{t_sdpa / t_ours:>8.2f}x",
                             flush=True,
                         )
-    call_overhead(args.device)
+                        rows.append((dtype_name, seq, head_dim, kind, label, t_ours, t_sdpa))
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+_DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def readme_tables(tables: dict) -> str:
+    """The README's tables, from the rows measured above (same numbers): CPU, one row per (dtype,
+    S, D, mask) with both passes as "safeattn / SDPA (SDPA / safeattn)" in ms; CUDA, the prefill
+    table without the ratio column and the decode table with a column pair per cache length;
+    then the call overhead."""
+    out = []
+    if "cpu" in tables:
+        rows = {}
+        for dtype_name, seq, head_dim, kind, label, t_ours, t_sdpa in tables["cpu"]:
+            key = (_DTYPE_SHORT.get(dtype_name, dtype_name), seq, head_dim, kind)
+            rows.setdefault(key, {})[label] = f"{t_ours:.2f} / {t_sdpa:.2f} ({t_sdpa / t_ours:.2f}x)"
+        header = ["dtype", "S", "D", "mask", "fwd: safeattn / SDPA", "fwd+bwd: safeattn / SDPA"]
+        out.append(
+            markdown_table(header, [[*key, cells["fwd"], cells["fwd+bwd"]] for key, cells in rows.items()])
+        )
+    if "prefill" in tables:
+        header = ["case", "D", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"]
+        out.append(markdown_table(header, tables["prefill"]))
+        kv_lengths = list(dict.fromkeys(row[1] for row in tables["decode"]))
+        decode = {}
+        for name, kv_len, us, gbs in tables["decode"]:
+            decode.setdefault(name, {})[kv_len] = [us, gbs]
+        header = ["case"] + [cell for kv in kv_lengths for cell in (f"KV={kv} us", "GB/s")]
+        out.append(
+            markdown_table(
+                header,
+                [[name] + [c for kv in kv_lengths for c in cells[kv]] for name, cells in decode.items()],
+            )
+        )
+    out.append(markdown_table(["call", "us"], tables["overhead"]))
+    return "\n\n".join(out)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats-cuda", type=int, default=30, help="timed calls per case with --device cuda"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="--device cuda: few calls per case (a smoke run)"
+    )
+    parser.add_argument("--overhead", action="store_true", help="only the call-overhead table")
+    parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
+
+
+def run(args: argparse.Namespace) -> int:
+    tables = {}
+    if args.overhead:
+        torch.set_num_threads(args.threads)
+        tables["overhead"] = call_overhead(args.device)
+    elif args.device == "cuda":
+        tables["prefill"], tables["decode"] = main_cuda(args)
+        tables["overhead"] = call_overhead("cuda")
+    else:
+        tables["cpu"] = main_cpu(args)
+        tables["overhead"] = call_overhead(args.device)
+    if args.markdown:
+        print(f"\nREADME tables (attention, {args.device}):\n")
+        print(readme_tables(tables))
+    return 0

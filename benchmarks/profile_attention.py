@@ -1,4 +1,4 @@
-"""A short CUDA attention workload to run under Nsight Compute (gpu_check.sh's `profile` stage).
+"""A short CUDA attention workload to run under Nsight Compute (benchmarks/profile.sh attention).
 
 Prefill (default): the benchmark's shape (B=4, H=16, S=4096, bf16) at one head dim, forward and
 backward with `is_causal`, then with a dense causal + left-padding bool mask, `--calls` times each,
@@ -10,7 +10,7 @@ given cache length, forward only.
 
 `--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
 
-    python scripts/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--table]
+    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--table]
 """
 
 from __future__ import annotations

@@ -6,26 +6,55 @@ median time per forward, and the time spent building the attention mask (the mas
 function, timed around each call) with its share of the forward, and each implementation's
 time divided by safeattn's ("vs safeattn" > 1: safeattn is faster).
 
-    python benchmarks/bench_transformers.py [--device cpu] [--threads 2] [--batch 8] [--seq 2048]
+    python -m safeattn bench transformers [--device cpu] [--threads 2] [--batch 8] [--seq 2048] [--markdown]
 
 The model has random weights (no download): hidden 256, 2 layers, 8 query heads over 2
-key/value heads of dim 32, vocabulary 1000.
+key/value heads of dim 32, vocabulary 1000. ``--markdown`` also prints the README's table.
+
+The sweep over sequence length (``python -m safeattn bench --op transformers``: the demo's tiny
+Llama, prefill only) takes its case from ``sweep_case`` below.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 
-import safeattn
-import safeattn.transformers  # noqa: F401  registers "safeattn"
 import torch
-import transformers
-from transformers.masking_utils import AttentionMaskInterface
+
+import safeattn
+
+from ._bench import Case, Settings, left_padded_batch, markdown_table, tiny_llama, tiny_llama_config
 
 IMPLEMENTATIONS = ("safeattn", "sdpa", "eager")
+
+
+# ---- the sweep over sequence length (python -m safeattn bench --op transformers) ----------
+
+
+def sweep_case(seq: int, mode: str, s: Settings) -> Case:
+    config = tiny_llama_config(quick=s.quick)
+    batch = 2 if s.quick or s.device.type == "cpu" else 8
+    input_ids, attention_mask = left_padded_batch(batch, seq, config.vocab_size, s.device, seed=seq)
+    dtype = s.dtype if s.device.type == "cuda" else torch.float32
+
+    def prefill(model):
+        def forward():
+            with torch.no_grad():
+                return model(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
+                )
+
+        return forward
+
+    impls = {
+        impl: prefill(tiny_llama(config, impl, s.device, dtype)) for impl in ("safeattn", "sdpa", "eager")
+    }
+    return Case("transformers", seq, mode, impls, work=batch * seq)
+
+
+# ---- the fixed shapes of the README's table (python -m safeattn bench transformers) -------
 
 
 class MaskTimer:
@@ -37,6 +66,8 @@ class MaskTimer:
         self.saved = {}
 
     def __enter__(self):
+        from transformers.masking_utils import AttentionMaskInterface
+
         mapping = AttentionMaskInterface._global_mapping
         for name in IMPLEMENTATIONS:
             self.saved[name] = fn = mapping[name]
@@ -44,6 +75,8 @@ class MaskTimer:
         return self
 
     def __exit__(self, *exc):
+        from transformers.masking_utils import AttentionMaskInterface
+
         AttentionMaskInterface._global_mapping.update(self.saved)
 
     def _timed(self, fn):
@@ -64,6 +97,8 @@ def sync(device: torch.device) -> None:
 
 
 def make_model(impl: str, device, dtype):
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=1000,
         hidden_size=256,
@@ -74,9 +109,7 @@ def make_model(impl: str, device, dtype):
         head_dim=32,
         max_position_embeddings=4096,
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
-    return model.to(device=device, dtype=dtype).eval()
+    return tiny_llama(config, impl, device, dtype)
 
 
 def batch(batch_size: int, seq: int, device, seed: int):
@@ -101,7 +134,7 @@ def time_forward(model, kwargs, device, timer: MaskTimer):
     return time.perf_counter() - start, timer.seconds, out
 
 
-def run(models: dict, args, device, timer: MaskTimer) -> dict:
+def measure(models: dict, args, device, timer: MaskTimer) -> dict:
     """Median (forward, mask) seconds per implementation and phase.
 
     Implementations take turns on every repeat and every decode step, so that a change in the
@@ -144,10 +177,31 @@ def run(models: dict, args, device, timer: MaskTimer) -> dict:
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def readme_table(rows: dict) -> str:
+    """The README's table, from the medians printed above (same numbers)."""
+    table = []
+    for phase in ("prefill", "decode"):
+        ours = rows["safeattn"][phase][0]
+        for impl in IMPLEMENTATIONS:
+            total, mask = rows[impl][phase]
+            forward_ms = f"{total * 1e3:.0f}" if total >= 0.1 else f"{total * 1e3:.2f}"
+            table.append(
+                [
+                    phase,
+                    impl,
+                    forward_ms,
+                    f"{mask * 1e3:.3g}",
+                    f"{100 * mask / total:.1f}%",
+                    f"{total / ours:.2f}x",
+                ]
+            )
+    header = ["phase", "attn_implementation", "ms / forward", "mask ms", "mask share", "vs safeattn"]
+    lines = markdown_table(header, table).splitlines()
+    lines[1] = "|---|---|---:|---:|---:|---:|"  # numbers right-aligned
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -156,7 +210,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument("--markdown", action="store_true", help="also print the README's table")
+
+
+def run(args: argparse.Namespace) -> int:
+    import transformers
+
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -164,7 +223,7 @@ def main():
 
     models = {impl: make_model(impl, device, dtype) for impl in IMPLEMENTATIONS}
     with MaskTimer(device) as timer:
-        rows = run(models, args, device, timer)
+        rows = measure(models, args, device, timer)
 
     print(
         f"# transformers {transformers.__version__}, torch {torch.__version__}, safeattn {safeattn.__version__}, "
@@ -187,6 +246,7 @@ def main():
                 f"{total / ours:11.2f}x"
             )
 
-
-if __name__ == "__main__":
-    main()
+    if args.markdown:
+        print(f"\nREADME table (transformers, {args.device}):\n")
+        print(readme_table(rows))
+    return 0

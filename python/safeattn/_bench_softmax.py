@@ -1,4 +1,7 @@
-"""Benchmark safe_softmax / masked_softmax (forward and backward) against PyTorch peers.
+"""safe_softmax / masked_softmax (forward and backward) against PyTorch peers.
+
+``python -m safeattn bench softmax [--device cpu|cuda] [--threads 2] [--elements 16777216]
+[--dtypes bf16,fp32] [--shapes 1048576x1024,...] [--profile] [--markdown]``:
 
 CPU (default: 2 threads): rows of 1k, 8k and 64k columns, float32 and bfloat16, about 16M
 elements per case. Peers measured in the same run: torch.softmax, torch.ops.aten._safe_softmax,
@@ -10,12 +13,13 @@ CUDA (--device cuda): the issue-4 shapes [1M x 1024], [131k x 8192], [4096 x 655
 [4M x 128], float32 and bfloat16; peers: a device-to-device copy (dst.copy_(src), the
 bandwidth floor), torch.softmax, aten._safe_softmax; plus masked_softmax with a [B, 1, Q, KV]
 bool mask against scale + masked_fill + _safe_softmax. Bandwidth counts the bytes an ideal
-kernel moves: forward read + write, backward two reads + one write.
+kernel moves: forward read + write, backward two reads + one write. ``--profile`` runs the
+kernels untimed instead, for Nsight Compute (benchmarks/profile.sh).
 
 Times are medians of repeats over rotating fresh random inputs (never zeros).
 
-    python benchmarks/bench_softmax.py [--device cpu|cuda] [--threads 2] [--elements 16777216]
-        [--dtypes bf16,fp32] [--shapes 1048576x1024,...] [--profile]
+The sweep over sequence length (``python -m safeattn bench --op safe_softmax masked_softmax``)
+takes its cases from ``sweep_case_safe_softmax`` and ``sweep_case_masked_softmax`` below.
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ import argparse
 import statistics
 import time
 
-import safeattn  # noqa: F401  registers torch.ops.safeattn.*
 import torch
+
+import safeattn
+
+from ._bench import Case, Settings, element_size, markdown_table
 
 NEG_INF = float("-inf")
 
@@ -38,6 +45,62 @@ def softmax_where(x, dim=-1):
 def softmax_where_backward(grad, out, x_is_empty_row, dim, dtype):
     grad = torch.where(x_is_empty_row, 0, grad)
     return torch.ops.aten._softmax_backward_data(grad, out, dim, dtype)
+
+
+# ---- the sweep over sequence length (python -m safeattn bench --op ...) -------------------
+
+
+def _scores(seq: int, s: Settings, heads: int, batch: int = 1) -> torch.Tensor:
+    """Attention-shaped scores [B, H, S, S] with every 7th query row fully -inf."""
+    x = torch.randn(batch, heads, seq, seq, device=s.device).mul_(2).to(s.dtype)
+    x[:, :, ::7] = NEG_INF
+    return x
+
+
+def sweep_case_safe_softmax(seq: int, mode: str, s: Settings) -> Case:
+    x = _scores(seq, s, heads=8)
+    size = element_size(s.dtype)
+    if mode == "fwd":
+        impls = {
+            "safeattn": lambda: safeattn.safe_softmax(x, -1),
+            "torch.softmax": lambda: torch.softmax(x, -1),
+            "aten._safe_softmax": lambda: torch.ops.aten._safe_softmax(x, -1),
+            "softmax+where": lambda: softmax_where(x),
+        }
+        return Case("safe_softmax", seq, mode, impls, work=2 * x.numel() * size)  # read + write
+    out = safeattn.safe_softmax(x, -1)
+    grad = torch.randn_like(out)
+    impls = {
+        "safeattn": lambda: torch.ops.safeattn._safe_softmax_backward(grad, out, -1, s.dtype),
+        # Also the backward of aten._safe_softmax (and of softmax+where, after its where).
+        "torch.softmax": lambda: torch.ops.aten._softmax_backward_data(grad, out, -1, s.dtype),
+    }
+    return Case("safe_softmax", seq, mode, impls, work=3 * x.numel() * size)  # 2 reads + write
+
+
+def sweep_case_masked_softmax(seq: int, mode: str, s: Settings) -> Case:
+    batch, heads = 2, 4
+    x = torch.randn(batch, heads, seq, seq, device=s.device).to(s.dtype)
+    pad = torch.ones(batch, seq, dtype=torch.bool)
+    pad[1, : seq // 8] = False  # left padding: batch 1's first rows see nothing
+    mask = safeattn.sdpa_mask(batch, seq, seq, padding_mask=pad).to(s.device)  # [B, 1, S, S] bool
+    scale = 0.125
+    finfo_min = torch.finfo(s.dtype).min
+    impls = {
+        "safeattn": lambda: safeattn.masked_softmax(x, mask, scale),
+        "scale+masked_fill+_safe_softmax": lambda: torch.ops.aten._safe_softmax(
+            (x * scale).masked_fill(~mask, NEG_INF), -1
+        ),
+        # Transformers' eager attention: a finfo.min bias added, then softmax.
+        "scale+bias+softmax": lambda: torch.softmax(
+            x * scale + torch.zeros((), dtype=s.dtype, device=s.device).masked_fill(~mask, finfo_min), -1
+        ),
+    }
+    size = element_size(s.dtype)
+    return Case("masked_softmax", seq, mode, impls, work=2 * x.numel() * size)
+
+
+# ---- the fixed shapes of the README's tables (python -m safeattn bench softmax) -----------
 
 
 class Timer:
@@ -164,6 +227,7 @@ def bench_cpu(args):
         ["dtype", "shape", "ours", "softmax bwd", "where+softmax bwd", "vs softmax/_safe", "vs +where"],
         bwd_rows,
     )
+    return fwd_rows, bwd_rows
 
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,7 +256,7 @@ def bench_cuda(args):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.profile:
         profile_cuda(dtypes, shapes)
-        return
+        return None
     timer = Timer("cuda", args.repeats, 5)
     fwd_rows, bwd_rows = [], []
     for dtype in dtypes:
@@ -257,12 +321,58 @@ def bench_cuda(args):
         ["dtype", "shape", "ours", "softmax bwd", "of copy", "vs softmax/_safe"],
         bwd_rows,
     )
+    return fwd_rows, bwd_rows
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+_MASKED_PEER = "(scale + masked_fill + _safe_softmax)"
+
+
+def readme_tables(fwd_rows, bwd_rows, device: str) -> str:
+    """The README's forward and backward tables, from the rows printed above (same numbers).
+
+    CPU: ms, without the softmax+where peer; CUDA: GB/s. A masked_softmax row names its shape
+    and its peer in the aten._safe_softmax column.
+    """
+
+    def masked(row) -> bool:
+        return row[1].startswith("masked ")
+
+    def masked_label(row) -> str:
+        dims = row[1].split()[1].split("x")
+        return f"masked_softmax {row[0]} " + (f"[{', '.join(dims)}]" if device == "cpu" else "x".join(dims))
+
+    if device == "cpu":
+        fwd_header = [
+            "forward",
+            "safeattn",
+            "torch.softmax",
+            "aten._safe_softmax",
+            "vs softmax",
+            "vs _safe_softmax",
+        ]
+        fwd = [
+            [masked_label(r), r[2], "", f"{r[4]} {_MASKED_PEER}", "", r[7]]
+            if masked(r)
+            else [f"{r[0]} {r[1]}", r[2], r[3], r[4], r[6], r[7]]
+            for r in fwd_rows
+        ]
+        bwd_header = ["backward", "safeattn", "softmax backward (also _safe_softmax's)", "vs it"]
+        bwd = [[f"{r[0]} {r[1]}", r[2], r[3], r[5]] for r in bwd_rows]
+    else:
+        fwd_header = ["forward", "copy", "safeattn", "torch.softmax", "aten._safe_softmax", "of copy"]
+        fwd_header += ["vs softmax", "vs _safe_softmax"]
+        fwd = [
+            [masked_label(r), "", r[3], "", f"{r[5]} {_MASKED_PEER}", "", "", r[8]]
+            if masked(r)
+            else [f"{r[0]} {r[1]}", *r[2:9]]
+            for r in fwd_rows
+        ]
+        bwd_header = ["backward", "safeattn", "softmax backward (also _safe_softmax's)", "of copy", "vs it"]
+        bwd = [[f"{r[0]} {r[1]}", *r[2:6]] for r in bwd_rows]
+    return markdown_table(fwd_header, fwd) + "\n\n" + markdown_table(bwd_header, bwd)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--elements", type=int, default=1 << 24, help="elements per CPU case")
@@ -274,14 +384,17 @@ def main():
     parser.add_argument(
         "--profile", action="store_true", help="CUDA: run our kernels twice, untimed (for ncu)"
     )
-    args = parser.parse_args()
+    parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
+
+
+def run(args: argparse.Namespace) -> int:
     if args.repeats is None:
         args.repeats = 9 if args.device == "cpu" else 50
     if args.device == "cuda":
-        bench_cuda(args)
+        rows = bench_cuda(args)
     else:
-        bench_cpu(args)
-
-
-if __name__ == "__main__":
-    main()
+        rows = bench_cpu(args)
+    if args.markdown and rows is not None:
+        print(f"\nREADME tables (softmax, {args.device}):\n")
+        print(readme_tables(*rows, args.device))
+    return 0
