@@ -250,7 +250,8 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
           // gradient flowing into lse adds p_ij * dlse_i to every score's gradient).
           acc_t sum = 0;
           for (int64_t d = 0; d < dv; ++d) {
-            sum += static_cast<acc_t>(go.ptr[i * go.row + d * go.col]) * static_cast<acc_t>(o.ptr[i * o.row + d * o.col]);
+            sum += static_cast<acc_t>(go.ptr[i * go.row + d * go.col]) *
+                   static_cast<acc_t>(o.ptr[i * o.row + d * o.col]);
           }
           const int64_t row = (b * hq + h) * q_len + i;
           delta[g * q_len + i] = glse_ptr != nullptr ? sum - glse_ptr[row] : sum;
