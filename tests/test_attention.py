@@ -1039,3 +1039,161 @@ def test_private_backward_reads_strided_rows():
     got = torch.ops.safeattn._attention_backward(**{**args, **wide})
     for g, w in zip(got[:3], want[:3], strict=True):
         assert torch.equal(g, w), "strided lse / lse_lo read as if contiguous"
+
+
+# ---- CPU tiles in bf16 / fp16 (issue 20) -----------------------------------------------------
+# On CPUs with bf16 matrix hardware (AVX512-BF16, AMX) the AVX-512 kernels multiply bf16 tiles in
+# bf16 with float32 accumulation (fp16 with AMX-FP16); SAFEATTN_CPU_LOWP_TILES=0 keeps them in
+# float32, the path of every other CPU. The tests below run both wherever they exist.
+
+_CPU_TILES = ["hardware", "float32"]
+
+
+def _use_cpu_tiles(monkeypatch, tiles):
+    if tiles == "float32":
+        monkeypatch.setenv("SAFEATTN_CPU_LOWP_TILES", "0")
+    else:
+        monkeypatch.delenv("SAFEATTN_CPU_LOWP_TILES", raising=False)
+
+
+def _cpu_lowp_tiles_expected(dtype):
+    """Whether this machine's CPU kernels multiply `dtype` tiles in `dtype` (the rule of
+    use_lowp_tiles in attention_common.h, seen from Python): the AVX-512 variant, the hardware
+    (AVX512-BF16 or AMX-BF16 for bf16, AMX-FP16 for fp16), oneDNN enabled and not held lower."""
+    flags = torch._C._cpu._get_cpu_capability()
+    if dtype == torch.float16:
+        hardware = flags.get("amx_fp16", False)
+    else:
+        hardware = flags.get("avx512_bf16", False) or flags.get("amx_bf16", False)
+    env = __import__("os").environ
+    return (
+        bool(hardware)
+        and safeattn.build_info()["cpu_isa_in_use"] == "AVX512"
+        and torch.backends.mkldnn.enabled
+        and "ONEDNN_MAX_CPU_ISA" not in env
+        and env.get("SAFEATTN_CPU_LOWP_TILES") != "0"
+    )
+
+
+# (hq, hkv, q_len, kv_len, head_dim, causal): odd lengths around the tiles (64 queries, 512 / 128
+# keys, 32-key groups, 64-column blocks), GQA, an odd head dim (its pair padded), decode shapes.
+_CPU_TILE_CASES = [
+    (2, 2, 1, 1, 64, None),
+    (4, 2, 17, 97, 64, "bottom_right"),
+    (8, 1, 97, 17, 128, "top_left"),
+    (2, 1, 1025, 97, 80, None),
+    (2, 2, 1, 1025, 128, None),
+    (4, 2, 130, 600, 33, "top_left"),
+]
+
+
+@pytest.mark.parametrize("tiles", _CPU_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv", "q_len", "kv_len", "head_dim", "causal"), _CPU_TILE_CASES)
+def test_cpu_tiles_match_reference(monkeypatch, tiles, dtype, hq, hkv, q_len, kv_len, head_dim, causal):
+    _use_cpu_tiles(monkeypatch, tiles)
+    q, k, v = _qkv(1, hq, hkv, q_len, kv_len, head_dim, dtype, "cpu", seed=q_len + kv_len)
+    kwargs = {"enable_gqa": hq != hkv}
+    if causal is not None:
+        kwargs["is_causal"] = True
+        kwargs["q_offset"] = kv_len - q_len if causal == "bottom_right" else 0
+    _check_against_reference(q, k, v, check_lse_grad=True, **kwargs)
+
+
+@pytest.mark.parametrize("tiles", _CPU_TILES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_tiles_masks_softcap_sinks(monkeypatch, tiles, dtype):
+    """A bool mask with fully masked rows (out 0, lse -inf, grad_query 0), then a learnable float
+    bias with a masked column, a softcap and sinks, over several query and key tiles."""
+    _use_cpu_tiles(monkeypatch, tiles)
+    batch, q_len, kv_len = 2, 97, 600
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, dtype, "cpu", transposed=True)
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(batch, 1, q_len, kv_len, generator=gen) > 0.5
+    mask[0, 0, [0, 64, 96]] = False
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    (grad_q,) = torch.autograd.grad(out.float().sum(), q)
+    for i in (0, 64, 96):
+        assert torch.all(out[0, :, i] == 0), f"fully masked row {i}: out must be 0"
+        assert torch.all(lse[0, :, i].isneginf()), f"fully masked row {i}: lse must be -inf"
+        assert torch.all(grad_q[0, :, i] == 0), f"fully masked row {i}: grad_query must be 0"
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
+
+    bias = (torch.randn(1, 4, q_len, kv_len, generator=gen) * 2).to(dtype)
+    bias[..., 5] = float("-inf")
+    bias.requires_grad_()
+    sinks = torch.randn(4, generator=gen).requires_grad_()
+    _check_against_reference(
+        q, k, v, attn_mask=bias, softcap=5.0, sinks=sinks, enable_gqa=True, check_lse_grad=True,
+        extra_grad_inputs=(bias, sinks),
+    )
+
+
+@pytest.mark.parametrize("tiles", _CPU_TILES)
+def test_cpu_tiles_never_read_hidden_keys(monkeypatch, tiles):
+    """NaN in the keys and values that no query sees (past the causal diagonal, inside the key
+    group and column block of the last visible key) and NaN around every view never reach the
+    forward: the bf16 tiles round their reductions up to whole groups, but only over zeros."""
+    _use_cpu_tiles(monkeypatch, tiles)
+    q, k, v = (t.detach() for t in _qkv(1, 2, 1, 40, 100, 64, torch.bfloat16, "cpu"))
+    k[0, 0, 40:64] = float("nan")  # query 39 (the last) sees keys 0 .. 39
+    v[0, 0, 40:64] = float("nan")
+    out, lse = safeattn.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert not out.isnan().any() and not lse.isnan().any(), "a hidden NaN key or value leaked"
+    want, _ = reference.attention(q, k[:, :, :40], v[:, :, :40], is_causal=True, enable_gqa=True)
+    assert _max_err(out, want) < 3e-2, "the visible keys give the wrong answer"
+
+    def poisoned(h, s, dim):
+        big = torch.full((1, s + 3, h + 1, dim + 24), float("nan"), dtype=torch.bfloat16)
+        view = big[:, 1 : s + 1, :h, 8 : 8 + dim].transpose(1, 2)
+        view.copy_(torch.randn(1, h, s, dim))
+        return view.detach().requires_grad_()
+
+    q, k, v = poisoned(4, 33, 66), poisoned(2, 70, 66), poisoned(2, 70, 66)
+    out, lse = safeattn.attention(q, k, v, is_causal=True, q_offset=37, enable_gqa=True)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN padding leaked into the forward"
+    grads = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    assert not any(g.isnan().any() for g in grads), "NaN padding leaked into a gradient"
+    _check_against_reference(q, k, v, is_causal=True, q_offset=37, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_low_precision_tiles_are_taken(monkeypatch, dtype):
+    """Where the hardware is, the bf16 / fp16 tiles are the ones that run: switching them off
+    changes the rounding (P rounded to the input dtype, the scale applied to float32 scores), so
+    the two paths give different bits, each within the tolerance of the reference."""
+    if not _cpu_lowp_tiles_expected(dtype):
+        pytest.skip(f"this CPU or build multiplies {dtype} tiles in float32 (no matrix hardware for it)")
+    q, k, v = _qkv(1, 2, 2, 70, 300, 64, dtype, "cpu")
+    runs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("SAFEATTN_CPU_LOWP_TILES", switch)
+        _check_against_reference(q, k, v, is_causal=True)
+        out, _ = safeattn.attention(q, k, v, is_causal=True)
+        runs.append((out, torch.autograd.grad(out.float().sum(), (q, k, v))))
+    (out_lowp, grads_lowp), (out_float, grads_float) = runs
+    assert not torch.equal(out_lowp, out_float), "the output does not depend on the tile path: not taken"
+    assert not all(torch.equal(a, b) for a, b in zip(grads_lowp, grads_float, strict=True)), (
+        "the gradients do not depend on the tile path: not taken in the backward"
+    )
+
+
+@pytest.mark.parametrize("tiles", _CPU_TILES)
+def test_cpu_tiles_deterministic_across_threads(monkeypatch, tiles):
+    """bf16 tiles keep the backward's one-writer-per-element scheme: the same bits for any thread
+    count (the bias gradient included)."""
+    _use_cpu_tiles(monkeypatch, tiles)
+    q, k, v = _qkv(2, 8, 2, 50, 300, 64, torch.bfloat16, "cpu")
+    bias = torch.randn(1, 1, 50, 300).requires_grad_()
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 2):
+            torch.set_num_threads(n)
+            out, lse = safeattn.attention(q, k, v, bias, enable_gqa=True, is_causal=True)
+            results.append((out, *torch.autograd.grad(out.float().sum(), (q, k, v, bias))))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b), "results differ between runs / thread counts"

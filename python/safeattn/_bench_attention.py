@@ -89,6 +89,39 @@ def _time(fns, make_inputs, repeats, device, backward):
     return [statistics.median(t) * 1e3 for t in times]
 
 
+def cpu_description():
+    """The CPU model, its bf16 / fp16 matrix hardware and the safeattn kernel variant in use: the
+    CPU attention's speed depends on them (bf16 tiles run on AVX512-BF16 or AMX), and the
+    project's machines differ from one stretch of work to the next."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            first_cpu = f.read().split("\n\n")[0].splitlines()
+        fields = dict(line.split(":", 1) for line in first_cpu if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        model = fields.get("model name")
+        if model and "cpu family" in fields:  # a VM may show only "AMD EPYC": the family tells more
+            model += f", family {fields['cpu family']} model {fields.get('model', '?')}"
+    except (OSError, ValueError):
+        pass
+    flags = {}
+    try:
+        flags = torch._C._cpu._get_cpu_capability()
+    except AttributeError:  # older torch
+        pass
+    model = model or flags.get("cpu_name") or "unknown CPU"
+    names = ("avx512_bf16", "amx_bf16", "amx_fp16", "avx512_fp16")
+    have = [n for n in names if flags.get(n)]
+    lack = [n for n in names if n in flags and not flags.get(n)]
+    hardware = f"has {', '.join(have) or 'none of the bf16/fp16 matrix flags'}"
+    if lack:
+        hardware += f"; lacks {', '.join(lack)}"
+    variant = safeattn.build_info()["cpu_isa_in_use"]
+    switch = os.environ.get("SAFEATTN_CPU_LOWP_TILES")
+    tiles = " (SAFEATTN_CPU_LOWP_TILES=0: float32 tiles)" if switch == "0" else ""
+    return f"CPU: {model} ({hardware}); safeattn CPU kernels {variant}{tiles}"
+
+
 def ours(q, k, v, **kwargs):
     return safeattn.attention(q, k, v, **kwargs)[0]
 
@@ -401,6 +434,8 @@ def main_cpu(args):
     print(
         f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, B={args.batch} H={args.heads}"
     )
+    if args.device == "cpu":
+        print(cpu_description())
     header = f"{'dtype':<9}{'S':>6}{'D':>5}  {'mask':<7}{'pass':<8}{'safeattn ms':>12}{'SDPA ms':>10}{'speedup':>9}"
     print(header)
     print("-" * len(header))

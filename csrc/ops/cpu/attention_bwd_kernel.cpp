@@ -1,9 +1,9 @@
 // CPU backward of safeattn::attention, compiled once per ISA (see common/isa_dispatch.h).
 //
-// A task is one (batch, kv-head): it packs what it reads (K, K^T, V, and the group's Q, Q^T,
-// dO, dO^T in float32), and owns dK and dV of that head and dQ (and the mask gradient's partial
-// sums) of the query heads of its group, so nothing is written by two tasks: no atomics, the
-// result does not depend on the thread count, and the whole backward is one parallel region.
+// A task is one (batch, kv-head): it packs what it reads (K, V and the group's Q and dO, in the
+// layouts its GEMMs want), and owns dK and dV of that head and dQ (and the mask gradient's
+// partial sums) of the query heads of its group, so nothing is written by two tasks: no atomics,
+// the result does not depend on the thread count, and the whole backward is one parallel region.
 // The task walks key tiles (kKvBlock) and, inside, every query head of the group and query
 // tiles (kQBlock). Probabilities are recomputed from lse; the tiles are kept transposed
 // (keys along rows, queries along columns) so that every product is a row-major GEMM and the
@@ -15,6 +15,12 @@
 // where dS' is dS times the softcap derivative (1 - tanh^2); the mask gradient is dS.
 // A row with lse = -inf (no visible key, no sink) uses lse = +inf: every p is 0, so its
 // gradients are 0 rather than NaN.
+//
+// The five GEMMs run one of two ways, chosen per call (as in the forward, attention_common.h):
+//   FloatTiles  in the accumulation type, every operand converted once per task;
+//   LowpTiles   bf16 / fp16 products with float32 accumulation on CPUs that have them: the
+//               right operands packed once per task in the VNNI layout, P^T and dS'^T rounded to
+//               the input type per tile (as FlashAttention does), the accumulators float32.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -28,35 +34,179 @@
 namespace safeattn::cpu {
 namespace {
 
-constexpr int64_t kQBlock = 64;
+constexpr int64_t kQBlock = 64;  // one VNNI column block: the query tile of the lowp products
 constexpr int64_t kKvBlock = 128;
 
-// dst[r * ld_dst + c] = src[r * stride_r + c * stride_c] for r < rows, c < cols, converted.
-template <typename acc_t, typename scalar_t>
-void pack(acc_t* dst, int64_t ld_dst, const scalar_t* src, int64_t stride_r, int64_t stride_c, int64_t rows,
-          int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      dst[r * ld_dst + c] = static_cast<acc_t>(src[r * stride_r + c * stride_c]);
-    }
-  }
-}
+struct BwdShape {
+  int64_t q_len, head_dim, kv_len, dv, group;
+  int64_t q_pad;  // q_len rounded up to kQBlock: the row stride of the dQ^T accumulator
+};
+
+// The strided source rows of one (batch, head): element (i, d) at ptr[i * row + d * col].
+template <typename scalar_t>
+struct Rows {
+  const scalar_t* ptr;
+  int64_t row, col;
+};
 
 template <typename scalar_t>
-void attention_bwd_typed(const AttentionBwdArgs& a) {
+Rows<scalar_t> head_rows(const at::Tensor& t, int64_t b, int64_t h) {
+  return {t.const_data_ptr<scalar_t>() + b * t.stride(0) + h * t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// Operands in the accumulation type, packed per task: K, K^T, V and the group's Q, Q^T, dO, dO^T.
+template <typename scalar_t>
+class FloatTiles {
+ public:
   using acc_t = acc_of<scalar_t>;
+
+  explicit FloatTiles(const BwdShape& s)
+      : s_(s),
+        q_rows_(s.group * s.q_len * s.head_dim),
+        q_cols_(s.group * s.head_dim * s.q_len),
+        go_rows_(s.group * s.q_len * s.dv),
+        go_cols_(s.group * s.dv * s.q_len),
+        k_rows_(s.kv_len * s.head_dim),
+        k_cols_(s.head_dim * s.kv_len),
+        v_rows_(s.kv_len * s.dv) {}
+
+  void pack_kv(Rows<scalar_t> k, Rows<scalar_t> v) {
+    pack_rows(k_rows_.data(), s_.head_dim, k.ptr, k.row, k.col, s_.kv_len, s_.head_dim, s_.head_dim);
+    pack_rows(k_cols_.data(), s_.kv_len, k.ptr, k.col, k.row, s_.head_dim, s_.kv_len, s_.kv_len);
+    pack_rows(v_rows_.data(), s_.dv, v.ptr, v.row, v.col, s_.kv_len, s_.dv, s_.dv);
+  }
+
+  void pack_head(int64_t g, Rows<scalar_t> q, Rows<scalar_t> go) {
+    const int64_t Q = s_.q_len, D = s_.head_dim, Dv = s_.dv;
+    pack_rows(q_rows_.data() + g * Q * D, D, q.ptr, q.row, q.col, Q, D, D);
+    pack_rows(q_cols_.data() + g * D * Q, Q, q.ptr, q.col, q.row, D, Q, Q);
+    pack_rows(go_rows_.data() + g * Q * Dv, Dv, go.ptr, go.row, go.col, Q, Dv, Dv);
+    pack_rows(go_cols_.data() + g * Dv * Q, Q, go.ptr, go.col, go.row, Dv, Q, Q);
+  }
+
+  // S^T and dP^T of keys [j0, j0 + n) and the m queries from i0 of head g (row stride ld).
+  void scores(int64_t g, int64_t j0, int64_t n, int64_t i0, int64_t m, acc_t* st, acc_t* dpt, int64_t ld) const {
+    const int64_t Q = s_.q_len, D = s_.head_dim, Dv = s_.dv;
+    gemm(n, m, D, k_rows_.data() + j0 * D, D, q_cols_.data() + g * D * Q + i0, Q, st, ld, false);
+    gemm(n, m, Dv, v_rows_.data() + j0 * Dv, Dv, go_cols_.data() + g * Dv * Q + i0, Q, dpt, ld, false);
+  }
+
+  // dV += P^T dO, dK += dS'^T Q, dQ^T += K^T dS'^T (dq: head g's dQ^T, row stride q_pad).
+  void accumulate(int64_t g, int64_t j0, int64_t n, int64_t i0, int64_t m, const acc_t* pt, const acc_t* dst,
+                  int64_t ld, acc_t* dk, acc_t* dv, acc_t* dq) const {
+    const int64_t Q = s_.q_len, D = s_.head_dim, Dv = s_.dv;
+    gemm(n, Dv, m, pt, ld, go_rows_.data() + (g * Q + i0) * Dv, Dv, dv, Dv, true);
+    gemm(n, D, m, dst, ld, q_rows_.data() + (g * Q + i0) * D, D, dk, D, true);
+    gemm(D, m, n, k_cols_.data() + j0, s_.kv_len, dst, ld, dq + i0, s_.q_pad, true);
+  }
+
+  void release_thread() const {}
+
+ private:
+  BwdShape s_;
+  std::vector<acc_t> q_rows_, q_cols_, go_rows_, go_cols_, k_rows_, k_cols_, v_rows_;
+};
+
+#if defined(SAFEATTN_LOWP_TILES)
+// Operands in the input type (bf16 / fp16), per task; "pairs along x" is the VNNI layout of
+// attention_common.h with x the reduction dimension, d2 / dv2 the head dims rounded up to even:
+//   K rows [KV][d2], V rows [KV][dv2]        left operands of S^T and dP^T
+//   K^T [D][kv_pad] (kv_pad: KV up to kKeyGrain) left operand of dQ^T
+//   Q^T, dO^T: pairs along the head dim, 64-query blocks     right operands of S^T, dP^T
+//   Q, dO: pairs along the queries (q_pad rows), 64-column blocks  right operands of dK, dV
+// and per tile P^T, dS'^T rounded (left operands of dV, dK) and dS'^T paired along the keys
+// (right operand of dQ^T). Reductions over queries and keys run over whole kKeyGrain groups;
+// the rows and columns past the tile are zeros of these buffers, never other keys' data.
+template <typename scalar_t>
+class LowpTiles {
+ public:
+  using acc_t = float;
+  static constexpr int64_t kKeyGrain = 32;
+
+  explicit LowpTiles(const BwdShape& s)
+      : s_(s),
+        d2_(round_up(s.head_dim, 2)),
+        dv2_(round_up(s.dv, 2)),
+        d_cols_(round_up(s.head_dim, kVnniCols)),
+        dv_cols_(round_up(s.dv, kVnniCols)),
+        kv_pad_(round_up(s.kv_len, kKeyGrain)),
+        k_rows_(s.kv_len * d2_),
+        v_rows_(s.kv_len * dv2_),
+        k_cols_(s.head_dim * kv_pad_),
+        q_t_(s.group * s.q_pad * d2_),
+        go_t_(s.group * s.q_pad * dv2_),
+        q_pairs_(s.group * s.q_pad * d_cols_),
+        go_pairs_(s.group * s.q_pad * dv_cols_),
+        pt_(kKvBlock * kQBlock),
+        dst_(kKvBlock * kQBlock),
+        dst_pairs_(kKvBlock * kQBlock) {}
+
+  void pack_kv(Rows<scalar_t> k, Rows<scalar_t> v) {
+    pack_rows(k_rows_.data(), d2_, k.ptr, k.row, k.col, s_.kv_len, s_.head_dim, d2_);
+    pack_rows(v_rows_.data(), dv2_, v.ptr, v.row, v.col, s_.kv_len, s_.dv, dv2_);
+    pack_rows(k_cols_.data(), kv_pad_, k.ptr, k.col, k.row, s_.head_dim, s_.kv_len, kv_pad_);
+  }
+
+  void pack_head(int64_t g, Rows<scalar_t> q, Rows<scalar_t> go) {
+    const int64_t Q = s_.q_len, Qp = s_.q_pad;
+    // B[d][i] = Q[i][d] and B[i][d] = Q[i][d] (likewise dO).
+    pack_vnni(q_t_.data() + g * Qp * d2_, d2_ * kVnniCols, q.ptr, q.col, q.row, s_.head_dim, d2_, Q, Qp);
+    pack_vnni(go_t_.data() + g * Qp * dv2_, dv2_ * kVnniCols, go.ptr, go.col, go.row, s_.dv, dv2_, Q, Qp);
+    pack_vnni(q_pairs_.data() + g * Qp * d_cols_, Qp * kVnniCols, q.ptr, q.row, q.col, Q, Qp, s_.head_dim, d_cols_);
+    pack_vnni(go_pairs_.data() + g * Qp * dv_cols_, Qp * kVnniCols, go.ptr, go.row, go.col, Q, Qp, s_.dv, dv_cols_);
+  }
+
+  // All kQBlock columns are computed (the queries past m: zero rows of Q^T and dO^T).
+  void scores(int64_t g, int64_t j0, int64_t n, int64_t i0, int64_t /*m*/, float* st, float* dpt, int64_t ld) const {
+    const int64_t Qp = s_.q_pad;
+    gemm_vnni(n, kQBlock, d2_, k_rows_.data() + j0 * d2_, d2_, q_t_.data() + g * Qp * d2_ + i0 * d2_,
+              d2_ * kVnniCols, st, ld, false);
+    gemm_vnni(n, kQBlock, dv2_, v_rows_.data() + j0 * dv2_, dv2_, go_t_.data() + g * Qp * dv2_ + i0 * dv2_,
+              dv2_ * kVnniCols, dpt, ld, false);
+  }
+
+  void accumulate(int64_t g, int64_t j0, int64_t n, int64_t i0, int64_t m, const float* pt, const float* dst,
+                  int64_t ld, float* dk, float* dv, float* dq) {
+    const int64_t Qp = s_.q_pad;
+    const int64_t m_pad = round_up(m, kKeyGrain), n_pad = round_up(n, kKeyGrain);
+    for (int64_t r = 0; r < n; ++r) {
+      round_row(pt_.data() + r * kQBlock, pt + r * ld, m, m_pad);
+      round_row(dst_.data() + r * kQBlock, dst + r * ld, m, m_pad);
+    }
+    // Its columns past m reach only dQ^T's columns past q_len (the accumulator's padding).
+    pack_vnni_tile(dst_pairs_.data(), dst, ld, n, n_pad);
+    // Rows i0 .. i0 + m_pad of the query-paired operands: pair i0 / 2 of every column block.
+    gemm_vnni(n, s_.dv, m_pad, pt_.data(), kQBlock, go_pairs_.data() + g * Qp * dv_cols_ + i0 * kVnniCols,
+              Qp * kVnniCols, dv, s_.dv, true);
+    gemm_vnni(n, s_.head_dim, m_pad, dst_.data(), kQBlock, q_pairs_.data() + g * Qp * d_cols_ + i0 * kVnniCols,
+              Qp * kVnniCols, dk, s_.head_dim, true);
+    gemm_vnni(s_.head_dim, kQBlock, n_pad, k_cols_.data() + j0, kv_pad_, dst_pairs_.data(), 0, dq + i0, Qp, true);
+  }
+
+  void release_thread() const {
+    release_lowp_tiles();
+  }
+
+ private:
+  BwdShape s_;
+  int64_t d2_, dv2_, d_cols_, dv_cols_, kv_pad_;
+  std::vector<scalar_t> k_rows_, v_rows_, k_cols_, q_t_, go_t_, q_pairs_, go_pairs_;
+  std::vector<scalar_t> pt_, dst_, dst_pairs_;
+};
+#endif
+
+template <typename scalar_t, typename Tiles>
+void attention_bwd_run(const AttentionBwdArgs& a) {
+  using acc_t = typename Tiles::acc_t;
   using Vec = Vectorized<acc_t>;
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t head_dim = a.query.size(3);
   const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), dv = a.value.size(3);
   const int64_t group = hq / hkv;
+  const BwdShape shape{q_len, head_dim, kv_len, dv, group, round_up(q_len, kQBlock)};
+  const int64_t q_pad = shape.q_pad;
 
-  const at::Tensor &query = a.query, &key = a.key, &value = a.value, &grad_out = a.grad_out, &out = a.out;
-  const scalar_t* q_src = query.const_data_ptr<scalar_t>();
-  const scalar_t* k_src = key.const_data_ptr<scalar_t>();
-  const scalar_t* v_src = value.const_data_ptr<scalar_t>();
-  const scalar_t* go_src = grad_out.const_data_ptr<scalar_t>();
-  const scalar_t* out_src = out.const_data_ptr<scalar_t>();
+  const at::Tensor &grad_out = a.grad_out, &out = a.out;
   const acc_t* lse_ptr = a.lse.const_data_ptr<acc_t>();
   const acc_t* lse_lo_ptr = a.lse_lo.const_data_ptr<acc_t>();
   // grad_lse may be any float dtype and strides: read it as acc through a converted copy (tiny).
@@ -78,43 +228,30 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
   const int64_t diagonal = a.q_offset - a.kv_offset;  // key j visible to query i iff j <= i + diagonal
 
   at::parallel_for(0, batch * hkv, 1, [&](int64_t task_begin, int64_t task_end) {
-    // Per task, packed in acc: the group's Q, Q^T, dO, dO^T, Delta, lse and dQ^T accumulator;
-    // the kv-head's K, K^T, V. Tile columns are padded to whole vectors; padding columns hold
-    // junk that no GEMM reads.
+    // Per task: the operands (Tiles), Delta, lse and the dQ^T accumulator of the group. Tile
+    // columns are padded to whole vectors; padding columns hold junk that no product reads.
+    Tiles tiles(shape);
     const int64_t ld = round_up(kQBlock, Vec::size());
-    std::vector<acc_t> q_rows(group * q_len * head_dim), q_cols(group * head_dim * q_len);
-    std::vector<acc_t> go_rows(group * q_len * dv), go_cols(group * dv * q_len);
     std::vector<acc_t> delta(group * q_len), lse(group * q_len), lse_lo(group * q_len);
-    std::vector<acc_t> dq_cols(group * head_dim * q_len);
-    std::vector<acc_t> k_rows(kv_len * head_dim), k_cols(head_dim * kv_len), v_rows(kv_len * dv);
+    std::vector<acc_t> dq_cols(group * head_dim * q_pad);
     std::vector<acc_t> st(kKvBlock * ld), dpt(kKvBlock * ld), tanh_t(softcap > 0 ? kKvBlock * ld : 0);
     std::vector<acc_t> dk(kKvBlock * head_dim), dvb(kKvBlock * dv);
     std::vector<acc_t> lse_tile(ld), lse_lo_tile(ld), delta_tile(ld);
     std::vector<acc_t> mask_tile(mask.kind != MaskKind::kNone ? kKvBlock * ld : 0);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task / hkv, hk = task % hkv;
-      pack(k_rows.data(), head_dim, k_src + b * key.stride(0) + hk * key.stride(1), key.stride(2), key.stride(3),
-           kv_len, head_dim);
-      pack(k_cols.data(), kv_len, k_src + b * key.stride(0) + hk * key.stride(1), key.stride(3), key.stride(2),
-           head_dim, kv_len);
-      pack(v_rows.data(), dv, v_src + b * value.stride(0) + hk * value.stride(1), value.stride(2), value.stride(3),
-           kv_len, dv);
+      tiles.pack_kv(head_rows<scalar_t>(a.key, b, hk), head_rows<scalar_t>(a.value, b, hk));
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
-        const scalar_t* qh = q_src + b * query.stride(0) + h * query.stride(1);
-        const scalar_t* goh = go_src + b * grad_out.stride(0) + h * grad_out.stride(1);
-        const scalar_t* oh = out_src + b * out.stride(0) + h * out.stride(1);
-        pack(q_rows.data() + g * q_len * head_dim, head_dim, qh, query.stride(2), query.stride(3), q_len, head_dim);
-        pack(q_cols.data() + g * head_dim * q_len, q_len, qh, query.stride(3), query.stride(2), head_dim, q_len);
-        pack(go_rows.data() + g * q_len * dv, dv, goh, grad_out.stride(2), grad_out.stride(3), q_len, dv);
-        pack(go_cols.data() + g * dv * q_len, q_len, goh, grad_out.stride(3), grad_out.stride(2), dv, q_len);
+        const Rows<scalar_t> go = head_rows<scalar_t>(grad_out, b, h), o = head_rows<scalar_t>(out, b, h);
+        tiles.pack_head(g, head_rows<scalar_t>(a.query, b, h), go);
         for (int64_t i = 0; i < q_len; ++i) {
           // Delta_i = sum_d dO[i, d] O[i, d] - dlse_i: the row term of the softmax backward (a
           // gradient flowing into lse adds p_ij * dlse_i to every score's gradient).
-          const acc_t* go_row = go_rows.data() + (g * q_len + i) * dv;
           acc_t sum = 0;
           for (int64_t d = 0; d < dv; ++d) {
-            sum += go_row[d] * static_cast<acc_t>(oh[i * out.stride(2) + d * out.stride(3)]);
+            sum += static_cast<acc_t>(go.ptr[i * go.row + d * go.col]) *
+                   static_cast<acc_t>(o.ptr[i * o.row + d * o.col]);
           }
           const int64_t row = (b * hq + h) * q_len + i;
           delta[g * q_len + i] = glse_ptr != nullptr ? sum - glse_ptr[row] : sum;
@@ -134,11 +271,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
         const int64_t first_i = causal ? clamp_to(j0 - diagonal, 0, q_len) : 0;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = hk * group + g;
-          const acc_t* qr = q_rows.data() + g * q_len * head_dim;
-          const acc_t* qc = q_cols.data() + g * head_dim * q_len;
-          const acc_t* gor = go_rows.data() + g * q_len * dv;
-          const acc_t* goc = go_cols.data() + g * dv * q_len;
-          acc_t* dqc = dq_cols.data() + g * head_dim * q_len;
+          acc_t* dqc = dq_cols.data() + g * head_dim * q_pad;
           const int64_t i_start = first_i / kQBlock * kQBlock;
           if (gm != nullptr && a.grad_mask_assign) {
             // Assigned, not accumulated: the rows no tile visits must still be written.
@@ -155,8 +288,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
               lse_lo_tile[c] = c < m ? lse_lo[g * q_len + i0 + c] : acc_t(0);
               delta_tile[c] = c < m ? delta[g * q_len + i0 + c] : acc_t(0);
             }
-            gemm(n, m, head_dim, k_rows.data() + j0 * head_dim, head_dim, qc + i0, q_len, st.data(), ld, false);
-            gemm(n, m, dv, v_rows.data() + j0 * dv, dv, goc + i0, q_len, dpt.data(), ld, false);
+            tiles.scores(g, j0, n, i0, m, st.data(), dpt.data(), ld);
             if (mask.kind != MaskKind::kNone) {
               stage_mask_transposed(mask_tile.data(), ld, mask, mask.offset(b, h, i0, j0), m, n);
             }
@@ -222,9 +354,7 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
                 }
               }
             }
-            gemm(n, dv, m, st.data(), ld, gor + i0 * dv, dv, dvb.data(), dv, true);
-            gemm(n, head_dim, m, dpt.data(), ld, qr + i0 * head_dim, head_dim, dk.data(), head_dim, true);
-            gemm(head_dim, m, n, k_cols.data() + j0, kv_len, dpt.data(), ld, dqc + i0, q_len, true);
+            tiles.accumulate(g, j0, n, i0, m, st.data(), dpt.data(), ld, dk.data(), dvb.data(), dqc);
           }
         }
         scalar_t* gk_tile = gk + ((b * hkv + hk) * kv_len + j0) * head_dim;
@@ -237,16 +367,30 @@ void attention_bwd_typed(const AttentionBwdArgs& a) {
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        const acc_t* dqc = dq_cols.data() + g * head_dim * q_len;
+        const acc_t* dqc = dq_cols.data() + g * head_dim * q_pad;
         scalar_t* dst = gq + (b * hq + hk * group + g) * q_len * head_dim;
         for (int64_t i = 0; i < q_len; ++i) {
           for (int64_t d = 0; d < head_dim; ++d) {
-            dst[i * head_dim + d] = static_cast<scalar_t>(dqc[d * q_len + i]);
+            dst[i * head_dim + d] = static_cast<scalar_t>(dqc[d * q_pad + i]);
           }
         }
       }
     }
+    tiles.release_thread();
   });
+}
+
+template <typename scalar_t>
+void attention_bwd_typed(const AttentionBwdArgs& args) {
+#if defined(SAFEATTN_LOWP_TILES)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+    if (use_lowp_tiles(args.query.scalar_type())) {
+      attention_bwd_run<scalar_t, LowpTiles<scalar_t>>(args);
+      return;
+    }
+  }
+#endif
+  attention_bwd_run<scalar_t, FloatTiles<scalar_t>>(args);
 }
 
 void attention_bwd_kernel(const AttentionBwdArgs& args) {

@@ -5,13 +5,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 
+#include <ATen/Context.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include "ops/attention.h"
@@ -282,6 +288,224 @@ inline int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) {
 inline int64_t round_up(int64_t x, int64_t multiple) {
   return (x + multiple - 1) / multiple * multiple;
 }
+
+// ---- Reduced-precision tiles: bf16 / fp16 products with float32 accumulation ----------------
+//
+// On a CPU with bf16 dot-product hardware (AVX512-BF16: vdpbf16ps; AMX-BF16: tile multiplies)
+// the tiles of bf16 inputs are multiplied in bf16 with float32 accumulation by oneDNN's brgemm
+// micro-kernel, as PyTorch's own CPU flash attention does with AMX; fp16 likewise where AMX-FP16
+// exists. That micro-kernel wants its right operand B in the "VNNI" layout (the one
+// cpublas::pack produces): pairs of consecutive rows of B (the reduction dimension) interleaved,
+// in blocks of kVnniCols columns, so that one 32-bit word holds B[2p][n] and B[2p + 1][n].
+// Given without VNNI layout (is_vnni=false) brgemm takes a generic GEMM instead, which ran
+// slower than our float32 tiles (2-core AMD EPYC, 64 x 512 x 128: bf16 VNNI about 2x the
+// float32 brgemm, bf16 plain about 0.8x). Element (k, n) of a packed [K, N] matrix sits at
+//   (n / 64) * block_stride + (k / 2) * 128 + (n % 64) * 2 + k % 2
+// with rows past K and columns past N zero (K is padded to even: the pair's second half).
+// Only the AVX-512 build of the kernels takes these tiles; the others keep float32.
+#if defined(CPU_CAPABILITY_AVX512)
+#define SAFEATTN_LOWP_TILES 1
+#endif
+
+constexpr int64_t kVnniCols = 64;  // the block width PyTorch packs for AMX (cpublas::pack)
+
+// Whether oneDNN may use `dtype`'s dot-product instructions: ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA
+// before oneDNN 2.0) can hold it below them, and then its bf16 micro-kernel emulates the
+// products, slower than our float32 tiles. The names follow oneDNN's cpu_isa list.
+inline bool onednn_isa_allows(at::ScalarType dtype) {
+  const char* held = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (held == nullptr) {
+    held = std::getenv("DNNL_MAX_CPU_ISA");
+  }
+  if (held == nullptr) {
+    return true;
+  }
+  std::string isa(held);
+  for (char& c : isa) {
+    c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  if (isa.empty() || isa == "ALL" || isa == "DEFAULT") {
+    return true;
+  }
+  auto has = [&](const char* part) { return isa.find(part) != std::string::npos; };
+  if (dtype == at::kHalf) {
+    return has("AMX_FP16");
+  }
+  return has("BF16") || has("FP16") || has("AMX") || has("AVX10");
+}
+
+// One small product through the same call the tiles make, checked against the exact answer: a
+// torch whose brgemm lacks the VNNI path (oneDNN held too low: it throws) or reads another layout
+// leaves the tiles in float32 rather than computing garbage. 3 x 40 over K = 6 with ldc 48 covers
+// M and N tails and checks that nothing is written past N. Small integers are exact in bf16/fp16.
+template <typename T>
+bool lowp_probe() {
+  constexpr int64_t M = 3, N = 40, K = 6, ldc = 48;
+  T a[M * K];
+  T b[K / 2 * kVnniCols * 2];
+  float c[M * ldc];
+  float want[M * ldc];
+  std::fill(b, b + K / 2 * kVnniCols * 2, T(0));
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t k = 0; k < K; ++k) {
+      a[i * K + k] = T(static_cast<float>((i + 2 * k) % 5 - 2));
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t n = 0; n < N; ++n) {
+      b[(k / 2) * kVnniCols * 2 + n * 2 + k % 2] = T(static_cast<float>((k * 7 + n) % 9 - 4));
+    }
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t n = 0; n < ldc; ++n) {
+      float sum = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        sum += static_cast<float>(a[i * K + k]) * static_cast<float>((k * 7 + n) % 9 - 4);
+      }
+      c[i * ldc + n] = 0.5f;
+      want[i * ldc + n] = n < N ? sum : 0.5f;
+    }
+  }
+  try {
+    at::native::cpublas::brgemm(M, N, K, K, kVnniCols, ldc, /*add_C=*/false, a, b, c, /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  return std::equal(c, c + M * ldc, want);
+}
+
+// Whether this call's tiles of `dtype` take the bf16 / fp16 micro-kernel: the AVX-512 build, a
+// CPU with the instructions (AVX512-BF16 or AMX-BF16 for bf16; AMX-FP16 for fp16: without it
+// oneDNN converts fp16 to float32 and gains nothing), oneDNN allowed to use them, the probe
+// passed, oneDNN enabled (torch.backends.mkldnn.enabled: without it brgemm refuses VNNI), and
+// not switched off by SAFEATTN_CPU_LOWP_TILES=0 (a measurement and test switch). The last two
+// are read per call, so that a process may change them.
+inline bool use_lowp_tiles(at::ScalarType dtype) {
+#if defined(SAFEATTN_LOWP_TILES)
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) {
+    return false;
+  }
+  const char* off = std::getenv("SAFEATTN_CPU_LOWP_TILES");
+  if (off != nullptr && std::string(off) == "0") {
+    return false;
+  }
+  static const bool bf16_ok = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    auto flag = [&](const char* name) {
+      auto it = caps.find(name);
+      return it != caps.end() && it->second.isBool() && it->second.toBool();
+    };
+    return (flag("avx512_bf16") || flag("amx_bf16")) && onednn_isa_allows(at::kBFloat16) &&
+           lowp_probe<c10::BFloat16>();
+  }();
+  static const bool fp16_ok = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    auto it = caps.find("amx_fp16");
+    const bool amx_fp16 = it != caps.end() && it->second.isBool() && it->second.toBool();
+    return amx_fp16 && onednn_isa_allows(at::kHalf) && lowp_probe<c10::Half>();
+  }();
+  return (dtype == at::kBFloat16 ? bf16_ok : fp16_ok) && at::globalContext().userEnabledMkldnn();
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+// Releases the AMX tile state this thread configured (a no-op elsewhere); called by every thread
+// at the end of its share of a parallel loop that ran reduced-precision tiles, as PyTorch's
+// flash kernel does, so that no thread leaves a kernel holding the tiles configured.
+inline void release_lowp_tiles() {
+  at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+}
+
+// C[M, N] (+)= A[M, K] @ B[K, N] with float32 accumulation: A row-major (lda), B packed in the
+// VNNI layout with its column blocks block_stride elements apart, K even. One micro-kernel call
+// per block of kVnniCols columns; C needs only N columns (the last call takes the tail).
+template <typename T>
+inline void gemm_vnni(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t block_stride,
+                      float* C, int64_t ldc, bool accumulate) {
+  for (int64_t n0 = 0; n0 < N; n0 += kVnniCols) {
+    at::native::cpublas::brgemm(M, std::min(kVnniCols, N - n0), K, lda, kVnniCols, ldc, accumulate, A,
+                                B + (n0 / kVnniCols) * block_stride, C + n0, /*is_vnni=*/true);
+  }
+}
+
+// Packs B[k][n] = src[k * stride_k + n * stride_n] (k < rows, n < cols) into the VNNI layout:
+// rows [0, rows_pad) with rows_pad even, columns [0, cols_pad) with cols_pad a multiple of
+// kVnniCols, zeros outside the source.
+template <typename T, typename S>
+void pack_vnni(T* dst, int64_t block_stride, const S* src, int64_t stride_k, int64_t stride_n, int64_t rows,
+               int64_t rows_pad, int64_t cols, int64_t cols_pad) {
+  for (int64_t n0 = 0; n0 < cols_pad; n0 += kVnniCols) {
+    T* block = dst + (n0 / kVnniCols) * block_stride;
+    const int64_t width = std::clamp<int64_t>(cols - n0, 0, kVnniCols);
+    for (int64_t k = 0; k < rows_pad; k += 2) {
+      T* out = block + (k / 2) * kVnniCols * 2;
+      const int64_t pair = std::min<int64_t>(std::max<int64_t>(rows - k, 0), 2);
+      for (int64_t c = 0; c < width; ++c) {
+        const S* in = src + k * stride_k + (n0 + c) * stride_n;
+        out[2 * c] = pair > 0 ? static_cast<T>(in[0]) : T(0);
+        out[2 * c + 1] = pair > 1 ? static_cast<T>(in[stride_k]) : T(0);
+      }
+      std::fill(out + 2 * width, out + kVnniCols * 2, T(0));
+    }
+  }
+}
+
+// dst[r * ld_dst + c] = src[r * stride_r + c * stride_c] for r < rows, c < cols, converted, and 0
+// for cols <= c < cols_pad: the row-major left operand of a tile product, its reduction
+// dimension padded to even.
+template <typename T, typename S>
+void pack_rows(T* dst, int64_t ld_dst, const S* src, int64_t stride_r, int64_t stride_c, int64_t rows, int64_t cols,
+               int64_t cols_pad) {
+  for (int64_t r = 0; r < rows; ++r) {
+    T* out = dst + r * ld_dst;
+    const S* in = src + r * stride_r;
+    if (stride_c == 1 && std::is_same_v<T, S>) {
+      std::memcpy(out, in, cols * sizeof(T));
+    } else {
+      for (int64_t c = 0; c < cols; ++c) {
+        out[c] = static_cast<T>(in[c * stride_c]);
+      }
+    }
+    std::fill(out + cols, out + cols_pad, T(0));
+  }
+}
+
+#if defined(SAFEATTN_LOWP_TILES)
+// dst[0 .. count) = src rounded to T (round to nearest even, NaN kept), zeros up to count_pad.
+template <typename T>
+inline void round_row(T* dst, const float* src, int64_t count, int64_t count_pad) {
+  at::vec::convert(src, dst, count);
+  std::fill(dst + count, dst + count_pad, T(0));
+}
+
+// The VNNI block (kVnniCols columns) of the float32 tile src[r * ld + c], r < rows, rounded to
+// T: rows [0, rows_pad) with zeros past `rows`. Two rows at a time: 16 columns of each are
+// rounded into one 32-lane vector [a0..a15, b0..b15], then interleaved to [a0 b0 a1 b1 ...].
+template <typename T>
+inline void pack_vnni_tile(T* dst, const float* src, int64_t ld, int64_t rows, int64_t rows_pad) {
+  using FVec = Vectorized<float>;
+  static_assert(FVec::size() == 16 && kVnniCols % 16 == 0, "AVX-512 layout");
+  // Lane 2i takes a_i (element i), lane 2i + 1 takes b_i (element 16 + i).
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  const FVec zero(0.0f);
+  for (int64_t k = 0; k < rows_pad; k += 2) {
+    T* out = dst + (k / 2) * kVnniCols * 2;
+    const float* row_a = src + k * ld;
+    const float* row_b = row_a + ld;
+    for (int64_t c = 0; c < kVnniCols; c += FVec::size()) {
+      const FVec a = k < rows ? FVec::loadu(row_a + c) : zero;
+      const FVec b = k + 1 < rows ? FVec::loadu(row_b + c) : zero;
+      const __m512i both = at::vec::convert_from_float<T>(a, b);
+      _mm512_storeu_si512(out + 2 * c, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace safeattn::cpu
