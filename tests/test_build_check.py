@@ -40,9 +40,9 @@ def test_this_build_matches_the_running_torch():
     "built, now, expected",
     [
         (
-            record(torch_version="2.6.0"),
+            record(torch_version="1.13.1"),
             {"torch_version": "2.9.1"},
-            ["built against torch 2.6.0, running torch 2.9.1"],
+            ["built against torch 1.13.1, running torch 2.9.1"],
         ),
         # patch releases are not ABI-compatible promises either
         (record(torch_version="2.9.0+cu128"), {"torch_version": "2.9.1+cu128"}, ["torch 2.9.0+cu128"]),
@@ -59,8 +59,8 @@ def test_this_build_matches_the_running_torch():
             ["running torch has CUDA 12.6"],
         ),
         (
-            record(torch_version="2.6.0", cxx11_abi=True),
-            {"torch_version": "2.6.0", "cxx11_abi": False},
+            record(torch_version="1.13.1", cxx11_abi=True),
+            {"torch_version": "1.13.1", "cxx11_abi": False},
             ["built with the C++11 ABI, running torch uses the pre-C++11 ABI"],
         ),
     ],
@@ -117,13 +117,13 @@ def run(path: Path, *args) -> subprocess.CompletedProcess:
 def test_import_with_another_torch_is_a_clear_import_error(tmp_path):
     other_abi = not torch._C._GLIBCXX_USE_CXX11_ABI
     path = copy_package(
-        tmp_path, config_text(torch_version="2.6.0", cxx11_abi=other_abi, build_env={"SAFEATTN_CUDA": "0"})
+        tmp_path, config_text(torch_version="1.13.1", cxx11_abi=other_abi, build_env={"SAFEATTN_CUDA": "0"})
     )
     result = run(path, "-c", "import safeattn")
     assert result.returncode == 1, result
     err = result.stderr
     assert "ImportError: safeattn 0.1.0 was built for another torch" in err, err
-    assert f"built against torch 2.6.0, running torch {torch.__version__}" in err, err
+    assert f"built against torch 1.13.1, running torch {torch.__version__}" in err, err
     assert "ABI" in err, err
     assert (
         "SAFEATTN_CUDA=0 python -m pip install --no-build-isolation --no-deps --no-cache-dir --force-reinstall safeattn=="
@@ -132,13 +132,13 @@ def test_import_with_another_torch_is_a_clear_import_error(tmp_path):
 
 
 def test_info_explains_a_mismatched_build(tmp_path):
-    path = copy_package(tmp_path, config_text(torch_version="2.6.0"))
+    path = copy_package(tmp_path, config_text(torch_version="1.13.1"))
     result = run(path, "-m", "safeattn", "info")
     assert result.returncode == 1, result
     assert "native library not loaded" in result.stdout, result.stdout
-    assert "built for       torch 2.6.0" in result.stdout, result.stdout
+    assert "built for       torch 1.13.1" in result.stdout, result.stdout
     assert f"running         torch {torch.__version__}" in result.stdout, result.stdout
-    assert f"built against torch 2.6.0, running torch {torch.__version__}" in result.stderr, result.stderr
+    assert f"built against torch 1.13.1, running torch {torch.__version__}" in result.stderr, result.stderr
     assert "--no-build-isolation" in result.stderr, result.stderr
     # Only `python -m safeattn` is let through: a package that imports safeattn while -m runs it
     # (sys.argv[0] is "-m" then too) still gets the error.
