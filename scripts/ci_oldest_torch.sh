@@ -30,6 +30,9 @@ echo "built and installed in $((SECONDS - t0)) s"
 tar xzf "$sdist" -C "$work"
 cd "$work/$(basename "$sdist" .tar.gz)"
 export PYTHONPATH="$work/site"
+# Inductor's cache (/tmp/torchinductor_$USER by default) outlives a run, and its key does not
+# cover safeattn's ops: a graph compiled by another build of safeattn was served from it here.
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor_cache"
 python - "$work/site" <<'EOF'
 import sys
 import safeattn
