@@ -34,6 +34,7 @@ import setuptools
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
+SETUPTOOLS_MAJOR = int(setuptools.__version__.split(".")[0])
 
 NO_BUILD_ISOLATION = """
 safeattn is compiled against the torch installed in your environment, so pip must build it
@@ -45,16 +46,15 @@ with build isolation off, in that environment:
 
 With isolation on (pip's default), the build runs in a fresh environment that has no torch;
 had it downloaded one, the extension would fit that torch, not yours, and fail to import.
-Install torch (>= 2.6), setuptools (>= 77) and ninja first.
+Install torch (>= 2.6), setuptools and ninja first.
 """
 
 
 def require_build_environment():
     """Fails in seconds, with the command to use, where the build cannot fit the user's torch."""
-    major = int(setuptools.__version__.split(".")[0])
-    if major < 77:  # PEP 639 license metadata in pyproject.toml
+    if SETUPTOOLS_MAJOR < 64:  # pyproject.toml metadata, editable installs
         raise SystemExit(
-            f"safeattn needs setuptools >= 77 to build (found {setuptools.__version__}): "
+            f"safeattn needs setuptools >= 64 to build (found {setuptools.__version__}): "
             "pip install -U setuptools"
         )
     try:
@@ -320,10 +320,15 @@ ext = Extension(
     extra_link_args=link_args(),
 )
 
-# The metadata (name, dependencies, extras, license) is in pyproject.toml; the version is read
-# from python/safeattn/_version.py here and by CMakeLists.txt.
+# The metadata (name, dependencies, extras) is in pyproject.toml; the version is read from
+# python/safeattn/_version.py here and by CMakeLists.txt. The license as an SPDX expression
+# (PEP 639) where setuptools knows it, else in the older field: with --no-build-isolation the
+# build uses whatever setuptools the environment has.
+LICENSE = {"license_expression": "BSD-3-Clause"} if SETUPTOOLS_MAJOR >= 77 else {"license": "BSD-3-Clause"}
+
 setup(
     version=VERSION,
+    **LICENSE,
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[ext],
