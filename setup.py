@@ -197,8 +197,8 @@ defines = [
 # without it every CPU kernel runs on one thread. Not at link time: the GOMP_* calls then bind to
 # the libgomp that libtorch_cpu already loaded (torch's own copy, so torch.set_num_threads holds),
 # never to a second OpenMP runtime.
-# -g0 last: Python's own CFLAGS, which come first, carry -g (a CUDA build's _C was 44 MB with it,
-# 4 MB without).
+# -g0 last: Python's own CFLAGS, which come first, carry -g, and debug info is most of the size
+# of a release _C. SAFEATTN_DEBUG_INFO=1 keeps it.
 debug_flags = ["-g"] if os.environ.get("SAFEATTN_DEBUG_INFO") == "1" else ["-g0"]
 cxx_flags = ["-O3", *(["-fopenmp"] if sys.platform.startswith("linux") else []), *defines, *debug_flags]
 if WITH_CUDA:
