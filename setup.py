@@ -18,7 +18,14 @@ Environment switches:
                                 cutlass_library/source/include); with them and sm_90 among the
                                 archs, the Hopper kernels (csrc/ops/cuda/hopper/*.cu) are built for
                                 sm_90a and SAFEATTN_WITH_SM90 is defined
+  SAFEATTN_DEBUG_INFO=1         keep debug info (-g) in _C; release builds have none (-g0)
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
+
+safeattn is compiled against the torch it will run with, so it is built with build isolation
+off, in the environment that has torch: `pip install --no-build-isolation .` (see
+NO_BUILD_ISOLATION below). The torch version, its CUDA version and its C++ ABI go into
+python/safeattn/_build_config.py next to _C; `import safeattn` compares them with the running
+torch before it loads _C.
 """
 
 import importlib.util
@@ -28,17 +35,55 @@ import re
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent.resolve()
+SETUPTOOLS_MAJOR = int(setuptools.__version__.split(".")[0])
+
+NO_BUILD_ISOLATION = """
+safeattn is compiled against the torch installed in your environment, so pip must build it
+with build isolation off, in that environment:
+
+    pip install --no-build-isolation safeattn        # from PyPI
+    pip install --no-build-isolation .               # from a source tree (-e for editable)
+    python -m build --no-isolation                   # building a wheel with pypa/build
+
+With isolation on (pip's default), the build runs in a fresh environment that has no torch;
+had it downloaded one, the extension would fit that torch, not yours, and fail to import.
+Install torch (>= 2.6), setuptools and ninja first.
+"""
+
+
+def require_build_environment():
+    """Fails in seconds, with the command to use, where the build cannot fit the user's torch."""
+    if SETUPTOOLS_MAJOR < 64:  # pyproject.toml metadata, editable installs
+        raise SystemExit(
+            f"safeattn needs setuptools >= 64 to build (found {setuptools.__version__}): "
+            "pip install -U setuptools"
+        )
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"error: torch is not importable where safeattn is being built.{NO_BUILD_ISOLATION}"
+        ) from None
+
+
+require_build_environment()
 
 # torch.utils.cpp_extension reads CUDA_HOME at import; a bare `nvcc` on PATH in /usr/local/bin
 # would make it guess /usr/local, which has no CUDA libraries.
-if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+if (
+    "CUDA_HOME" not in os.environ
+    and "CUDA_PATH" not in os.environ
+    and Path("/usr/local/cuda/bin/nvcc").exists()
+):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
-ROOT = Path(__file__).parent.resolve()
 VERSION = re.search(r'__version__ = "([^"]+)"', (ROOT / "python/safeattn/_version.py").read_text()).group(1)
 
 # CPU ISA variants and their compiler flags. at::vec keys on CPU_CAPABILITY / CPU_CAPABILITY_<X>.
@@ -66,7 +111,9 @@ def want_cuda():
     mode = os.environ.get("SAFEATTN_CUDA", "auto").lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"SAFEATTN_CUDA must be auto, 0 or 1; got {mode!r}")
-    available = torch.version.cuda is not None and CUDA_HOME is not None and (Path(CUDA_HOME) / "bin/nvcc").exists()
+    available = (
+        torch.version.cuda is not None and CUDA_HOME is not None and (Path(CUDA_HOME) / "bin/nvcc").exists()
+    )
     if mode == "1" and not available:
         raise SystemExit("SAFEATTN_CUDA=1 but nvcc or a CUDA build of torch is missing")
     return available if mode == "auto" else mode == "1"
@@ -173,7 +220,10 @@ defines = [
 # without it every CPU kernel runs on one thread. Not at link time: the GOMP_* calls then bind to
 # the libgomp that libtorch_cpu already loaded (torch's own copy, so torch.set_num_threads holds),
 # never to a second OpenMP runtime.
-cxx_flags = ["-O3", *(["-fopenmp"] if sys.platform.startswith("linux") else []), *defines]
+# -g0 last: Python's own CFLAGS, which come first, carry -g, and debug info is most of the size
+# of a release _C. SAFEATTN_DEBUG_INFO=1 keeps it.
+debug_flags = ["-g"] if os.environ.get("SAFEATTN_DEBUG_INFO") == "1" else ["-g0"]
+cxx_flags = ["-O3", *(["-fopenmp"] if sys.platform.startswith("linux") else []), *defines, *debug_flags]
 if WITH_CUDA:
     cxx_flags.append("-DSAFEATTN_WITH_CUDA")
 nvcc_flags = [
@@ -194,12 +244,70 @@ nvcc_flags = [
 ]
 
 
+def link_args():
+    """Linux with a C++11-ABI torch (PyPI's since 2.7): a private, hidden copy of libstdc++. Those
+    torch builds export some libstdc++ symbols of their own (pytorch #133437), and on some hosts
+    (seen: Ubuntu 24.04, g++ 13, torch 2.11) the extension bound iostream facet templates to
+    those uninitialised copies and crashed the first time it formatted an error message.
+
+    A pre-C++11-ABI torch (PyPI's 2.6): the system libstdc++. Its std::string is copy-on-write
+    and every empty string shares one static representation in libstdc++; with a second copy in
+    the extension, a string made by torch and freed here (or the reverse) is not recognised as
+    that empty one, and free() aborts the interpreter on import.
+
+    Elsewhere (macOS): nothing; libc++ is the system's and Apple's linker has no --exclude-libs."""
+    if sys.platform.startswith("linux") and torch._C._GLIBCXX_USE_CXX11_ABI:
+        return ["-static-libstdc++", "-Wl,--exclude-libs,ALL"]
+    return []
+
+
+def build_env():
+    """The build switches that were set, so that a rebuild command can repeat them."""
+    names = (
+        "SAFEATTN_CUDA",
+        "SAFEATTN_CUDA_ARCHS",
+        "SAFEATTN_CPU_ISAS",
+        "SAFEATTN_OPS",
+        "SAFEATTN_ATTN_HEAD_DIMS",
+    )
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def build_config():
+    """python/safeattn/_build_config.py: what _C is compiled against, readable without loading _C."""
+    values = {
+        "torch_version": torch.__version__,
+        "torch_cuda_version": torch.version.cuda,
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "with_cuda": WITH_CUDA,
+        "build_env": build_env(),
+    }
+    lines = [
+        "# Generated by setup.py when safeattn._C was built: the torch it was compiled against.",
+        "# `import safeattn` compares these with the running torch before it loads _C.",
+    ]
+    return "\n".join(lines + [f"{name} = {value!r}" for name, value in values.items()]) + "\n"
+
+
 class Build(BuildExtension):
-    """Compiles each CPU kernel once per ISA with its own flags, then links everything."""
+    """Compiles each CPU kernel once per ISA with its own flags, then links everything; writes
+    _build_config.py next to _C (in the source tree for in-place and editable builds)."""
+
+    def run(self):
+        super().run()
+        # setuptools builds into build_lib, then copies _C to the source tree when in place; by
+        # now self.inplace is restored, so the path below is where _C ended up.
+        target = Path(self.get_ext_fullpath("safeattn._C")).parent / "_build_config.py"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(build_config())
 
     def build_extension(self, ext):
         # BuildExtension has added its own defines to ext.extra_compile_args by now.
-        base = ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict) else ext.extra_compile_args
+        base = (
+            ext.extra_compile_args["cxx"]
+            if isinstance(ext.extra_compile_args, dict)
+            else ext.extra_compile_args
+        )
         objects = []
         for isa, flags in ISAS.items():
             objects += self.compiler.compile(
@@ -230,26 +338,32 @@ def cuda_library_includes():
     return sorted(str(p) for p in site.glob("*/include") if (p / "cusparse.h").exists())
 
 
+# Header search path of every C++ and CUDA source.
+include_dirs = [str(ROOT / "csrc")]
+if WITH_CUDA:
+    include_dirs += cuda_library_includes()
+
 Extension = CUDAExtension if WITH_CUDA else CppExtension
 ext = Extension(
     "safeattn._C",
     sources=common_sources + (cuda_sources if WITH_CUDA else []),
-    include_dirs=[str(ROOT / "csrc")] + (cuda_library_includes() if WITH_CUDA else []),
+    include_dirs=include_dirs,
     depends=rel((ROOT / "csrc").rglob("*.h")),
     extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags} if WITH_CUDA else {"cxx": cxx_flags},
-    # A private, hidden copy of libstdc++: on some hosts (seen: Ubuntu 24.04, g++ 13, torch
-    # 2.11) the extension otherwise carries its own uninitialised instances of iostream facet
-    # templates and crashes the first time it formats an error message.
-    extra_link_args=["-static-libstdc++", "-Wl,--exclude-libs,ALL"],
+    extra_link_args=link_args(),
 )
 
+# The metadata (name, dependencies, extras) is in pyproject.toml; the version is read from
+# python/safeattn/_version.py here and by CMakeLists.txt. The license as an SPDX expression
+# (PEP 639) where setuptools knows it, else in the older field: with --no-build-isolation the
+# build uses whatever setuptools the environment has.
+LICENSE = {"license_expression": "BSD-3-Clause"} if SETUPTOOLS_MAJOR >= 77 else {"license": "BSD-3-Clause"}
+
 setup(
-    name="safeattn",
     version=VERSION,
+    **LICENSE,
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[ext],
     cmdclass={"build_ext": Build},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.6"],
 )

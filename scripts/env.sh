@@ -1,6 +1,7 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: creates (once) and activates a virtual
-# environment outside the clone, keyed by the pinned requirements, then builds safeattn into it.
-# Override the location with SAFEATTN_CACHE; choose requirements with SAFEATTN_REQUIREMENTS.
+# Sourced by scripts/test.sh, scripts/demo.sh and the CI scripts: creates (once) and activates a
+# virtual environment outside the clone, keyed by the pinned requirements, then builds safeattn
+# into it. Override the location with SAFEATTN_CACHE; choose requirements with
+# SAFEATTN_REQUIREMENTS; SAFEATTN_ENV_ONLY=1 stops after activating (no build, no import).
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _reqs="${SAFEATTN_REQUIREMENTS:-$_root/requirements-dev.txt}"
@@ -18,7 +19,9 @@ if [ ! -x "$SAFEATTN_VENV/bin/python" ] || [ ! -f "$SAFEATTN_VENV/.complete" ]; 
 fi
 # shellcheck disable=SC1091
 source "$SAFEATTN_VENV/bin/activate"
-if [ "${SAFEATTN_SKIP_BUILD:-0}" = "1" ]; then
+if [ "${SAFEATTN_ENV_ONLY:-0}" = "1" ]; then
+  return 0
+elif [ "${SAFEATTN_SKIP_BUILD:-0}" = "1" ]; then
   # A second environment with the same torch reuses the in-place build (python/safeattn/_C*.so).
   export PYTHONPATH="$_root/python${PYTHONPATH:+:$PYTHONPATH}"
 else

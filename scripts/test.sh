@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+# A fresh Inductor cache: the default one (/tmp/torchinductor_$USER) outlives a run, and its key
+# does not cover safeattn's ops, so it served a graph compiled for another build of safeattn
+# (an op this build does not have) to the compile tests.
+inductor_cache="$(mktemp -d)"
+trap 'rm -rf "$inductor_cache"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$inductor_cache}"
 
 echo "== pytest"
 # --maxschedchunk 1: one test at a time per worker, so the slow tests that tests/conftest.py puts

@@ -6,14 +6,22 @@ implementations and autograd formulas, so they run eagerly and under ``torch.com
 
 import torch  # loads libtorch, which _C links against
 
-from . import (  # noqa: F401  registrations
-    _C,  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
-    _autograd,
-    _fake,
-    distributed,  # DTensor sharding rules, registered once torch.distributed.tensor is imported
-)
+from . import _build_check
 from ._version import __version__
 from .ops import attention, masked_softmax, safe_softmax, sdpa_mask
+
+# Checked before _C loads: a _C built for another torch fails with an undefined symbol or aborts
+# the interpreter. `python -m safeattn info` gets the package without _C, to print this itself.
+_build_problem = _build_check.problem()
+if _build_problem is not None and not _build_check.started_as_cli():
+    raise ImportError(_build_problem)
+if _build_problem is None:
+    try:
+        from . import _C  # noqa: F401  loads the native library: registers torch.ops.safeattn.*
+    except ImportError as error:
+        raise ImportError(_build_check.load_failure(error)) from error
+    # Registrations; distributed registers its DTensor rules once torch.distributed.tensor is imported.
+    from . import _autograd, _fake, distributed  # noqa: F401
 
 __all__ = ["__version__", "attention", "build_info", "masked_softmax", "safe_softmax", "sdpa_mask"]
 

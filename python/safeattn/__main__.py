@@ -6,6 +6,7 @@ import argparse
 import platform
 import sys
 
+from . import _build_check
 from ._bench import machine_name
 from ._cli_bench import add_arguments
 
@@ -18,6 +19,7 @@ def _info() -> int:
     info = safeattn.build_info()
     print(f"safeattn        {info['version']}")
     print(f"torch           {torch.__version__} (safeattn built against {info['torch_version']})")
+    print(f"built for       {_build_check.describe(_build_check.build_record())}")
     print(f"python          {platform.python_version()}")
     print(f"CPU             {machine_name()}, {torch.get_num_threads()} threads")
     runnable = ", ".join(info["cpu_isas_runnable"])
@@ -52,6 +54,24 @@ def _info() -> int:
     return 0
 
 
+def _unloadable(command: str, problem: str) -> int:
+    """The build does not fit the running torch, so _C was not loaded: say so, and how to fix it."""
+    from ._version import __version__
+
+    if command == "info":
+        now = _build_check.running_torch()
+        print(f"safeattn        {__version__} (native library not loaded)")
+        print(f"built for       {_build_check.describe(_build_check.build_record())}")
+        print(
+            f"running         torch {now['torch_version']}, {_build_check.abi_name(now['cxx11_abi'])}, "
+            f"CUDA {now['torch_cuda_version'] or 'none'}"
+        )
+        print(f"python          {platform.python_version()} ({sys.executable})")
+        print()
+    print(problem, file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m safeattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(bench)
     args = parser.parse_args(argv)
+    import safeattn
+
+    if safeattn._build_problem is not None:
+        return _unloadable(args.command, safeattn._build_problem)
     if args.command == "info":
         return _info()
     if args.command == "demo":

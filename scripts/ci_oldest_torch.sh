@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# CI job: safeattn as a user installs it, against the oldest torch it supports. In a second
+# environment (requirements-oldest.txt, cached outside the clone like scripts/env.sh's), it
+# builds the sdist, installs it with --no-build-isolation (CPU kernels only, SAFEATTN_CUDA=0)
+# into a folder outside the clone, and from the unpacked sdist imports it, runs
+# `python -m safeattn info` and the op tests that the sdist carries.
+#
+#   bash scripts/ci_oldest_torch.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+SAFEATTN_REQUIREMENTS="$root/requirements-oldest.txt" SAFEATTN_ENV_ONLY=1 source scripts/env.sh
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+echo "== oldest torch: $(python -c 'import torch; print("torch", torch.__version__, "C++11 ABI", torch._C._GLIBCXX_USE_CXX11_ABI)')"
+
+echo "== sdist"
+log="$work/build.log"
+SAFEATTN_CUDA=0 python setup.py -q sdist -d "$work/dist" >"$log" 2>&1 || { cat "$log"; exit 1; }
+sdist="$(echo "$work"/dist/safeattn-*.tar.gz)"
+
+echo "== pip install --no-build-isolation $(basename "$sdist")"
+t0=$SECONDS
+SAFEATTN_CUDA=0 python -m pip install -q --no-build-isolation --no-deps --no-cache-dir --target "$work/site" "$sdist" \
+  >"$log" 2>&1 || { cat "$log"; exit 1; }
+echo "built and installed in $((SECONDS - t0)) s"
+
+# From the unpacked sdist (its tests, and the generator that one of them runs), which has no
+# built _C: the safeattn imported is the installed one.
+tar xzf "$sdist" -C "$work"
+cd "$work/$(basename "$sdist" .tar.gz)"
+export PYTHONPATH="$work/site"
+# Inductor's cache (/tmp/torchinductor_$USER by default) outlives a run, and its key does not
+# cover safeattn's ops: a graph compiled by another build of safeattn was served from it here.
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor_cache"
+python - "$work/site" <<'EOF'
+import sys
+import safeattn
+
+assert safeattn.__file__.startswith(sys.argv[1]), f"imported {safeattn.__file__}, not the installed copy"
+print("imported", safeattn.__file__)
+EOF
+python -m safeattn info
+
+echo "== pytest (op tests against torch $(python -c 'import torch; print(torch.__version__)'))"
+python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1 \
+  tests/test_build_check.py tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py "$@"
