@@ -207,7 +207,9 @@ isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
 CUTLASS_INCLUDE = cutlass_include() if WITH_CUDA and any(a.startswith("90") for a in ARCHS) else None
 hopper_sources = op_filter(rel((ROOT / "csrc/ops/cuda/hopper").glob("*.cu"))) if CUTLASS_INCLUDE else []
 cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
-    rel((ROOT / "csrc/common").glob("*.cu")) + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu"))) + hopper_sources
+    rel((ROOT / "csrc/common").glob("*.cu"))
+    + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+    + hopper_sources
 )
 hopper_sources = [p for p in cuda_sources if p in hopper_sources]
 cuda_sources = [p for p in cuda_sources if p not in hopper_sources]

@@ -48,7 +48,9 @@ def prefill(head_dim, calls, table):
                 torch.autograd.grad(out, (q, k, v), grad)
                 torch.cuda.synchronize()
             print(f"-- prefill D={head_dim} {sorted(kwargs)}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100))
+            print(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100)
+            )
 
 
 def decode(kv_len, calls, table):
@@ -64,7 +66,9 @@ def decode(kv_len, calls, table):
                 safeattn.attention(q, k, v, enable_gqa=True)
                 torch.cuda.synchronize()
             print(f"-- decode KV={kv_len}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100))
+            print(
+                prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100)
+            )
 
 
 def main() -> None:

@@ -25,9 +25,8 @@ namespace safeattn {
 int cpu_parallel_threads() {
   const int threads = at::get_num_threads();
   std::vector<std::atomic<bool>> seen(threads);
-  at::parallel_for(0, 64 * static_cast<int64_t>(threads), 1, [&](int64_t, int64_t) {
-    seen[at::get_thread_num()] = true;
-  });
+  at::parallel_for(0, 64 * static_cast<int64_t>(threads), 1,
+                   [&](int64_t, int64_t) { seen[at::get_thread_num()] = true; });
   return static_cast<int>(std::count_if(seen.begin(), seen.end(), [](const std::atomic<bool>& s) { return s.load(); }));
 }
 

@@ -11,12 +11,12 @@ namespace safeattn {
 
 struct BuildInfo {
   std::string version;
-  std::string torch_version;       // the torch headers this was compiled against
-  std::vector<std::string> cpu_isas;  // variants compiled (DEFAULT, AVX2, AVX512)
+  std::string torch_version;                   // the torch headers this was compiled against
+  std::vector<std::string> cpu_isas;           // variants compiled (DEFAULT, AVX2, AVX512)
   std::vector<std::string> cpu_isas_runnable;  // those this CPU executes
-  std::string cpu_isa_in_use;         // the variant this CPU runs (honours ATEN_CPU_CAPABILITY)
+  std::string cpu_isa_in_use;                  // the variant this CPU runs (honours ATEN_CPU_CAPABILITY)
   bool with_cuda = false;
-  std::string cuda_version;           // CUDA toolkit the kernels were compiled with
+  std::string cuda_version;             // CUDA toolkit the kernels were compiled with
   std::vector<std::string> cuda_archs;  // e.g. "90"
   // Head dims of the bf16/fp16 tensor-core attention kernels compiled (the others, and float32 /
   // float64, take the generic path on the GPU).

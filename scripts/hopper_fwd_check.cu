@@ -6,13 +6,12 @@
 //        scripts/hopper_fwd_check.cu -o hopper_fwd_check
 //
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
-// [--profile (two causal launches of each default, nothing else: for ncu)]. For each kernel variant: fresh random inputs
-// (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd
-// shapes (Q/KV in 1, 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row;
-// GQA 4:1; transposed-view and padded strides) comparing out, lse, lse + lse_lo, and fully
-// masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 causal and not, timed
-// with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the flops.
-// Exit status 1 when any check fails.
+// [--profile (two causal launches of each default, nothing else: for ncu)]. For each kernel variant: fresh random
+// inputs (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1,
+// 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
+// strides) comparing out, lse, lse + lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16
+// S=4096 causal and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the
+// flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,13 +31,13 @@
 using safeattn::cuda::hopper::FwdConfig;
 using safeattn::cuda::hopper::FwdParams;
 
-#define CHECK_CUDA(x)                                                                          \
-  do {                                                                                         \
-    cudaError_t err_ = (x);                                                                    \
-    if (err_ != cudaSuccess) {                                                                 \
+#define CHECK_CUDA(x)                                                                                    \
+  do {                                                                                                   \
+    cudaError_t err_ = (x);                                                                              \
+    if (err_ != cudaSuccess) {                                                                           \
       fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                 \
-    }                                                                                          \
+      exit(2);                                                                                           \
+    }                                                                                                    \
   } while (0)
 
 template <typename T>
@@ -95,9 +94,12 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   const size_t on = make_strides(1, cs.batch, cs.heads, cs.q_len, D, os);  // out: [B, Q, H, D] storage
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   std::vector<T> hq(qn), hk(kn), hv(vn);
-  for (auto& x : hq) x = from_f<T>(uni(rng));
-  for (auto& x : hk) x = from_f<T>(uni(rng));
-  for (auto& x : hv) x = from_f<T>(uni(rng));
+  for (auto& x : hq)
+    x = from_f<T>(uni(rng));
+  for (auto& x : hk)
+    x = from_f<T>(uni(rng));
+  for (auto& x : hv)
+    x = from_f<T>(uni(rng));
   T *dq, *dk, *dv, *dout;
   float *dlse, *dlo;
   const size_t rows = size_t(cs.batch) * cs.heads * cs.q_len;
@@ -160,17 +162,20 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
         }
         const T* krow = hk.data() + b * ks[0] + hk_ * ks[1] + int64_t{j} * ks[2];
         double dot = 0;
-        for (int d = 0; d < D; ++d) dot += double(to_f(qrow[d])) * double(to_f(krow[d]));
+        for (int d = 0; d < D; ++d)
+          dot += double(to_f(qrow[d])) * double(to_f(krow[d]));
         s[j] = dot * scale;
         m = std::max(m, s[j]);
       }
       double l = 0;
       for (int j = 0; j < cs.kv_len; ++j) {
-        if (s[j] == -INFINITY) continue;
+        if (s[j] == -INFINITY)
+          continue;
         const double pj = std::exp(s[j] - m);
         l += pj;
         const T* vrow = hv.data() + b * vs[0] + hk_ * vs[1] + int64_t{j} * vs[2];
-        for (int d = 0; d < D; ++d) acc[d] += pj * double(to_f(vrow[d]));
+        for (int d = 0; d < D; ++d)
+          acc[d] += pj * double(to_f(vrow[d]));
       }
       const size_t r = size_t(bh) * cs.q_len + i;
       const T* orow = hout.data() + b * os[0] + h * os[1] + int64_t{i} * os[2];
@@ -178,12 +183,14 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
       long nan_out = 0, bad_empty = 0, bad_lo = 0;
       double lse_err = 0, lse2_err = 0;
       if (l == 0) {  // no visible key
-        for (int d = 0; d < D; ++d) bad_empty += !(to_f(orow[d]) == 0.0f);
+        for (int d = 0; d < D; ++d)
+          bad_empty += !(to_f(orow[d]) == 0.0f);
         bad_empty += !(hlse[r] == -INFINITY) + !(hlo[r] == 0.0f);
       } else {
         for (int d = 0; d < D; ++d) {
           const double ref = acc[d] / l, got = to_f(orow[d]);
-          if (!(got == got)) ++nan_out;
+          if (!(got == got))
+            ++nan_out;
           row_err2 += (got - ref) * (got - ref);
           row_ref2 += ref * ref;
           row_max = std::max(row_max, std::fabs(got - ref));
@@ -191,8 +198,10 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
         const double ref_lse = m + std::log(l);
         lse_err = std::fabs(double(hlse[r]) - ref_lse);
         lse2_err = std::fabs(double(hlse[r]) + double(hlo[r]) - ref_lse);
-        if (!(lse_err == lse_err)) lse_err = INFINITY;
-        if (!(lse2_err == lse2_err)) lse2_err = INFINITY;
+        if (!(lse_err == lse_err))
+          lse_err = INFINITY;
+        if (!(lse2_err == lse2_err))
+          lse2_err = INFINITY;
         // lse_lo is a rounding remainder: at most half an ulp of lse.
         const float ulp = std::nextafter(std::fabs(hlse[r]), INFINITY) - std::fabs(hlse[r]);
         bad_lo += !(std::fabs(hlo[r]) <= 0.5001f * ulp);
@@ -213,11 +222,12 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   const double tol_rel = bf16 ? 1e-2 : 2e-3, tol_abs = bf16 ? 4e-2 : 8e-3;
   const bool ok = e.out_rel_l2 <= tol_rel && e.out_max_abs <= tol_abs && e.lse_max_abs <= 2e-3 &&
                   e.lse2_max_abs <= 2e-3 && e.nan_out == 0 && e.bad_empty == 0 && e.bad_lo == 0;
-  printf("%-4s %-28s B%d H%d/%d Q%-5d KV%-5d %s shift %-5lld layout %d: rel %.2e max %.2e lse %.2e lse+lo %.2e "
-         "nan %ld empty-bad %ld lo-bad %ld\n",
-         ok ? "ok" : "FAIL", name, cs.batch, cs.heads, cs.kv_heads, cs.q_len, cs.kv_len, cs.causal ? "causal" : "full  ",
-         static_cast<long long>(cs.shift), cs.layout, e.out_rel_l2, e.out_max_abs, e.lse_max_abs, e.lse2_max_abs,
-         e.nan_out, e.bad_empty, e.bad_lo);
+  printf(
+      "%-4s %-28s B%d H%d/%d Q%-5d KV%-5d %s shift %-5lld layout %d: rel %.2e max %.2e lse %.2e lse+lo %.2e "
+      "nan %ld empty-bad %ld lo-bad %ld\n",
+      ok ? "ok" : "FAIL", name, cs.batch, cs.heads, cs.kv_heads, cs.q_len, cs.kv_len, cs.causal ? "causal" : "full  ",
+      static_cast<long long>(cs.shift), cs.layout, e.out_rel_l2, e.out_max_abs, e.lse_max_abs, e.lse2_max_abs,
+      e.nan_out, e.bad_empty, e.bad_lo);
   return ok;
 }
 
@@ -292,7 +302,8 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < (g_profile ? 1 : 3); ++i) launch(params(i % kSets));
+  for (int i = 0; i < (g_profile ? 1 : 3); ++i)
+    launch(params(i % kSets));
   std::vector<float> ms;
   for (int i = 0; i < (g_profile ? 1 : 20); ++i) {
     const FwdParams p = params(i % kSets);
@@ -312,11 +323,11 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
          persistent ? "persistent" : "grid=tiles", dynamic ? "dynamic" : "static", KV, med, ms.front(), ms.back(),
          g_timings.back().tflops);
   for (int s = 0; s < kSets; ++s)
-    for (int t = 0; t < 3; ++t) cudaFree(buf[s][t]);
+    for (int t = 0; t < 3; ++t)
+      cudaFree(buf[s][t]);
   cudaFree(out), cudaFree(lse), cudaFree(lo), cudaFree(counter);
   cudaEventDestroy(start), cudaEventDestroy(stop);
 }
-
 
 template <typename T, class Config>
 static int check_variant(const char* name, bool quick, bool timing) {
@@ -327,15 +338,12 @@ static int check_variant(const char* name, bool quick, bool timing) {
   std::mt19937 rng(std::random_device{}());
   const double scale = 1.0 / std::sqrt(double(D));
   std::vector<Case> cases = {
-      {1, 1, 1, 1, 1, false, 0, 0},
-      {2, 3, 3, 17, 17, false, 0, 1},
-      {1, 2, 2, 97, 1025, false, 0, 2},
-      {1, 2, 2, 1025, 97, true, 0, 0},
-      {2, 8, 2, 97, 97, true, -5, 1},      // GQA 4:1, first 5 rows empty
-      {1, 4, 1, 1025, 1025, true, 7, 1},   // GQA 4:1
-      {1, 2, 2, 17, 1025, true, 1008, 0},  // bottom-right aligned (decode-like)
-      {1, 2, 2, 97, 97, true, -200, 0},    // every row empty: no tile visited
-      {1, 1, 1, 300, 300, true, -150, 2},  // whole tiles empty, others partial
+      {1, 1, 1, 1, 1, false, 0, 0},       {2, 3, 3, 17, 17, false, 0, 1}, {1, 2, 2, 97, 1025, false, 0, 2},
+      {1, 2, 2, 1025, 97, true, 0, 0},    {2, 8, 2, 97, 97, true, -5, 1},  // GQA 4:1, first 5 rows empty
+      {1, 4, 1, 1025, 1025, true, 7, 1},                                   // GQA 4:1
+      {1, 2, 2, 17, 1025, true, 1008, 0},                                  // bottom-right aligned (decode-like)
+      {1, 2, 2, 97, 97, true, -200, 0},                                    // every row empty: no tile visited
+      {1, 1, 1, 300, 300, true, -150, 2},                                  // whole tiles empty, others partial
   };
   if (!quick) {
     cases.push_back({1, 2, 1, 4096, 4096, true, 0, 1});
@@ -356,10 +364,14 @@ static int check_variant(const char* name, bool quick, bool timing) {
 int main(int argc, char** argv) {
   bool quick = false, timing = true;
   for (int i = 1; i < argc; ++i) {
-    if (!strcmp(argv[i], "--quick")) quick = true;
-    if (!strcmp(argv[i], "--no-timing")) timing = false;
-    if (!strcmp(argv[i], "--only") && i + 1 < argc) g_only = atoi(argv[++i]);
-    if (!strcmp(argv[i], "--profile")) g_profile = true;
+    if (!strcmp(argv[i], "--quick"))
+      quick = true;
+    if (!strcmp(argv[i], "--no-timing"))
+      timing = false;
+    if (!strcmp(argv[i], "--only") && i + 1 < argc)
+      g_only = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--profile"))
+      g_profile = true;
   }
   if (argc > 1 && !strcmp(argv[1], "--sweep")) {  // per-tile overhead: full tiles of 4 .. 32 key blocks
     for (int kv : {512, 1024, 2048, 4096}) {

@@ -204,12 +204,13 @@ def assert_same(got, want, what: str):
         if w is None or g is None:
             assert g is None and w is None, f"{what}[{i}]: gradient None in one run only"
             continue
-        assert g.requires_grad == w.requires_grad, (
-            f"{what}[{i}]: requires_grad {g.requires_grad} under compile, {w.requires_grad} in eager"
-        )
-        assert (g.dtype, g.shape) == (w.dtype, w.shape), (
-            f"{what}[{i}]: {g.dtype} {tuple(g.shape)} under compile, eager {w.dtype} {tuple(w.shape)}"
-        )
+        assert (
+            g.requires_grad == w.requires_grad
+        ), f"{what}[{i}]: requires_grad {g.requires_grad} under compile, {w.requires_grad} in eager"
+        assert (g.dtype, g.shape) == (
+            w.dtype,
+            w.shape,
+        ), f"{what}[{i}]: {g.dtype} {tuple(g.shape)} under compile, eager {w.dtype} {tuple(w.shape)}"
         torch.testing.assert_close(
             g.detach(),
             w.detach(),

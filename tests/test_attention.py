@@ -51,9 +51,9 @@ def _max_err(got, want):
 def _compare(name, got, ref64, ref_low, factor, floor):
     err = _max_err(got, ref64)
     yard = _max_err(ref_low, ref64)
-    assert err <= factor * yard + floor, (
-        f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
-    )
+    assert (
+        err <= factor * yard + floor
+    ), f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
 
 
 def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra_grad_inputs=(), **kwargs):
@@ -68,9 +68,9 @@ def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra
     _compare("out", out, ref_out, low_out, 2, floor)
     _compare("lse", lse, ref_lse, low_lse, 2, floor)
     # -inf lse exactly where the reference has it (fully masked rows).
-    assert torch.equal(lse.isneginf().cpu(), ref_lse.isneginf().cpu()), (
-        "lse -inf rows differ from the reference"
-    )
+    assert torch.equal(
+        lse.isneginf().cpu(), ref_lse.isneginf().cpu()
+    ), "lse -inf rows differ from the reference"
     if not grads:
         return out, lse
     inputs = (q, k, v, *extra_grad_inputs)
@@ -173,9 +173,9 @@ def test_sdpa_mask_kinds(device, kind, mask_dtype):
     if kind == "padding":
         # Left-padded queries 0..4 of batch 0 see no key: out 0, lse -inf (the safe semantics).
         out, lse = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        assert torch.all(out[0, :, :5] == 0) and torch.all(lse[0, :, :5].isneginf()), (
-            "fully masked rows not 0/-inf"
-        )
+        assert torch.all(out[0, :, :5] == 0) and torch.all(
+            lse[0, :, :5].isneginf()
+        ), "fully masked rows not 0/-inf"
     _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -473,12 +473,28 @@ def _bad_inputs():
             re.escape("query heads (4) must be a multiple"),
         ),
         ((q, k, v), {"enable_gqa": True, "dropout_p": 0.1}, "attention: dropout_p must be 0"),
-        ((q, k, v), {"enable_gqa": True, "softcap": -1.0}, re.escape("attention: softcap must be 0 (none) or a finite positive number in float32, got -1")),
+        (
+            (q, k, v),
+            {"enable_gqa": True, "softcap": -1.0},
+            re.escape("attention: softcap must be 0 (none) or a finite positive number in float32, got -1"),
+        ),
         ((q, k, v), {"enable_gqa": True, "softcap": math.inf}, "attention: softcap must be 0 .* got inf"),
         ((q, k, v), {"enable_gqa": True, "softcap": math.nan}, "attention: softcap must be 0 .* got nan"),
-        ((q, k, v), {"enable_gqa": True, "softcap": 1e-300}, "attention: softcap must be 0 .* in float32, got 1e-300"),
-        ((q, k, v), {"enable_gqa": True, "scale": math.inf}, "attention: scale must be a finite number in float32, got inf"),
-        ((q, k, v), {"enable_gqa": True, "scale": 1e39}, "attention: scale must be a finite number in float32, got 1e\\+39"),
+        (
+            (q, k, v),
+            {"enable_gqa": True, "softcap": 1e-300},
+            "attention: softcap must be 0 .* in float32, got 1e-300",
+        ),
+        (
+            (q, k, v),
+            {"enable_gqa": True, "scale": math.inf},
+            "attention: scale must be a finite number in float32, got inf",
+        ),
+        (
+            (q, k, v),
+            {"enable_gqa": True, "scale": 1e39},
+            "attention: scale must be a finite number in float32, got 1e\\+39",
+        ),
         (
             (q, k, v, t(5, 7, dtype=torch.int64)),
             {"enable_gqa": True},
@@ -539,9 +555,9 @@ def test_fake_strides_match_kernel():
     out, lse = safeattn.attention(q, k, v)
     with torch._subclasses.FakeTensorMode() as mode:
         fout, flse = safeattn.attention(*(mode.from_tensor(t) for t in (q, k, v)))
-    assert fout.stride() == out.stride() and flse.stride() == lse.stride(), (
-        "fake strides differ from the kernel's"
-    )
+    assert (
+        fout.stride() == out.stride() and flse.stride() == lse.stride()
+    ), "fake strides differ from the kernel's"
     assert out.stride() == (5 * 4 * 8, 8, 4 * 8, 1)
 
 
@@ -618,7 +634,8 @@ def test_cuda_decode_shapes(q_len, dtype):
 
 @cuda_only
 @pytest.mark.parametrize(
-    "mask_shape", [(150, 333), (4, 150, 333), (2, 1, 150, 333), (1, 4, 150, 333), (2, 4, 1, 333), (2, 1, 150, 1)]
+    "mask_shape",
+    [(150, 333), (4, 150, 333), (2, 1, 150, 333), (1, 4, 150, 333), (2, 4, 1, 333), (2, 1, 150, 1)],
 )
 @pytest.mark.parametrize("mask_dtype", ["bool", "float32", "query"])
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -665,10 +682,12 @@ def test_cuda_mask_tile_summary(mask_dtype, causal):
     kwargs = {"attn_mask": mask, "enable_gqa": True, "is_causal": causal, "q_offset": 300 if causal else 0}
     out, lse = safeattn.attention(q, k, v, **kwargs)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in fully masked tiles leaked"
-    assert torch.all(out[0, :, 128:256] == 0) and torch.all(lse[0, :, 128:256].isneginf()), (
-        "a fully masked query tile must give out 0, lse -inf"
-    )
-    assert torch.all(out[1, :, 5:9] == 0) and torch.all(lse[1, :, 5:9].isneginf()), "fully masked rows not 0/-inf"
+    assert torch.all(out[0, :, 128:256] == 0) and torch.all(
+        lse[0, :, 128:256].isneginf()
+    ), "a fully masked query tile must give out 0, lse -inf"
+    assert torch.all(out[1, :, 5:9] == 0) and torch.all(
+        lse[1, :, 5:9].isneginf()
+    ), "fully masked rows not 0/-inf"
     with torch.no_grad():
         k[:, :, 64:192] = 0.0
         v[:, :, 64:192] = 0.0
@@ -724,7 +743,9 @@ def test_cuda_softcap_and_sinks(dtype, head_dim):
     _check_forward(q, k, v, softcap=5.0, enable_gqa=True, is_causal=True, q_offset=170)
     out, lse = _check_forward(q, k, v, attn_mask=mask, sinks=sinks, softcap=5.0, enable_gqa=True)
     assert torch.all(out[1, :, 120:] == 0), "fully masked rows with sinks must be 0"
-    torch.testing.assert_close(lse[1, :, 120:], sinks[:, None].expand(4, 10), msg="lse of an empty row is the sink")
+    torch.testing.assert_close(
+        lse[1, :, 120:], sinks[:, None].expand(4, 10), msg="lse of an empty row is the sink"
+    )
 
 
 @cuda_only
@@ -765,7 +786,9 @@ def test_cuda_generic_path(dtype, head_dim, dv):
 @cuda_only
 def test_cuda_float64_forward():
     q, k, v, bias, sinks = _small_case("cuda")
-    _check_forward(q, k, v, attn_mask=bias, enable_gqa=True, is_causal=True, q_offset=3, softcap=3.0, sinks=sinks)
+    _check_forward(
+        q, k, v, attn_mask=bias, enable_gqa=True, is_causal=True, q_offset=3, softcap=3.0, sinks=sinks
+    )
 
 
 @cuda_only
@@ -786,7 +809,9 @@ def test_cuda_more_than_2_pow_31_elements():
     out, lse = safeattn.attention(q, k, v, attn_mask=mask)
     for b in (0, batch - 1):
         sl = slice(b, b + 1)
-        want, want_lse = safeattn.attention(q[sl].clone(), k[sl].clone(), v[sl].clone(), attn_mask=mask[sl].clone())
+        want, want_lse = safeattn.attention(
+            q[sl].clone(), k[sl].clone(), v[sl].clone(), attn_mask=mask[sl].clone()
+        )
         assert torch.equal(out[sl], want) and torch.equal(lse[sl], want_lse), f"batch {b} differs past 2^31"
     del out, lse
     _check_forward(q[-1:], k[-1:], v[-1:], attn_mask=mask[-1:])
@@ -847,7 +872,11 @@ def test_bias_gradient_over_one_key(device, head_dim, bias_shape):
     uninitialised memory on CPU when the bias had the full [B, H, Q, KV] shape and KV == 1)."""
     q, k, v = _qkv(2, 2, 2, 5, 1, head_dim, torch.float32, device)
     for trial in range(3):  # garbage differs from call to call
-        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(trial)).to(device).requires_grad_()
+        bias = (
+            torch.randn(bias_shape, generator=torch.Generator().manual_seed(trial))
+            .to(device)
+            .requires_grad_()
+        )
         out, _ = safeattn.attention(q, k, v, bias)
         (grad_bias,) = torch.autograd.grad(out, bias, torch.randn_like(out))
         assert grad_bias.shape == bias.shape
@@ -964,8 +993,21 @@ def _private_backward_args(device="cpu"):
     out, lse, lse_lo = torch.ops.safeattn._attention_forward(q, k, v, None, 0.0, False, None, True)
     grad_out = torch.randn_like(out)
     return dict(
-        grad_out=grad_out, grad_lse=None, query=q, key=k, value=v, out=out, lse=lse, attn_mask=None,
-        is_causal=False, scale=None, q_offset=0, kv_offset=0, softcap=0.0, sinks=None, grad_mask_needed=False,
+        grad_out=grad_out,
+        grad_lse=None,
+        query=q,
+        key=k,
+        value=v,
+        out=out,
+        lse=lse,
+        attn_mask=None,
+        is_causal=False,
+        scale=None,
+        q_offset=0,
+        kv_offset=0,
+        softcap=0.0,
+        sinks=None,
+        grad_mask_needed=False,
         lse_lo=lse_lo,
     )
 
@@ -975,19 +1017,49 @@ def _private_backward_bad():
     return [
         (dict(key=f(1, 2, 7, 3)), "_attention_backward: key has head_dim 3 but query has 8"),
         (dict(value=f(1, 2, 2, 8)), "_attention_backward: value has kv_length 2 but key has 7"),
-        (dict(key=f(1, 0, 7, 8), value=f(1, 0, 7, 8)), re.escape("query heads (4) must be a multiple of key/value heads (0)")),
-        (dict(key=f(1, 3, 7, 8), value=f(1, 3, 7, 8)), re.escape("query heads (4) must be a multiple of key/value heads (3)")),
+        (
+            dict(key=f(1, 0, 7, 8), value=f(1, 0, 7, 8)),
+            re.escape("query heads (4) must be a multiple of key/value heads (0)"),
+        ),
+        (
+            dict(key=f(1, 3, 7, 8), value=f(1, 3, 7, 8)),
+            re.escape("query heads (4) must be a multiple of key/value heads (3)"),
+        ),
         (dict(query=f(4, 5, 8)), "_attention_backward: query must be 4-D"),
-        (dict(lse=f(1, 4, 3)), re.escape("_attention_backward: lse must be [batch, heads, q_length] = [1, 4, 5], got [1, 4, 3]")),
+        (
+            dict(lse=f(1, 4, 3)),
+            re.escape("_attention_backward: lse must be [batch, heads, q_length] = [1, 4, 5], got [1, 4, 3]"),
+        ),
         (dict(lse_lo=f(1, 4)), re.escape("_attention_backward: lse_lo must be [batch, heads, q_length]")),
-        (dict(grad_lse=f(1, 4, 2)), re.escape("_attention_backward: grad_lse must be [batch, heads, q_length]")),
-        (dict(lse=torch.zeros(1, 4, 5, dtype=torch.int64)), "_attention_backward: lse must have a floating dtype, got Long"),
-        (dict(out=f(1, 4, 5, 3)), re.escape("_attention_backward: out must be [batch, heads, q_length, head_dim_v] = [1, 4, 5, 8]")),
-        (dict(grad_out=f(1, 4, 5, 3)), re.escape("_attention_backward: grad_out has shape [1, 4, 5, 3] but out has [1, 4, 5, 8]")),
-        (dict(grad_out=f(1, 4, 5, 8).double()), "_attention_backward: grad_out has dtype Double but query has Float"),
+        (
+            dict(grad_lse=f(1, 4, 2)),
+            re.escape("_attention_backward: grad_lse must be [batch, heads, q_length]"),
+        ),
+        (
+            dict(lse=torch.zeros(1, 4, 5, dtype=torch.int64)),
+            "_attention_backward: lse must have a floating dtype, got Long",
+        ),
+        (
+            dict(out=f(1, 4, 5, 3)),
+            re.escape("_attention_backward: out must be [batch, heads, q_length, head_dim_v] = [1, 4, 5, 8]"),
+        ),
+        (
+            dict(grad_out=f(1, 4, 5, 3)),
+            re.escape("_attention_backward: grad_out has shape [1, 4, 5, 3] but out has [1, 4, 5, 8]"),
+        ),
+        (
+            dict(grad_out=f(1, 4, 5, 8).double()),
+            "_attention_backward: grad_out has dtype Double but query has Float",
+        ),
         (dict(out=f(1, 4, 5, 8).half()), "_attention_backward: out has dtype Half but query has Float"),
-        (dict(attn_mask=f(3, 7) > 0), re.escape("_attention_backward: attn_mask of shape [3, 7] is not broadcastable")),
-        (dict(attn_mask=f(5, 7) > 0, grad_mask_needed=True), "_attention_backward: grad_mask_needed needs a floating attn_mask"),
+        (
+            dict(attn_mask=f(3, 7) > 0),
+            re.escape("_attention_backward: attn_mask of shape [3, 7] is not broadcastable"),
+        ),
+        (
+            dict(attn_mask=f(5, 7) > 0, grad_mask_needed=True),
+            "_attention_backward: grad_mask_needed needs a floating attn_mask",
+        ),
         (dict(sinks=f(3)), re.escape("_attention_backward: sinks must be [num_heads] = [4], got [3]")),
         (dict(softcap=math.inf), "_attention_backward: softcap must be 0"),
     ]
@@ -1004,7 +1076,9 @@ def test_private_backward_rejects_bad_arguments(overrides, message, mode):
         args = {n: (a.to("meta") if isinstance(a, torch.Tensor) else a) for n, a in args.items()}
     if mode == "fake":
         with torch._subclasses.FakeTensorMode() as fake_mode:
-            args = {n: (fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for n, a in args.items()}
+            args = {
+                n: (fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for n, a in args.items()
+            }
             with pytest.raises(RuntimeError, match=message):
                 torch.ops.safeattn._attention_backward(**args)
         return
@@ -1124,7 +1198,14 @@ def test_cpu_tiles_masks_softcap_sinks(monkeypatch, tiles, dtype):
     bias.requires_grad_()
     sinks = torch.randn(4, generator=gen).requires_grad_()
     _check_against_reference(
-        q, k, v, attn_mask=bias, softcap=5.0, sinks=sinks, enable_gqa=True, check_lse_grad=True,
+        q,
+        k,
+        v,
+        attn_mask=bias,
+        softcap=5.0,
+        sinks=sinks,
+        enable_gqa=True,
+        check_lse_grad=True,
         extra_grad_inputs=(bias, sinks),
     )
 
@@ -1173,9 +1254,9 @@ def test_cpu_low_precision_tiles_are_taken(monkeypatch, dtype):
         runs.append((out, torch.autograd.grad(out.float().sum(), (q, k, v))))
     (out_lowp, grads_lowp), (out_float, grads_float) = runs
     assert not torch.equal(out_lowp, out_float), "the output does not depend on the tile path: not taken"
-    assert not all(torch.equal(a, b) for a, b in zip(grads_lowp, grads_float, strict=True)), (
-        "the gradients do not depend on the tile path: not taken in the backward"
-    )
+    assert not all(
+        torch.equal(a, b) for a, b in zip(grads_lowp, grads_float, strict=True)
+    ), "the gradients do not depend on the tile path: not taken in the backward"
 
 
 @pytest.mark.parametrize("tiles", _CPU_TILES)

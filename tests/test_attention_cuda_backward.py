@@ -313,9 +313,9 @@ def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
     assert any("attention_bwd_dkdv_kernel" in n for n in names), f"no dK/dV kernel among {names}"
-    assert not any("attention_bwd_dq_kernel" in n for n in names), (
-        f"the dQ kernel ran in the atomic mode: {names}"
-    )
+    assert not any(
+        "attention_bwd_dq_kernel" in n for n in names
+    ), f"the dQ kernel ran in the atomic mode: {names}"
 
     def dq_kernel_ran(**kwargs):
         names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
@@ -411,9 +411,9 @@ def test_deterministic_modes_reproducible_and_atomic_close(monkeypatch, determin
     deterministic_algorithms(True)
     by_flag = runs(3)
     for name, a, b in zip(("query", "key", "value"), by_switch, by_flag, strict=True):
-        assert torch.equal(a, b), (
-            f"grad_{name}: the switch at 0 and the deterministic flag run different code"
-        )
+        assert torch.equal(
+            a, b
+        ), f"grad_{name}: the switch at 0 and the deterministic flag run different code"
     deterministic_algorithms(False)
     atomic = grads()
     # dQ sums the same bf16 / fp16 dS' K products in another order (float32), then rounds once;

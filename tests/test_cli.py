@@ -74,11 +74,13 @@ def test_cpu_kernels_run_on_torch_threads():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert safeattn._C.cpu_parallel_threads() == 2, (
-            "at::parallel_for in safeattn's code used one thread of two: built without OpenMP?"
-        )
+        assert (
+            safeattn._C.cpu_parallel_threads() == 2
+        ), "at::parallel_for in safeattn's code used one thread of two: built without OpenMP?"
         torch.set_num_threads(1)
-        assert safeattn._C.cpu_parallel_threads() == 1, "torch.set_num_threads(1) must hold for safeattn's kernels"
+        assert (
+            safeattn._C.cpu_parallel_threads() == 1
+        ), "torch.set_num_threads(1) must hold for safeattn's kernels"
     finally:
         torch.set_num_threads(before)
     out = run("info", env={"OMP_NUM_THREADS": "2"})
@@ -112,9 +114,9 @@ def test_demo_model_table(demo_out):
     nonzero, _ = map(int, rows["safeattn"][3].split("/"))
     assert total > 0 and nan == 0 and nonzero == 0, f"safeattn's padded rows are exactly 0:\n{demo_out}"
     eager_nonzero, _ = map(int, rows["eager"][3].split("/"))
-    assert eager_nonzero > 0, (
-        f"eager's padded rows hold an average of the values (the demo shows it):\n{demo_out}"
-    )
+    assert (
+        eager_nonzero > 0
+    ), f"eager's padded rows hold an average of the values (the demo shows it):\n{demo_out}"
 
 
 def test_demo_ops_table(demo_out):
@@ -132,18 +134,21 @@ def test_demo_ops_table(demo_out):
     assert set(rows) == set(names), f"one row per call:\n{demo_out}"
     for name, (_, out_nan, out_dead, grad_nan, grad_dead) in rows.items():
         if name.startswith("safeattn"):
-            assert (out_nan, out_dead, grad_nan, grad_dead) == ("0", "0", "0", "0"), (
-                f"{name}: no NaN, empty rows and their gradient exactly 0:\n{demo_out}"
-            )
-    assert int(rows["torch.softmax(-inf filled)"][1]) > 0, (
-        f"torch.softmax makes NaN on empty rows:\n{demo_out}"
-    )
-    assert int(rows["softmax(q @ k^T * scale, -inf filled) @ v"][3]) > 0, (
-        f"hand-written attention's NaN reaches the value gradient:\n{demo_out}"
-    )
-    assert float(rows["torch.softmax(finfo.min filled)"][2]) > 0, (
-        f"finfo.min filling gives garbage:\n{demo_out}"
-    )
+            assert (out_nan, out_dead, grad_nan, grad_dead) == (
+                "0",
+                "0",
+                "0",
+                "0",
+            ), f"{name}: no NaN, empty rows and their gradient exactly 0:\n{demo_out}"
+    assert (
+        int(rows["torch.softmax(-inf filled)"][1]) > 0
+    ), f"torch.softmax makes NaN on empty rows:\n{demo_out}"
+    assert (
+        int(rows["softmax(q @ k^T * scale, -inf filled) @ v"][3]) > 0
+    ), f"hand-written attention's NaN reaches the value gradient:\n{demo_out}"
+    assert (
+        float(rows["torch.softmax(finfo.min filled)"][2]) > 0
+    ), f"finfo.min filling gives garbage:\n{demo_out}"
 
 
 def test_demo_masks(demo_out):
@@ -151,9 +156,9 @@ def test_demo_masks(demo_out):
     kinds = ("causal", "sliding", "chunked", "packed")
     table = [line for line in demo_out.splitlines() if line.strip().startswith(kinds)]
     assert len(table) == 4, f"one row per mask kind:\n{demo_out}"
-    assert all(line.rstrip().endswith("yes") for line in table), (
-        f"every native mask equals Transformers':\n{demo_out}"
-    )
+    assert all(
+        line.rstrip().endswith("yes") for line in table
+    ), f"every native mask equals Transformers':\n{demo_out}"
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -199,9 +204,9 @@ def test_bench_all_ops_with_plots(tmp_path):
         assert ratios and all(float(c[:-1]) > 0 for c in ratios), f"{op}: ratios against peers:\n{out}"
         width, height = png_size(tmp_path / f"{op}.png")
         assert (width, height) == (512, 320), f"{op}.png is the small 6.4x4 inch plot at 80 dpi"
-    assert sorted(os.listdir(tmp_path)) == sorted(f"{op}.png" for op in expected), (
-        "a plot per op, nothing else"
-    )
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        f"{op}.png" for op in expected
+    ), "a plot per op, nothing else"
 
 
 def test_bench_op_selection_without_plots(tmp_path):

@@ -64,13 +64,13 @@ def test_inductor_matches_eager_without_recompiling(case, device):
         frames.append(counter.frame_count)
         assert_same(got_out, want_out, f"{case.name} n={n} output")
         if want_grad is not None or got_grad is not None:
-            assert want_grad is not None and got_grad is not None, (
-                f"{case.name} n={n}: gradients in one run only"
-            )
+            assert (
+                want_grad is not None and got_grad is not None
+            ), f"{case.name} n={n}: gradients in one run only"
             assert_same(got_grad, want_grad, f"{case.name} n={n} gradient")
-    assert frames[-1] == frames[0], (
-        f"{case.name}: recompiled: backend compiles {frames} after lengths {LENGTHS}"
-    )
+    assert (
+        frames[-1] == frames[0]
+    ), f"{case.name}: recompiled: backend compiles {frames} after lengths {LENGTHS}"
     assert frames[0] == 1, f"{case.name}: the first compile traced {frames[0]} times (a restarted trace)"
 
 
@@ -160,9 +160,9 @@ def test_cuda_graphs_replay_matches_eager(case):
         if want_grad is not None:
             assert got_grad is not None, f"{case.name} step {step}: no gradient under CUDA graphs"
             assert_same(got_grad, want_grad, f"{case.name} step {step} gradient")
-    assert counters["inductor"]["cudagraph_skips"] == 0, (
-        f"{case.name}: inductor skipped CUDA graphs (see the 'skipping cudagraphs' log)"
-    )
+    assert (
+        counters["inductor"]["cudagraph_skips"] == 0
+    ), f"{case.name}: inductor skipped CUDA graphs (see the 'skipping cudagraphs' log)"
 
 
 # ---- pytorch #178244 / transformers #44458 -----------------------------------------------------

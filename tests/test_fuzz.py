@@ -39,9 +39,9 @@ def _close(name, got, want, tol, seed):
     scale = max(1.0, want[want.isfinite()].abs().max().item()) if want.isfinite().any() else 1.0
     err = (got - want).abs().masked_fill(same, 0.0)
     worst = err.max().item() if err.numel() else 0.0
-    assert not math.isnan(worst) and worst <= tol * scale, (
-        f"seed {seed} {name}: error {worst:.3g} > {tol:g} x {scale:.3g}"
-    )
+    assert (
+        not math.isnan(worst) and worst <= tol * scale
+    ), f"seed {seed} {name}: error {worst:.3g} > {tol:g} x {scale:.3g}"
 
 
 def _strided(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
@@ -76,11 +76,17 @@ def _attention_case(seed: int, device: str):
     def rand(*shape):
         return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
 
-    q, k, v = rand(batch, hq, q_len, head_dim), rand(batch, hkv, kv_len, head_dim), rand(batch, hkv, kv_len, head_dim_v)
+    q, k, v = (
+        rand(batch, hq, q_len, head_dim),
+        rand(batch, hkv, kv_len, head_dim),
+        rand(batch, hkv, kv_len, head_dim_v),
+    )
     kwargs = {"enable_gqa": hq != hkv}
     mask_kind = rng.choice(["none", "bool", "float", "finfo", "bias"])
     if mask_kind != "none":
-        shape = rng.choice([(q_len, kv_len), (batch, 1, q_len, kv_len), (1, hq, q_len, kv_len), (batch, hq, 1, kv_len)])
+        shape = rng.choice(
+            [(q_len, kv_len), (batch, 1, q_len, kv_len), (1, hq, q_len, kv_len), (batch, hq, 1, kv_len)]
+        )
         allowed = torch.rand(shape, generator=gen) > rng.choice([0.1, 0.5, 0.9])
         if len(shape) >= 2 and shape[-2] > 1 and rng.random() < 0.7:
             allowed[..., rng.randrange(shape[-2]), :] = False  # a fully masked row
@@ -135,7 +141,9 @@ def test_attention_fuzz(device, seed):
     finite_lse = torch.where(ref_lse.isfinite(), ref_lse, 0.0)
     want = torch.autograd.grad([ref_out, finite_lse], inputs, [grad_out.to(ref_out.dtype), grad_lse.to(acc)])
     for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got, want, strict=True):
-        assert torch.isfinite(g).all(), f"seed {seed} {name}: NaN or inf (upstream NaN on an empty row leaked?)"
+        assert torch.isfinite(
+            g
+        ).all(), f"seed {seed} {name}: NaN or inf (upstream NaN on an empty row leaked?)"
         _close(name, g, w, 4 * tol, seed)
 
 
@@ -236,7 +244,9 @@ def test_masked_softmax_fuzz(device, seed):
     # The mask gradient is in the mask's dtype (float32 here) and sums the broadcast dims.
     summed = x.numel() // max(1, mask.numel())
     mask_tol = 4 * max(tol, TOL[torch.float32] / 4) * math.sqrt(summed)
-    for name, g, w, t in zip(("grad_scores", "grad_mask"), got, want_grads, (4 * tol, mask_tol)):
+    for name, g, w, t in zip(
+        ("grad_scores", "grad_mask"), got, want_grads, (4 * tol, mask_tol), strict=False
+    ):
         w = torch.nan_to_num(w) if w is not None else torch.zeros_like(g, dtype=torch.float64)
         _close(name, g, w, t, seed)
 
@@ -256,8 +266,11 @@ def test_sdpa_mask_fuzz(device, seed):
     total = kwargs["kv_offset"] + kv_length
     if rng.random() < 0.25:
         kwargs["q_positions"] = rng.choice(
-            [torch.tensor(rng.choice([0, 7, 2**63 - 1])), torch.randint(-3, 50, (q_length,)),
-             torch.randint(-3, 50, (batch, q_length))]
+            [
+                torch.tensor(rng.choice([0, 7, 2**63 - 1])),
+                torch.randint(-3, 50, (q_length,)),
+                torch.randint(-3, 50, (batch, q_length)),
+            ]
         )
     else:
         kwargs["q_offset"] = rng.choice([0, 2, kv_length, 2**62, 2**63 - 1 - q_length])

@@ -29,7 +29,9 @@ def random_case(rng: random.Random, device: str, batch_size: int = 3):
     if "sliding" in kind:
         w = rng.choice([1, 3, 16])
         kwargs["sliding_window"] = w
-        overlay = mu.sliding_window_overlay(w) if kwargs["causal"] else mu.sliding_window_bidirectional_overlay(w)
+        overlay = (
+            mu.sliding_window_overlay(w) if kwargs["causal"] else mu.sliding_window_bidirectional_overlay(w)
+        )
         fn = mu.and_masks(fn, overlay)
     # Left and right padding, with some rows padded entirely up to a point.
     width = total - rng.choice([0, 0, 2]) if total > 2 else total  # narrower masks are padded with False
@@ -57,7 +59,9 @@ def random_case(rng: random.Random, device: str, batch_size: int = 3):
         fn = mu.or_masks(fn, mu.blockwise_overlay(ids))
     if rng.random() < 0.85:
         kwargs["padding_mask"] = pad.to(device)
-    sizes = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset)
+    sizes = dict(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset
+    )
     return sizes, kwargs, fn
 
 
@@ -85,7 +89,9 @@ def test_matches_transformers(device, seed):
     assert ours.shape == expected.shape, f"shape {ours.shape} != {expected.shape} for {sizes} {kwargs.keys()}"
     assert ours.is_contiguous(), "the mask must be contiguous"
     mismatch = (ours.cpu() != expected).nonzero()
-    assert mismatch.numel() == 0, f"{len(mismatch)} elements differ, first at {mismatch[:3].tolist()} for {sizes} {list(kwargs)}"
+    assert (
+        mismatch.numel() == 0
+    ), f"{len(mismatch)} elements differ, first at {mismatch[:3].tolist()} for {sizes} {list(kwargs)}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,12 +129,16 @@ def test_float_output_matches_eager_mask(device, dtype, use_finfo_min):
 @pytest.mark.parametrize("device", DEVICES)
 def test_q_positions_forms(device):
     """0-D start, [Q] (4.57's cache_position) and [B, Q] positions give what q_offset gives."""
-    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool, device=device)
+    pad = torch.tensor(
+        [[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool, device=device
+    )
     common = dict(batch_size=2, q_length=3, kv_length=9, sliding_window=4, padding_mask=pad, device=device)
     expected = safeattn.sdpa_mask(q_offset=6, **common)
     start = torch.tensor(6, device=device)
     assert torch.equal(safeattn.sdpa_mask(q_positions=start, **common), expected), "0-D q_positions"
-    assert torch.equal(safeattn.sdpa_mask(q_positions=torch.arange(6, 9, device=device), **common), expected), "[Q]"
+    assert torch.equal(
+        safeattn.sdpa_mask(q_positions=torch.arange(6, 9, device=device), **common), expected
+    ), "[Q]"
     per_batch = torch.arange(6, 9, device=device).expand(2, 3).contiguous()
     assert torch.equal(safeattn.sdpa_mask(q_positions=per_batch, **common), expected), "[B, Q]"
     # Different positions per batch row (ragged decode) against the reference.
@@ -171,7 +181,9 @@ def test_packed_ids_runs_and_returning_ids(device, dtype):
         sizes = dict(batch_size=4, q_length=300, kv_length=4000, q_offset=4700, kv_offset=1000)
         got = safeattn.sdpa_mask(**sizes, **kwargs, dtype=dtype, device=device)
         expected = reference.sdpa_mask(**sizes, **kwargs, dtype=dtype)
-        assert torch.equal(got.cpu(), expected.cpu()), f"differs from the reference for {list(kwargs)} {dtype}"
+        assert torch.equal(
+            got.cpu(), expected.cpu()
+        ), f"differs from the reference for {list(kwargs)} {dtype}"
 
 
 def test_docstring_example():
@@ -236,14 +248,25 @@ def _opcheck_samples(device):
     for _ in range(4):
         sizes, kwargs, _ = random_case(rng, device)
         yield sizes, kwargs
-    yield dict(batch_size=2, q_length=5, kv_length=9, q_offset=0, kv_offset=0), {"q_positions": torch.tensor(4, device=device)}
+    yield (
+        dict(batch_size=2, q_length=5, kv_length=9, q_offset=0, kv_offset=0),
+        {"q_positions": torch.tensor(4, device=device)},
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     for sizes, kwargs in _opcheck_samples(device):
-        args = (sizes["batch_size"], sizes["q_length"], sizes["kv_length"], sizes["q_offset"], sizes["kv_offset"])
-        torch.library.opcheck(torch.ops.safeattn.sdpa_mask.default, args, dict(kwargs, device=torch.device(device)))
+        args = (
+            sizes["batch_size"],
+            sizes["q_length"],
+            sizes["kv_length"],
+            sizes["q_offset"],
+            sizes["kv_offset"],
+        )
+        torch.library.opcheck(
+            torch.ops.safeattn.sdpa_mask.default, args, dict(kwargs, device=torch.device(device))
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -257,7 +280,9 @@ def test_compile_dynamic_no_recompile(device):
         return gm.forward
 
     def build(pad, q_length, kv_length):
-        return safeattn.sdpa_mask(pad.shape[0], q_length, kv_length, kv_length - q_length, padding_mask=pad, sliding_window=8)
+        return safeattn.sdpa_mask(
+            pad.shape[0], q_length, kv_length, kv_length - q_length, padding_mask=pad, sliding_window=8
+        )
 
     compiled = torch.compile(build, fullgraph=True, dynamic=True, backend=counting_backend)
     for n in (17, 33, 64, 100):
@@ -303,7 +328,10 @@ BAD = [
     (dict(q_positions=torch.zeros(3, 4, dtype=torch.long)), "q_positions must be \\[batch_size, q_length\\]"),
     (dict(q_positions=torch.tensor(1), q_offset=2), "q_offset must be 0 when q_positions is given"),
     (dict(chunk_left_padding=torch.zeros(2, dtype=torch.long)), "chunk_left_padding needs chunk_size"),
-    (dict(chunk_size=2, chunk_left_padding=torch.zeros(3, dtype=torch.long)), "chunk_left_padding must be \\[batch_size\\]"),
+    (
+        dict(chunk_size=2, chunk_left_padding=torch.zeros(3, dtype=torch.long)),
+        "chunk_left_padding must be \\[batch_size\\]",
+    ),
     (dict(padding_mask=torch.ones(2, 6)), "padding_mask must be bool or integer, got Float"),
     (dict(padding_mask=torch.ones(2, 6, 1, dtype=torch.bool)), "padding_mask must be 2-D"),
     (dict(padding_mask=torch.ones(3, 6, dtype=torch.bool)), "padding_mask has batch 3 but batch_size is 2"),
@@ -311,7 +339,10 @@ BAD = [
     (dict(packed_ids=torch.zeros(2, 5, dtype=torch.long)), "packed_ids is too short: 5 positions, needs 6"),
     (dict(packed_ids=torch.zeros(1, 6, dtype=torch.long)), "packed_ids has batch 1 but batch_size is 2"),
     (dict(block_ids=torch.zeros(6, dtype=torch.long)), "block_ids must be 2-D"),
-    (dict(q_offset=2**63 - 3), re.escape("q_offset + q_length must be <= 2**63 - 1, got 9223372036854775805 + 4")),
+    (
+        dict(q_offset=2**63 - 3),
+        re.escape("q_offset + q_length must be <= 2**63 - 1, got 9223372036854775805 + 4"),
+    ),
     (dict(kv_offset=2**63 - 6), re.escape("kv_offset + kv_length must be <= 2**63 - 1")),
 ]
 
@@ -342,8 +373,16 @@ def test_device_mismatch():
     if torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=re.escape("padding_mask is on cpu, expected cuda")):
             safeattn.sdpa_mask(1, 2, 2, padding_mask=torch.ones(1, 2, dtype=torch.bool), device="cuda")
-    with pytest.raises(RuntimeError, match=re.escape("padding_mask is on meta, expected cpu (from q_positions)")):
-        safeattn.sdpa_mask(1, 2, 2, q_positions=torch.tensor(0), padding_mask=torch.ones(1, 2, dtype=torch.bool, device="meta"))
+    with pytest.raises(
+        RuntimeError, match=re.escape("padding_mask is on meta, expected cpu (from q_positions)")
+    ):
+        safeattn.sdpa_mask(
+            1,
+            2,
+            2,
+            q_positions=torch.tensor(0),
+            padding_mask=torch.ones(1, 2, dtype=torch.bool, device="meta"),
+        )
 
 
 @pytest.mark.skipif(
@@ -372,40 +411,89 @@ def test_more_than_2_pow_31_elements_cuda():
 INT64_MAX = 2**63 - 1
 _NEAR_LIMITS = [
     # (description, sizes and keywords)
-    ("kv_offset 2**62, bidirectional", dict(batch_size=1, q_length=2, kv_length=3, kv_offset=2**62, causal=False)),
-    ("both offsets past 2**62", dict(batch_size=1, q_length=2, kv_length=3, q_offset=2**62 + 5, kv_offset=2**62 + 1)),
+    (
+        "kv_offset 2**62, bidirectional",
+        dict(batch_size=1, q_length=2, kv_length=3, kv_offset=2**62, causal=False),
+    ),
+    (
+        "both offsets past 2**62",
+        dict(batch_size=1, q_length=2, kv_length=3, q_offset=2**62 + 5, kv_offset=2**62 + 1),
+    ),
     ("q_offset at the end", dict(batch_size=1, q_length=2, kv_length=4, q_offset=INT64_MAX - 2)),
-    ("both at the end", dict(batch_size=1, q_length=3, kv_length=3, q_offset=INT64_MAX - 3, kv_offset=INT64_MAX - 4)),
+    (
+        "both at the end",
+        dict(batch_size=1, q_length=3, kv_length=3, q_offset=INT64_MAX - 3, kv_offset=INT64_MAX - 4),
+    ),
     ("window 2**63 - 1", dict(batch_size=1, q_length=3, kv_length=5, q_offset=2, sliding_window=INT64_MAX)),
     (
         "window 2**63 - 1, bidirectional, keys at the end",
-        dict(batch_size=1, q_length=3, kv_length=5, kv_offset=INT64_MAX - 5, causal=False, sliding_window=INT64_MAX),
+        dict(
+            batch_size=1,
+            q_length=3,
+            kv_length=5,
+            kv_offset=INT64_MAX - 5,
+            causal=False,
+            sliding_window=INT64_MAX,
+        ),
     ),
     (
         "chunk 2**63 - 1 with left padding",
-        dict(batch_size=3, q_length=3, kv_length=6, q_offset=3, chunk_size=INT64_MAX,
-             chunk_left_padding=torch.tensor([0, 5, -3])),
+        dict(
+            batch_size=3,
+            q_length=3,
+            kv_length=6,
+            q_offset=3,
+            chunk_size=INT64_MAX,
+            chunk_left_padding=torch.tensor([0, 5, -3]),
+        ),
     ),
     (
         "chunk 2**62 with left padding, positions past 2**62",
-        dict(batch_size=2, q_length=3, kv_length=4, q_offset=2**62 - 1, kv_offset=2**62 - 2, chunk_size=2**62,
-             chunk_left_padding=torch.tensor([0, 2])),
+        dict(
+            batch_size=2,
+            q_length=3,
+            kv_length=4,
+            q_offset=2**62 - 1,
+            kv_offset=2**62 - 2,
+            chunk_size=2**62,
+            chunk_left_padding=torch.tensor([0, 2]),
+        ),
     ),
-    ("start position 2**63 - 1", dict(batch_size=1, q_length=3, kv_length=3, q_positions=torch.tensor(INT64_MAX))),
+    (
+        "start position 2**63 - 1",
+        dict(batch_size=1, q_length=3, kv_length=3, q_positions=torch.tensor(INT64_MAX)),
+    ),
     (
         "start position 2**63 - 1, sliding",
-        dict(batch_size=1, q_length=3, kv_length=3, kv_offset=INT64_MAX - 3, q_positions=torch.tensor(INT64_MAX),
-             sliding_window=2),
+        dict(
+            batch_size=1,
+            q_length=3,
+            kv_length=3,
+            kv_offset=INT64_MAX - 3,
+            q_positions=torch.tensor(INT64_MAX),
+            sliding_window=2,
+        ),
     ),
     (
         "per-batch positions at both ends",
-        dict(batch_size=2, q_length=2, kv_length=3, q_positions=torch.tensor([[-(2**63), 1], [INT64_MAX, 2]]),
-             sliding_window=3),
+        dict(
+            batch_size=2,
+            q_length=2,
+            kv_length=3,
+            q_positions=torch.tensor([[-(2**63), 1], [INT64_MAX, 2]]),
+            sliding_window=3,
+        ),
     ),
     (
         "padding mask far before the keys",
-        dict(batch_size=2, q_length=2, kv_length=3, kv_offset=2**62, causal=False,
-             padding_mask=torch.ones(2, 5, dtype=torch.bool)),
+        dict(
+            batch_size=2,
+            q_length=2,
+            kv_length=3,
+            kv_offset=2**62,
+            causal=False,
+            padding_mask=torch.ones(2, 5, dtype=torch.bool),
+        ),
     ),
 ]
 
@@ -441,7 +529,9 @@ def test_positions_near_int64_limits_fuzzed(device):
             kwargs["sliding_window"] = rng.choice([1, 2, 7, 2**62, INT64_MAX])
         if rng.random() < 0.4:
             kwargs["chunk_size"] = rng.choice([1, 3, 2**62 + 1, INT64_MAX])
-            kwargs["chunk_left_padding"] = torch.tensor([rng.choice([0, 3, -(2**62), 2**62]) for _ in range(2)])
+            kwargs["chunk_left_padding"] = torch.tensor(
+                [rng.choice([0, 3, -(2**62), 2**62]) for _ in range(2)]
+            )
         want = reference.sdpa_mask(**kwargs)
         on_device = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         got = safeattn.sdpa_mask(**on_device, device=device)

@@ -31,9 +31,9 @@ BWD_TOL = {
 
 def assert_forward_close(actual, expected64, peer, what):
     """actual (any dtype) vs the float64 reference; peer: torch computing it in actual's dtype."""
-    assert actual.shape == expected64.shape, (
-        f"{what}: shape {tuple(actual.shape)} != {tuple(expected64.shape)}"
-    )
+    assert (
+        actual.shape == expected64.shape
+    ), f"{what}: shape {tuple(actual.shape)} != {tuple(expected64.shape)}"
     nan = expected64.isnan()
     assert torch.equal(actual.isnan().cpu(), nan.cpu()), f"{what}: NaN positions differ from the reference"
     err = (actual.double() - expected64).abs().masked_fill(nan, 0)

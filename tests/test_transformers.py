@@ -73,9 +73,9 @@ def test_logits_match_reference_bf16(name, layout):
     assert not ours.isnan().any(), "no NaN anywhere, padded positions included"
     our_error = (ours[real] - exact).abs().max().item()
     their_error = (theirs - exact).abs().max().item()
-    assert our_error <= 2 * their_error + 1e-2, (
-        f"{name} {layout}: bf16 error {our_error} vs reference's {their_error}"
-    )
+    assert (
+        our_error <= 2 * their_error + 1e-2
+    ), f"{name} {layout}: bf16 error {our_error} vs reference's {their_error}"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -95,9 +95,9 @@ def test_padded_query_rows_give_zero_attention(name, monkeypatch):
     assert len(records) == config.num_hidden_layers, "every layer ran the safeattn attention"
     pad_rows = ~real  # left padding: a padded query sees no key at all
     for layer, (mask, attn) in enumerate(records):
-        assert mask is not None and mask.dtype == torch.bool, (
-            f"layer {layer}: a native bool mask with padding"
-        )
+        assert (
+            mask is not None and mask.dtype == torch.bool
+        ), f"layer {layer}: a native bool mask with padding"
         assert not attn.isnan().any(), f"layer {layer}: no NaN in the attention output"
         padded = attn[pad_rows]  # attn: [B, Q, H, D]
         assert padded.numel() > 0 and torch.all(padded == 0), f"layer {layer}: fully padded query rows are 0"
@@ -340,13 +340,16 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
     prefill = calls[0]
     if IS_TF4:
         # 4.57 never skips the mask with a static cache: no causal flag, the full cache length.
-        assert not prefill[2] and not prefill[3] and prefill[1] > 6, (
-            f"4.57 static prefill has a mask: {prefill}"
-        )
+        assert (
+            not prefill[2] and not prefill[3] and prefill[1] > 6
+        ), f"4.57 static prefill has a mask: {prefill}"
     else:
-        assert prefill == (6, 6, True, True), (
-            f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
-        )
+        assert prefill == (
+            6,
+            6,
+            True,
+            True,
+        ), f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
     for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"
 

@@ -210,9 +210,7 @@ def test_unrecognised_mask_function_falls_back_and_logs_once_per_reason(caplog):
 
     functions = {
         "user overlay": mu.and_masks(mu.causal_mask_function, user_overlay),
-        "two windows": mu.and_masks(
-            mu.sliding_window_causal_mask_function(2), mu.sliding_window_overlay(3)
-        ),
+        "two windows": mu.and_masks(mu.sliding_window_causal_mask_function(2), mu.sliding_window_overlay(3)),
     }
     st._FALLBACK_LOGGED.clear()
     with caplog.at_level(logging.INFO, logger="safeattn.transformers"):
@@ -220,7 +218,12 @@ def test_unrecognised_mask_function_falls_back_and_logs_once_per_reason(caplog):
             for what, fn in functions.items():
                 for q_length, kv_length, q_offset, kv_offset in SIZES[:3]:
                     kw = mask_kwargs(
-                        B, q_length, kv_length, q_offset, kv_offset, mask_function=fn,
+                        B,
+                        q_length,
+                        kv_length,
+                        q_offset,
+                        kv_offset,
+                        mask_function=fn,
                         attention_mask=PADDINGS["left"],
                     )
                     assert_same_mask(st.sdpa_mask(**kw), mu.sdpa_mask(**kw), f"fallback sdpa, {what}")
@@ -380,9 +383,9 @@ def test_packed_sequence_mask():
     )
     assert_same_mask(ours, theirs, "packed sequences")
     # Block diagonal: row 4 (the first token of the second sequence) sees only itself.
-    assert ours[0, 0, 4].tolist() == [False] * 4 + [True] + [False] * 5, (
-        "packed sequences do not see each other"
-    )
+    assert (
+        ours[0, 0, 4].tolist() == [False] * 4 + [True] + [False] * 5
+    ), "packed sequences do not see each other"
 
 
 def test_packed_sequence_mask_eager_after_patch():
@@ -508,9 +511,9 @@ def test_bidirectional_mask_skip(impl_pair):
             ours = run(ours_impl, encoder_mask, cross_mask)
         for kind, a, b in zip(("encoder", "cross"), ours, theirs, strict=True):
             assert_same_mask(a, b, f"bidirectional {name} {kind} ({ours_impl})")
-            assert (a is None) == (name != "padded"), (
-                f"bidirectional {name} {kind}: None only without padding"
-            )
+            assert (a is None) == (
+                name != "padded"
+            ), f"bidirectional {name} {kind}: None only without padding"
 
 
 def test_registration():
@@ -568,14 +571,23 @@ def test_descriptions_have_dense_twins(fn_name):
     ):
         kw = _unskipped(
             mask_kwargs(
-                B, q_length, kv_length, q_offset, kv_offset, mask_function=FUNCTIONS[fn_name],
+                B,
+                q_length,
+                kv_length,
+                q_offset,
+                kv_offset,
+                mask_function=FUNCTIONS[fn_name],
                 attention_mask=PADDINGS[pad_name],
             )
         )
         q_positions = kw.get("cache_position")  # 4.57 passes query positions as a tensor
         dense = description.with_padding(PADDINGS[pad_name]).materialise(
-            B, q_length, kv_length, q_offset=0 if q_positions is not None else q_offset,
-            kv_offset=kv_offset, q_positions=q_positions,
+            B,
+            q_length,
+            kv_length,
+            q_offset=0 if q_positions is not None else q_offset,
+            kv_offset=kv_offset,
+            q_positions=q_positions,
         )
         what = f"{fn_name} sizes={(q_length, kv_length, q_offset, kv_offset)} padding={pad_name}"
         assert_same_mask(dense, mu.sdpa_mask(**kw), "materialised description " + what)
@@ -593,16 +605,22 @@ def test_description_fields_are_the_native_rules():
     packed = read_mask_function(FUNCTIONS["packed"])
     assert packed.packed_ids is PACKED and packed.block_ids is None, packed
     assert packed.sdpa_mask_kwargs() == dict(
-        causal=True, sliding_window=None, chunk_size=None, chunk_left_padding=None, padding_mask=None,
-        packed_ids=PACKED, block_ids=None,
+        causal=True,
+        sliding_window=None,
+        chunk_size=None,
+        chunk_left_padding=None,
+        padding_mask=None,
+        packed_ids=PACKED,
+        block_ids=None,
     ), "the description is safeattn.sdpa_mask's keywords"
     if IS_TF5:
         window = read_mask_function(mu.sliding_window_bidirectional_mask_function(2))
         assert (window.causal, window.sliding_window) == (False, 2), window
         causal_window = read_mask_function(FUNCTIONS["causal_and_bidirectional_window"])
-        assert (causal_window.causal, causal_window.sliding_window) == (True, 3), (
-            "kv <= q and |q - kv| <= 2 is the causal window of 3 keys"
-        )
+        assert (causal_window.causal, causal_window.sliding_window) == (
+            True,
+            3,
+        ), "kv <= q and |q - kv| <= 2 is the causal window of 3 keys"
         block = read_mask_function(FUNCTIONS["block"])
         assert block.block_ids is BLOCKS and block.causal, block
 
@@ -677,8 +695,10 @@ def test_every_mask_of_the_supported_models_is_read(name, monkeypatch):
         for _ in range(6):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(3, 1)], dim=1)
             out = model(
-                input_ids=input_ids[:, -1:], attention_mask=attention_mask,
-                past_key_values=out.past_key_values, use_cache=True,
+                input_ids=input_ids[:, -1:],
+                attention_mask=attention_mask,
+                past_key_values=out.past_key_values,
+                use_cache=True,
             )
     _assert_all_read(seen, name)
 
@@ -701,11 +721,15 @@ def test_every_mask_of_the_create_functions_is_read(monkeypatch):
         for padded in (padding, None):
             mu.create_bidirectional_mask(config=config, inputs_embeds=embeds, attention_mask=padded)
             mu.create_bidirectional_mask(
-                config=config, inputs_embeds=embeds, attention_mask=None if padded is None else padded[:, 3:],
+                config=config,
+                inputs_embeds=embeds,
+                attention_mask=None if padded is None else padded[:, 3:],
                 encoder_hidden_states=torch.empty(2, 5, 8),
             )
             mu.create_bidirectional_mask(
-                config=config, inputs_embeds=embeds, attention_mask=padded,
+                config=config,
+                inputs_embeds=embeds,
+                attention_mask=padded,
                 and_mask_function=mu.sliding_window_bidirectional_overlay(2),
             )
     _assert_all_read(seen, "create_*_mask")

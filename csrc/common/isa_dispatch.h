@@ -63,22 +63,21 @@ struct IsaStub {
 }  // namespace safeattn::cpu
 
 // In an op header: declares the accessor of the op's stub.
-#define SAFEATTN_DECLARE_ISA_STUB(stub, FnType) \
-  ::safeattn::cpu::IsaStub<FnType>& stub()
+#define SAFEATTN_DECLARE_ISA_STUB(stub, FnType) ::safeattn::cpu::IsaStub<FnType>& stub()
 
 // In the op's .cpp (compiled once): defines it. A function-local static, so kernel files
 // can register into it during static initialisation in any order.
-#define SAFEATTN_DEFINE_ISA_STUB(stub, FnType)             \
-  ::safeattn::cpu::IsaStub<FnType>& stub() {               \
+#define SAFEATTN_DEFINE_ISA_STUB(stub, FnType)               \
+  ::safeattn::cpu::IsaStub<FnType>& stub() {                 \
     static ::safeattn::cpu::IsaStub<FnType> instance{#stub}; \
-    return instance;                                       \
+    return instance;                                         \
   }
 
 #define SAFEATTN_ISA_CONCAT_(a, b) a##b
 #define SAFEATTN_ISA_CONCAT(a, b) SAFEATTN_ISA_CONCAT_(a, b)
 
 // At the bottom of a kernel file: stores this ISA variant of `fn` in the stub.
-#define SAFEATTN_REGISTER_ISA_KERNEL(stub, fn)                                  \
+#define SAFEATTN_REGISTER_ISA_KERNEL(stub, fn)                                 \
   static const bool SAFEATTN_ISA_CONCAT(registered_##stub##_, __LINE__) = [] { \
     constexpr auto isa = ::safeattn::cpu::Isa::CPU_CAPABILITY;                 \
     stub().variants[static_cast<int>(isa)] = (fn);                             \

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/FuncTorchTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -23,7 +23,6 @@ SAFEATTN_DEFINE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
 namespace {
-
 
 bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
@@ -47,34 +46,31 @@ at::Tensor mask_as_4d(const at::Tensor& mask) {
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
                      bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks, const char* kOp) {
-  TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [batch, heads, q_length, head_dim], got ", query.dim(),
-              "-D");
+  TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [batch, heads, q_length, head_dim], got ", query.dim(), "-D");
   TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [batch, kv_heads, kv_length, head_dim], got ", key.dim(), "-D");
-  TORCH_CHECK(value.dim() == 4, kOp, ": value must be 4-D [batch, kv_heads, kv_length, head_dim_v], got ",
-              value.dim(), "-D");
+  TORCH_CHECK(value.dim() == 4, kOp, ": value must be 4-D [batch, kv_heads, kv_length, head_dim_v], got ", value.dim(),
+              "-D");
   TORCH_CHECK(is_supported_float(query.scalar_type()), kOp,
               ": query must have dtype Float, Half, BFloat16 or Double, got ", dtype_name(query.scalar_type()));
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), kOp, ": key has dtype ", dtype_name(key.scalar_type()),
               " but query has ", dtype_name(query.scalar_type()));
-  TORCH_CHECK(value.scalar_type() == query.scalar_type(), kOp, ": value has dtype ",
-              dtype_name(value.scalar_type()), " but query has ", dtype_name(query.scalar_type()));
+  TORCH_CHECK(value.scalar_type() == query.scalar_type(), kOp, ": value has dtype ", dtype_name(value.scalar_type()),
+              " but query has ", dtype_name(query.scalar_type()));
   common_device(kOp, std::nullopt,
                 {{"query", query}, {"key", key}, {"value", value}, {"attn_mask", attn_mask}, {"sinks", sinks}});
   TORCH_CHECK(key.size(0) == query.size(0), kOp, ": key has batch ", key.size(0), " but query has ", query.size(0));
   TORCH_CHECK(value.size(0) == query.size(0), kOp, ": value has batch ", value.size(0), " but query has ",
               query.size(0));
   TORCH_CHECK(value.size(1) == key.size(1), kOp, ": value has ", value.size(1), " heads but key has ", key.size(1));
-  TORCH_CHECK(value.size(2) == key.size(2), kOp, ": value has kv_length ", value.size(2), " but key has ",
-              key.size(2));
-  TORCH_CHECK(key.size(3) == query.size(3), kOp, ": key has head_dim ", key.size(3), " but query has ",
-              query.size(3));
+  TORCH_CHECK(value.size(2) == key.size(2), kOp, ": value has kv_length ", value.size(2), " but key has ", key.size(2));
+  TORCH_CHECK(key.size(3) == query.size(3), kOp, ": key has head_dim ", key.size(3), " but query has ", query.size(3));
   TORCH_CHECK(query.size(3) > 0, kOp, ": query head_dim must be > 0");
   TORCH_CHECK(value.size(3) > 0, kOp, ": value head_dim must be > 0");
   const int64_t hq = query.size(1);
   const int64_t hkv = key.size(1);
   if (enable_gqa) {
-    TORCH_CHECK(hkv > 0 && hq % hkv == 0, kOp, ": query heads (", hq, ") must be a multiple of key/value heads (",
-                hkv, ")");
+    TORCH_CHECK(hkv > 0 && hq % hkv == 0, kOp, ": query heads (", hq, ") must be a multiple of key/value heads (", hkv,
+                ")");
   } else {
     TORCH_CHECK(hq == hkv, kOp, ": query has ", hq, " heads but key and value have ", hkv,
                 "; pass enable_gqa=True for grouped-query attention");
@@ -130,8 +126,9 @@ void check_attention_backward(const at::Tensor& grad_out, const std::optional<at
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2), dv = value.size(3);
   const std::vector<int64_t> out_shape{batch, hq, q_len, dv};
   const std::vector<int64_t> row_shape{batch, hq, q_len};
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape), op, ": out must be [batch, heads, q_length, head_dim_v] = ",
-              at::IntArrayRef(out_shape), ", got ", out.sizes());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape), op,
+              ": out must be [batch, heads, q_length, head_dim_v] = ", at::IntArrayRef(out_shape), ", got ",
+              out.sizes());
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out has dtype ", dtype_name(out.scalar_type()),
               " but query has ", dtype_name(query.scalar_type()));
   TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out has shape ", grad_out.sizes(), " but out has ",
@@ -141,8 +138,8 @@ void check_attention_backward(const at::Tensor& grad_out, const std::optional<at
   auto check_rows = [&](const char* name, const at::Tensor& t) {
     TORCH_CHECK(t.is_floating_point(), op, ": ", name, " must have a floating dtype, got ",
                 dtype_name(t.scalar_type()));
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(row_shape), op, ": ", name, " must be [batch, heads, q_length] = ",
-                at::IntArrayRef(row_shape), ", got ", t.sizes());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(row_shape), op, ": ", name,
+                " must be [batch, heads, q_length] = ", at::IntArrayRef(row_shape), ", got ", t.sizes());
   };
   check_rows("lse", lse);
   if (lse_lo.has_value()) {
@@ -160,10 +157,9 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks,
-    bool with_lse_lo, AttentionFwdFn kernel) {
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool with_lse_lo, AttentionFwdFn kernel) {
   check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t kv_len = key.size(2), dv = value.size(3);
@@ -241,7 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     if (lse_lo.has_value()) {
       sink_prob = at::exp((sinks->to(acc).view({1, hq, 1}) - lse.to(acc)) - lse_lo->to(acc));
     }
-    grad_sinks = (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
+    grad_sinks =
+        (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
   }
 
   at::Tensor mask4;
@@ -304,16 +301,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const 
                                                  double dropout_p, bool is_causal, std::optional<double> scale,
                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
                                                  const std::optional<at::Tensor>& sinks) {
-  auto [out, lse, unused] = attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                           q_offset, kv_offset, softcap, sinks, /*with_lse_lo=*/false,
-                                           attention_fwd_cpu_stub().pick());
+  auto [out, lse, unused] =
+      attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                     softcap, sinks, /*with_lse_lo=*/false, attention_fwd_cpu_stub().pick());
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks) {
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks) {
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                         softcap, sinks, /*with_lse_lo=*/true, attention_fwd_cpu_stub().pick());
 }
@@ -324,9 +321,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo) {
-  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale,
-                                 q_offset, kv_offset, softcap, sinks, grad_mask_needed, lse_lo,
-                                 attention_bwd_cpu_stub().pick());
+  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, attention_bwd_cpu_stub().pick());
 }
 
 }  // namespace

@@ -41,13 +41,13 @@ namespace safeattn {
 // the kernel packs K^T (and V when it is not already acc with a unit inner stride) itself,
 // inside its own parallel loop, so a call opens two parallel regions in all.
 struct AttentionFwdArgs {
-  at::Tensor query;  // [B, Hq, Q, D], input dtype, any strides
-  at::Tensor key;    // [B, Hkv, KV, D], input dtype, any strides
-  at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
-  at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
-  at::Tensor sinks;  // undefined, or [Hq] acc dtype contiguous
-  at::Tensor out;    // [B, Hq, Q, Dv], input dtype, strided view (written)
-  at::Tensor lse;    // [B, Hq, Q], acc dtype, contiguous (written)
+  at::Tensor query;   // [B, Hq, Q, D], input dtype, any strides
+  at::Tensor key;     // [B, Hkv, KV, D], input dtype, any strides
+  at::Tensor value;   // [B, Hkv, KV, Dv], input dtype, any strides
+  at::Tensor mask;    // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  at::Tensor sinks;   // undefined, or [Hq] acc dtype contiguous
+  at::Tensor out;     // [B, Hq, Q, Dv], input dtype, strided view (written)
+  at::Tensor lse;     // [B, Hq, Q], acc dtype, contiguous (written)
   at::Tensor lse_lo;  // undefined, or [B, Hq, Q] acc dtype contiguous (written): lse's rounding error
   double scale = 1.0;
   double softcap = 0.0;  // 0: none
@@ -63,15 +63,15 @@ struct AttentionFwdArgs {
 // query heads of its group, so no element is written by two tasks: no atomics, and results
 // that do not depend on the thread count. One parallel region per call.
 struct AttentionBwdArgs {
-  at::Tensor grad_out;  // [B, Hq, Q, Dv], any strides
-  at::Tensor grad_lse;  // undefined, or [B, Hq, Q]
-  at::Tensor query;     // [B, Hq, Q, D], any strides
-  at::Tensor key;       // [B, Hkv, KV, D], any strides
-  at::Tensor value;     // [B, Hkv, KV, Dv], any strides
-  at::Tensor out;       // [B, Hq, Q, Dv], any strides
-  at::Tensor lse;       // [B, Hq, Q], acc dtype
-  at::Tensor lse_lo;    // [B, Hq, Q], acc dtype: lse's rounding error (zeros when not given)
-  at::Tensor mask;      // as in AttentionFwdArgs
+  at::Tensor grad_out;    // [B, Hq, Q, Dv], any strides
+  at::Tensor grad_lse;    // undefined, or [B, Hq, Q]
+  at::Tensor query;       // [B, Hq, Q, D], any strides
+  at::Tensor key;         // [B, Hkv, KV, D], any strides
+  at::Tensor value;       // [B, Hkv, KV, Dv], any strides
+  at::Tensor out;         // [B, Hq, Q, Dv], any strides
+  at::Tensor lse;         // [B, Hq, Q], acc dtype
+  at::Tensor lse_lo;      // [B, Hq, Q], acc dtype: lse's rounding error (zeros when not given)
+  at::Tensor mask;        // as in AttentionFwdArgs
   at::Tensor grad_query;  // [B, Hq, Q, D], input dtype, contiguous (written)
   at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous (written)
   at::Tensor grad_value;  // [B, Hkv, KV, Dv], input dtype, contiguous (written)
@@ -86,7 +86,7 @@ struct AttentionBwdArgs {
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;
-  int64_t q_offset = 0;   // as in AttentionFwdArgs: the causal shift, kv_offset 0
+  int64_t q_offset = 0;  // as in AttentionFwdArgs: the causal shift, kv_offset 0
   int64_t kv_offset = 0;
 };
 
@@ -141,10 +141,9 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale);
 // registration passes its kernel.
 // attention_impl returns (out, lse, lse_lo), lse_lo undefined unless with_lse_lo.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks,
-    bool with_lse_lo, AttentionFwdFn kernel);
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks, bool with_lse_lo, AttentionFwdFn kernel);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,

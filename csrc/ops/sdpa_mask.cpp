@@ -67,8 +67,8 @@ c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_len
     const at::Tensor& pos = *q_positions;
     TORCH_CHECK(at::isIntegralType(pos.scalar_type(), /*includeBool=*/false), kOp,
                 ": q_positions must have an integer dtype, got ", dtype_name(pos.scalar_type()));
-    TORCH_CHECK(pos.dim() <= 2, kOp, ": q_positions must be 0-D, [q_length] or [batch_size, q_length], got ",
-                pos.dim(), "-D");
+    TORCH_CHECK(pos.dim() <= 2, kOp, ": q_positions must be 0-D, [q_length] or [batch_size, q_length], got ", pos.dim(),
+                "-D");
     TORCH_CHECK(pos.dim() != 1 || pos.size(0) == q_length, kOp, ": q_positions has ", pos.dim() == 1 ? pos.size(0) : 0,
                 " positions but q_length is ", q_length);
     TORCH_CHECK(pos.dim() != 2 || (pos.size(0) == batch_size && pos.size(1) == q_length), kOp,
@@ -156,21 +156,22 @@ SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t k
 
 namespace {
 
-at::Tensor sdpa_mask_cpu(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
-                         int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+at::Tensor sdpa_mask_cpu(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
+                         const std::optional<at::Tensor>& q_positions, bool causal,
                          std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
                          const std::optional<at::Tensor>& chunk_left_padding,
                          const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
                          const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
                          bool use_finfo_min, std::optional<c10::Device> device) {
-  const c10::Device where = check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions,
-                                            sliding_window, chunk_size, chunk_left_padding, padding_mask,
-                                            packed_ids, block_ids, dtype, use_finfo_min, device);
+  const c10::Device where =
+      check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, sliding_window, chunk_size,
+                      chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
   TORCH_CHECK(where.is_cpu(), kOp, ": the CPU kernel was asked to build on ", where.str());
-  SdpaMaskInputs in = prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal,
-                                        sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids,
-                                        block_ids);
-  at::Tensor out = at::empty({batch_size, 1, q_length, kv_length}, at::TensorOptions().dtype(dtype.value_or(at::kBool)));
+  SdpaMaskInputs in =
+      prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
+                        chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids);
+  at::Tensor out =
+      at::empty({batch_size, 1, q_length, kv_length}, at::TensorOptions().dtype(dtype.value_or(at::kBool)));
   sdpa_mask_cpu_stub().pick()(in.params, out, use_finfo_min);
   return out;
 }
@@ -195,9 +196,9 @@ at::Tensor sdpa_mask_backend_select(int64_t batch_size, int64_t q_length, int64_
                        .findSchemaOrThrow("safeattn::sdpa_mask", "")
                        .typed<decltype(sdpa_mask_backend_select)>();
   const c10::DispatchKeySet keys(c10::computeDispatchKey(std::nullopt, std::nullopt, where));
-  return op.redispatch(keys, batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal,
-                       sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids, dtype,
-                       use_finfo_min, device);
+  return op.redispatch(keys, batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
+                       chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min,
+                       device);
 }
 
 }  // namespace
@@ -208,16 +209,16 @@ at::Tensor sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, in
                      const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
                      const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
                      bool use_finfo_min, std::optional<c10::Device> device) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("safeattn::sdpa_mask", "")
-                       .typed<at::Tensor(c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
-                                         const std::optional<at::Tensor>&, bool, std::optional<int64_t>,
-                                         std::optional<int64_t>, const std::optional<at::Tensor>&,
-                                         const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                         const std::optional<at::Tensor>&, std::optional<at::ScalarType>, bool,
-                                         std::optional<c10::Device>)>();
-  return op.call(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
-                 chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("safeattn::sdpa_mask", "")
+          .typed<at::Tensor(c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt, c10::SymInt,
+                            const std::optional<at::Tensor>&, bool, std::optional<int64_t>, std::optional<int64_t>,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            std::optional<at::ScalarType>, bool, std::optional<c10::Device>)>();
+  return op.call(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window, chunk_size,
+                 chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
 }
 
 TORCH_LIBRARY_FRAGMENT(safeattn, m) {

@@ -42,13 +42,13 @@ struct SdpaMaskParams {
   int64_t sliding_window = 0;  // 0: none
   int64_t chunk_size = 0;      // 0: none
   const int64_t* q_positions = nullptr;
-  int q_positions_rank = 0;                  // 0: start position, 1: [Q], 2: [B, Q]
+  int q_positions_rank = 0;                     // 0: start position, 1: [Q], 2: [B, Q]
   const int64_t* chunk_left_padding = nullptr;  // [B]
-  const bool* padding_mask = nullptr;        // [B, padding_width]
+  const bool* padding_mask = nullptr;           // [B, padding_width]
   int64_t padding_width = 0;
-  const int64_t* packed_ids = nullptr;       // [B, packed_width]
+  const int64_t* packed_ids = nullptr;  // [B, packed_width]
   int64_t packed_width = 0;
-  const int64_t* block_ids = nullptr;        // [B, block_width]
+  const int64_t* block_ids = nullptr;  // [B, block_width]
   int64_t block_width = 0;
 };
 
@@ -82,8 +82,7 @@ C10_HOST_DEVICE inline Position query_position(const SdpaMaskParams& p, int64_t 
 }
 
 // ids[b, position], or `outside` when the position is not inside the tensor.
-C10_HOST_DEVICE inline int64_t id_at(const int64_t* ids, int64_t width, int64_t b, Position position,
-                                     int64_t outside) {
+C10_HOST_DEVICE inline int64_t id_at(const int64_t* ids, int64_t width, int64_t b, Position position, int64_t outside) {
   return (position >= 0 && position < width) ? ids[b * width + static_cast<int64_t>(position)] : outside;
 }
 
@@ -157,7 +156,8 @@ C10_HOST_DEVICE inline bool element_attends(const SdpaMaskParams& p, int64_t b, 
   bool attend = j >= base.begin && j < base.end;
   if (attend && p.packed_ids != nullptr) {
     // Validation guarantees kv_pos < packed_width; an unknown query position matches nothing.
-    attend = keys.packed_known && kv_pos < p.packed_width && p.packed_ids[b * p.packed_width + kv_pos] == keys.packed_id;
+    attend =
+        keys.packed_known && kv_pos < p.packed_width && p.packed_ids[b * p.packed_width + kv_pos] == keys.packed_id;
   }
   if (!attend && keys.block_group >= 0) {
     attend = id_at(p.block_ids, p.block_width, b, kv_pos, -1) == keys.block_group;
@@ -195,7 +195,8 @@ SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t k
                                  std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
                                  const std::optional<at::Tensor>& chunk_left_padding,
                                  const std::optional<at::Tensor>& padding_mask,
-                                 const std::optional<at::Tensor>& packed_ids, const std::optional<at::Tensor>& block_ids);
+                                 const std::optional<at::Tensor>& packed_ids,
+                                 const std::optional<at::Tensor>& block_ids);
 
 // Typed C++ entry point: calls the dispatcher (so it works for every backend and under
 // autograd/tracing exactly as torch.ops.safeattn.sdpa_mask does from Python).

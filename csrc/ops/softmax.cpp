@@ -31,8 +31,8 @@ void check_float(const char* op, const char* name, at::ScalarType t) {
 // Wraps dim as torch.softmax does (a 0-D tensor takes dim 0 or -1).
 int64_t wrap_dim(const char* op, int64_t dim, int64_t ndim) {
   const int64_t n = ndim > 0 ? ndim : 1;
-  TORCH_CHECK(dim >= -n && dim < n, op, ": dim ", dim, " is out of range for a ", ndim, "-D tensor (expected in [",
-              -n, ", ", n - 1, "])");
+  TORCH_CHECK(dim >= -n && dim < n, op, ": dim ", dim, " is out of range for a ", ndim, "-D tensor (expected in [", -n,
+              ", ", n - 1, "])");
   return dim < 0 ? dim + n : dim;
 }
 
@@ -296,7 +296,9 @@ at::Tensor masked_softmax(const at::Tensor& scores, const std::optional<at::Tens
 TORCH_LIBRARY_FRAGMENT(safeattn, m) {
   m.def("safe_softmax(Tensor self, int dim, ScalarType? dtype=None) -> Tensor");
   m.def("_safe_softmax_backward(Tensor grad_out, Tensor out, int dim, ScalarType input_dtype) -> Tensor");
-  m.def("masked_softmax(Tensor scores, Tensor? mask=None, float scale=1.0, int dim=-1, ScalarType? dtype=None) -> Tensor");
+  m.def(
+      "masked_softmax(Tensor scores, Tensor? mask=None, float scale=1.0, int dim=-1, ScalarType? dtype=None) -> "
+      "Tensor");
   // The second output is the mask's gradient (mask's shape and dtype) when mask_requires_grad,
   // else an empty tensor: the schema language has no optional outputs that autograd accepts.
   m.def(

@@ -57,8 +57,8 @@ struct BroadcastIndex {
 
 enum class MaskKind : int {
   kNone = 0,
-  kBool = 1,   // False = masked
-  kFloat = 2,  // additive, same dtype as the scores
+  kBool = 1,     // False = masked
+  kFloat = 2,    // additive, same dtype as the scores
   kFloat32 = 3,  // additive, float32 mask on half / bfloat16 scores
 };
 
@@ -101,8 +101,7 @@ C10_HOST_DEVICE inline RowKind row_kind(acc_t max) {
     return RowKind::kEmpty;
   }
   // NaN fails both comparisons; +inf fails the second.
-  return (max > neg_inf<acc_t>() && max < std::numeric_limits<acc_t>::infinity()) ? RowKind::kNormal
-                                                                                  : RowKind::kNaN;
+  return (max > neg_inf<acc_t>() && max < std::numeric_limits<acc_t>::infinity()) ? RowKind::kNormal : RowKind::kNaN;
 }
 
 // One element of the backward: 0 wherever the output is 0 (masked or underflowed; the exact

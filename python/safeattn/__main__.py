@@ -27,7 +27,9 @@ def _info() -> int:
     print(f"CPU ISA in use  {info['cpu_isa_in_use']}  (set ATEN_CPU_CAPABILITY to change)")
     print(f"torch's ISA     {torch.backends.cpu.get_cpu_capability()}")
     threads = safeattn._C.cpu_parallel_threads()
-    print(f"CPU kernels     {threads} of {torch.get_num_threads()} threads (at::parallel_for, torch's OpenMP)")
+    print(
+        f"CPU kernels     {threads} of {torch.get_num_threads()} threads (at::parallel_for, torch's OpenMP)"
+    )
     if info["with_cuda"]:
         archs = ", ".join("sm_" + a for a in info["cuda_archs"])
         print(

@@ -61,9 +61,15 @@ def common_device(op: str, device, named: dict) -> torch.device:
 def _check_ids(op, ids, name, batch_size):
     if ids is None:
         return
-    torch._check(_is_integer(ids.dtype), lambda: f"{op}: {name} must have an integer dtype, got {dtype_name(ids.dtype)}")
+    torch._check(
+        _is_integer(ids.dtype),
+        lambda: f"{op}: {name} must have an integer dtype, got {dtype_name(ids.dtype)}",
+    )
     torch._check(ids.dim() == 2, lambda: f"{op}: {name} must be 2-D [batch_size, length], got {ids.dim()}-D")
-    torch._check(ids.shape[0] == batch_size, lambda: f"{op}: {name} has batch {ids.shape[0]} but batch_size is {batch_size}")
+    torch._check(
+        ids.shape[0] == batch_size,
+        lambda: f"{op}: {name} has batch {ids.shape[0]} but batch_size is {batch_size}",
+    )
 
 
 @torch.library.register_fake("safeattn::sdpa_mask")
@@ -101,33 +107,50 @@ def _sdpa_mask_fake(
         kv_offset <= max_position - kv_length,
         lambda: f"{op}: kv_offset + kv_length must be <= 2**63 - 1, got {kv_offset} + {kv_length}",
     )
-    torch._check(sliding_window is None or sliding_window > 0, lambda: f"{op}: sliding_window must be > 0, got {sliding_window}")
-    torch._check(chunk_size is None or chunk_size > 0, lambda: f"{op}: chunk_size must be > 0, got {chunk_size}")
+    torch._check(
+        sliding_window is None or sliding_window > 0,
+        lambda: f"{op}: sliding_window must be > 0, got {sliding_window}",
+    )
+    torch._check(
+        chunk_size is None or chunk_size > 0, lambda: f"{op}: chunk_size must be > 0, got {chunk_size}"
+    )
     out_dtype = torch.bool if dtype is None else dtype
     torch._check(
         out_dtype == torch.bool or out_dtype.is_floating_point,
         lambda: f"{op}: dtype must be torch.bool or a floating dtype, got {dtype_name(out_dtype)}",
     )
-    torch._check(not use_finfo_min or out_dtype != torch.bool, lambda: f"{op}: use_finfo_min needs a floating dtype")
+    torch._check(
+        not use_finfo_min or out_dtype != torch.bool, lambda: f"{op}: use_finfo_min needs a floating dtype"
+    )
     if q_positions is not None:
         pos = q_positions
-        torch._check(_is_integer(pos.dtype), lambda: f"{op}: q_positions must have an integer dtype, got {dtype_name(pos.dtype)}")
         torch._check(
-            pos.dim() <= 2, lambda: f"{op}: q_positions must be 0-D, [q_length] or [batch_size, q_length], got {pos.dim()}-D"
+            _is_integer(pos.dtype),
+            lambda: f"{op}: q_positions must have an integer dtype, got {dtype_name(pos.dtype)}",
+        )
+        torch._check(
+            pos.dim() <= 2,
+            lambda: f"{op}: q_positions must be 0-D, [q_length] or [batch_size, q_length], got {pos.dim()}-D",
         )
         if pos.dim() == 1:
-            torch._check(pos.shape[0] == q_length, lambda: f"{op}: q_positions has {pos.shape[0]} positions but q_length is {q_length}")
+            torch._check(
+                pos.shape[0] == q_length,
+                lambda: f"{op}: q_positions has {pos.shape[0]} positions but q_length is {q_length}",
+            )
         if pos.dim() == 2:
             torch._check(
                 pos.shape[0] == batch_size and pos.shape[1] == q_length,
                 lambda: f"{op}: q_positions must be [batch_size, q_length] = [{batch_size}, {q_length}], got {_shape(pos)}",
             )
-        torch._check(q_offset == 0, lambda: f"{op}: q_offset must be 0 when q_positions is given, got {q_offset}")
+        torch._check(
+            q_offset == 0, lambda: f"{op}: q_offset must be 0 when q_positions is given, got {q_offset}"
+        )
     if chunk_left_padding is not None:
         pad = chunk_left_padding
         torch._check(chunk_size is not None, lambda: f"{op}: chunk_left_padding needs chunk_size")
         torch._check(
-            _is_integer(pad.dtype), lambda: f"{op}: chunk_left_padding must have an integer dtype, got {dtype_name(pad.dtype)}"
+            _is_integer(pad.dtype),
+            lambda: f"{op}: chunk_left_padding must have an integer dtype, got {dtype_name(pad.dtype)}",
         )
         torch._check(
             pad.dim() == 1 and pad.shape[0] == batch_size,
@@ -139,11 +162,20 @@ def _sdpa_mask_fake(
             pad.dtype == torch.bool or _is_integer(pad.dtype),
             lambda: f"{op}: padding_mask must be bool or integer, got {dtype_name(pad.dtype)}",
         )
-        torch._check(pad.dim() == 2, lambda: f"{op}: padding_mask must be 2-D [batch_size, length], got {pad.dim()}-D")
-        torch._check(pad.shape[0] == batch_size, lambda: f"{op}: padding_mask has batch {pad.shape[0]} but batch_size is {batch_size}")
+        torch._check(
+            pad.dim() == 2, lambda: f"{op}: padding_mask must be 2-D [batch_size, length], got {pad.dim()}-D"
+        )
+        torch._check(
+            pad.shape[0] == batch_size,
+            lambda: f"{op}: padding_mask has batch {pad.shape[0]} but batch_size is {batch_size}",
+        )
     _check_ids(op, packed_ids, "packed_ids", batch_size)
     if packed_ids is not None:
-        needed = kv_offset + kv_length if q_positions is not None else torch.sym_max(kv_offset + kv_length, q_offset + q_length)
+        needed = (
+            kv_offset + kv_length
+            if q_positions is not None
+            else torch.sym_max(kv_offset + kv_length, q_offset + q_length)
+        )
         torch._check(
             packed_ids.shape[1] >= needed,
             lambda: f"{op}: packed_ids is too short: {packed_ids.shape[1]} positions, needs {needed}",
@@ -269,7 +301,9 @@ _ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _check_attention(query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks, scale=None, op="attention"):
+def _check_attention(
+    query, key, value, attn_mask, dropout_p, enable_gqa, softcap, sinks, scale=None, op="attention"
+):
     torch._check(
         query.dim() == 4,
         lambda: f"{op}: query must be 4-D [batch, heads, q_length, head_dim], got {query.dim()}-D",
@@ -427,14 +461,37 @@ def _attention_forward_fake(
     sinks=None,
 ):
     out, lse = _attention_fake(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        q_offset=q_offset, kv_offset=kv_offset, softcap=softcap, sinks=sinks,
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        softcap=softcap,
+        sinks=sinks,
     )
     return out, lse, torch.empty_like(lse)
 
 
-def _check_attention_backward(grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
-                              grad_mask_needed, lse_lo):
+def _check_attention_backward(
+    grad_out,
+    grad_lse,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    attn_mask,
+    scale,
+    softcap,
+    sinks,
+    grad_mask_needed,
+    lse_lo,
+):
     """csrc/ops/attention.cpp: check_attention_backward."""
     op = "_attention_backward"
     _check_attention(query, key, value, attn_mask, 0.0, True, softcap, sinks, scale, op=op)
@@ -504,7 +561,19 @@ def _attention_backward_fake(
     lse_lo=None,
 ):
     _check_attention_backward(
-        grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks, grad_mask_needed, lse_lo
+        grad_out,
+        grad_lse,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        attn_mask,
+        scale,
+        softcap,
+        sinks,
+        grad_mask_needed,
+        lse_lo,
     )
     grad_mask = (
         attn_mask.new_empty(attn_mask.shape)

@@ -70,7 +70,9 @@ def sdpa_mask(
         # ids[b, position] where 0 <= position < width, else `outside`; also says which were inside.
         ids = ids.to(dev, torch.int64)
         width = ids.shape[1]
-        positions = _broadcast(positions, (batch_size, 1, q_length, kv_length) if _is_grid_kv(positions) else None)
+        positions = _broadcast(
+            positions, (batch_size, 1, q_length, kv_length) if _is_grid_kv(positions) else None
+        )
         inside = _as_bool_tensor((positions >= 0) & (positions < width))
         clipped = _as_int_tensor(_clip(positions, 0, max(width - 1, 0)))
         bb = b.expand_as(clipped)
@@ -105,9 +107,17 @@ def sdpa_mask(
         pad_value, _ = lookup(padding_mask.to(torch.int64) != 0, kv_grid, 0)
         base = base & (pad_value != 0)
 
-    out_device = device if device is not None else next(
-        (t.device for t in (q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids) if t is not None),
-        torch.device("cpu"),
+    out_device = (
+        device
+        if device is not None
+        else next(
+            (
+                t.device
+                for t in (q_positions, chunk_left_padding, padding_mask, packed_ids, block_ids)
+                if t is not None
+            ),
+            torch.device("cpu"),
+        )
     )
     base = base.to(out_device)
     if dtype is None or dtype == torch.bool:

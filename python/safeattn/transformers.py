@@ -425,7 +425,9 @@ def attention_forward(
             sinks=s_aux,
         )
     else:
-        _log_once(f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops")
+        _log_once(
+            f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops"
+        )
         out = _composite_attention(query, key, value, attention_mask, scale, is_causal, softcap, s_aux)
     # out is [B, Hq, Q, D] laid out as [B, Q, Hq, D], so this transpose is already contiguous.
     return out.transpose(1, 2).contiguous(), None

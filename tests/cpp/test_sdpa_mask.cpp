@@ -63,22 +63,22 @@ CATCH_TEST_CASE("packed sequences and bidirectional blocks") {
 }
 
 CATCH_TEST_CASE("float output holds 0 and -inf, or finfo.min") {
-  const at::Tensor m = safeattn::sdpa_mask(1, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt,
-                                           std::nullopt, std::nullopt, std::nullopt, std::nullopt, at::kFloat);
+  const at::Tensor m = safeattn::sdpa_mask(1, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt, std::nullopt,
+                                           std::nullopt, std::nullopt, std::nullopt, at::kFloat);
   CATCH_CHECK(m[0][0][0][0].item<float>() == 0.0f);
   CATCH_CHECK(std::isinf(m[0][0][0][1].item<float>()));
-  const at::Tensor e = safeattn::sdpa_mask(1, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt,
-                                           std::nullopt, std::nullopt, std::nullopt, std::nullopt, at::kHalf, true);
+  const at::Tensor e = safeattn::sdpa_mask(1, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt, std::nullopt,
+                                           std::nullopt, std::nullopt, std::nullopt, at::kHalf, true);
   CATCH_CHECK(e[0][0][0][1].item<float>() == -65504.0f);
 }
 
 CATCH_TEST_CASE("bad input names the argument") {
   CATCH_CHECK_THROWS_WITH(safeattn::sdpa_mask(1, 2, 2, 0, 0, std::nullopt, true, 0),
-                    Catch::Contains("sliding_window must be > 0"));
+                          Catch::Contains("sliding_window must be > 0"));
   const at::Tensor pad = at::ones({3, 2}, at::kBool);
-  CATCH_CHECK_THROWS_WITH(safeattn::sdpa_mask(2, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt, std::nullopt,
-                                        pad),
-                    Catch::Contains("padding_mask has batch 3 but batch_size is 2"));
+  CATCH_CHECK_THROWS_WITH(
+      safeattn::sdpa_mask(2, 2, 2, 0, 0, std::nullopt, true, std::nullopt, std::nullopt, std::nullopt, pad),
+      Catch::Contains("padding_mask has batch 3 but batch_size is 2"));
 }
 
 CATCH_TEST_CASE("every compiled ISA variant gives the same mask") {
@@ -118,9 +118,10 @@ CATCH_TEST_CASE("every compiled ISA variant gives the same mask") {
       if (!first.defined()) {
         first = out;
         // The DEFAULT variant must also agree with the dispatcher path.
-        CATCH_CHECK(at::equal(out, safeattn::sdpa_mask(batch, q, kv, 203, 0, std::nullopt, c.causal, c.window, c.chunk,
-                                                 c.chunk.has_value() ? std::optional<at::Tensor>(left) : std::nullopt,
-                                                 c.padding, c.packed, c.block, c.dtype)));
+        CATCH_CHECK(
+            at::equal(out, safeattn::sdpa_mask(batch, q, kv, 203, 0, std::nullopt, c.causal, c.window, c.chunk,
+                                               c.chunk.has_value() ? std::optional<at::Tensor>(left) : std::nullopt,
+                                               c.padding, c.packed, c.block, c.dtype)));
       } else {
         CATCH_INFO("ISA variant " << safeattn::cpu::isa_name(isa));
         CATCH_CHECK(at::equal(out, first));

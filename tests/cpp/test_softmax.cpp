@@ -102,7 +102,7 @@ CATCH_TEST_CASE("masked_softmax with a float mask and its gradients match the AT
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   const at::Tensor scores = at::randn({2, 3, 5, 7}, f64);
   at::Tensor bias = at::randn({1, 1, 5, 7}, f64);  // broadcast over batch and heads
-  bias.select(2, 0).fill_(-kInf);                 // query 0: every key blocked
+  bias.select(2, 0).fill_(-kInf);                  // query 0: every key blocked
   const double scale = 0.5;
 
   const at::Tensor out = safeattn::masked_softmax(scores, bias, scale, -1);

@@ -159,8 +159,8 @@ class LowpTiles {
   // All kQBlock columns are computed (the queries past m: zero rows of Q^T and dO^T).
   void scores(int64_t g, int64_t j0, int64_t n, int64_t i0, int64_t /*m*/, float* st, float* dpt, int64_t ld) const {
     const int64_t Qp = s_.q_pad;
-    gemm_vnni(n, kQBlock, d2_, k_rows_.data() + j0 * d2_, d2_, q_t_.data() + g * Qp * d2_ + i0 * d2_,
-              d2_ * kVnniCols, st, ld, false);
+    gemm_vnni(n, kQBlock, d2_, k_rows_.data() + j0 * d2_, d2_, q_t_.data() + g * Qp * d2_ + i0 * d2_, d2_ * kVnniCols,
+              st, ld, false);
     gemm_vnni(n, kQBlock, dv2_, v_rows_.data() + j0 * dv2_, dv2_, go_t_.data() + g * Qp * dv2_ + i0 * dv2_,
               dv2_ * kVnniCols, dpt, ld, false);
   }
@@ -250,8 +250,8 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
           // gradient flowing into lse adds p_ij * dlse_i to every score's gradient).
           acc_t sum = 0;
           for (int64_t d = 0; d < dv; ++d) {
-            sum += static_cast<acc_t>(go.ptr[i * go.row + d * go.col]) *
-                   static_cast<acc_t>(o.ptr[i * o.row + d * o.col]);
+            sum +=
+                static_cast<acc_t>(go.ptr[i * go.row + d * go.col]) * static_cast<acc_t>(o.ptr[i * o.row + d * o.col]);
           }
           const int64_t row = (b * hq + h) * q_len + i;
           delta[g * q_len + i] = glse_ptr != nullptr ? sum - glse_ptr[row] : sum;

@@ -68,8 +68,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 }
 
 // float64 exists for gradcheck on small shapes only: a plain loop is enough.
-inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
-                 double* C, int64_t ldc, bool accumulate) {
+inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+                 int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < M; ++i) {
     double* c = C + i * ldc;
     if (!accumulate) {
@@ -396,8 +396,7 @@ inline bool use_lowp_tiles(at::ScalarType dtype) {
       auto it = caps.find(name);
       return it != caps.end() && it->second.isBool() && it->second.toBool();
     };
-    return (flag("avx512_bf16") || flag("amx_bf16")) && onednn_isa_allows(at::kBFloat16) &&
-           lowp_probe<c10::BFloat16>();
+    return (flag("avx512_bf16") || flag("amx_bf16")) && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
   }();
   static const bool fp16_ok = [] {
     const auto caps = at::cpu::get_cpu_capabilities();

@@ -72,8 +72,8 @@ class FloatTiles {
   FloatTiles(const AttentionFwdArgs& a, const FwdShape& s, acc_t q_scale) : s_(s), q_scale_(q_scale) {
     const at::Tensor &key = a.key, &value = a.value;
     const bool pack_value = !std::is_same_v<scalar_t, acc_t> || value.stride(3) != 1 || value.stride(2) < s.dv;
-    key_t_ = at::empty({s.batch, s.hkv, s.head_dim, s.kv_len},
-                       key.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    key_t_ =
+        at::empty({s.batch, s.hkv, s.head_dim, s.kv_len}, key.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     value_acc_ = pack_value ? at::empty({s.batch, s.hkv, s.kv_len, s.dv}, key_t_.options()) : at::Tensor();
     acc_t* kt_ptr = key_t_.data_ptr<acc_t>();
     const scalar_t* k_src = key.const_data_ptr<scalar_t>();
@@ -133,8 +133,8 @@ class FloatTiles {
   }
 
   // O[m, dv] += P[m, n] @ V[j0 .. j0 + n); p's columns [n, n_pad) are 0 (unused here).
-  void accumulate(Scratch&, int64_t bh, int64_t j0, int64_t n, int64_t /*n_pad*/, int64_t m, const acc_t* p,
-                  int64_t ld, acc_t* o) const {
+  void accumulate(Scratch&, int64_t bh, int64_t j0, int64_t n, int64_t /*n_pad*/, int64_t m, const acc_t* p, int64_t ld,
+                  acc_t* o) const {
     const acc_t* v = v_ptr_ + (bh / s_.hkv) * v_sb_ + (bh % s_.hkv) * v_sh_;
     gemm(m, s_.dv, n, p, ld, v + j0 * v_si_, v_si_, o, s_.dv, true);
   }
@@ -216,8 +216,8 @@ class LowpTiles {
   }
 
   // O += P @ V[j0 .. j0 + n): p's columns [n, n_pad) are 0 (n_pad = n rounded up to kKeyGrain).
-  void accumulate(Scratch& w, int64_t bh, int64_t j0, int64_t n, int64_t n_pad, int64_t m, const float* p,
-                  int64_t ld, float* o) const {
+  void accumulate(Scratch& w, int64_t bh, int64_t j0, int64_t n, int64_t n_pad, int64_t m, const float* p, int64_t ld,
+                  float* o) const {
     const int64_t ld_p = score_stride();
     for (int64_t r = 0; r < m; ++r) {
       round_row(w.p.data() + r * ld_p, p + r * ld, n_pad, n_pad);
@@ -265,7 +265,7 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
   using acc_t = typename Tiles::acc_t;
   using Vec = Vectorized<acc_t>;
   const at::Tensor& query = a.query;
-  const FwdShape shape{query.size(0), query.size(1), query.size(2), query.size(3),
+  const FwdShape shape{query.size(0), query.size(1), query.size(2),  query.size(3),
                        a.key.size(1), a.key.size(2), a.value.size(3)};
   const int64_t batch = shape.batch, hq = shape.hq, q_len = shape.q_len, head_dim = shape.head_dim;
   const int64_t kv_len = shape.kv_len, dv = shape.dv;
@@ -340,8 +340,8 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
           for (int64_t c = 0; c < n_pad; c += Vec::size()) {
             vmax = at::vec::maximum(vmax, Vec::loadu(s + c));
           }
-          const acc_t tile_max = at::vec::vec_reduce_all<acc_t>(
-              [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, vmax);
+          const acc_t tile_max =
+              at::vec::vec_reduce_all<acc_t>([](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, vmax);
           const acc_t old_max = row_max[r];
           const acc_t new_max = max_keep_nan(old_max, tile_max);
           // Fully masked so far: offset 0, so that exp(-inf - 0) = 0 rather than NaN.

@@ -108,7 +108,8 @@ inline acc_t reduce_max(const Vectorized<acc_t>& v) {
 
 template <typename acc_t>
 inline acc_t reduce_sum(const Vectorized<acc_t>& v) {
-  return at::vec::vec_reduce_all<acc_t>([](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return a + b; }, v);
+  return at::vec::vec_reduce_all<acc_t>([](const Vectorized<acc_t>& a, const Vectorized<acc_t>& b) { return a + b; },
+                                        v);
 }
 
 // Lanes >= count set to -inf: they then add nothing to a max or to a sum of exp.
@@ -158,8 +159,8 @@ struct BoolMaskSource {
         keep[i] = m[i * mask_stride] ? bits_t(-1) : bits_t(0);
       }
     }
-    const Vec s = count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index)
-                                             : load_acc<T, acc_t>(scores + index, count);
+    const Vec s =
+        count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index) : load_acc<T, acc_t>(scores + index, count);
     // A select, not an addition: a NaN or inf score at a masked position must not leak.
     return Vec::blendv(Vec(neg_inf<acc_t>()), s * Vec(scale), Vec::loadu(keep));
   }
@@ -184,8 +185,8 @@ struct FloatMaskSource {
       }
       bias = Vec::loadu(gathered);
     }
-    const Vec s = count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index)
-                                             : load_acc<T, acc_t>(scores + index, count);
+    const Vec s =
+        count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index) : load_acc<T, acc_t>(scores + index, count);
     const Vec x = at::vec::fmadd(s, Vec(scale), bias);
     return count == vec_size<acc_t>() ? x : pad_neg_inf(x, count);
   }
@@ -306,8 +307,8 @@ void softmax_row(const Source& x, int64_t n, T* out, acc_t* buf) {
 // row 0. When `staged`, buf holds dim_size x round_up(width) values and the input is read once;
 // otherwise the passes re-read it. col_shift / col_inv hold round_up(width) values.
 template <typename T, typename acc_t, typename Source>
-void softmax_columns(const Source& x, int64_t dim_size, int64_t inner, int64_t width, T* out, acc_t* buf,
-                     bool staged, acc_t* col_shift, acc_t* col_inv) {
+void softmax_columns(const Source& x, int64_t dim_size, int64_t inner, int64_t width, T* out, acc_t* buf, bool staged,
+                     acc_t* col_shift, acc_t* col_inv) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t V = vec_size<acc_t>();
   const int64_t padded = round_up(width, V);
@@ -351,7 +352,7 @@ void softmax_columns(const Source& x, int64_t dim_size, int64_t inner, int64_t w
     vsum.store(sums);
     for (int64_t k = 0; k < V; ++k) {
       const auto kind = static_cast<RowKind>(static_cast<int>(col_inv[c + k]));
-      col_inv[c + k] = kind == RowKind::kNormal ? acc_t(1) / sums[k]
+      col_inv[c + k] = kind == RowKind::kNormal  ? acc_t(1) / sums[k]
                        : kind == RowKind::kEmpty ? acc_t(0)
                                                  : std::numeric_limits<acc_t>::quiet_NaN();
     }
@@ -408,8 +409,8 @@ void forward_columns(const SoftmaxGeometry& g, T* out, const ColumnSource& colum
       const int64_t o = t / blocks_per_outer;
       const int64_t c0 = (t % blocks_per_outer) * width;
       const int64_t w = std::min(width, g.inner - c0);
-      softmax_columns<T, acc_t>(column_source(o, c0, w, scratch), n, g.inner, w, out + o * n * g.inner + c0,
-                                buf.data(), staged, col_shift.data(), col_inv.data());
+      softmax_columns<T, acc_t>(column_source(o, c0, w, scratch), n, g.inner, w, out + o * n * g.inner + c0, buf.data(),
+                                staged, col_shift.data(), col_inv.data());
     }
   });
 }
@@ -540,7 +541,9 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
   const Vec vscale(scale);
   // dot term and gradient, vectorised forms of softmax_detail::dot_term / grad_element.
   auto dot_term_v = [&](const Vec& go, const Vec& o) { return Vec::blendv(go * o, zero, o == zero); };
-  auto grad_v = [&](const Vec& go, const Vec& o, const Vec& dot) { return Vec::blendv(o * (go - dot), zero, o == zero); };
+  auto grad_v = [&](const Vec& go, const Vec& o, const Vec& dot) {
+    return Vec::blendv(o * (go - dot), zero, o == zero);
+  };
   if (g.inner == 1) {
     at::parallel_for(0, g.outer, grain_for(n, kElementsPerTask), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {

@@ -69,10 +69,10 @@ struct BwdParams {
   // (p = 2^((s - lse) log2(e) - row_lo): a row of finfo.min scores keeps its log(sum)).
   const float* row_shift;
   const float* row_lo;  // [B, Hq, Q] contiguous (natural units only; 0 where lse is -inf)
-  const float* delta;     // [B, Hq, Q] contiguous
-  void* grad_query;       // [B, Hq, Q, D] contiguous (written)
-  void* grad_key;         // [B, Hkv, KV, D] contiguous (written)
-  void* grad_value;       // [B, Hkv, KV, D] contiguous (written)
+  const float* delta;   // [B, Hq, Q] contiguous
+  void* grad_query;     // [B, Hq, Q, D] contiguous (written)
+  void* grad_key;       // [B, Hkv, KV, D] contiguous (written)
+  void* grad_value;     // [B, Hkv, KV, D] contiguous (written)
   // Null (deterministic mode: the dQ kernel writes grad_query), or [B, Hq, Q, D] float32
   // contiguous, zeroed: the dK/dV kernel adds dQ into it with atomics (the atomic mode).
   float* dq_accum;
@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim, kWarps>::kThreads) attenti
   constexpr int kQueries = Tr::kQueries;
   constexpr int kSubQueries = Tr::kSubQueries;
   constexpr int kQTiles = kSubQueries / 8;  // n-tiles of the score tile
-  constexpr int kDTiles = kHeadDim / 8;  // n-tiles of the dK / dV accumulators
+  constexpr int kDTiles = kHeadDim / 8;     // n-tiles of the dK / dV accumulators
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* k_s = reinterpret_cast<T*>(smem_raw);

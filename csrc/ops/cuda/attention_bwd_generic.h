@@ -46,8 +46,8 @@ inline void attention_bwd_generic(const AttentionBwdArgs& a) {
   const double neg_inf = -std::numeric_limits<double>::infinity();
   const double pos_inf = std::numeric_limits<double>::infinity();
 
-  const at::Tensor key = a.key.to(acc);       // [B, Hkv, KV, D]
-  const at::Tensor value = a.value.to(acc);   // [B, Hkv, KV, Dv]
+  const at::Tensor key = a.key.to(acc);      // [B, Hkv, KV, D]
+  const at::Tensor value = a.value.to(acc);  // [B, Hkv, KV, Dv]
   const at::Tensor key_t = key.transpose(2, 3);
   const at::Tensor value_t = value.transpose(2, 3);
   at::Tensor grad_key = at::zeros(key.sizes(), key.options());
@@ -65,12 +65,13 @@ inline void attention_bwd_generic(const AttentionBwdArgs& a) {
   const bool partial_kv = mask_grad && partial.size(3) == kv_len;
 
   const int64_t row_bytes = batch * hq * kv_len * static_cast<int64_t>(at::elementSize(acc));
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(q_len, kGenericChunkBytes / std::max<int64_t>(1, row_bytes)));
+  const int64_t chunk =
+      std::max<int64_t>(1, std::min<int64_t>(q_len, kGenericChunkBytes / std::max<int64_t>(1, row_bytes)));
   const auto opts = key.options();
   for (int64_t i0 = 0; i0 < q_len; i0 += chunk) {
     const int64_t m = std::min(chunk, q_len - i0);
-    const at::Tensor q = a.query.narrow(2, i0, m).to(acc);           // [B, Hq, m, D]
-    const at::Tensor d_out = a.grad_out.narrow(2, i0, m).to(acc);    // [B, Hq, m, Dv]
+    const at::Tensor q = a.query.narrow(2, i0, m).to(acc);         // [B, Hq, m, D]
+    const at::Tensor d_out = a.grad_out.narrow(2, i0, m).to(acc);  // [B, Hq, m, Dv]
     const at::Tensor o = a.out.narrow(2, i0, m).to(acc);
 
     at::Tensor s = unfold_group(at::matmul(fold_group(q, hkv), key_t), hq) * a.scale;  // [B, Hq, m, KV]

@@ -321,8 +321,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                     const float* __restrict__ sinks, T* __restrict__ out, int64_t o_sb, int64_t o_sh,
                                     int64_t o_si, float* __restrict__ lse, float* __restrict__ lse_lo,
-                                    int64_t total_rows, int64_t hq,
-                                    int64_t q_len, int splits) {
+                                    int64_t total_rows, int64_t hq, int64_t q_len, int splits) {
   static_assert(kD == 64 || kD == 128, "decode combine: a float2 or float4 per lane");
   constexpr int kVec = kD / 32;
   constexpr int kLaneSplits = kMaxSplits / 32;
@@ -460,8 +459,7 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
                        attn::rows_aligned_16(a.key) && attn::rows_aligned_16(a.value) &&
                        // A floating mask needs natural score units (attention_common.cuh, exp_of),
                        // which this kernel does not have: the prefill kernel takes those calls.
-                       !attn::natural_units(a.mask) && a.lse.is_contiguous() &&
-                       a.lse.scalar_type() == at::kFloat;
+                       !attn::natural_units(a.mask) && a.lse.is_contiguous() && a.lse.scalar_type() == at::kFloat;
   if (!applies) {
     return false;
   }

@@ -39,19 +39,19 @@ namespace safeattn::cuda::attn {
 
 // Everything the kernel reads; pointers are already offset to element 0 of each tensor.
 struct FwdParams {
-  const void* q = nullptr;  // [B, Hq, Q, D], unit inner stride, 16-byte aligned rows
-  const void* k = nullptr;  // [B, Hkv, KV, D]
-  const void* v = nullptr;  // [B, Hkv, KV, D]
-  void* out = nullptr;      // [B, Hq, Q, D] strided view, unit inner stride
-  float* lse = nullptr;     // [B, Hq, Q] contiguous
-  float* lse_lo = nullptr;  // [B, Hq, Q] contiguous, or null: lse's rounding error
+  const void* q = nullptr;       // [B, Hq, Q, D], unit inner stride, 16-byte aligned rows
+  const void* k = nullptr;       // [B, Hkv, KV, D]
+  const void* v = nullptr;       // [B, Hkv, KV, D]
+  void* out = nullptr;           // [B, Hq, Q, D] strided view, unit inner stride
+  float* lse = nullptr;          // [B, Hq, Q] contiguous
+  float* lse_lo = nullptr;       // [B, Hq, Q] contiguous, or null: lse's rounding error
   const float* sinks = nullptr;  // [Hq] or null
   int64_t q_sb = 0, q_sh = 0, q_si = 0;
   int64_t k_sb = 0, k_sh = 0, k_si = 0;
   int64_t v_sb = 0, v_sh = 0, v_si = 0;
   int64_t o_sb = 0, o_sh = 0, o_si = 0;
-  int64_t heads = 1;  // Hq
-  int64_t group = 1;  // Hq / Hkv: query head h reads kv head h / group
+  int64_t heads = 1;        // Hq
+  int64_t group = 1;        // Hq / Hkv: query head h reads kv head h / group
   int64_t batch_heads = 1;  // B * Hq
   int64_t q_len = 0, kv_len = 0;
   // Score units (attention_common.cuh, exp_of): log2, or natural with a floating mask.
@@ -107,10 +107,10 @@ struct FwdConfig<256> {
 inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
   block_q = block_kv = 0;
   switch (d) {
-#define SAFEATTN_FWD_TILE_CASE(D)       \
-  case D:                               \
-    block_q = FwdConfig<D>::kBlockM;    \
-    block_kv = FwdConfig<D>::kBlockN;   \
+#define SAFEATTN_FWD_TILE_CASE(D)     \
+  case D:                             \
+    block_q = FwdConfig<D>::kBlockM;  \
+    block_kv = FwdConfig<D>::kBlockN; \
     return;
     SAFEATTN_FWD_TILE_CASE(32)
     SAFEATTN_FWD_TILE_CASE(64)
@@ -212,10 +212,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   };
   auto load_kv = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads>(s_k + stage * kBlockN * kStride, k_base + j0 * p.k_si, p.k_si,
-                                       p.kv_len - j0, tid);
-    load_tile<T, kBlockN, D, kThreads>(s_v + stage * kBlockN * kStride, v_base + j0 * p.v_si, p.v_si,
-                                       p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads>(s_k + stage * kBlockN * kStride, k_base + j0 * p.k_si, p.k_si, p.kv_len - j0,
+                                       tid);
+    load_tile<T, kBlockN, D, kThreads>(s_v + stage * kBlockN * kStride, v_base + j0 * p.v_si, p.v_si, p.kv_len - j0,
+                                       tid);
   };
 
   load_tile<T, kBlockM, D, kThreads>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
         const int row_limit = static_cast<int>(rows);
         const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
         const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
-        const int diag = static_cast<int>(diag_full > kBlockN            ? kBlockN
+        const int diag = static_cast<int>(diag_full > kBlockN        ? kBlockN
                                           : diag_full < -kBlockM - 1 ? -kBlockM - 1
                                                                      : diag_full);
 #pragma unroll
@@ -472,8 +472,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
         T* row = s_q + (warp_row0 + mt * 16 + g + 8 * half) * kStride + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
-          *reinterpret_cast<uint32_t*>(row + dt * 8) =
-              pack2<T>(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(row + dt * 8) = pack2<T>(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
         }
       }
     }
@@ -512,7 +511,7 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-#define SAFEATTN_ATTN_FWD_EXTERN(D)                                                                 \
+#define SAFEATTN_ATTN_FWD_EXTERN(D)                                                            \
   extern template void launch_attention_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t); \
   extern template void launch_attention_fwd<__half, D>(const FwdParams&, cudaStream_t);
 SAFEATTN_ATTN_FWD_EXTERN(32)

@@ -25,8 +25,8 @@
 
 #include "ops/attention.h"
 #include "ops/cuda/attention_decode.h"
-#include "ops/cuda/attention_fwd_sm90.h"
 #include "ops/cuda/attention_fwd.cuh"
+#include "ops/cuda/attention_fwd_sm90.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -261,16 +261,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
                                                   const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
-  auto [out, lse, unused] = attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                           q_offset, kv_offset, softcap, sinks, /*with_lse_lo=*/false,
-                                           &attention_fwd_cuda);
+  auto [out, lse, unused] =
+      attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+                     softcap, sinks, /*with_lse_lo=*/false, &attention_fwd_cuda);
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks) {
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
+    double softcap, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                         softcap, sinks, /*with_lse_lo=*/true, &attention_fwd_cuda);

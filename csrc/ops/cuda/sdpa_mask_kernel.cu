@@ -175,9 +175,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll 1
   for (int64_t row = row_begin; row < row_end; ++row) {
     // 32-bit division where it fits (the common case): 64-bit division is a long sequence.
-    const int64_t b = rows <= UINT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(row) /
-                                                               static_cast<uint32_t>(p.q_length))
-                                         : row / p.q_length;
+    const int64_t b = rows <= UINT32_MAX
+                          ? static_cast<int64_t>(static_cast<uint32_t>(row) / static_cast<uint32_t>(p.q_length))
+                          : row / p.q_length;
     if (kReadsPadding && p.padding_mask != nullptr && b != padding_b) {
       padding_b = b;
 #pragma unroll
@@ -314,12 +314,13 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   const char* waves_setting = std::getenv("SAFEATTN_MASK_WAVES");
   const double waves = waves_setting != nullptr ? std::max(0.01, std::atof(waves_setting)) : 2.0;
   const int64_t wanted = std::max<int64_t>(
-      1, static_cast<int64_t>(waves * static_cast<double>(cuda::multiprocessor_count() * (2048 / threads))) /
-             col_blocks);
+      1,
+      static_cast<int64_t>(waves * static_cast<double>(cuda::multiprocessor_count() * (2048 / threads))) / col_blocks);
   // At least two rows per block: faster than one or four where rows are few (B=1 4096^2).
   const int64_t rows_per_block =
       std::max({int64_t{2}, (rows + wanted - 1) / wanted, (rows + kMaxGridY - 1) / kMaxGridY});
-  const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  const dim3 grid(static_cast<unsigned>(col_blocks),
+                  static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
   Alignment aligned;
   // Row starts are 16-byte aligned when a row's bytes are (the allocation itself is).
   aligned.out = (p.kv_length * kBytes) % 16 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0;
@@ -334,8 +335,7 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
 // caller frees it after queuing the mask kernel: the caching allocator hands that memory out
 // again only to work queued after it on the same stream.
 PackedRuns packed_runs(const SdpaMaskParams& p, const at::Tensor& like, at::Tensor& storage) {
-  storage = at::empty({2 * p.batch_size * p.packed_width + (p.batch_size + 7) / 8},
-                      like.options().dtype(at::kLong));
+  storage = at::empty({2 * p.batch_size * p.packed_width + (p.batch_size + 7) / 8}, like.options().dtype(at::kLong));
   int64_t* begin = storage.data_ptr<int64_t>();
   int64_t* end = begin + p.batch_size * p.packed_width;
   bool* ordered = reinterpret_cast<bool*>(end + p.batch_size * p.packed_width);
@@ -373,25 +373,25 @@ void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
   launch_bytes<sizeof(T)>(p, out, bits_of(on), bits_of(off));
 }
 
-at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
-                          int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
+                          const std::optional<at::Tensor>& q_positions, bool causal,
                           std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
                           const std::optional<at::Tensor>& chunk_left_padding,
                           const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
                           const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
                           bool use_finfo_min, std::optional<c10::Device> device) {
-  c10::Device where = check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions,
-                                      sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids,
-                                      block_ids, dtype, use_finfo_min, device);
+  c10::Device where =
+      check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, sliding_window, chunk_size,
+                      chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
   TORCH_CHECK(where.is_cuda(), "sdpa_mask: the CUDA kernel was asked to build on ", where.str());
   if (!where.has_index()) {
     where = c10::Device(c10::kCUDA, c10::cuda::current_device());
   }
   const c10::cuda::CUDAGuard guard(where);
   // Conversions of the small inputs run on the current stream; nothing waits on the host.
-  SdpaMaskInputs in = prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal,
-                                        sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids,
-                                        block_ids);
+  SdpaMaskInputs in =
+      prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
+                        chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids);
   at::Tensor out = at::empty({batch_size, 1, q_length, kv_length},
                              at::TensorOptions().dtype(dtype.value_or(at::kBool)).device(where));
   if (out.numel() == 0) {
@@ -402,8 +402,8 @@ at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_lengt
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sdpa_mask_cuda", [&] {
-    const scalar_t off = use_finfo_min ? std::numeric_limits<scalar_t>::lowest()
-                                       : -std::numeric_limits<scalar_t>::infinity();
+    const scalar_t off =
+        use_finfo_min ? std::numeric_limits<scalar_t>::lowest() : -std::numeric_limits<scalar_t>::infinity();
     launch<scalar_t>(in.params, out, scalar_t(0), off);
   });
   return out;

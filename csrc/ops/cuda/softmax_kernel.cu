@@ -151,8 +151,8 @@ __global__ void softmax_columns_kernel(const T* __restrict__ scores, T* __restri
       inv = acc_t(1) / sum;
     }
     for (int64_t d = 0; d < n; ++d) {
-      out[base + d * inner] =
-          static_cast<T>(output_value(element_value<T, acc_t>(scores[base + d * inner], scale, m, d), st.max, kind, inv));
+      out[base + d * inner] = static_cast<T>(
+          output_value(element_value<T, acc_t>(scores[base + d * inner], scale, m, d), st.max, kind, inv));
     }
   }
 }
@@ -241,9 +241,8 @@ void backward_typed(const at::Tensor& grad_out, const at::Tensor& out, double sc
 
 void softmax_forward_cuda(const at::Tensor& scores, const at::Tensor& mask, const MaskGeometry& mask_geometry,
                           double scale, const SoftmaxGeometry& geometry, at::Tensor& out) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "safeattn_softmax_cuda", [&] {
-    forward_typed<scalar_t>(scores, mask, mask_geometry, scale, geometry, out);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scores.scalar_type(), "safeattn_softmax_cuda",
+                                  [&] { forward_typed<scalar_t>(scores, mask, mask_geometry, scale, geometry, out); });
 }
 
 void softmax_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, double scale,

@@ -57,8 +57,8 @@ void launch_softmax_rows(const T* scores, T* out, int64_t rows, int64_t n, const
 // Last-dim rows of the backward: grad_scores = scale * grad_x (grad_x as in softmax.h).
 //   grad_out, out, grad_scores: [rows, n] contiguous; grad_x: null or [rows, n] in acc_t.
 template <typename T>
-void launch_softmax_backward_rows(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x,
-                                  int64_t rows, int64_t n, acc_type_t<T> scale, cudaStream_t stream);
+void launch_softmax_backward_rows(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x, int64_t rows,
+                                  int64_t n, acc_type_t<T> scale, cudaStream_t stream);
 
 namespace rows_detail {
 
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
     const MaskRef m =
         (kMasked && active) ? mask_ref(mask, mg, row, 0, sizeof(T)) : MaskRef{MaskKind::kNone, nullptr, 0};
     // The values of vector v (position v * VEC + e along the row).
-    auto values = [&](const Pack<T, VEC>& p, index_t v, acc_t (&x)[VEC]) {
+    auto values = [&](const Pack<T, VEC>& p, index_t v, acc_t(&x)[VEC]) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         x[e] = value_at<kMasked, T, acc_t>(p.v[e], scale, m, static_cast<int64_t>(v) * VEC + e);
@@ -527,9 +527,8 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
 // grad_x (may be null): the unscaled gradient in acc_t for the mask's gradient.
 template <typename T, int VEC, int kGroup, int kCache, int kSplit>
 __global__ void __launch_bounds__(block_threads<kGroup>())
-    softmax_backward_rows_kernel(const T* __restrict__ grad_out, const T* __restrict__ out,
-                                 T* __restrict__ grad_scores, acc_type_t<T>* __restrict__ grad_x, int64_t rows,
-                                 int64_t n, acc_type_t<T> scale) {
+    softmax_backward_rows_kernel(const T* __restrict__ grad_out, const T* __restrict__ out, T* __restrict__ grad_scores,
+                                 acc_type_t<T>* __restrict__ grad_x, int64_t rows, int64_t n, acc_type_t<T> scale) {
   using acc_t = acc_type_t<T>;
   constexpr int kSlots = kGroup > kWarp ? kGroup / kWarp : 1;
   constexpr int kRowsPerBlock = block_threads<kGroup>() / kGroup;
@@ -903,8 +902,8 @@ void with_forward_config(const RowConfig& c, F&& f) {
       return f(Int<256>{}, Int<0>{}, Int<kMaxSplit>{});
     }
   }
-  TORCH_CHECK(false, "safeattn softmax (CUDA): no forward variant for ", c.group, " threads x ", c.cache,
-              " vectors x ", c.split, " blocks per row");
+  TORCH_CHECK(false, "safeattn softmax (CUDA): no forward variant for ", c.group, " threads x ", c.cache, " vectors x ",
+              c.split, " blocks per row");
 }
 
 // The same for backward_config.
@@ -1014,15 +1013,14 @@ void forward_rows_vec(const T* scores, T* out, int64_t rows, int64_t n, const vo
     constexpr int kSplit = decltype(split)::value;
     constexpr int kThreads = block_threads<kGroup>();
     constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_rows_kernel<T, kVec, kGroup, kCache, kSplit, kMasked>>(ceil_div(rows, kRowsPerBlock), kThreads,
-                                                                            kSplit, device, stream, scores, out, rows,
-                                                                            n, mask, mg, scale);
+    launch<&softmax_rows_kernel<T, kVec, kGroup, kCache, kSplit, kMasked>>(
+        ceil_div(rows, kRowsPerBlock), kThreads, kSplit, device, stream, scores, out, rows, n, mask, mg, scale);
   });
 }
 
 template <typename T, int kVec>
-void backward_rows_vec(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x, int64_t rows,
-                       int64_t n, acc_type_t<T> scale, cudaStream_t stream) {
+void backward_rows_vec(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x, int64_t rows, int64_t n,
+                       acc_type_t<T> scale, cudaStream_t stream) {
   const int device = current_device();
   const bool clusters = clusters_usable_cached<Int<kVec * 2 + 64>>(
       &softmax_backward_rows_kernel<T, kVec, 256, 0, kMaxSplit>,
@@ -1034,9 +1032,9 @@ void backward_rows_vec(const T* grad_out, const T* out, T* grad_scores, acc_type
     constexpr int kSplit = decltype(split)::value;
     constexpr int kThreads = block_threads<kGroup>();
     constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, kCache, kSplit>>(
-        ceil_div(rows, kRowsPerBlock), kThreads, kSplit, device, stream, grad_out, out, grad_scores, grad_x, rows, n,
-        scale);
+    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, kCache, kSplit>>(ceil_div(rows, kRowsPerBlock), kThreads,
+                                                                           kSplit, device, stream, grad_out, out,
+                                                                           grad_scores, grad_x, rows, n, scale);
   });
 }
 
@@ -1059,8 +1057,8 @@ void launch_softmax_rows(const T* scores, T* out, int64_t rows, int64_t n, const
 }
 
 template <typename T>
-void launch_softmax_backward_rows(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x,
-                                  int64_t rows, int64_t n, acc_type_t<T> scale, cudaStream_t stream) {
+void launch_softmax_backward_rows(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x, int64_t rows,
+                                  int64_t n, acc_type_t<T> scale, cudaStream_t stream) {
   using namespace rows_detail;
   constexpr int V = full_vec<T>();
   const bool vectorized = V > 1 && n % V == 0 && aligned16(grad_out) && aligned16(out) && aligned16(grad_scores);

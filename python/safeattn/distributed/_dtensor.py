@@ -254,7 +254,9 @@ def register() -> None:
         return
     _register(_ops.attention.default, lambda a: _attention_strategies(a, backward=False))
     # What attention's Autograd kernel calls: out, lse and lse_lo, placed alike.
-    _register(_ops._attention_forward.default, lambda a: _attention_strategies(a, backward=False, forward_outputs=3))
+    _register(
+        _ops._attention_forward.default, lambda a: _attention_strategies(a, backward=False, forward_outputs=3)
+    )
     _register(_ops._attention_backward.default, lambda a: _attention_strategies(a, backward=True))
     _register(_ops.safe_softmax.default, lambda a: _softmax_strategies(a, "self", outputs=1))
     _register(_ops._safe_softmax_backward.default, lambda a: _softmax_strategies(a, "out", outputs=1))

@@ -40,12 +40,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 #include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "ops/cuda/hopper/fwd_params.h"
@@ -160,10 +160,10 @@ struct Fwd {
   using AtomLayout = Layout<Shape<Int<kMmaWGs>, _1, _1>>;
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      AtomLayout{}));
+  using TiledMmaPV =
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              AtomLayout{}));
 
   using SmemLayoutQ = decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK =
@@ -176,18 +176,15 @@ struct Fwd {
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
   using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;  // V viewed as (head dim, keys, head, batch)
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
-                                                  StrideQK{}),
-                                      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
-                                                  StrideQK{}),
-                                      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{},
-                                      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{},
-                                                  StrideVt{}),
-                                      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -283,7 +280,7 @@ struct Fwd {
       Tensor mVt = p.tma_v.get_tma_tensor(p.shape_vt)(_, _, kv_head, t.batch);
       Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(t.m_block, _0{}));
       Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{});
-      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));   // (N, D, n)
+      Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));    // (N, D, n)
       Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n)
       auto cta_q = p.tma_q.get_slice(_0{});
       auto cta_k = p.tma_k.get_slice(_0{});
@@ -454,13 +451,13 @@ struct Fwd {
     TiledMmaPV mma_pv;
     auto wg_qk = mma_qk.get_slice(wg * 128);
     auto wg_pv = mma_pv.get_slice(wg * 128);
-    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, 1, D / 16, stage)
-    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, 1, N / 16, stage)
-    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // ((2, 2, N / 8), 1, 1)
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);                                      // (MMA, 1, D / 16, stage)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);                                     // (MMA, 1, N / 16, stage)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});   // ((2, 2, N / 8), 1, 1)
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // ((2, 2, D / 8), 1, 1)
     // P as the A operand of O += P V: k block kb holds accumulator elements [8 kb, 8 kb + 8) of S.
-    Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>,
-                                              Stride<Stride<_1, _2, _4>, _0, _8>>{});
+    Tensor tOrP = make_tensor<Element>(
+        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>{});
     static_assert(decltype(size(tSrS))::value == kBlockN / 2 && decltype(size(tOrP))::value == kBlockN / 2);
     static_assert(decltype(size(tOrO))::value == kHeadDim / 2);
 
@@ -675,17 +672,17 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   p.shape_q = make_shape(int32_t{a.q_len}, int32_t{D}, int32_t{a.heads}, int32_t{a.batch});
   p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{D}, int32_t{a.kv_heads}, int32_t{a.batch});
   p.shape_vt = make_shape(int32_t{D}, int32_t{a.kv_len}, int32_t{a.kv_heads}, int32_t{a.batch});
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.q)), p.shape_q,
-                          make_stride(a.q_si, _1{}, dim_stride(a.heads, a.q_sh, q_plane),
-                                      dim_stride(a.batch, a.q_sb, q_plane * a.heads)));
+  Tensor mQ = make_tensor(
+      make_gmem_ptr(static_cast<Element const*>(a.q)), p.shape_q,
+      make_stride(a.q_si, _1{}, dim_stride(a.heads, a.q_sh, q_plane), dim_stride(a.batch, a.q_sb, q_plane * a.heads)));
   Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k)), p.shape_k,
                           make_stride(a.k_si, _1{}, dim_stride(a.kv_heads, a.k_sh, k_plane),
                                       dim_stride(a.batch, a.k_sb, k_plane * a.kv_heads)));
   Tensor mVt = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.v)), p.shape_vt,
                            make_stride(_1{}, a.v_si, dim_stride(a.kv_heads, a.v_sh, v_plane),
                                        dim_stride(a.batch, a.v_sb, v_plane * a.kv_heads)));
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Kernel::SmemLayoutQ{}, Shape<Int<Config::kBlockM>, Int<D>>{},
-                          _1{});
+  p.tma_q =
+      make_tma_copy(SM90_TMA_LOAD{}, mQ, typename Kernel::SmemLayoutQ{}, Shape<Int<Config::kBlockM>, Int<D>>{}, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(typename Kernel::SmemLayoutK{}),
                           Shape<Int<Config::kBlockN>, Int<D>>{}, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(typename Kernel::SmemLayoutVt{}),

@@ -12,12 +12,12 @@ namespace safeattn::cuda::hopper {
 struct FwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
   // of 8 elements (what TMA needs); sizes below 2^31.
-  const void* q = nullptr;  // [B, Hq, Q, D]
-  const void* k = nullptr;  // [B, Hkv, KV, D]
-  const void* v = nullptr;  // [B, Hkv, KV, D]
-  void* out = nullptr;      // [B, Hq, Q, D] strided view, 4-byte aligned rows
-  float* lse = nullptr;     // [B, Hq, Q] contiguous, natural log
-  float* lse_lo = nullptr;  // [B, Hq, Q] contiguous or null: lse + lse_lo = m + log(l) closely
+  const void* q = nullptr;               // [B, Hq, Q, D]
+  const void* k = nullptr;               // [B, Hkv, KV, D]
+  const void* v = nullptr;               // [B, Hkv, KV, D]
+  void* out = nullptr;                   // [B, Hq, Q, D] strided view, 4-byte aligned rows
+  float* lse = nullptr;                  // [B, Hq, Q] contiguous, natural log
+  float* lse_lo = nullptr;               // [B, Hq, Q] contiguous or null: lse + lse_lo = m + log(l) closely
   int64_t q_sb = 0, q_sh = 0, q_si = 0;  // strides in elements
   int64_t k_sb = 0, k_sh = 0, k_si = 0;
   int64_t v_sb = 0, v_sh = 0, v_si = 0;
