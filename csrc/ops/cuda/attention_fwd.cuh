@@ -317,17 +317,26 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
             }
           }
         }
-      } else {
-        // Natural units: rounded on its own (never fused with the bias add), as the backward
-        // recomputes it.
+      } else if (p.natural) {
+        // Rounded on its own (never fused with the bias add), as the backward recomputes it.
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float dot = s_acc[mt][nt][e];
-              s_acc[mt][nt][e] = p.natural ? __fmul_rn(dot, p.score_scale) : dot * p.score_scale;
+              s_acc[mt][nt][e] = __fmul_rn(s_acc[mt][nt][e], p.score_scale);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s_acc[mt][nt][e] *= p.score_scale;
             }
           }
         }
