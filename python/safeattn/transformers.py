@@ -303,38 +303,25 @@ def _attention_op(device: torch.device):
 
 
 def _composite_attention(query, key, value, attn_mask, scale, is_causal, softcap, sinks):
-    """Plain PyTorch attention with the op's semantics, for builds without the attention op.
+    """The op's ATen composite (csrc/ops/attention_composite.cpp, ``_attention_math``: the same
+    semantics from plain ATen ops, so it runs on any device), for a device without kernels.
 
     query [B, Hq, Q, D]; key, value [B, Hkv, KV, D]; attn_mask bool or float, broadcastable to
     [B, Hq, Q, KV]; sinks [Hq] or None. A query row with every key masked gives 0.
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    q_length, kv_length = scores.shape[-2], scores.shape[-1]
-    if is_causal:
-        causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask.float()
-    row_max = scores.amax(dim=-1, keepdim=True)
-    if sinks is not None:
-        sink = sinks.float().view(1, -1, 1, 1)
-        row_max = torch.maximum(row_max, sink)
-    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)  # a fully masked row: exp(-inf) = 0
-    weights = torch.exp(scores - row_max)
-    denom = weights.sum(dim=-1, keepdim=True)
-    if sinks is not None:
-        denom = denom + torch.exp(sink - row_max)
-    weights = torch.where(denom > 0, weights / denom.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return torch.matmul(weights, value.float()).to(query.dtype)
+    out, _ = torch.ops.safeattn._attention_math(
+        query,
+        key,
+        value,
+        attn_mask,
+        0.0,
+        is_causal,
+        scale,
+        query.shape[1] != key.shape[1],
+        softcap=softcap or 0.0,
+        sinks=sinks,
+    )
+    return out
 
 
 def attention_forward(
