@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+#include <torch/version.h>
 
 #include "ops/attention.h"
 #include "ops/cpu/parallel.h"
@@ -375,6 +376,30 @@ bool lowp_probe() {
   return std::equal(c, c + M * ldc, want);
 }
 
+// The CPU's bf16 / fp16 matrix hardware, as ATen reports it: AVX512-BF16 or AMX-BF16 for bf16,
+// AMX-FP16 for fp16. torch 2.11 replaced the is_*_supported() functions with
+// get_cpu_capabilities() (torch 2.6 to 2.10 have only the former).
+struct LowpHardware {
+  bool bf16 = false;
+  bool fp16 = false;
+};
+inline LowpHardware lowp_hardware() {
+  LowpHardware hardware;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 11)
+  const auto caps = at::cpu::get_cpu_capabilities();
+  auto flag = [&](const char* name) {
+    auto it = caps.find(name);
+    return it != caps.end() && it->second.isBool() && it->second.toBool();
+  };
+  hardware.bf16 = flag("avx512_bf16") || flag("amx_bf16");
+  hardware.fp16 = flag("amx_fp16");
+#else
+  hardware.bf16 = at::cpu::is_avx512_bf16_supported() || at::cpu::is_amx_tile_supported();
+  hardware.fp16 = at::cpu::is_amx_fp16_supported();
+#endif
+  return hardware;
+}
+
 // Whether this call's tiles of `dtype` take the bf16 / fp16 micro-kernel: the AVX-512 build, a
 // CPU with the instructions (AVX512-BF16 or AMX-BF16 for bf16; AMX-FP16 for fp16: without it
 // oneDNN converts fp16 to float32 and gains nothing), oneDNN allowed to use them, the probe
@@ -390,20 +415,10 @@ inline bool use_lowp_tiles(at::ScalarType dtype) {
   if (off != nullptr && std::string(off) == "0") {
     return false;
   }
-  static const bool bf16_ok = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    auto flag = [&](const char* name) {
-      auto it = caps.find(name);
-      return it != caps.end() && it->second.isBool() && it->second.toBool();
-    };
-    return (flag("avx512_bf16") || flag("amx_bf16")) && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
-  }();
-  static const bool fp16_ok = [] {
-    const auto caps = at::cpu::get_cpu_capabilities();
-    auto it = caps.find("amx_fp16");
-    const bool amx_fp16 = it != caps.end() && it->second.isBool() && it->second.toBool();
-    return amx_fp16 && onednn_isa_allows(at::kHalf) && lowp_probe<c10::Half>();
-  }();
+  static const LowpHardware hardware = lowp_hardware();
+  static const bool bf16_ok =
+      hardware.bf16 && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
+  static const bool fp16_ok = hardware.fp16 && onednn_isa_allows(at::kHalf) && lowp_probe<c10::Half>();
   return (dtype == at::kBFloat16 ? bf16_ok : fp16_ok) && at::globalContext().userEnabledMkldnn();
 #else
   (void)dtype;
