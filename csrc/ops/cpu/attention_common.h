@@ -416,8 +416,7 @@ inline bool use_lowp_tiles(at::ScalarType dtype) {
     return false;
   }
   static const LowpHardware hardware = lowp_hardware();
-  static const bool bf16_ok =
-      hardware.bf16 && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
+  static const bool bf16_ok = hardware.bf16 && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
   static const bool fp16_ok = hardware.fp16 && onednn_isa_allows(at::kHalf) && lowp_probe<c10::Half>();
   return (dtype == at::kBFloat16 ? bf16_ok : fp16_ok) && at::globalContext().userEnabledMkldnn();
 #else
