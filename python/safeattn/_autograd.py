@@ -68,6 +68,11 @@ def _in_backward(op, *args):
         return op(*args)
 
 
+def _any_requires_grad(*args) -> bool:
+    """torch._C._any_requires_grad of torch 2.7 and later, for torch 2.6."""
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def _register_autograd_kernel(name: str, function: type[_SingleLevelFunction]) -> None:
     op = getattr(_ops, name).default
     # The dispatcher drops trailing arguments equal to their defaults; the Function gets them all.
@@ -75,7 +80,7 @@ def _register_autograd_kernel(name: str, function: type[_SingleLevelFunction]) -
     # Bound once: the inference path below runs on every call of the op.
     transforms_active = torch._C._are_functorch_transforms_active
     grad_enabled = torch._C.is_grad_enabled
-    any_requires_grad = torch._C._any_requires_grad
+    any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad)  # torch >= 2.7
     below_autograd = torch._C._AutoDispatchBelowAutograd
     after_autograd = torch._C._after_autograd_keyset
     redispatch = op.redispatch
