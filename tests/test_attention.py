@@ -1134,7 +1134,15 @@ def _cpu_lowp_tiles_expected(dtype):
     """Whether this machine's CPU kernels multiply `dtype` tiles in `dtype` (the rule of
     use_lowp_tiles in attention_common.h, seen from Python): the AVX-512 variant, the hardware
     (AVX512-BF16 or AMX-BF16 for bf16, AMX-FP16 for fp16), oneDNN enabled and not held lower."""
-    flags = torch._C._cpu._get_cpu_capability()
+    cpu = torch._C._cpu
+    if hasattr(cpu, "_get_cpu_capability"):  # torch >= 2.11
+        flags = cpu._get_cpu_capability()
+    else:  # torch 2.6 to 2.10: one function per flag (AMX tiles stand for AMX-BF16 there, as in C++)
+        flags = {
+            "amx_fp16": cpu._is_amx_fp16_supported(),
+            "avx512_bf16": cpu._is_avx512_bf16_supported(),
+            "amx_bf16": cpu._is_amx_tile_supported(),
+        }
     if dtype == torch.float16:
         hardware = flags.get("amx_fp16", False)
     else:
