@@ -1117,17 +1117,15 @@ def test_private_backward_reads_strided_rows():
 
 # ---- CPU tiles in bf16 / fp16 (issue 20) -----------------------------------------------------
 # On CPUs with bf16 matrix hardware (AVX512-BF16, AMX) the AVX-512 kernels multiply bf16 tiles in
-# bf16 with float32 accumulation (fp16 with AMX-FP16); SAFEATTN_CPU_LOWP_TILES=0 keeps them in
-# float32, the path of every other CPU. The tests below run both wherever they exist.
+# bf16 with float32 accumulation (fp16 with AMX-FP16); with oneDNN disabled
+# (torch.backends.mkldnn.flags(enabled=False)) they stay in float32, the path of every other CPU.
+# The tests below run both wherever they exist.
 
 _CPU_TILES = ["hardware", "float32"]
 
 
 def _use_cpu_tiles(monkeypatch, tiles):
-    if tiles == "float32":
-        monkeypatch.setenv("SAFEATTN_CPU_LOWP_TILES", "0")
-    else:
-        monkeypatch.delenv("SAFEATTN_CPU_LOWP_TILES", raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", tiles != "float32")
 
 
 def _cpu_lowp_tiles_expected(dtype):
@@ -1153,7 +1151,6 @@ def _cpu_lowp_tiles_expected(dtype):
         and safeattn.build_info()["cpu_isa_in_use"] == "AVX512"
         and torch.backends.mkldnn.enabled
         and "ONEDNN_MAX_CPU_ISA" not in env
-        and env.get("SAFEATTN_CPU_LOWP_TILES") != "0"
     )
 
 
@@ -1255,8 +1252,8 @@ def test_cpu_low_precision_tiles_are_taken(monkeypatch, dtype):
         pytest.skip(f"this CPU or build multiplies {dtype} tiles in float32 (no matrix hardware for it)")
     q, k, v = _qkv(1, 2, 2, 70, 300, 64, dtype, "cpu")
     runs = []
-    for switch in ("1", "0"):
-        monkeypatch.setenv("SAFEATTN_CPU_LOWP_TILES", switch)
+    for tiles in ("hardware", "float32"):
+        _use_cpu_tiles(monkeypatch, tiles)
         _check_against_reference(q, k, v, is_causal=True)
         out, _ = safeattn.attention(q, k, v, is_causal=True)
         runs.append((out, torch.autograd.grad(out.float().sum(), (q, k, v))))

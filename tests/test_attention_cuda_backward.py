@@ -3,10 +3,9 @@ reference, on the cases its tensor-core kernels have to get right: every instant
 dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
 batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
-default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True), with a mask
-gradient or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0), the two dK/dV kernel shapes (4 warps and 64 keys
-by default, 8 warps and 128 keys with SAFEATTN_ATTN_BWD_DKDV_WARPS=8), and the generic path
-(float32, head dims without an instantiation, D != Dv, unaligned views).
+default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
+mask gradient), and the generic path (float32, head dims without an instantiation, D != Dv,
+unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -50,43 +49,29 @@ def _causal_kwargs(causal, q_len, kv_len):
     return {"is_causal": True, "q_offset": kv_len - q_len if causal == "bottom_right" else 0}
 
 
-_ATOMIC_DQ_SWITCH = "SAFEATTN_ATTN_BWD_ATOMIC_DQ"
-
-
 @pytest.fixture(params=["atomic", "kernel"])
-def dq_mode(request, monkeypatch):
+def dq_mode(request):
     """The backward's dQ mode: atomics in the dK/dV kernel (the default while deterministic
-    algorithms are off and no mask gradient is needed) or the dQ kernel (switch at 0)."""
-    if request.param == "atomic":
-        assert not torch.are_deterministic_algorithms_enabled(), "the atomic dQ mode needs them off"
-        monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
-    else:
-        monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
-    return request.param
-
-
-_DKDV_WARPS_SWITCH = "SAFEATTN_ATTN_BWD_DKDV_WARPS"
-
-
-@pytest.fixture(params=["4", "8"])
-def dkdv_warps(request, monkeypatch):
-    """The dK/dV kernel's shape: 4 warps of 16 keys (the default) or 8 warps (128 keys per CTA,
-    64-query steps, scored in 32-query sub-tiles above D=64)."""
-    monkeypatch.setenv(_DKDV_WARPS_SWITCH, request.param)
-    return int(request.param)
+    algorithms are off and no mask gradient is needed) or the dQ kernel (deterministic algorithms
+    on); the setting is restored after the test."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(request.param == "kernel")
+    yield request.param
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
 @pytest.mark.parametrize(("q_len", "kv_len", "causal"), SHAPES)
-def test_tensor_core_matches_reference(dq_mode, dkdv_warps, head_dim, dtype, q_len, kv_len, causal):
+def test_tensor_core_matches_reference(dq_mode, head_dim, dtype, q_len, kv_len, causal):
     q, k, v = _qkv(1, 4, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + q_len)
     _check_against_reference(q, k, v, enable_gqa=True, **_causal_kwargs(causal, q_len, kv_len))
 
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_gqa_groups(dkdv_warps, group, causal):
+def test_gqa_groups(group, causal):
     q, k, v = _qkv(2, 2 * group, 2, 130, 200, 128, torch.bfloat16, DEVICE)
     _check_against_reference(q, k, v, enable_gqa=group != 1, **_causal_kwargs(causal, 130, 200))
 
@@ -113,7 +98,7 @@ def test_causal_offsets(offsets):
 )
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_learnable_bias_gradient(dkdv_warps, bias_shape, bias_dtype, causal):
+def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
     # [2, 4, 97, 130] takes the assign path (the partial is the gradient); the others go through
     # the staging buffer and its reductions (batch, GQA group, size-1 query / key dims).
     q, k, v = _qkv(2, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
@@ -149,7 +134,7 @@ def _structured_allowed(batch, q_len, kv_len):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask_kind", ["bool", "bias_full", "bias_broadcast"])
-def test_structured_mask_tiles(dkdv_warps, head_dim, mask_kind):
+def test_structured_mask_tiles(head_dim, mask_kind):
     # bias_full ([B, Hq, Q, KV] float32) takes the mask-gradient assign path, bias_broadcast
     # ([B, 1, Q, KV]) the staging buffer: in both, skipped tiles must get an exact 0 gradient.
     q_len = kv_len = 300
@@ -200,7 +185,7 @@ def test_every_row_masked_gives_zero_gradients():
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_softcap(dkdv_warps, dtype, head_dim):
+def test_softcap(dtype, head_dim):
     q, k, v = _qkv(1, 4, 2, 97, 300, head_dim, dtype, DEVICE)
     with torch.no_grad():
         q.mul_(4)  # large scores, so that the cap matters
@@ -249,7 +234,7 @@ def test_nan_propagates_to_gradients():
     assert not gk[0, 1].isnan().any(), "NaN must not reach grad_key of another head"
 
 
-def test_nan_padding_never_leaks(dkdv_warps):
+def test_nan_padding_never_leaks():
     # Every input is a view into a NaN-filled buffer; tiles past the sequence ends must not read it.
     batch, hq, hkv, q_len, kv_len, d = 2, 4, 2, 37, 530, 128
 
@@ -306,9 +291,8 @@ def deterministic_algorithms():
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
-def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
+def test_atomic_dq_mode_selection(deterministic_algorithms):
     q, k, v = _qkv(1, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
-    monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
     names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
@@ -323,33 +307,8 @@ def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
 
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
     assert dq_kernel_ran(attn_mask=bias), "a mask gradient must take the dQ kernel (it writes the gradient)"
-    monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
-    assert dq_kernel_ran(), f"{_ATOMIC_DQ_SWITCH}=0 must take the dQ kernel"
-    monkeypatch.delenv(_ATOMIC_DQ_SWITCH)
     deterministic_algorithms(True)
     assert dq_kernel_ran(), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
-
-
-def test_dkdv_shape_selection(monkeypatch):
-    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
-
-    def dkdv_kernels():
-        names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
-        return [n for n in names if "attention_bwd_dkdv_kernel" in n]
-
-    monkeypatch.delenv(_DKDV_WARPS_SWITCH, raising=False)
-    default = dkdv_kernels()
-    if not default:
-        pytest.skip("the profiler recorded no CUDA kernel")
-    # The kernel's template arguments are <dtype, head dim, warps, atomic dQ>.
-    assert all(", 128, 4, " in n for n in default), f"the default shape must be 4 warps: {default}"
-    monkeypatch.setenv(_DKDV_WARPS_SWITCH, "8")
-    wide = dkdv_kernels()
-    assert wide and all(", 128, 8, " in n for n in wide), f"{_DKDV_WARPS_SWITCH}=8 must take 8 warps: {wide}"
-    monkeypatch.setenv(_DKDV_WARPS_SWITCH, "6")
-    out, _ = safeattn.attention(q, k, v, enable_gqa=True)
-    with pytest.raises(RuntimeError, match=f"{_DKDV_WARPS_SWITCH} must be 4 or 8"):
-        torch.autograd.grad(out.float().sum(), (q, k, v))
 
 
 def _padding_mask(batch, q_len, kv_len):
@@ -367,11 +326,10 @@ def _padding_mask(batch, q_len, kv_len):
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("masking", ["causal", "padding"])
-def test_atomic_dq_matches_reference(monkeypatch, dkdv_warps, masking, head_dim, dtype):
-    # GQA 4:1 (four query heads add into the same key tiles' work), Q = 97: a partial last tile
-    # for both the 64- (D=64) and the 32-query (D=128) steps. Causal with kv_offset 30: queries
+def test_atomic_dq_matches_reference(masking, head_dim, dtype):
+    # GQA 4:1 (four query heads add into the same key tiles' work), Q = 97: a partial last
+    # 64-query step (scored in 32-query halves at D=128). Causal with kv_offset 30: queries
     # 0..29 see no key. Padding: see _padding_mask.
-    monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
     q_len, kv_len = 97, 300
     q, k, v = _qkv(2, 8, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 1)
     if masking == "causal":
@@ -390,7 +348,7 @@ def test_atomic_dq_matches_reference(monkeypatch, dkdv_warps, masking, head_dim,
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_deterministic_modes_reproducible_and_atomic_close(monkeypatch, deterministic_algorithms, dtype):
+def test_deterministic_mode_reproducible_and_atomic_close(deterministic_algorithms, dtype):
     q, k, v = _qkv(2, 8, 2, 300, 520, 128, dtype, DEVICE)
     grad_out = torch.randn(2, 8, 300, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
 
@@ -405,15 +363,8 @@ def test_deterministic_modes_reproducible_and_atomic_close(monkeypatch, determin
                 assert torch.equal(a, b), f"grad_{name} differs between two identical deterministic runs"
         return first
 
-    monkeypatch.setenv(_ATOMIC_DQ_SWITCH, "0")
-    by_switch = runs(3)
-    monkeypatch.delenv(_ATOMIC_DQ_SWITCH)
     deterministic_algorithms(True)
     by_flag = runs(3)
-    for name, a, b in zip(("query", "key", "value"), by_switch, by_flag, strict=True):
-        assert torch.equal(
-            a, b
-        ), f"grad_{name}: the switch at 0 and the deterministic flag run different code"
     deterministic_algorithms(False)
     atomic = grads()
     # dQ sums the same bf16 / fp16 dS' K products in another order (float32), then rounds once;

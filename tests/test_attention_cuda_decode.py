@@ -1,8 +1,8 @@
 """The split-KV decode path of the CUDA forward (csrc/ops/cuda/attention_decode_kernel.cu), taken
-for at most 16 query rows per kv head (group x Q) unless SAFEATTN_ATTN_DECODE=0: the kernels must
-actually run, and match the float64 reference with every feature of the op (GQA, both causal
-alignments, padding and fully masked rows, learnable bias, softcap, sinks, NaN rules), the
-backward included (it reads the decode path's out and lse).
+for at most 16 query rows per kv head (group x Q): the kernels must actually run, and match the
+float64 reference with every feature of the op (GQA, both causal alignments, padding and fully
+masked rows, learnable bias, softcap, sinks, NaN rules), the backward included (it reads the
+decode path's out and lse).
 
 Tolerance: the rule of tests/test_attention.py, through its helper.
 """
@@ -38,11 +38,6 @@ SHAPES = [
 ]
 
 
-@pytest.fixture
-def decode_path(monkeypatch):
-    monkeypatch.delenv("SAFEATTN_ATTN_DECODE", raising=False)
-
-
 def _cuda_kernel_names(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -50,34 +45,30 @@ def _cuda_kernel_names(fn):
     return {event.name for event in prof.events()}
 
 
-def test_decode_kernels_run_by_default_and_switch_off(monkeypatch):
+def test_decode_kernels_run_for_at_most_16_rows_per_kv_head():
     def call(hq, q_len):
         q, k, v = _qkv(2, hq, 1, q_len, 1000, 128, torch.bfloat16, DEVICE)
         with torch.no_grad():
             safeattn.attention(q, k, v, enable_gqa=True)
 
-    monkeypatch.delenv("SAFEATTN_ATTN_DECODE", raising=False)
     names = _cuda_kernel_names(lambda: call(16, 1))
     assert any("attention_decode_split" in n for n in names), f"no decode split kernel among {names}"
     assert any("attention_decode_combine" in n for n in names), f"no decode combine kernel among {names}"
     names = _cuda_kernel_names(lambda: call(16, 2))  # 32 rows per kv head: the prefill kernel
     assert not any("attention_decode" in n for n in names), f"decode kernels ran for 32 rows: {names}"
-    monkeypatch.setenv("SAFEATTN_ATTN_DECODE", "0")
-    names = _cuda_kernel_names(lambda: call(8, 1))
-    assert not any("attention_decode" in n for n in names), f"decode kernels ran while switched off: {names}"
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("batch", "hq", "hkv", "q_len", "kv_len"), SHAPES)
-def test_matches_reference(decode_path, batch, hq, hkv, q_len, kv_len, head_dim, dtype):
+def test_matches_reference(batch, hq, hkv, q_len, kv_len, head_dim, dtype):
     q, k, v = _qkv(batch, hq, hkv, q_len, kv_len, head_dim, dtype, DEVICE, seed=kv_len + head_dim)
     # The decode alignment: the new tokens are the last of the cache (bottom-right causal).
     _check_against_reference(q, k, v, enable_gqa=hq != hkv, is_causal=True, q_offset=kv_len - q_len)
 
 
 @pytest.mark.parametrize("offsets", [(0, 0), (0, 40), (3000, 0)])
-def test_causal_hides_keys(decode_path, offsets):
+def test_causal_hides_keys(offsets):
     # Top-left alignment hides all but the first keys; kv_offset > q_offset hides every key of the
     # first query (an empty row); a large q_offset shows them all.
     q_offset, kv_offset = offsets
@@ -88,7 +79,7 @@ def test_causal_hides_keys(decode_path, offsets):
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_padding_mask_and_empty_rows(decode_path, dtype):
+def test_padding_mask_and_empty_rows(dtype):
     batch, kv_len = 3, 2000
     keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
     keep[1, ..., :700] = False  # left padding
@@ -102,7 +93,7 @@ def test_padding_mask_and_empty_rows(decode_path, dtype):
 
 
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_learnable_bias(decode_path, q_len):
+def test_learnable_bias(q_len):
     # Q=2: each of a kv head's 8 rows (4 heads x 2 queries) reads its own mask row.
     q, k, v = _qkv(2, 8, 2, q_len, 1500, 64, torch.bfloat16, DEVICE)
     gen = torch.Generator().manual_seed(7)
@@ -114,7 +105,7 @@ def test_learnable_bias(decode_path, q_len):
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_softcap_and_sinks(decode_path, dtype):
+def test_softcap_and_sinks(dtype):
     q, k, v = _qkv(2, 8, 1, 1, 2500, 128, dtype, DEVICE)
     with torch.no_grad():
         q.mul_(4)  # large scores, so that the cap matters
@@ -134,14 +125,14 @@ def test_softcap_and_sinks(decode_path, dtype):
     )
 
 
-def test_transposed_cache_views(decode_path):
+def test_transposed_cache_views():
     # Transformers' [B, S, H, D].transpose(1, 2) views, read in place.
     q, k, v = _qkv(2, 8, 2, 1, 900, 128, torch.bfloat16, DEVICE, transposed=True)
     assert not k.is_contiguous()
     _check_against_reference(q, k, v, enable_gqa=True)
 
 
-def test_nan_poisoned_padding_never_leaks(decode_path):
+def test_nan_poisoned_padding_never_leaks():
     # Every input is a view into a NaN-filled buffer, and the mask hides NaN behind -inf.
     batch, hq, hkv, kv_len, d = 2, 8, 2, 1100, 128
 
@@ -159,7 +150,7 @@ def test_nan_poisoned_padding_never_leaks(decode_path):
     assert not out.isnan().any() and not lse.isnan().any(), "NaN leaked into the output"
 
 
-def test_nan_score_reaches_its_row_only(decode_path):
+def test_nan_score_reaches_its_row_only():
     q, k, v = _qkv(1, 8, 1, 1, 700, 64, torch.float16, DEVICE)
     q = q.detach().clone()
     q[0, 3, 0, 5] = float("nan")

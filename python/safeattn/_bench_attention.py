@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -117,8 +116,7 @@ def cpu_description():
     if lack:
         hardware += f"; lacks {', '.join(lack)}"
     variant = safeattn.build_info()["cpu_isa_in_use"]
-    switch = os.environ.get("SAFEATTN_CPU_LOWP_TILES")
-    tiles = " (SAFEATTN_CPU_LOWP_TILES=0: float32 tiles)" if switch == "0" else ""
+    tiles = "" if torch.backends.mkldnn.enabled else " (oneDNN disabled: float32 tiles)"
     return f"CPU: {model} ({hardware}); safeattn CPU kernels {variant}{tiles}"
 
 
@@ -243,13 +241,11 @@ def _prefill_cases(batch, heads, seq, device):
     except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
     cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
-    cases[DETERMINISTIC_DQ_CASE] = cases["safeattn, is_causal"]  # timed with the atomic dQ off
-    cases[WIDE_DKDV_CAUSAL_CASE] = cases["safeattn, is_causal"]  # timed with the 8-warp dK/dV kernel
+    cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
     cases["safeattn, causal+padding mask"] = (
         lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
         True,
     )
-    cases[WIDE_DKDV_MASK_CASE] = cases["safeattn, causal+padding mask"]
     return cases
 
 
@@ -296,7 +292,7 @@ def main_cuda(args):
                     if grad is not None:
                         out.backward(grad)
 
-                with torch.set_grad_enabled(backward), _environment(CASE_ENVIRONMENT.get(name, {})):
+                with torch.set_grad_enabled(backward), _deterministic(name == DETERMINISTIC_CASE):
                     results.append(_try_ms(run, make, repeats, warmup))
             fwd_ms, both_ms = results
             if name.startswith("SDPA flash"):
@@ -344,10 +340,9 @@ def main_cuda(args):
         if flex is not None:
             cases["Flex (compiled, enable_gqa)"] = lambda q, k, v: flex(q, k, v, enable_gqa=True)
         cases["safeattn"] = lambda q, k, v: safeattn.attention(q, k, v, enable_gqa=True)[0]
-        cases[PREFILL_KERNEL_CASE] = cases["safeattn"]  # timed with the decode kernels off
         kv_bytes = 2 * batch * hkv * kv_len * head_dim * 2
         for name, fn in cases.items():
-            with torch.no_grad(), _environment(CASE_ENVIRONMENT.get(name, {})):
+            with torch.no_grad():
                 ms = _try_ms(fn, make, repeats * 4, warmup)
             cells = ("n/a", "n/a") if ms is None else (f"{ms * 1e3:.1f}", f"{kv_bytes / ms / 1e6:.0f}")
             print(f"| {name} | {kv_len} | {cells[0]} | {cells[1]} |", flush=True)
@@ -355,38 +350,22 @@ def main_cuda(args):
     return prefill_rows, decode_rows
 
 
-PREFILL_KERNEL_CASE = "safeattn, prefill kernel (SAFEATTN_ATTN_DECODE=0)"
-DETERMINISTIC_DQ_CASE = "safeattn, is_causal, dQ kernel (SAFEATTN_ATTN_BWD_ATOMIC_DQ=0)"
-WIDE_DKDV_CAUSAL_CASE = "safeattn, is_causal, dK/dV 8 warps (SAFEATTN_ATTN_BWD_DKDV_WARPS=8)"
-WIDE_DKDV_MASK_CASE = "safeattn, causal+padding mask, dK/dV 8 warps"
-# The kernel variants some cases are timed with (the op reads these variables at each call);
-# every other case runs with the variables unset (the defaults).
-CASE_ENVIRONMENT = {
-    PREFILL_KERNEL_CASE: {"SAFEATTN_ATTN_DECODE": "0"},
-    DETERMINISTIC_DQ_CASE: {"SAFEATTN_ATTN_BWD_ATOMIC_DQ": "0"},
-    WIDE_DKDV_CAUSAL_CASE: {"SAFEATTN_ATTN_BWD_DKDV_WARPS": "8"},
-    WIDE_DKDV_MASK_CASE: {"SAFEATTN_ATTN_BWD_DKDV_WARPS": "8"},
-}
-_SWITCHES = sorted({name for env in CASE_ENVIRONMENT.values() for name in env})
+# The deterministic backward (torch.use_deterministic_algorithms(True)): the dQ kernel instead of
+# atomic dQ adds.
+DETERMINISTIC_CASE = "safeattn, is_causal, deterministic"
 
 
 @contextlib.contextmanager
-def _environment(settings):
-    """Every switch of CASE_ENVIRONMENT unset, except `settings`, for the duration."""
-    before = {name: os.environ.get(name) for name in _SWITCHES}
-    for name in _SWITCHES:
-        if name in settings:
-            os.environ[name] = settings[name]
-        else:
-            os.environ.pop(name, None)
+def _deterministic(on):
+    """torch.use_deterministic_algorithms(True) for the duration when `on`."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if on:
+        torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
 def call_overhead(device):

@@ -403,16 +403,11 @@ inline LowpHardware lowp_hardware() {
 // Whether this call's tiles of `dtype` take the bf16 / fp16 micro-kernel: the AVX-512 build, a
 // CPU with the instructions (AVX512-BF16 or AMX-BF16 for bf16; AMX-FP16 for fp16: without it
 // oneDNN converts fp16 to float32 and gains nothing), oneDNN allowed to use them, the probe
-// passed, oneDNN enabled (torch.backends.mkldnn.enabled: without it brgemm refuses VNNI), and
-// not switched off by SAFEATTN_CPU_LOWP_TILES=0 (a measurement and test switch). The last two
-// are read per call, so that a process may change them.
+// passed, and oneDNN enabled (torch.backends.mkldnn.enabled: without it brgemm refuses VNNI; read
+// per call, so that `with torch.backends.mkldnn.flags(enabled=False)` gives float32 tiles).
 inline bool use_lowp_tiles(at::ScalarType dtype) {
 #if defined(SAFEATTN_LOWP_TILES)
   if (dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return false;
-  }
-  const char* off = std::getenv("SAFEATTN_CPU_LOWP_TILES");
-  if (off != nullptr && std::string(off) == "0") {
     return false;
   }
   static const LowpHardware hardware = lowp_hardware();

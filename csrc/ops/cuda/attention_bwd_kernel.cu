@@ -14,8 +14,6 @@
 //     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -164,27 +162,10 @@ at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, i
 }
 
 // The atomic dQ mode (attention_bwd.cuh): 5 products instead of 7, not bit-reproducible. Off
-// under torch.use_deterministic_algorithms(True), when the mask gradient is needed (the dQ
-// kernel writes it), or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0 (read at each call, as
-// SAFEATTN_ATTN_DECODE: benchmarks and tests compare both modes).
+// under torch.use_deterministic_algorithms(True) and when the mask gradient is needed (the dQ
+// kernel writes it).
 bool use_atomic_dq(const AttentionBwdArgs& a) {
-  if (at::globalContext().deterministicAlgorithms() || a.grad_mask_partial.defined() || !a.grad_query.defined()) {
-    return false;
-  }
-  return !attn::switched_off("SAFEATTN_ATTN_BWD_ATOMIC_DQ");
-}
-
-// The dK/dV kernel's shape (attention_bwd.cuh, DkvTraits): SAFEATTN_ATTN_BWD_DKDV_WARPS=8 takes
-// the CTA of 8 warps and 128 keys with 64-query steps, unset or 4 the CTA of 4 warps and 64 keys.
-// A measurement switch, read at each call, until both shapes have been timed on a GPU.
-int dkdv_warps() {
-  const char* setting = std::getenv("SAFEATTN_ATTN_BWD_DKDV_WARPS");
-  if (setting == nullptr || *setting == '\0') {
-    return 4;
-  }
-  const std::string_view value(setting);
-  TORCH_CHECK(value == "4" || value == "8", "SAFEATTN_ATTN_BWD_DKDV_WARPS must be 4 or 8, got '", value, "'");
-  return value == "8" ? 8 : 4;
+  return !at::globalContext().deterministicAlgorithms() && !a.grad_mask_partial.defined() && a.grad_query.defined();
 }
 
 template <typename T>
@@ -240,11 +221,10 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
   const bool atomic_dq = use_atomic_dq(a);
-  const int warps = dkdv_warps();
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;
-    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, warps, tiles), "attention backward (CUDA): no tile sizes for ",
+    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, tiles), "attention backward (CUDA): no tile sizes for ",
                           head_dim);
     summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
     p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
@@ -269,7 +249,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   // dkdv, dq: which kernels a launch runs; the dK/dV kernel covers every batch, the dQ kernel
   // `count` batches from p.batch_begin.
   auto launch = [&](bool dkdv, bool dq, int64_t count) {
-    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq, warps}, stream);
+    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq}, stream);
   };
   if (atomic_dq) {
     // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such

@@ -1,9 +1,6 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
-#include <cstdlib>
-#include <string_view>
-
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -55,11 +52,6 @@ bool rows_aligned_16(const at::Tensor& t) {
 
 at::Tensor with_aligned_rows(const at::Tensor& t) {
   return rows_aligned_16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
-bool switched_off(const char* name) {
-  const char* setting = std::getenv(name);
-  return setting != nullptr && std::string_view(setting) == "0";
 }
 
 namespace {

@@ -202,11 +202,6 @@ bool rows_aligned_16(const at::Tensor& t);
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);
 
-// Host: whether the environment variable `name` is "0", the switch that turns an attention kernel
-// variant off (SAFEATTN_ATTN_DECODE, SAFEATTN_ATTN_BWD_ATOMIC_DQ). Read at each call, so that
-// benchmarks and tests compare both paths in one process.
-bool switched_off(const char* name);
-
 // ---- the causal rule -------------------------------------------------------------------------
 
 // Query i sees key j when kv_offset + j <= q_offset + i (ops/attention.h). `shift` is

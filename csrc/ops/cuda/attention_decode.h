@@ -8,8 +8,7 @@ namespace safeattn::cuda {
 
 // Computes a.out and a.lse and returns true when `a` is the decode case: bfloat16 / float16,
 // head dim 64 or 128 (D == Dv), at most 16 query rows per kv head (group * Q), 16-byte aligned
-// rows; returns false, touching nothing, otherwise, or when the environment variable
-// SAFEATTN_ATTN_DECODE is "0" (read at each call, so that a test or benchmark can compare).
+// rows; returns false, touching nothing, otherwise.
 bool attention_fwd_decode(const AttentionFwdArgs& a);
 
 }  // namespace safeattn::cuda

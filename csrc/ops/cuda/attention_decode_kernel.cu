@@ -452,11 +452,11 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
   const int64_t group = hq / hkv;
-  const bool applies = !attn::switched_off("SAFEATTN_ATTN_DECODE") && a.out.numel() > 0 &&
-                       (dtype == at::kHalf || dtype == at::kBFloat16) && (head_dim == 64 || head_dim == 128) &&
-                       a.value.size(3) == head_dim && q_len >= 1 && group * q_len <= kMaxRows && batch <= 65535 &&
-                       hkv <= 65535 && a.out.stride(3) == 1 && attn::rows_aligned_16(a.query) &&
-                       attn::rows_aligned_16(a.key) && attn::rows_aligned_16(a.value) &&
+  const bool applies = a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
+                       (head_dim == 64 || head_dim == 128) && a.value.size(3) == head_dim && q_len >= 1 &&
+                       group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
+                       attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
+                       attn::rows_aligned_16(a.value) &&
                        // A floating mask needs natural score units (attention_common.cuh, exp_of),
                        // which this kernel does not have: the prefill kernel takes those calls.
                        !attn::natural_units(a.mask) && a.lse.is_contiguous() && a.lse.scalar_type() == at::kFloat;

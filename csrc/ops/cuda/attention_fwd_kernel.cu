@@ -2,7 +2,7 @@
 //
 // attention_fwd_cuda picks one of four paths:
 //   - the split-KV decode kernels (attention_decode_kernel.cu) for a few query rows per kv head
-//     over a long cache (SAFEATTN_ATTN_DECODE=0 turns it off);
+//     over a long cache;
 //   - on an H100/H200, the sm_90a TMA + wgmma kernels (attention_fwd_sm90.h) for what they cover;
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);

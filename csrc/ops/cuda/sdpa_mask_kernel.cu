@@ -8,7 +8,6 @@
 // Packed ids that never decrease along a row (Transformers' are a cumulative sum) are turned
 // into one run [begin, end) per position by a pre-pass, so their rows are intervals too.
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -309,13 +308,9 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   const int64_t col_blocks = (p.kv_length + per_block - 1) / per_block;
   // About two waves of blocks (of 2048 threads per SM), each a contiguous range of rows: enough
   // blocks that the last wave leaves little idle, and long ranges that read the padding rarely
-  // (two measured best of 1, 2, 4 and 8 on H100: CHANGELOG.md). SAFEATTN_MASK_WAVES overrides it,
-  // for measurements.
-  const char* waves_setting = std::getenv("SAFEATTN_MASK_WAVES");
-  const double waves = waves_setting != nullptr ? std::max(0.01, std::atof(waves_setting)) : 2.0;
-  const int64_t wanted = std::max<int64_t>(
-      1,
-      static_cast<int64_t>(waves * static_cast<double>(cuda::multiprocessor_count() * (2048 / threads))) / col_blocks);
+  // (two measured best of 1, 2, 4 and 8 on H100: CHANGELOG.md).
+  constexpr int64_t kWaves = 2;
+  const int64_t wanted = std::max<int64_t>(1, kWaves * cuda::multiprocessor_count() * (2048 / threads) / col_blocks);
   // At least two rows per block: faster than one or four where rows are few (B=1 4096^2).
   const int64_t rows_per_block =
       std::max({int64_t{2}, (rows + wanted - 1) / wanted, (rows + kMaxGridY - 1) / kMaxGridY});
