@@ -215,6 +215,39 @@ def test_bench_op_selection_without_plots(tmp_path):
     assert "plot:" not in out, f"no plots unless --plot:\n{out}"
 
 
+def test_bench_model_tiny_training_step_and_prefill():
+    out = run(
+        "bench",
+        "model",
+        "--tiny",
+        "--no-compile",
+        "--device",
+        "cpu",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--impl",
+        "sdpa",
+        "safeattn",
+        "--markdown",
+    )
+    rows = [
+        line.split(" | ") for line in out.splitlines() if line.count(" | ") == 5 and not line.startswith("|")
+    ]
+    cases = {(r[0], r[1], r[2], r[3]) for r in rows}
+    want = {
+        (phase, tokens, "eager", impl)
+        for phase in ("train step", "prefill")
+        for tokens in ("padded", "unpadded")
+        for impl in ("sdpa", "safeattn")
+    }
+    assert cases == want, f"a row per phase, padding and implementation:\n{out}"
+    for r in rows:
+        assert float(r[4]) > 0 and 0 < float(r[5][:-1]) <= 1.0, f"a time and its ratio to the best: {r}"
+    assert "n/a" not in out, f"every case ran:\n{out}"
+
+
 def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
     from safeattn import _cli_bench
 
