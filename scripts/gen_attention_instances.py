@@ -7,10 +7,12 @@ compiles in its own job and setup.py's SAFEATTN_ATTN_HEAD_DIMS can leave head di
   python scripts/gen_attention_instances.py --direction fwd_sm90 # the Hopper forward (hopper/)
   python scripts/gen_attention_instances.py --check              # fail if a file is stale
 
-Each direction's header (attention_<dir>.cuh) must define
+Each direction's header (attention_<dir>.cuh) declares
 `template <typename T, int kHeadDim> void launch_attention_<dir>(...)` with the parameter list
-given below and declare the same instantiations `extern template`, so no other file
-re-instantiates them. The Hopper forward (fwd_sm90) is the exception: its files live in
+given below and defines it (with its kernels) only where SAFEATTN_ATTN_<DIR>_DEFINE_KERNELS is
+set, which these files do: the dispatch code sees the declaration, so no other file instantiates
+a kernel. The compiled head dims reach the dispatch as SAFEATTN_ATTN_<DIR>_DIM_BITS (setup.py,
+from the files present; ops/cuda/head_dim_switch.h). The Hopper forward (fwd_sm90) is the exception: its files live in
 ops/cuda/hopper/ (setup.py builds them for sm_90a), include the kernel header, and its
 launcher returns the launch's cudaError_t; only attention_fwd_sm90.cu calls it, through the
 declaration in hopper/fwd_params.h.
@@ -33,10 +35,9 @@ DIRECTIONS = {
         "forward",
         "launch_attention_fwd",
         "const FwdParams&, cudaStream_t",
-        "",
+        "#define SAFEATTN_ATTN_FWD_DEFINE_KERNELS\n",
         (32, 64, 80, 96, 128, 256),
     ),
-    # The backward header defines its kernels only where SAFEATTN_ATTN_BWD_DEFINE_KERNELS is set.
     "bwd": (
         "backward",
         "launch_attention_bwd",

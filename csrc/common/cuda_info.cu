@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
 
 namespace safeattn::cuda {
@@ -25,11 +26,7 @@ std::vector<std::string> compiled_archs() {
 
 std::vector<int> attention_head_dims(bool backward) {
   // setup.py passes the kept head dims of each direction (all multiples of 16) as bits d / 16.
-#if defined(SAFEATTN_ATTN_FWD_DIM_BITS) && defined(SAFEATTN_ATTN_BWD_DIM_BITS)
-  const uint64_t bits = backward ? SAFEATTN_ATTN_BWD_DIM_BITS : SAFEATTN_ATTN_FWD_DIM_BITS;
-#else
-  const uint64_t bits = 0;
-#endif
+  const uint64_t bits = backward ? kBwdHeadDims : kFwdHeadDims;
   std::vector<int> dims;
   for (int k = 1; k < 64; ++k) {
     if ((bits >> k) & 1u) {

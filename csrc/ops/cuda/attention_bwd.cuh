@@ -48,6 +48,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda::attn {
 
@@ -135,32 +136,16 @@ struct DkvTraits {
   static constexpr size_t kAtomicDqSmem = kSmem + sizeof(uint16_t) * kKeys * kDsStride;
 };
 
-// Host: the (query, key) tile sizes of the dK/dV kernel and of the dQ
-// kernel for head dim d, for the mask summaries; false when d has no tensor-core backward.
+// Host: the (query, key) tile sizes of the dK/dV kernel and of the dQ kernel for head dim d, for
+// the mask summaries; false when d has no tensor-core backward in this build.
 struct BwdTileSizes {
   int dkdv_q = 0, dkdv_kv = 0, dq_q = 0, dq_kv = 0;
 };
-template <int D>
-BwdTileSizes bwd_tile_sizes_of() {
-  return {DkvTraits<D>::kQueries, DkvTraits<D>::kKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys};
-}
 inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
-  switch (d) {
-    case 32:
-      sizes = bwd_tile_sizes_of<32>();
-      return true;
-    case 64:
-      sizes = bwd_tile_sizes_of<64>();
-      return true;
-    case 96:
-      sizes = bwd_tile_sizes_of<96>();
-      return true;
-    case 128:
-      sizes = bwd_tile_sizes_of<128>();
-      return true;
-    default:
-      return false;
-  }
+  return with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    sizes = {DkvTraits<D>::kQueries, DkvTraits<D>::kKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys};
+  });
 }
 
 // What one backward launch runs (the rows pre-pass is the caller's).
@@ -171,8 +156,9 @@ struct BwdLaunch {
   bool run_dq = false;
 };
 
-// Launches the dK/dV and dQ kernels for one dtype and head dim. Instantiated in
-// attention_bwd_d<D>_<dtype>.cu.
+// Launches the dK/dV and dQ kernels for one dtype and head dim. Defined (with the kernels) only
+// where SAFEATTN_ATTN_BWD_DEFINE_KERNELS is set: in the generated attention_bwd_d<D>_<dtype>.cu,
+// each of which instantiates one pair.
 template <typename T, int kHeadDim>
 void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cudaStream_t stream);
 
@@ -775,19 +761,5 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
 }
 
 #endif  // SAFEATTN_ATTN_BWD_DEFINE_KERNELS
-
-// One instantiation per (dtype, head dim), each in its own generated file
-// (attention_bwd_d<D>_<dtype>.cu); the others only declare it.
-#define SAFEATTN_ATTN_BWD_EXTERN(T, D) \
-  extern template void launch_attention_bwd<T, D>(const BwdParams&, const BwdLaunch&, cudaStream_t);
-SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 32)
-SAFEATTN_ATTN_BWD_EXTERN(__half, 32)
-SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 64)
-SAFEATTN_ATTN_BWD_EXTERN(__half, 64)
-SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 96)
-SAFEATTN_ATTN_BWD_EXTERN(__half, 96)
-SAFEATTN_ATTN_BWD_EXTERN(__nv_bfloat16, 128)
-SAFEATTN_ATTN_BWD_EXTERN(__half, 128)
-#undef SAFEATTN_ATTN_BWD_EXTERN
 
 }  // namespace safeattn::cuda::attn

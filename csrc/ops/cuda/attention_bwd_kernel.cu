@@ -26,6 +26,7 @@
 #include "ops/attention.h"
 #include "ops/cuda/attention_bwd.cuh"
 #include "ops/cuda/attention_bwd_generic.h"
+#include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -82,51 +83,12 @@ __global__ void __launch_bounds__(kRowsWarps * 32)
   }
 }
 
-// Head dims with a tensor-core instantiation in this build (setup.py defines
-// SAFEATTN_ATTN_BWD_D<D> for each head dim whose backward files it compiles).
-bool has_tensor_core_head_dim(int64_t head_dim) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_BWD_D32
-    case 32:
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D64
-    case 64:
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D96
-    case 96:
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D128
-    case 128:
-#endif
-      return true;
-    default:
-      return false;
-  }
-}
-
 template <typename T>
 void launch_for_head_dim(int64_t head_dim, const BwdParams& params, const attn::BwdLaunch& launch,
                          cudaStream_t stream) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_BWD_D32
-    case 32:
-      return attn::launch_attention_bwd<T, 32>(params, launch, stream);
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D64
-    case 64:
-      return attn::launch_attention_bwd<T, 64>(params, launch, stream);
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D96
-    case 96:
-      return attn::launch_attention_bwd<T, 96>(params, launch, stream);
-#endif
-#ifdef SAFEATTN_ATTN_BWD_D128
-    case 128:
-      return attn::launch_attention_bwd<T, 128>(params, launch, stream);
-#endif
-    default:
-      TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
-  }
+  const bool launched = with_head_dim<kBwdHeadDims>(
+      head_dim, [&](auto dim) { attn::launch_attention_bwd<T, decltype(dim)::value>(params, launch, stream); });
+  TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
 }
 
 bool tensor_core_supported(const AttentionBwdArgs& a) {
@@ -135,7 +97,7 @@ bool tensor_core_supported(const AttentionBwdArgs& a) {
     return false;
   }
   const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_tensor_core_head_dim(head_dim)) {
+  if (a.value.size(3) != head_dim || !has_head_dim<kBwdHeadDims>(head_dim)) {
     return false;
   }
   if (a.mask.defined() && a.mask.scalar_type() == at::kDouble) {

@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda::attn {
 
@@ -106,23 +107,19 @@ struct FwdConfig<256> {
 // Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
 inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
   block_q = block_kv = 0;
-  switch (d) {
-#define SAFEATTN_FWD_TILE_CASE(D)     \
-  case D:                             \
-    block_q = FwdConfig<D>::kBlockM;  \
-    block_kv = FwdConfig<D>::kBlockN; \
-    return;
-    SAFEATTN_FWD_TILE_CASE(32)
-    SAFEATTN_FWD_TILE_CASE(64)
-    SAFEATTN_FWD_TILE_CASE(80)
-    SAFEATTN_FWD_TILE_CASE(96)
-    SAFEATTN_FWD_TILE_CASE(128)
-    SAFEATTN_FWD_TILE_CASE(256)
-#undef SAFEATTN_FWD_TILE_CASE
-    default:
-      return;
-  }
+  with_head_dim<kFwdHeadDims>(d, [&](auto dim) {
+    block_q = FwdConfig<decltype(dim)::value>::kBlockM;
+    block_kv = FwdConfig<decltype(dim)::value>::kBlockN;
+  });
 }
+
+// Launches the kernel for one (dtype, head dim) on `stream`. Defined (with the kernel) only where
+// SAFEATTN_ATTN_FWD_DEFINE_KERNELS is set: in the generated attention_fwd_d<D>_<dtype>.cu, each
+// of which instantiates one pair; the dispatch code sees this declaration.
+template <typename T, int kHeadDim>
+void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
+
+#ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 
 namespace fwd_detail {
 
@@ -500,9 +497,6 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   }
 }
 
-// Launches the kernel for one (dtype, head dim) on `stream`; defined once per pair in its
-// generated attention_fwd_d<D>_<dtype>.cu (the extern declarations below keep every other file
-// from instantiating it again).
 template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<kHeadDim>;
@@ -520,15 +514,6 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-#define SAFEATTN_ATTN_FWD_EXTERN(D)                                                            \
-  extern template void launch_attention_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t); \
-  extern template void launch_attention_fwd<__half, D>(const FwdParams&, cudaStream_t);
-SAFEATTN_ATTN_FWD_EXTERN(32)
-SAFEATTN_ATTN_FWD_EXTERN(64)
-SAFEATTN_ATTN_FWD_EXTERN(80)
-SAFEATTN_ATTN_FWD_EXTERN(96)
-SAFEATTN_ATTN_FWD_EXTERN(128)
-SAFEATTN_ATTN_FWD_EXTERN(256)
-#undef SAFEATTN_ATTN_FWD_EXTERN
+#endif  // SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 
 }  // namespace safeattn::cuda::attn

@@ -27,6 +27,7 @@
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/attention_fwd_sm90.h"
+#include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -35,68 +36,17 @@ using attn::FwdParams;
 
 // ---- tensor-core path ------------------------------------------------------------------------
 
-bool has_tensor_core_kernel(int64_t head_dim) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_FWD_D32
-    case 32:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D64
-    case 64:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D80
-    case 80:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D96
-    case 96:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D128
-    case 128:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D256
-    case 256:
-#endif
-      return true;
-    default:
-      return false;
-  }
-}
-
 template <typename T>
 void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_FWD_D32
-    case 32:
-      return attn::launch_attention_fwd<T, 32>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D64
-    case 64:
-      return attn::launch_attention_fwd<T, 64>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D80
-    case 80:
-      return attn::launch_attention_fwd<T, 80>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D96
-    case 96:
-      return attn::launch_attention_fwd<T, 96>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D128
-    case 128:
-      return attn::launch_attention_fwd<T, 128>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_D256
-    case 256:
-      return attn::launch_attention_fwd<T, 256>(p, stream);
-#endif
-    default:
-      TORCH_INTERNAL_ASSERT(false, "attention (CUDA): no tensor-core kernel for head dim ", head_dim);
-  }
+  const bool launched = with_head_dim<kFwdHeadDims>(
+      head_dim, [&](auto dim) { attn::launch_attention_fwd<T, decltype(dim)::value>(p, stream); });
+  TORCH_INTERNAL_ASSERT(launched, "attention (CUDA): no tensor-core kernel for head dim ", head_dim);
 }
 
 bool use_tensor_cores(const AttentionFwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   return (dtype == at::kHalf || dtype == at::kBFloat16) && a.query.size(3) == a.value.size(3) &&
-         has_tensor_core_kernel(a.query.size(3)) && attn::rows_aligned_16(a.out);
+         has_head_dim<kFwdHeadDims>(a.query.size(3)) && attn::rows_aligned_16(a.out);
 }
 
 void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {

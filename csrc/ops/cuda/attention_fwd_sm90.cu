@@ -16,39 +16,19 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/head_dim_switch.h"
 #include "ops/cuda/hopper/fwd_params.h"
 
 namespace safeattn::cuda {
 namespace {
 
-bool has_sm90_kernel(int64_t head_dim) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_FWD_SM90_D64
-    case 64:
-#endif
-#ifdef SAFEATTN_ATTN_FWD_SM90_D128
-    case 128:
-#endif
-      return true;
-    default:
-      return false;
-  }
-}
-
 template <typename T>
 cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cudaStream_t stream) {
-  switch (head_dim) {
-#ifdef SAFEATTN_ATTN_FWD_SM90_D64
-    case 64:
-      return hopper::launch_attention_fwd_sm90<T, 64>(p, stream);
-#endif
-#ifdef SAFEATTN_ATTN_FWD_SM90_D128
-    case 128:
-      return hopper::launch_attention_fwd_sm90<T, 128>(p, stream);
-#endif
-    default:
-      TORCH_INTERNAL_ASSERT(false, "attention (CUDA): no sm90 kernel for head dim ", head_dim);
-  }
+  cudaError_t error = cudaSuccess;
+  const bool launched = with_head_dim<kFwdSm90HeadDims>(
+      head_dim, [&](auto dim) { error = hopper::launch_attention_fwd_sm90<T, decltype(dim)::value>(p, stream); });
+  TORCH_INTERNAL_ASSERT(launched, "attention (CUDA): no sm90 kernel for head dim ", head_dim);
+  return error;
 }
 
 bool fits_int32(const at::Tensor& t) {
@@ -72,7 +52,7 @@ bool takes(const AttentionFwdArgs& a) {
     return false;
   }
   const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_sm90_kernel(head_dim)) {
+  if (a.value.size(3) != head_dim || !has_head_dim<kFwdSm90HeadDims>(head_dim)) {
     return false;
   }
   if (a.query.numel() == 0 || a.key.size(2) == 0 || !fits_int32(a.query) || !fits_int32(a.key)) {
