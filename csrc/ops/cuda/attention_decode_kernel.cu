@@ -29,6 +29,7 @@
 #include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
+#include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
 
 namespace safeattn::cuda {
@@ -45,6 +46,8 @@ constexpr int kMaxRows = 16;   // query rows per kv head (group * Q): one MMA ro
 constexpr int kWarpKeys = 16;  // keys of a tile per warp: one k16 step of P V
 constexpr int kTileKeys = kWarpKeys * kWarps;
 constexpr int kMaxSplits = 256;
+// The head dims the decode kernels are compiled for (bit D / 16): 64 and 128.
+constexpr uint64_t kDecodeHeadDims = (uint64_t{1} << (64 / 16)) | (uint64_t{1} << (128 / 16));
 constexpr int kCombineWarps = 4;
 
 struct DecodeParams {
@@ -453,7 +456,7 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
   const int64_t group = hq / hkv;
   const bool applies = a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
-                       (head_dim == 64 || head_dim == 128) && a.value.size(3) == head_dim && q_len >= 1 &&
+                       has_head_dim<kDecodeHeadDims>(head_dim) && a.value.size(3) == head_dim && q_len >= 1 &&
                        group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
                        attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
                        attn::rows_aligned_16(a.value) &&
@@ -485,12 +488,13 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.
   p.kv_end = a.is_causal ? std::clamp<int64_t>(q_len + p.causal.shift, 0, kv_len) : kv_len;
-  if (dtype == at::kBFloat16) {
-    head_dim == 64 ? launch_decode<__nv_bfloat16, 64>(a, p, batch, hkv)
-                   : launch_decode<__nv_bfloat16, 128>(a, p, batch, hkv);
-  } else {
-    head_dim == 64 ? launch_decode<__half, 64>(a, p, batch, hkv) : launch_decode<__half, 128>(a, p, batch, hkv);
-  }
+  with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
+    if (dtype == at::kBFloat16) {
+      launch_decode<__nv_bfloat16, decltype(dim)::value>(a, p, batch, hkv);
+    } else {
+      launch_decode<__half, decltype(dim)::value>(a, p, batch, hkv);
+    }
+  });
   return true;
 }
 

@@ -119,8 +119,6 @@ inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
 template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
 
-#ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
-
 namespace fwd_detail {
 
 // kRows x D tile from global (rows `row_stride` apart) to shared (rows kStride apart), 16 bytes
@@ -153,6 +151,8 @@ __device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const u
 }
 
 }  // namespace fwd_detail
+
+#ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention_fwd_kernel(const FwdParams p) {
