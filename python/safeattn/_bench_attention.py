@@ -369,18 +369,27 @@ def _deterministic(on):
 
 
 def call_overhead(device):
-    """Host microseconds per call of a tiny decode step (best of 7 rounds of back-to-back calls):
+    """Host microseconds per call of a tiny decode step (best of 7 rounds of back-to-back calls),
+    float32 on the CPU, bf16 on the GPU (what its kernels take; float32 there as one more row):
     prints the table, returns its rows."""
-    q = torch.randn(1, 8, 1, 64, device=device)
-    k, v = (torch.randn(1, 2, 16, 64, device=device) for _ in range(2))
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q = torch.randn(1, 8, 1, 64, device=device, dtype=dtype)
+    k, v = (torch.randn(1, 2, 16, 64, device=device, dtype=dtype) for _ in range(2))
     pad = torch.ones(1, 16, dtype=torch.bool, device=device)
     cases = {
         "safeattn.attention": lambda: safeattn.attention(q, k, v, enable_gqa=True),
         "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "safeattn.sdpa_mask (padding)": lambda: safeattn.sdpa_mask(1, 1, 16, 15, padding_mask=pad),
     }
+    if device == "cuda":
+        q32, k32, v32 = (t.float() for t in (q, k, v))
+        cases["safeattn.attention, float32 (no kernel: ATen ops)"] = lambda: safeattn.attention(
+            q32, k32, v32, enable_gqa=True
+        )
     print()
-    print(f"### Call overhead on {device}: host us per call, tiny decode step, no gradient")
+    print(
+        f"### Call overhead on {device}: host us per call, tiny decode step ({str(dtype)[6:]}), no gradient"
+    )
     print()
     print("| call | us |")
     print("|---|---|")

@@ -94,13 +94,8 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   p.kv_len = static_cast<int>(key.size(2));
   p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
   p.causal = a.is_causal;
-  // shift = q_offset - kv_offset, saturated and then clamped to [-q_len - 1, kv_len]: the same
-  // visibility for every (i, j) in range, and no overflow in i + shift.
-  int64_t shift = 0;
-  if (__builtin_sub_overflow(a.q_offset, a.kv_offset, &shift)) {
-    shift = a.q_offset < 0 ? std::numeric_limits<int64_t>::min() : std::numeric_limits<int64_t>::max();
-  }
-  p.causal_shift = std::clamp<int64_t>(shift, -int64_t{p.q_len} - 1, p.kv_len);
+  // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
+  p.causal_shift = a.q_offset - a.kv_offset;
   p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
   // Causal tiles differ in length: the CTAs take them from a counter (zeroed on the stream, kept
   // alive until the launch is queued; the caching allocator orders its reuse after the kernel).
