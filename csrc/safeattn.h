@@ -19,7 +19,7 @@ struct BuildInfo {
   std::string cuda_version;             // CUDA toolkit the kernels were compiled with
   std::vector<std::string> cuda_archs;  // e.g. "90"
   // Head dims of the bf16/fp16 tensor-core attention kernels compiled (the others, and float32 /
-  // float64, take the generic path on the GPU).
+  // float64, take the chunked ATen path on the GPU, ops/attention_composite.h).
   std::vector<int> attention_fwd_head_dims;
   std::vector<int> attention_bwd_head_dims;
 };

@@ -570,7 +570,8 @@ def test_default_scale_is_inverse_sqrt_head_dim():
 
 # ---- CUDA forward: tensor-core kernel and generic path -----------------------------------------
 # The tensor-core kernel covers float16 / bfloat16 with D == Dv in TENSOR_CORE_HEAD_DIMS (those the
-# build instantiated; the others, D != Dv, float32 and float64 take the generic path). Its tiles
+# build instantiated; the others, D != Dv, float32 and float64 take the generic path, the ATen
+# attention_forward_chunked of csrc/ops/attention_composite.cpp). Its tiles
 # are 128 queries x 64 keys, so lengths 1, 17, 97, 1025 cut tiles in every way.
 
 _ON_CUDA = torch.cuda.is_available() and _HAS_CUDA_KERNEL

@@ -384,6 +384,7 @@ def test_deterministic_mode_reproducible_and_atomic_close(deterministic_algorith
 
 
 # ---- the generic path ----------------------------------------------------------------------
+# attention_backward_chunked (csrc/ops/attention_composite.cpp): ATen ops over chunks of queries.
 
 
 @pytest.mark.parametrize(

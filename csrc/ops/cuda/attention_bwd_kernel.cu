@@ -10,8 +10,9 @@
 //     deterministically. Without a mask gradient and with deterministic algorithms off, the
 //     dK/dV kernel adds dQ into a float32 buffer with atomics instead (use_atomic_dq) and the
 //     dQ kernel does not run.
-//   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the ATen
-//     path of attention_bwd_generic.h, in float32 / float64 over chunks of queries.
+//   - everything else (float32, float64 for gradcheck, other head dims, D != Dv): the
+//     device-independent ATen backward attention_backward_chunked (ops/attention_composite.h),
+//     in float32 / float64 over chunks of queries.
 #include <algorithm>
 #include <cstdint>
 
@@ -24,8 +25,8 @@
 #include <torch/library.h>
 
 #include "ops/attention.h"
+#include "ops/attention_composite.h"
 #include "ops/cuda/attention_bwd.cuh"
-#include "ops/cuda/attention_bwd_generic.h"
 #include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {
@@ -246,7 +247,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
 
 void attention_bwd_cuda(const AttentionBwdArgs& args) {
   if (!tensor_core_supported(args)) {
-    attn_generic::attention_bwd_generic(args);
+    attention_backward_chunked(args);
     return;
   }
   if (args.query.scalar_type() == at::kBFloat16) {

@@ -8,15 +8,13 @@
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
 //     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
 //     skipped or read without the mask;
-//   - a generic path for everything else (float32, float64 for gradcheck, other head dims,
-//     D != Dv): ATen ops in float32 / float64 over chunks of queries, so memory stays bounded.
-// All three give the semantics of ops/attention.h, including the choice of the tensor-core kernel
+//   - for everything else (float32, float64 for gradcheck, other head dims, D != Dv), the
+//     device-independent ATen forward attention_forward_chunked (ops/attention_composite.h),
+//     in float32 / float64 over chunks of queries, so memory stays bounded.
+// All four give the semantics of ops/attention.h, including the choice of the tensor-core kernel
 // that an element masked out (False, or a -inf bias) is -inf whatever its score: a NaN or inf
 // behind it never reaches the row.
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,6 +22,7 @@
 #include <torch/library.h>
 
 #include "ops/attention.h"
+#include "ops/attention_composite.h"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/attention_fwd_sm90.h"
@@ -98,97 +97,6 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   }
 }
 
-// ---- generic path ----------------------------------------------------------------------------
-
-// Correctness, not speed: the dense formula in float32 (float64 for float64 inputs) over
-// chunks of queries whose [B, Hq, chunk, KV] scores stay under kChunkElements.
-constexpr int64_t kChunkElements = int64_t{1} << 26;
-
-void attention_fwd_generic(const AttentionFwdArgs& a) {
-  const at::ScalarType acc = a.query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
-  const int64_t head_dim = a.query.size(3);
-  const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), dv = a.value.size(3);
-  const int64_t group = hq / hkv;
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  if (kv_len == 0) {  // no key at all: every row is empty
-    a.out.zero_();
-    if (a.sinks.defined()) {
-      a.lse.copy_(a.sinks.view({1, hq, 1}).expand_as(a.lse));
-    } else {
-      a.lse.fill_(neg_inf);
-    }
-    if (a.lse_lo.defined()) {
-      a.lse_lo.zero_();
-    }
-    return;
-  }
-  const at::TensorOptions acc_options = a.query.options().dtype(acc);
-  // K^T and V once in acc (a copy; the generic path is not the fast one).
-  const at::Tensor key_t = a.key.to(acc).transpose(2, 3);  // [B, Hkv, D, KV]
-  const at::Tensor value = a.value.to(acc);                // [B, Hkv, KV, Dv]
-  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(q_len, kChunkElements / (batch * hq * kv_len)));
-  const at::Tensor zero = at::zeros({}, acc_options);
-  const at::Tensor minus_inf = at::full({}, neg_inf, acc_options);
-  for (int64_t i0 = 0; i0 < q_len; i0 += chunk) {
-    const int64_t n = std::min(chunk, q_len - i0);
-    // Query heads of one kv group side by side: [B, Hkv, group * n, D], so K/V are not repeated.
-    const at::Tensor q = a.query.narrow(2, i0, n).to(acc).reshape({batch, hkv, group * n, head_dim});
-    at::Tensor s = at::matmul(q, key_t).view({batch, hq, n, kv_len});
-    s.mul_(a.scale);
-    if (a.softcap > 0.0) {
-      s = at::tanh(s / a.softcap) * a.softcap;
-    }
-    if (a.mask.defined()) {
-      const at::Tensor m = a.mask.narrow(2, i0, n);
-      if (m.scalar_type() == at::kBool) {
-        s = at::where(m, s, minus_inf);
-      } else {
-        const at::Tensor bias = m.to(acc);
-        s = at::where(bias == neg_inf, minus_inf, s + bias);  // masked stays -inf, even for NaN s
-      }
-    }
-    if (a.is_causal) {
-      const at::Tensor rows = at::arange(i0, i0 + n, a.query.options().dtype(at::kLong)).view({n, 1});
-      const at::Tensor cols = at::arange(kv_len, a.query.options().dtype(at::kLong)).view({1, kv_len});
-      s = at::where(cols <= rows + (a.q_offset - a.kv_offset), s, minus_inf);
-    }
-    // Row max keeps NaN (amax propagates it); an empty row is shifted by 0, not by -inf.
-    const at::Tensor row_max = s.amax(-1, /*keepdim=*/true);
-    const at::Tensor offset = at::where(row_max == neg_inf, zero, row_max);
-    const at::Tensor prob = at::exp(s - offset);
-    const at::Tensor row_sum = prob.sum(-1, /*keepdim=*/true);
-    at::Tensor o = at::matmul(prob.view({batch, hkv, group * n, kv_len}), value).view({batch, hq, n, dv});
-    // lse = top + log(total) (top: the row max, or the sink logit when larger), by two_sum so
-    // that lse_lo keeps what the rounding drops (ops/attention.h); factor normalises the row.
-    const at::Tensor empty = row_sum == 0;
-    at::Tensor top = at::where(empty, minus_inf, row_max);
-    at::Tensor total = row_sum;
-    at::Tensor weight = at::ones_like(row_sum);
-    if (a.sinks.defined()) {
-      const at::Tensor sink = a.sinks.to(acc).view({1, hq, 1, 1}).expand_as(top);
-      const at::Tensor row_top = top;
-      top = at::where(at::isnan(row_top) | (row_top >= sink), row_top, sink);
-      weight = at::where(empty, zero, at::exp(row_top - top));
-      total = row_sum * weight + at::exp(sink - top);
-    }
-    const at::Tensor log_total = at::log(total);
-    const at::Tensor lse = top + log_total;
-    const at::Tensor b_part = lse - top;
-    at::Tensor lse_lo = (top - (lse - b_part)) + (log_total - b_part);
-    const at::Tensor row_empty = top == neg_inf;  // no visible key and no sink: lse -inf, lo 0
-    lse_lo = at::where(row_empty, zero, lse_lo);
-    const at::Tensor factor = at::where(row_empty, zero, weight / total);
-    // An empty row is exactly 0, even if a masked value held NaN (0 * NaN in P V).
-    o = at::where(empty, zero, o * factor);
-    a.out.narrow(2, i0, n).copy_(o);
-    a.lse.narrow(2, i0, n).copy_(at::where(row_empty, minus_inf, lse).squeeze(-1));
-    if (a.lse_lo.defined()) {
-      a.lse_lo.narrow(2, i0, n).copy_(lse_lo.squeeze(-1));
-    }
-  }
-}
-
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
   if (attention_fwd_decode(args)) {  // at most 16 query rows per kv head
     return;
@@ -199,7 +107,7 @@ void attention_fwd_cuda(const AttentionFwdArgs& args) {
   if (use_tensor_cores(args)) {
     attention_fwd_tensor_cores(args);
   } else {
-    attention_fwd_generic(args);
+    attention_forward_chunked(args);  // the ATen path, ops/attention_composite.cpp
   }
 }
 
