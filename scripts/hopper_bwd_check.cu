@@ -5,7 +5,8 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        scripts/hopper_bwd_check.cu -o hopper_bwd_check
 //
-// (-DHOPPER_BWD_CHECK_D=64 or 128: that head dim's variants alone, a shorter build.)
+// (-DHOPPER_BWD_CHECK_D=64 or 128: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
+// the dispatched variants alone, a shorter build.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
 // the kernel given row_shift and delta as the rows pre-pass makes them (from a float64 forward),
@@ -426,6 +427,8 @@ static void time_variant(const char* name, bool causal) {
 
 template <typename T, class Config>
 static int check_variant(const char* name, bool quick, bool check, bool timing) {
+  // kSkipdQ variants compute a wrong dQ on purpose: timed, never checked.
+  check = check && Config::kSkipdQ == 0;
   if (g_only >= 0 && g_variant++ != g_only) {
     return 0;
   }
@@ -475,9 +478,13 @@ int main(int argc, char** argv) {
   printf("device %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
   int failed = 0;
   using bf16 = __nv_bfloat16;
-  // name, dtype, config (head dim, query rows per step, keys per CTA, stages)
+  // name, dtype, config (head dim, query rows per step, keys per CTA, stages[, dQ by own keys,
+  // dQ left out])
 #define VARIANT(T, D, M, N, S) \
   failed += check_variant<T, BwdConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
+#define VARIANT_X(T, D, M, N, S, OWN, SKIP)                                                                          \
+  failed += check_variant<T, BwdConfig<D, M, N, S, OWN, SKIP>>(#T " d" #D " m" #M " s" #S " own" #OWN " skip" #SKIP, \
+                                                               quick, check, timing)
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128
   VARIANT(bf16, 128, 64, 128, 2);
   VARIANT(__half, 128, 64, 128, 2);
@@ -486,7 +493,19 @@ int main(int argc, char** argv) {
   VARIANT(bf16, 64, 64, 128, 2);
   VARIANT(__half, 64, 64, 128, 2);
 #endif
+#ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
+  // Where the time goes: more stages, dQ by own keys (no wait for the other warpgroup), and the
+  // dQ atomics (skip 1) or the whole dQ (skip 2) left out.
+  VARIANT(bf16, 128, 64, 128, 3);
+  VARIANT_X(bf16, 128, 64, 128, 2, 1, 0);
+  VARIANT(bf16, 64, 64, 128, 3);
+  VARIANT_X(bf16, 128, 64, 128, 2, -1, 1);
+  VARIANT_X(bf16, 128, 64, 128, 2, -1, 2);
+  VARIANT_X(bf16, 64, 64, 128, 2, -1, 1);
+  VARIANT_X(bf16, 64, 64, 128, 2, -1, 2);
+#endif
 #undef VARIANT
+#undef VARIANT_X
   printf("\n%-24s %-7s %9s %9s\n", "variant", "mask", "ms", "TFLOP/s");
   for (const Timing& t : g_timings) {
     printf("%-24s %-7s %9.3f %9.1f\n", t.name.c_str(), t.causal ? "causal" : "full", t.ms, t.tflops);

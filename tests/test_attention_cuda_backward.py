@@ -5,8 +5,10 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True), with a mask
 gradient or with SAFEATTN_ATTN_BWD_ATOMIC_DQ=0), the two dK/dV kernel shapes (4 warps and 64 keys
-by default, 8 warps and 128 keys with SAFEATTN_ATTN_BWD_DKDV_WARPS=8), and the generic path
-(float32, head dims without an instantiation, D != Dv, unaligned views).
+by default, 8 warps and 128 keys with SAFEATTN_ATTN_BWD_DKDV_WARPS=8), the sm_90a kernel (taken
+on an H100/H200 in the atomic mode where it covers the call; SAFEATTN_ATTN_BWD_SM90=0 keeps the
+mma.sync kernels), and the generic path (float32, head dims without an instantiation, D != Dv,
+unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -66,14 +68,22 @@ def dq_mode(request, monkeypatch):
 
 
 _DKDV_WARPS_SWITCH = "SAFEATTN_ATTN_BWD_DKDV_WARPS"
+_SM90_SWITCH = "SAFEATTN_ATTN_BWD_SM90"
 
 
-@pytest.fixture(params=["4", "8"])
+@pytest.fixture(params=["4", "8", "sm90"])
 def dkdv_warps(request, monkeypatch):
-    """The dK/dV kernel's shape: 4 warps of 16 keys (the default) or 8 warps (128 keys per CTA,
-    64-query steps, scored in 32-query sub-tiles above D=64)."""
-    monkeypatch.setenv(_DKDV_WARPS_SWITCH, request.param)
-    return int(request.param)
+    """The dK/dV kernel: the mma.sync kernel's two shapes, 4 warps of 16 keys (the default off
+    Hopper) or 8 warps (128 keys per CTA, 64-query steps, scored in 32-query sub-tiles above
+    D=64), with the sm_90a kernel switched off; or the default path ("sm90": the sm_90a kernel on
+    an H100/H200 where it covers the call, else the 4-warp shape)."""
+    if request.param == "sm90":
+        monkeypatch.delenv(_SM90_SWITCH, raising=False)
+        monkeypatch.delenv(_DKDV_WARPS_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(_SM90_SWITCH, "0")
+        monkeypatch.setenv(_DKDV_WARPS_SWITCH, request.param)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
@@ -309,6 +319,7 @@ def deterministic_algorithms():
 def test_atomic_dq_mode_selection(monkeypatch, deterministic_algorithms):
     q, k, v = _qkv(1, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
     monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
+    monkeypatch.setenv(_SM90_SWITCH, "0")  # the mma.sync kernels' modes
     names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
@@ -338,6 +349,7 @@ def test_dkdv_shape_selection(monkeypatch):
         return [n for n in names if "attention_bwd_dkdv_kernel" in n]
 
     monkeypatch.delenv(_DKDV_WARPS_SWITCH, raising=False)
+    monkeypatch.setenv(_SM90_SWITCH, "0")  # the mma.sync kernel's shapes
     default = dkdv_kernels()
     if not default:
         pytest.skip("the profiler recorded no CUDA kernel")
@@ -350,6 +362,43 @@ def test_dkdv_shape_selection(monkeypatch):
     out, _ = safeattn.attention(q, k, v, enable_gqa=True)
     with pytest.raises(RuntimeError, match=f"{_DKDV_WARPS_SWITCH} must be 4 or 8"):
         torch.autograd.grad(out.float().sum(), (q, k, v))
+
+
+def test_sm90_selection(monkeypatch, deterministic_algorithms):
+    """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
+    takes the sm_90a kernel in the atomic mode, and the mma.sync kernels when deterministic or
+    switched off."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90a kernels run on sm_90 devices only")
+    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
+    monkeypatch.delenv(_ATOMIC_DQ_SWITCH, raising=False)
+    monkeypatch.delenv(_SM90_SWITCH, raising=False)
+    if not any(
+        "hopper::detail::fwd_kernel" in n for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v))
+    ):
+        pytest.skip("a build without the sm_90a kernels (no CUTLASS headers)")
+
+    def kernels(**kwargs):
+        out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
+        return _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+
+    names = kernels()
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"no sm_90a backward kernel among {names}"
+    assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
+    monkeypatch.setenv(_SM90_SWITCH, "0")
+    names = kernels()
+    assert any(
+        "attention_bwd_dkdv_kernel" in n for n in names
+    ), f"{_SM90_SWITCH}=0 must take mma.sync: {names}"
+    monkeypatch.delenv(_SM90_SWITCH)
+    deterministic_algorithms(True)
+    names = kernels()
+    assert not any(
+        "hopper::detail::bwd_kernel" in n for n in names
+    ), f"atomic dQ while deterministic: {names}"
+    assert any(
+        "attention_bwd_dq_kernel" in n for n in names
+    ), f"deterministic must take the dQ kernel: {names}"
 
 
 def _padding_mask(batch, q_len, kv_len):

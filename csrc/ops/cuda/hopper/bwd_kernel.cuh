@@ -18,11 +18,12 @@
 //               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
 //               P^T = exp2(...) -> dV += P^T dO   (P^T from registers, dO^T a view of dO)
 //               dS^T = scale P^T (dP^T - delta) -> dK += dS^T Q   (dS^T from registers)
-//               dS^T stored to shared memory; after a barrier of both warpgroups (dQ needs every
-//               key of the tile) dQ = dS K, added with float2 atomics into the float32 dq_accum.
-//             The dQ product is split between the warpgroups by query rows (kBlockM = 128) or by
-//             head-dim halves (kBlockM = 64); dS has two buffers, so one warpgroup may write the
-//             next tile's while the other still reads this one's.
+//               dS^T stored to shared memory, then dQ = dS K added with float2 atomics into
+//               the float32 dq_accum. D = 128: after a barrier of both warpgroups (dQ needs
+//               every key of the tile) each multiplies all 128 keys for one 64-wide head-dim
+//               half; D = 64: each multiplies its own 64 keys for the whole row (no wait for
+//               the other warpgroup, twice the atomics). dS has two buffers, so a warpgroup may
+//               write the next tile's while the other still reads this one's.
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 //
@@ -42,13 +43,18 @@ namespace safeattn::cuda::hopper {
 
 // Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
 // warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
-// S and dP kBlockM/4 each, dQ kBlockM * D / 256.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when each warpgroup
+// multiplies its own keys). kdQOwnKeys: -1 picks (Bwd::kdQOwnKeys), 0 / 1 force it.
+// kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu, its dQ wrong: 1 leaves out the
+// dQ atomics, 2 the dQ product too; 0 in every dispatched variant.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kdQOwnKeys_ = -1, int kSkipdQ_ = 0>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr int kdQOwnKeys = kdQOwnKeys_;
+  static constexpr int kSkipdQ = kSkipdQ_;
 };
 
 // Row padding of row_shift and delta (bwd_params.h): every kBlockM divides it.
@@ -123,7 +129,9 @@ struct Bwd {
   // 64-wide head-dim halves for 64 rows and head dims that are multiples of 128 (the halves must
   // be whole 128-byte swizzle rows); otherwise each warpgroup multiplies its own 64 keys and both
   // add their partial dQ (twice the atomics, but no wait for the other warpgroup).
-  static constexpr bool kdQOwnKeys = kBlockM == 64 && kHeadDim % 128 != 0;
+  static constexpr bool kdQOwnKeys =
+      Config::kdQOwnKeys >= 0 ? Config::kdQOwnKeys == 1 : kBlockM == 64 && kHeadDim % 128 != 0;
+  static_assert(kdQOwnKeys || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQOwnKeys ? 1 : kBlockM / 64;
   static constexpr int kdQWarpgroupsN = kdQOwnKeys ? 1 : kMmaWGs / kdQWarpgroupsM;
   static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
@@ -395,50 +403,57 @@ struct Bwd {
       convert_fragment<Element>(tdPrdP, tdKrdS);
       wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
 
-      // dS^T to shared memory as dS (query rows contiguous), for the dQ product of both warpgroups.
+      if constexpr (Config::kSkipdQ < 2) {
+        // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
 #pragma unroll
-      for (int i = 0; i < size(tdKrdS); ++i) {
-        sdS(col_base + acc_col(i), key_base + acc_row(i), buffer) = tdKrdS(i);
+        for (int i = 0; i < size(tdKrdS); ++i) {
+          sdS(col_base + acc_col(i), key_base + acc_row(i), buffer) = tdKrdS(i);
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+        if constexpr (kdQOwnKeys) {
+          named_barrier_sync(kDsBarrier + wg, 128);
+        } else {
+          named_barrier_sync(kDsBarrier, kMmaThreads);
+        }
+        wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
       }
-      cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
-      if constexpr (kdQOwnKeys) {
-        named_barrier_sync(kDsBarrier + wg, 128);
-      } else {
-        named_barrier_sync(kDsBarrier, kMmaThreads);
-      }
-      wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
       warpgroup_wait<0>();
       pipe_q.consumer_release(read_q);
       ++read_q;
       pipe_do.consumer_release(read_do);
       ++read_do;
 
-      // dQ into the float32 buffer: pairs of adjacent columns, one 8-byte atomic each.
-      float* dq = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_len + row0) * kHeadDim;
+      if constexpr (Config::kSkipdQ > 0) {
+        continue;
+      }
+      // dQ into the float32 buffer: pairs of adjacent columns, one 8-byte atomic each, at a
+      // per-thread base plus constant offsets (fewer live addresses).
+      float* dq =
+          p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_len + row0 + dq_row_base) * kHeadDim + dq_col_base;
+      const bool row_in[2] = {row0 + dq_row_base < p.q_len, row0 + dq_row_base + 8 < p.q_len};
 #pragma unroll
       for (int i = 0; i < size(tdQrdQ); i += 2) {
-        const int row = dq_row_base + acc_row(i), col = dq_col_base + acc_col(i);
-        if (row0 + row < p.q_len) {
-          atomicAdd(reinterpret_cast<float2*>(dq + int64_t{row} * kHeadDim + col),
+        if (row_in[(i / 2) % 2]) {
+          atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
                     make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
         }
       }
     }
 
-    // dK and dV of the tile's keys (zero when no query sees them).
-    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0} * p.dk_si;
-    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0} * p.dv_si;
+    // dK and dV of the tile's keys (zero when no query sees them), at per-thread bases plus
+    // constant offsets.
+    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + col_base;
+    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + col_base;
 #pragma unroll
     for (int i = 0; i < size(tdKrdK); i += 2) {
-      const int key = key_base + acc_row(i), col = col_base + acc_col(i);
-      if (key < keys_in_tile) {
+      if (key_base + acc_row(i) < keys_in_tile) {
         cutlass::AlignedArray<Element, 2> pair;  // one 4-byte store
         pair[0] = Element(tdKrdK(i));
         pair[1] = Element(tdKrdK(i + 1));
-        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dk + key * p.dk_si + col) = pair;
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dk + acc_row(i) * p.dk_si + acc_col(i)) = pair;
         pair[0] = Element(tdVrdV(i));
         pair[1] = Element(tdVrdV(i + 1));
-        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dv + key * p.dv_si + col) = pair;
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dv + acc_row(i) * p.dv_si + acc_col(i)) = pair;
       }
     }
   }
