@@ -196,11 +196,12 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   T *dq_in = upload(hq), *dk_in = upload(hk), *dv_in = upload(hv), *ddo = upload(hdo);
   float *dshift = upload(row_shift), *ddelta = upload(delta), *dq_accum;
   T *gq, *gk, *gv;
-  CHECK_CUDA(cudaMalloc(&dq_accum, size_t(rows) * D * sizeof(float)));
+  const size_t dq_accum_n = size_t(cs.batch) * cs.heads * q_pad * D;
+  CHECK_CUDA(cudaMalloc(&dq_accum, dq_accum_n * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&gq, dqn * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gk, dkn * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gv, dvn * sizeof(T)));
-  CHECK_CUDA(cudaMemset(dq_accum, 0xff, size_t(rows) * D * sizeof(float)));
+  CHECK_CUDA(cudaMemset(dq_accum, 0xff, dq_accum_n * sizeof(float)));
   CHECK_CUDA(cudaMemset(gq, 0xff, dqn * sizeof(T)));  // NaN in both 16-bit formats
   CHECK_CUDA(cudaMemset(gk, 0xff, dkn * sizeof(T)));
   CHECK_CUDA(cudaMemset(gv, 0xff, dvn * sizeof(T)));
@@ -482,9 +483,9 @@ int main(int argc, char** argv) {
   // dQ left out])
 #define VARIANT(T, D, M, N, S) \
   failed += check_variant<T, BwdConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
-#define VARIANT_X(T, D, M, N, S, OWN, SKIP)                                                                          \
-  failed += check_variant<T, BwdConfig<D, M, N, S, OWN, SKIP>>(#T " d" #D " m" #M " s" #S " own" #OWN " skip" #SKIP, \
-                                                               quick, check, timing)
+#define VARIANT_X(T, D, M, N, S, BULK, OWN, SKIP)                     \
+  failed += check_variant<T, BwdConfig<D, M, N, S, BULK, OWN, SKIP>>( \
+      #T " d" #D " m" #M " s" #S " bulk" #BULK " own" #OWN " skip" #SKIP, quick, check, timing)
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128
   VARIANT(bf16, 128, 64, 128, 2);
   VARIANT(__half, 128, 64, 128, 2);
@@ -494,15 +495,13 @@ int main(int argc, char** argv) {
   VARIANT(__half, 64, 64, 128, 2);
 #endif
 #ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
-  // Where the time goes: more stages, dQ by own keys (no wait for the other warpgroup), and the
-  // dQ atomics (skip 1) or the whole dQ (skip 2) left out.
-  VARIANT(bf16, 128, 64, 128, 3);
-  VARIANT_X(bf16, 128, 64, 128, 2, 1, 0);
-  VARIANT(bf16, 64, 64, 128, 3);
-  VARIANT_X(bf16, 128, 64, 128, 2, -1, 1);
-  VARIANT_X(bf16, 128, 64, 128, 2, -1, 2);
-  VARIANT_X(bf16, 64, 64, 128, 2, -1, 1);
-  VARIANT_X(bf16, 64, 64, 128, 2, -1, 2);
+  // Where the time goes: dQ by atomics instead of bulk reduce-adds, and the dQ
+  // additions (skip 1) or the whole dQ (skip 2) left out.
+  VARIANT_X(bf16, 128, 64, 128, 2, false, -1, 0);
+  VARIANT_X(bf16, 64, 64, 128, 2, false, -1, 0);
+  VARIANT_X(bf16, 128, 64, 128, 2, true, -1, 1);
+  VARIANT_X(bf16, 128, 64, 128, 2, true, -1, 2);
+  VARIANT_X(bf16, 64, 64, 128, 2, true, -1, 1);
 #endif
 #undef VARIANT
 #undef VARIANT_X

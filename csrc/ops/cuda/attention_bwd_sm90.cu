@@ -120,7 +120,7 @@ bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, cons
   const at::Tensor delta_padded = pad == 0 ? delta.contiguous() : at::constant_pad_nd(delta, {0, pad}, 0.0);
   // dQ summed over the key tiles in float32 (zeroed by the launcher on the stream), then rounded
   // once into grad_query.
-  const at::Tensor dq_accum = at::empty({batch, heads, q_len, head_dim}, query.options().dtype(at::kFloat));
+  const at::Tensor dq_accum = at::empty({batch, heads, q_len + pad, head_dim}, query.options().dtype(at::kFloat));
 
   hopper::BwdParams p;
   p.q = query.const_data_ptr();

@@ -18,12 +18,14 @@
 //               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
 //               P^T = exp2(...) -> dV += P^T dO   (P^T from registers, dO^T a view of dO)
 //               dS^T = scale P^T (dP^T - delta) -> dK += dS^T Q   (dS^T from registers)
-//               dS^T stored to shared memory, then dQ = dS K added with float2 atomics into
-//               the float32 dq_accum. D = 128: after a barrier of both warpgroups (dQ needs
-//               every key of the tile) each multiplies all 128 keys for one 64-wide head-dim
-//               half; D = 64: each multiplies its own 64 keys for the whole row (no wait for
-//               the other warpgroup, twice the atomics). dS has two buffers, so a warpgroup may
-//               write the next tile's while the other still reads this one's.
+//               dS^T stored to shared memory, then dQ = dS K. D = 128: after a barrier of
+//               both warpgroups (dQ needs every key of the tile) each multiplies all 128 keys
+//               for one 64-wide head-dim half; D = 64: each multiplies its own 64 keys for the
+//               whole row (no wait for the other warpgroup, twice the additions). dS has two
+//               buffers, so a warpgroup may write the next tile's while the other still reads
+//               this one's. The float32 dQ product goes to a shared-memory stage in register
+//               order and one thread adds the whole stage into dq_accum with a bulk reduce-add
+//               (kdQBulk; else float2 atomics from registers: many small L2 operations).
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 //
@@ -45,9 +47,11 @@ namespace safeattn::cuda::hopper {
 // warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
 // S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when each warpgroup
 // multiplies its own keys). kdQOwnKeys: -1 picks (Bwd::kdQOwnKeys), 0 / 1 force it.
-// kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu, its dQ wrong: 1 leaves out the
-// dQ atomics, 2 the dQ product too; 0 in every dispatched variant.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kdQOwnKeys_ = -1, int kSkipdQ_ = 0>
+// kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
+// float2 atomics from registers. kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu,
+// its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQOwnKeys_ = -1,
+          int kSkipdQ_ = 0>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -55,6 +59,7 @@ struct BwdConfig {
   static constexpr int kStages = kStages_;
   static constexpr int kdQOwnKeys = kdQOwnKeys_;
   static constexpr int kSkipdQ = kSkipdQ_;
+  static constexpr bool kdQBulk = kdQBulk_;
 };
 
 // Row padding of row_shift and delta (bwd_params.h): every kBlockM divides it.
@@ -99,6 +104,14 @@ __device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, 
   }
 }
 
+// dst[0, bytes) += src[0, bytes) in float32, asynchronously (bulk async-group; 16-byte aligned,
+// bytes a multiple of 16).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+
 template <typename Element, class FragS, class FragP>
 __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
   constexpr int kN = decltype(size(s))::value;
@@ -136,8 +149,31 @@ struct Bwd {
   static constexpr int kdQWarpgroupsN = kdQOwnKeys ? 1 : kMmaWGs / kdQWarpgroupsM;
   static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
   // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
-  // w did, with kdQOwnKeys).
+  // w did, with kdQOwnKeys); 3 + w: warpgroup w staged its dQ.
   static constexpr int kDsBarrier = 1;
+  static constexpr int kdQStagedBarrier = 3;
+  // dQ through shared memory: each warpgroup's 64-row product (kdQTileElems floats) is staged in
+  // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
+  // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
+  // keeps that order per tile (dq_tile_offset; the conversion kernel reads it back). Two stage
+  // buffers: the bulk read of one overlaps the next tile.
+  static constexpr bool kdQBulk = Config::kdQBulk;
+  static constexpr int kdQTileElems = 64 * (kHeadDim / kdQWarpgroupsN);
+  static constexpr int kdQStageElems = kdQBulk ? 2 * kMmaWGs * kdQTileElems : 4;
+
+  // Where dQ element (r, c) of a kBlockM-row tile sits in dq_accum's tile.
+  static __host__ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
+    if constexpr (!kdQBulk) {
+      return r * kHeadDim + c;
+    } else {
+      constexpr int kN = kHeadDim / kdQWarpgroupsN;
+      const int region = kdQOwnKeys ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
+      const int rr = r % 64, cc = c % kN;
+      const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
+      const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
+      return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
+    }
+  }
 
   // S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = query rows, K = head dim.
   using TiledMmaSdP =
@@ -193,6 +229,7 @@ struct Bwd {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
     alignas(16) float row_shift[kStages][kBlockM];  // arrives with Q
     alignas(16) float delta[kStages][kBlockM];      // arrives with dO
+    alignas(128) float dq_stage[kdQStageElems];     // [buffer][warpgroup][kdQTileElems]
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
@@ -206,7 +243,7 @@ struct Bwd {
     ShapeQKV shape_q, shape_k;
     const float* row_shift;  // [B, Hq, q_pad]
     const float* delta;      // [B, Hq, q_pad]
-    float* dq_accum;         // [B, Hq, Q, D]
+    float* dq_accum;         // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
     Element* grad_k;
     Element* grad_v;
     int64_t dk_sb, dk_sh, dk_si, dv_sb, dv_sh, dv_si;
@@ -426,17 +463,38 @@ struct Bwd {
       if constexpr (Config::kSkipdQ > 0) {
         continue;
       }
-      // dQ into the float32 buffer: pairs of adjacent columns, one 8-byte atomic each, at a
-      // per-thread base plus constant offsets (fewer live addresses).
-      float* dq =
-          p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_len + row0 + dq_row_base) * kHeadDim + dq_col_base;
-      const bool row_in[2] = {row0 + dq_row_base < p.q_len, row0 + dq_row_base + 8 < p.q_len};
+      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
+      if constexpr (kdQBulk) {
+        // The dS barrier above (every iteration, after the previous bulk read was waited for)
+        // orders that wait before these stores into the same buffer two tiles later.
+        const int t = mma_thread % 128;
+        float* stage = smem.dq_stage + (buffer * kMmaWGs + wg) * kdQTileElems;
 #pragma unroll
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        if (row_in[(i / 2) % 2]) {
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
+        named_barrier_sync(kdQStagedBarrier + wg, 128);
+        if (t == 0) {
+          const int region = kdQOwnKeys ? 0 : wg;
+          bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
+          tma_store_arrive();   // commit
+          tma_store_wait<1>();  // the previous tile's stage buffer has been read
+        }
+      } else {
+        // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
+        // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
+        float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
+#pragma unroll
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
           atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
                     make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
         }
+      }
+    }
+    if constexpr (kdQBulk && Config::kSkipdQ == 0) {
+      if (mma_thread % 128 == 0 && steps > 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every reduce-add done
       }
     }
 
@@ -499,12 +557,14 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
 #endif
 }
 
-// dq_accum (float32, [B, H, Q, D] contiguous) rounded into grad_q through its strides, two
-// elements per thread (grad_q's rows are 4-byte aligned).
-template <typename Element, int kHeadDim>
+// dq_accum (float32, kBlockM-row tiles in Kernel::dq_tile_offset order) rounded into grad_q
+// through its strides, two elements per thread (grad_q's rows are 4-byte aligned).
+template <class Kernel>
 __global__ void __launch_bounds__(256)
-    dq_convert_kernel(const float* __restrict__ dq_accum, Element* grad_q, int64_t sb, int64_t sh, int64_t si,
-                      int heads, int q_len, int64_t pairs) {
+    dq_convert_kernel(const float* __restrict__ dq_accum, typename Kernel::Element* grad_q, int64_t sb, int64_t sh,
+                      int64_t si, int heads, int q_len, int q_pad, int64_t pairs) {
+  using Element = typename Kernel::Element;
+  constexpr int kHeadDim = Kernel::kHeadDim, kBlockM = Kernel::kBlockM;
   for (int64_t pair = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; pair < pairs;
        pair += int64_t{gridDim.x} * blockDim.x) {
     const int64_t e = 2 * pair;
@@ -512,7 +572,9 @@ __global__ void __launch_bounds__(256)
     const int64_t row = e / kHeadDim;
     const int64_t i = row % q_len, bh = row / q_len;
     const int64_t h = bh % heads, b = bh / heads;
-    const float2 x = *reinterpret_cast<const float2*>(dq_accum + e);
+    const int64_t tile = bh * q_pad + i / kBlockM * kBlockM;
+    const float2 x = *reinterpret_cast<const float2*>(dq_accum + tile * kHeadDim +
+                                                      Kernel::dq_tile_offset(static_cast<int>(i % kBlockM), col));
     cutlass::AlignedArray<Element, 2> out;
     out[0] = Element(x.x);
     out[1] = Element(x.y);
@@ -577,7 +639,7 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
 
   const int64_t dq_elements = int64_t{a.batch} * a.heads * a.q_len * D;
-  cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, dq_elements * sizeof(float), stream);
+  cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, int64_t{a.batch} * a.heads * p.q_pad * D * sizeof(float), stream);
   if (err != cudaSuccess) {
     return err;
   }
@@ -594,8 +656,8 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
   }
   const int64_t pairs = dq_elements / 2;
   const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, 65536));
-  detail::dq_convert_kernel<Element, D><<<blocks, 256, 0, stream>>>(a.dq_accum, static_cast<Element*>(a.grad_q),
-                                                                    a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, pairs);
+  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb,
+                                                                a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, pairs);
   return cudaGetLastError();
 }
 

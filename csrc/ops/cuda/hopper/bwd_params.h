@@ -23,8 +23,9 @@ struct BwdParams {
   // the padding.
   const float* row_shift = nullptr;
   const float* delta = nullptr;
-  // dQ summed over the key tiles: [B, Hq, Q, D] contiguous float32, zeroed before the launch; the
-  // kernel adds into it with atomics, then converts it into grad_q.
+  // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
+  // tile of rows is the kernel's own), written with atomics or bulk reduce-adds; the launcher
+  // zeroes it first and converts it into grad_q after the kernel.
   float* dq_accum = nullptr;
   void* grad_q = nullptr;                // [B, Hq, Q, D] strided, 4-byte aligned rows
   void* grad_k = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
