@@ -141,7 +141,7 @@ struct Bwd {
   // The dQ product (M = query rows, K = keys): by query rows when there are 128 of them; by
   // 64-wide head-dim halves for 64 rows and head dims that are multiples of 128 (the halves must
   // be whole 128-byte swizzle rows); otherwise each warpgroup multiplies its own 64 keys and both
-  // add their partial dQ (twice the atomics, but no wait for the other warpgroup).
+  // add their partial dQ (twice the additions, but no wait for the other warpgroup).
   static constexpr bool kdQOwnKeys =
       Config::kdQOwnKeys >= 0 ? Config::kdQOwnKeys == 1 : kBlockM == 64 && kHeadDim % 128 != 0;
   static_assert(kdQOwnKeys || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
