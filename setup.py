@@ -157,10 +157,10 @@ def head_dim_filter(paths):
     dims; returns the kept paths and, per direction, the dims kept, which the dispatch code sees
     as SAFEATTN_ATTN_FWD_D<D> / SAFEATTN_ATTN_BWD_D<D> macros and build_info() as lists (a dim
     without its files takes the generic path)."""
-    pattern = re.compile(r"attention_(fwd|bwd|fwd_sm90)_d(\d+)_\w+\.cu")
+    pattern = re.compile(r"attention_(fwd|bwd|fwd_sm90|bwd_sm90)_d(\d+)_\w+\.cu")
     setting = os.environ.get("SAFEATTN_ATTN_HEAD_DIMS", DEFAULT_ATTN_HEAD_DIMS)
     wanted = [] if setting == "all" else [d for d in re.split(r"[;, ]+", setting) if d]
-    kept, dims = [], {"fwd": set(), "bwd": set(), "fwd_sm90": set()}
+    kept, dims = [], {"fwd": set(), "bwd": set(), "fwd_sm90": set(), "bwd_sm90": set()}
     for p in paths:
         m = pattern.fullmatch(Path(p).name)
         if m and wanted and m.group(2) not in wanted:

@@ -818,7 +818,7 @@ def test_cuda_more_than_2_pow_31_elements():
     _check_forward(q[-1:], k[-1:], v[-1:], attn_mask=mask[-1:])
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd", "fwd_sm90"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "fwd_sm90", "bwd_sm90"])
 def test_generated_instantiations_are_current(direction):
     """The attention_<dir>_d<D>_<dtype>.cu files are what scripts/gen_attention_instances.py writes."""
     script = Path(__file__).resolve().parent.parent / "scripts" / "gen_attention_instances.py"

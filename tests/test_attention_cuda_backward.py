@@ -4,7 +4,10 @@ dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks br
 batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
-mask gradient), and the generic path (float32, head dims without an instantiation, D != Dv,
+mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
+call: bf16/fp16, D 64 and 128, no mask or softcap; the mma.sync kernels take everything else, so
+the cases with masks, softcap and other head dims test them), and the generic path (float32, head
+dims without an instantiation, D != Dv,
 unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
@@ -309,6 +312,39 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
     assert dq_kernel_ran(attn_mask=bias), "a mask gradient must take the dQ kernel (it writes the gradient)"
     deterministic_algorithms(True)
     assert dq_kernel_ran(), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
+
+
+def test_sm90_selection(deterministic_algorithms):
+    """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
+    takes the sm_90a kernel in the atomic mode, the mma.sync kernels when deterministic or with a
+    mask."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90a kernels run on sm_90 devices only")
+    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
+    if not any(
+        "hopper::detail::fwd_kernel" in n for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v))
+    ):
+        pytest.skip("a build without the sm_90a kernels (no CUTLASS headers)")
+
+    def kernels(**kwargs):
+        out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
+        return _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+
+    names = kernels()
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"no sm_90a backward kernel among {names}"
+    assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
+    keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
+    keep[..., :5] = False
+    names = kernels(attn_mask=keep)
+    assert any("attention_bwd_dkdv_kernel" in n for n in names), f"a mask must take mma.sync: {names}"
+    deterministic_algorithms(True)
+    names = kernels()
+    assert not any(
+        "hopper::detail::bwd_kernel" in n for n in names
+    ), f"atomic dQ while deterministic: {names}"
+    assert any(
+        "attention_bwd_dq_kernel" in n for n in names
+    ), f"deterministic must take the dQ kernel: {names}"
 
 
 def _padding_mask(batch, q_len, kv_len):

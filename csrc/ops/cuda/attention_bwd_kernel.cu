@@ -3,6 +3,8 @@
 // attention_backward_impl (ops/attention.cpp) validates, allocates the gradients and computes
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
 // gradient's partial sums:
+//   - on an H100/H200, with atomics allowed (use_atomic_dq), the sm_90a TMA + wgmma kernels
+//     (attention_bwd_sm90.h) after the rows pre-pass, for what they cover;
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
 //     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a
@@ -27,6 +29,7 @@
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
 #include "ops/cuda/attention_bwd.cuh"
+#include "ops/cuda/attention_bwd_sm90.h"
 #include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {
@@ -163,6 +166,12 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
         row_shift.data_ptr<float>(), natural ? row_lo.data_ptr<float>() : nullptr, hq, q_len, a.value.size(3), rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
+  const bool atomic_dq = use_atomic_dq(a);
+  // Hopper: the TMA + wgmma kernels where they cover the call. Their dQ is summed with atomics,
+  // so only where the atomic mode is allowed (deterministic algorithms keep the dQ kernel).
+  if (atomic_dq && attention_bwd_sm90(a, delta, row_shift)) {
+    return;
+  }
 
   BwdParams p{};
   p.query = query.const_data_ptr();
@@ -183,7 +192,6 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   p.grad_mask = nullptr;
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
-  const bool atomic_dq = use_atomic_dq(a);
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;

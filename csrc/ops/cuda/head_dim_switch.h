@@ -17,6 +17,9 @@
 #ifndef SAFEATTN_ATTN_FWD_SM90_DIM_BITS
 #define SAFEATTN_ATTN_FWD_SM90_DIM_BITS 0
 #endif
+#ifndef SAFEATTN_ATTN_BWD_SM90_DIM_BITS
+#define SAFEATTN_ATTN_BWD_SM90_DIM_BITS 0
+#endif
 
 namespace safeattn::cuda {
 
@@ -24,6 +27,7 @@ namespace safeattn::cuda {
 constexpr uint64_t kFwdHeadDims = SAFEATTN_ATTN_FWD_DIM_BITS;           // attention_fwd.cuh
 constexpr uint64_t kBwdHeadDims = SAFEATTN_ATTN_BWD_DIM_BITS;           // attention_bwd.cuh
 constexpr uint64_t kFwdSm90HeadDims = SAFEATTN_ATTN_FWD_SM90_DIM_BITS;  // hopper/fwd_kernel.cuh
+constexpr uint64_t kBwdSm90HeadDims = SAFEATTN_ATTN_BWD_SM90_DIM_BITS;  // hopper/bwd_kernel.cuh
 
 namespace head_dim_detail {
 

@@ -1,0 +1,149 @@
+// attention_bwd_sm90 (attention_bwd_sm90.h): which calls the Hopper backward takes, and its
+// parameters. Host code only, compiled like the other .cu files; the kernels are in
+// ops/cuda/hopper/attention_bwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
+#include "ops/cuda/attention_bwd_sm90.h"
+
+#ifdef SAFEATTN_WITH_SM90
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/hopper/bwd_params.h"
+
+namespace safeattn::cuda {
+namespace {
+
+// The kernel bulk-copies row_shift and delta in whole tiles: rows padded to this multiple
+// (hopper/bwd_params.h).
+constexpr int64_t kRowPad = 128;
+
+template <typename T>
+cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cudaStream_t stream) {
+  cudaError_t error = cudaSuccess;
+  const bool launched = with_head_dim<kBwdSm90HeadDims>(
+      head_dim, [&](auto dim) { error = hopper::launch_attention_bwd_sm90<T, decltype(dim)::value>(p, stream); });
+  TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no sm90 kernel for head dim ", head_dim);
+  return error;
+}
+
+bool fits_int32(const at::Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > std::numeric_limits<int32_t>::max()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool takes(const AttentionBwdArgs& a) {
+  const at::ScalarType dtype = a.query.scalar_type();
+  if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.softcap > 0.0 ||
+      a.grad_mask_partial.defined()) {
+    return false;
+  }
+  if (!a.grad_query.defined() || !a.grad_key.defined() || !a.grad_value.defined()) {
+    return false;
+  }
+  // p = exp2(s * scale log2(e) - row_shift) over raw dot products: scale > 0, and a
+  // scale * log2(e) that neither rounds to 0 nor overflows in float32.
+  const float scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  if (!(a.scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
+    return false;
+  }
+  const int64_t head_dim = a.query.size(3);
+  if (a.value.size(3) != head_dim || !has_head_dim<kBwdSm90HeadDims>(head_dim)) {
+    return false;
+  }
+  if (a.query.numel() == 0 || a.key.size(2) == 0 || !fits_int32(a.query) || !fits_int32(a.key)) {
+    return false;  // empty inputs: the other paths write the empty gradients
+  }
+  if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {
+    return false;  // grid y and z
+  }
+  // The gradients are written with 4-byte stores through their strides.
+  if (!attn::rows_aligned_16(a.grad_query) || !attn::rows_aligned_16(a.grad_key) ||
+      !attn::rows_aligned_16(a.grad_value)) {
+    return false;
+  }
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(a.query.get_device());
+  return props->major == 9 && props->minor == 0;
+}
+
+}  // namespace
+
+bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, const at::Tensor& row_shift) {
+  if (!takes(a)) {
+    return false;
+  }
+  // TMA reads rows in place when they are 16-byte aligned; otherwise from an aligned copy.
+  const at::Tensor query = attn::with_aligned_rows(a.query);
+  const at::Tensor key = attn::with_aligned_rows(a.key);
+  const at::Tensor value = attn::with_aligned_rows(a.value);
+  const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
+  const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), head_dim = query.size(3);
+  // Rows past q_len: row_shift +inf (p = 0) and delta 0, so their dS is exactly 0.
+  const int64_t pad = (q_len + kRowPad - 1) / kRowPad * kRowPad - q_len;
+  const at::Tensor shift_padded =
+      pad == 0 ? row_shift.contiguous() : at::constant_pad_nd(row_shift, {0, pad}, INFINITY);
+  const at::Tensor delta_padded = pad == 0 ? delta.contiguous() : at::constant_pad_nd(delta, {0, pad}, 0.0);
+  // dQ summed over the key tiles in float32 (zeroed by the launcher on the stream), then rounded
+  // once into grad_query.
+  const at::Tensor dq_accum = at::empty({batch, heads, q_len + pad, head_dim}, query.options().dtype(at::kFloat));
+
+  hopper::BwdParams p;
+  p.q = query.const_data_ptr();
+  p.k = key.const_data_ptr();
+  p.v = value.const_data_ptr();
+  p.grad_out = grad_out.const_data_ptr();
+  p.row_shift = shift_padded.const_data_ptr<float>();
+  p.delta = delta_padded.const_data_ptr<float>();
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.grad_q = a.grad_query.data_ptr();
+  p.grad_k = a.grad_key.data_ptr();
+  p.grad_v = a.grad_value.data_ptr();
+  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
+  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
+  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
+  p.do_sb = grad_out.stride(0), p.do_sh = grad_out.stride(1), p.do_si = grad_out.stride(2);
+  p.dq_sb = a.grad_query.stride(0), p.dq_sh = a.grad_query.stride(1), p.dq_si = a.grad_query.stride(2);
+  p.dk_sb = a.grad_key.stride(0), p.dk_sh = a.grad_key.stride(1), p.dk_si = a.grad_key.stride(2);
+  p.dv_sb = a.grad_value.stride(0), p.dv_sh = a.grad_value.stride(1), p.dv_si = a.grad_value.stride(2);
+  p.batch = static_cast<int>(batch);
+  p.heads = static_cast<int>(heads);
+  p.kv_heads = static_cast<int>(key.size(1));
+  p.q_len = static_cast<int>(q_len);
+  p.kv_len = static_cast<int>(key.size(2));
+  p.scale = static_cast<float>(a.scale);
+  p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  p.causal = a.is_causal;
+  // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
+  p.causal_shift = a.q_offset - a.kv_offset;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
+                                                               : launch_for_head_dim<__half>(head_dim, p, stream);
+  C10_CUDA_CHECK(err);
+  return true;
+}
+
+}  // namespace safeattn::cuda
+
+#else  // no Hopper kernels in this build
+
+namespace safeattn::cuda {
+
+bool attention_bwd_sm90(const AttentionBwdArgs&, const at::Tensor&, const at::Tensor&) {
+  return false;
+}
+
+}  // namespace safeattn::cuda
+
+#endif

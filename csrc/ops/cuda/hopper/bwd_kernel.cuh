@@ -1,0 +1,669 @@
+// The sm_90a (Hopper) backward of safeattn::attention on CuTe: TMA loads, wgmma, warp
+// specialisation. Built only with -gencode=arch=compute_90a,code=sm_90a; instantiated once per
+// (head dim, dtype) in hopper/attention_bwd_sm90_d<D>_<dtype>.cu. Semantics: ops/attention.h;
+// what it is given: hopper/bwd_params.h (the rows pre-pass has already made delta and row_shift).
+//
+// With s the raw dot products q.k, p = exp2(s * scale log2(e) - row_shift) (the forward's
+// probabilities, lse and lse_lo folded into row_shift), dP = dO V^T and
+// dS = scale * p * (dP - delta):  dV = P^T dO,  dK = dS^T Q,  dQ = dS K.
+//
+// One CTA per (key tile of kBlockN keys, kv head, batch) = 1 producer warpgroup + 2 consumer
+// warpgroups; consumer warpgroup w owns keys [64w, 64w + 64) of the tile.
+//   producer  one thread loads K and V once (TMA, one mbarrier), then streams the query tiles the
+//             key tile sees (kBlockM rows, every query head of the kv head's group in turn: GQA
+//             sums dK and dV inside the CTA) through two kStages-deep pipelines: Q with the
+//             rows' row_shift, dO with the rows' delta (bulk copies of the padded arrays).
+//   consumers per query tile, transposed so that keys are the wgmma M dimension and dK, dV stay
+//             in registers for the whole CTA:
+//               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
+//               P^T = exp2(...) -> dV += P^T dO   (P^T from registers, dO^T a view of dO)
+//               dS^T = scale P^T (dP^T - delta) -> dK += dS^T Q   (dS^T from registers)
+//               dS^T stored to shared memory, then dQ = dS K. D = 128: after a barrier of
+//               both warpgroups (dQ needs every key of the tile) each multiplies all 128 keys
+//               for one 64-wide head-dim half; D = 64: each multiplies its own 64 keys for the
+//               whole row (no wait for the other warpgroup, twice the additions). dS has two
+//               buffers, so a warpgroup may write the next tile's while the other still reads
+//               this one's. The float32 dQ product goes to a shared-memory stage in register
+//               order and one thread adds the whole stage into dq_accum with a bulk reduce-add
+//               (kdQBulk; else float2 atomics from registers: many small L2 operations).
+//   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
+//             converts dq_accum to grad_q.
+//
+// Numerics: masked elements (causality, keys past kv_len) get s = -inf, so p = 0 whatever the
+// row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
+// past q_len are zero-filled by TMA with row_shift +inf and delta 0 from the padding: every dS of
+// theirs is exactly 0 and nothing is written for them. NaN in an input reaches the gradients.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ops/cuda/hopper/bwd_params.h"
+#include "ops/cuda/hopper/fwd_kernel.cuh"
+
+namespace safeattn::cuda::hopper {
+
+// Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
+// warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
+// S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when each warpgroup
+// multiplies its own keys). kdQOwnKeys: -1 picks (Bwd::kdQOwnKeys), 0 / 1 force it.
+// kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
+// float2 atomics from registers. kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu,
+// its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQOwnKeys_ = -1,
+          int kSkipdQ_ = 0>
+struct BwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kdQOwnKeys = kdQOwnKeys_;
+  static constexpr int kSkipdQ = kSkipdQ_;
+  static constexpr bool kdQBulk = kdQBulk_;
+};
+
+// Row padding of row_shift and delta (bwd_params.h): every kBlockM divides it.
+constexpr int kBwdRowPad = 128;
+
+template <int kHeadDim>
+struct DefaultBwdConfig;
+template <>
+struct DefaultBwdConfig<64> {
+  using type = BwdConfig<64, 64, 128, 2>;
+};
+template <>
+struct DefaultBwdConfig<128> {
+  using type = BwdConfig<128, 64, 128, 2>;
+};
+
+namespace detail {
+
+using namespace cute;
+
+// Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  if constexpr (kRegsA) {
+    warpgroup_fence_operand(const_cast<TA&>(a));
+  }
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+  }
+#pragma unroll
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegsA) {
+    warpgroup_fence_operand(const_cast<TA&>(a));
+  }
+}
+
+// dst[0, bytes) += src[0, bytes) in float32, asynchronously (bulk async-group; 16-byte aligned,
+// bytes a multiple of 16).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+}
+
+template <typename Element, class FragS, class FragP>
+__device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
+  constexpr int kN = decltype(size(s))::value;
+  static_assert(kN == decltype(size(p))::value);
+  cutlass::NumericArrayConverter<Element, float, kN> convert;
+  *reinterpret_cast<cutlass::Array<Element, kN>*>(raw_pointer_cast(p.data())) =
+      convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
+}
+
+template <typename Element_, class Config>
+struct Bwd {
+  using Element = Element_;
+  static constexpr int kHeadDim = Config::kHeadDim;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kMmaWGs = 2;
+  static constexpr int kMmaThreads = 128 * kMmaWGs;
+  static constexpr int kThreads = kMmaThreads + 128;
+  // 168 registers per thread at launch (65536 / 384, rounded down to 8); 24 * 128 + 240 * 256
+  // is exactly that pool.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
+  static_assert(kBlockN == 64 * kMmaWGs, "each consumer warpgroup owns 64 keys");
+  static_assert(kBlockM == 64 || kBlockM == 128);
+  // The dQ product (M = query rows, K = keys): by query rows when there are 128 of them; by
+  // 64-wide head-dim halves for 64 rows and head dims that are multiples of 128 (the halves must
+  // be whole 128-byte swizzle rows); otherwise each warpgroup multiplies its own 64 keys and both
+  // add their partial dQ (twice the additions, but no wait for the other warpgroup).
+  static constexpr bool kdQOwnKeys =
+      Config::kdQOwnKeys >= 0 ? Config::kdQOwnKeys == 1 : kBlockM == 64 && kHeadDim % 128 != 0;
+  static_assert(kdQOwnKeys || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
+  static constexpr int kdQWarpgroupsM = kdQOwnKeys ? 1 : kBlockM / 64;
+  static constexpr int kdQWarpgroupsN = kdQOwnKeys ? 1 : kMmaWGs / kdQWarpgroupsM;
+  static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
+  // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
+  // w did, with kdQOwnKeys); 3 + w: warpgroup w staged its dQ.
+  static constexpr int kDsBarrier = 1;
+  static constexpr int kdQStagedBarrier = 3;
+  // dQ through shared memory: each warpgroup's 64-row product (kdQTileElems floats) is staged in
+  // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
+  // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
+  // keeps that order per tile (dq_tile_offset; the conversion kernel reads it back). Two stage
+  // buffers: the bulk read of one overlaps the next tile.
+  static constexpr bool kdQBulk = Config::kdQBulk;
+  static constexpr int kdQTileElems = 64 * (kHeadDim / kdQWarpgroupsN);
+  static constexpr int kdQStageElems = kdQBulk ? 2 * kMmaWGs * kdQTileElems : 4;
+
+  // Where dQ element (r, c) of a kBlockM-row tile sits in dq_accum's tile.
+  static __host__ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
+    if constexpr (!kdQBulk) {
+      return r * kHeadDim + c;
+    } else {
+      constexpr int kN = kHeadDim / kdQWarpgroupsN;
+      const int region = kdQOwnKeys ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
+      const int rr = r % 64, cc = c % kN;
+      const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
+      const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
+      return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
+    }
+  }
+
+  // S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = query rows, K = head dim.
+  using TiledMmaSdP =
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+                              Layout<Shape<Int<kMmaWGs>, _1, _1>>{}));
+  // dV += P^T dO and dK += dS^T Q: A from registers, B (N = head dim, K = query rows) is a
+  // transposed view of dO / Q, head dim contiguous: MN-major.
+  using TiledMmadKV =
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kMmaWGs>, _1, _1>>{}));
+  // dQ = dS K: A = dS (M = query rows, K = keys) stored query-contiguous (MN-major), B = K^T
+  // (N = head dim, K = keys), head dim contiguous (MN-major).
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kdQWarpgroupsN>, Int<kdQKeys>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
+
+  using SmemLayoutK = decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutQ =
+      decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  // The same bytes seen as (head dim, rows[, stage]).
+  using SmemLayoutQt =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                                      Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // dS: (query rows, keys, buffer), query rows contiguous.
+  using SmemLayoutdS =
+      decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(), Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+
+  // Global tensors as TMA sees them: (rows, head dim, head, batch), 32-bit sizes, 64-bit strides.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBytesRows;  // + row_shift
+  static constexpr uint32_t kBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> d_o;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(16) float row_shift[kStages][kBlockM];  // arrives with Q
+    alignas(16) float delta[kStages][kBlockM];      // arrives with dO
+    alignas(128) float dq_stage[kdQStageElems];     // [buffer][warpgroup][kdQTileElems]
+    typename Pipeline::SharedStorage pipe_q;
+    typename Pipeline::SharedStorage pipe_do;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
+
+  struct Params {
+    TmaQ tma_q, tma_do;
+    TmaK tma_k, tma_v;
+    ShapeQKV shape_q, shape_k;
+    const float* row_shift;  // [B, Hq, q_pad]
+    const float* delta;      // [B, Hq, q_pad]
+    float* dq_accum;         // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
+    Element* grad_k;
+    Element* grad_v;
+    int64_t dk_sb, dk_sh, dk_si, dv_sb, dv_sh, dv_si;
+    int heads, group, q_len, q_pad, kv_len, m_blocks;
+    float scale, scale_log2;
+    bool causal;
+    int64_t causal_shift;
+  };
+
+  // The query tiles key tile n_block sees: [m_begin, m_blocks) of every head of the group.
+  static __device__ __forceinline__ int first_m_block(const Params& p, int n_block) {
+    if (!p.causal) {
+      return 0;
+    }
+    // Query i sees key j iff j <= i + shift: the tile's first key is seen from i = j0 - shift on.
+    const int64_t first_query = std::max<int64_t>(int64_t{n_block} * kBlockN - p.causal_shift, 0);
+    return first_query >= p.q_len ? p.m_blocks : static_cast<int>(first_query / kBlockM);
+  }
+
+  // ---- producer ------------------------------------------------------------------------------
+
+  static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do, int steps,
+                                 int m_begin) {
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int m_count = p.m_blocks - m_begin;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQ{});
+    Tensor gK = local_tile(p.tma_k.get_tma_tensor(p.shape_k)(_, _, kv_head, batch),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor gV = local_tile(p.tma_v.get_tma_tensor(p.shape_k)(_, _, kv_head, batch),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    auto cta_k = p.tma_k.get_slice(_0{});
+    auto cta_v = p.tma_v.get_slice(_0{});
+    auto& kv_full = smem.kv_full;
+    kv_full.arrive_and_expect_tx(kBytesKV);
+    copy(p.tma_k.with(reinterpret_cast<uint64_t&>(kv_full), 0, TMA::CacheHintSm90::EVICT_FIRST), cta_k.partition_S(gK),
+         cta_k.partition_D(sK));
+    copy(p.tma_v.with(reinterpret_cast<uint64_t&>(kv_full), 0, TMA::CacheHintSm90::EVICT_FIRST), cta_v.partition_S(gV),
+         cta_v.partition_D(sV));
+
+    auto cta_q = p.tma_q.get_slice(_0{});
+    auto cta_do = p.tma_do.get_slice(_0{});
+    Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));      // (TMA, stage)
+    Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stage)
+    PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
+    for (int step = 0; step < steps; ++step) {
+      const int head = kv_head * p.group + step / m_count;
+      const int m_block = m_begin + step % m_count;
+      const int64_t row_offset = (int64_t{batch} * p.heads + head) * p.q_pad + int64_t{m_block} * kBlockM;
+      Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                             make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+
+      pipe_q.producer_acquire(write_q);
+      uint64_t* q_bar = pipe_q.producer_get_barrier(write_q);
+      copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_q.partition_S(gQ)),
+           tQsQ(_, write_q.index()));
+      SM90_BULK_COPY_G2S::copy(p.row_shift + row_offset, q_bar, smem.row_shift[write_q.index()], kBytesRows);
+      ++write_q;
+
+      pipe_do.producer_acquire(write_do);
+      uint64_t* do_bar = pipe_do.producer_get_barrier(write_do);
+      copy(p.tma_do.with(*do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_do.partition_S(gdO)),
+           tdOsdO(_, write_do.index()));
+      SM90_BULK_COPY_G2S::copy(p.delta + row_offset, do_bar, smem.delta[write_do.index()], kBytesRows);
+      ++write_do;
+    }
+  }
+
+  // ---- consumers -----------------------------------------------------------------------------
+
+  static __device__ void consume(const Params& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do, int steps,
+                                 int m_begin) {
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int m_count = p.m_blocks - m_begin;
+    const int mma_thread = threadIdx.x - 128;
+    const int wg = mma_thread / 128;
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdS{});
+
+    TiledMmaSdP mma_sdp;
+    TiledMmadKV mma_dkv;
+    TiledMmadQ mma_dq;
+    auto wg_sdp = mma_sdp.get_slice(wg * 128);
+    auto wg_dkv = mma_dkv.get_slice(wg * 128);
+    auto wg_dq = mma_dq.get_slice(wg * 128);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, 1, D / 16): this warpgroup's keys
+    Tensor tSrV = wg_sdp.partition_fragment_A(sV);      // (MMA, 1, D / 16)
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, 1, D / 16, stage)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);    // (MMA, 1, D / 16, stage)
+    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, 1, M / 16, stage)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);    // (MMA, 1, M / 16, stage)
+    // kdQOwnKeys: this warpgroup's 64 keys of dS and K^T; else all of them.
+    auto dq_keys = [&](auto tensor) {
+      if constexpr (kdQOwnKeys) {
+        return local_tile(tensor, Shape<Int<kBlockM>, _64, _2>{}, make_coord(_0{}, wg, _0{}));
+      } else {
+        return tensor;
+      }
+    };
+    auto dq_keys_t = [&](auto tensor) {
+      if constexpr (kdQOwnKeys) {
+        return local_tile(tensor, Shape<Int<kHeadDim>, _64>{}, make_coord(_0{}, wg));
+      } else {
+        return tensor;
+      }
+    };
+    Tensor tdQrdS = wg_dq.partition_fragment_A(dq_keys(sdS));    // (MMA, 1, keys / 16, buffer)
+    Tensor tdQrKt = wg_dq.partition_fragment_B(dq_keys_t(sKt));  // (MMA, 1, keys / 16)
+
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    // P^T and dS^T as the A operand of the dK/dV products: k block kb holds accumulator elements
+    // [8 kb, 8 kb + 8) of S^T (the wgmma accumulator and A-fragment orders agree).
+    using RegLayoutA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    Tensor tdVrP = make_tensor<Element>(RegLayoutA{});
+    Tensor tdKrdS = make_tensor<Element>(RegLayoutA{});
+    static_assert(decltype(size(tSrS))::value == kBlockM / 2 && decltype(size(tdVrP))::value == kBlockM / 2);
+
+    // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row
+    // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2: a
+    // per-thread base plus a constant once the loops are unrolled.
+    const int row_base = 16 * ((mma_thread % 128) / 32) + (mma_thread % 32) / 4;
+    const int col_base = 2 * (mma_thread % 4);
+    auto acc_row = [](int i) { return 8 * ((i / 2) % 2); };
+    auto acc_col = [](int i) { return 8 * (i / 4) + i % 2; };
+    const int key_base = 64 * wg + row_base;  // S^T, dP^T, dK, dV: keys are the rows
+    const int dq_row_base = (kdQWarpgroupsM == 2 ? 64 * wg : 0) + row_base;
+    const int dq_col_base = (kdQWarpgroupsN == 2 ? wg * (kHeadDim / 2) : 0) + col_base;
+    static_assert(decltype(size(tdVrdV))::value == kHeadDim / 2);
+    static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQOwnKeys ? 128 : kMmaThreads));
+
+    clear(tdVrdV);
+    clear(tdKrdK);
+    const int key0 = n_block * kBlockN;
+    const int keys_in_tile = p.kv_len - key0 < kBlockN ? p.kv_len - key0 : int{kBlockN};
+    if (steps > 0) {
+      smem.kv_full.wait(0);
+    }
+    PipelineState read_q, read_do;
+    for (int step = 0; step < steps; ++step) {
+      const int head = kv_head * p.group + step / m_count;
+      const int m_block = m_begin + step % m_count;
+      const int buffer = step % 2;
+      const int row0 = m_block * kBlockM;
+
+      pipe_q.consumer_wait(read_q);
+      wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
+      pipe_do.consumer_wait(read_do);
+      wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      warpgroup_wait<1>();  // S^T done, dP^T may still run
+
+      // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the
+      // largest visible (key - row) offset within the tile, clamped to int range.
+      const int64_t diagonal = int64_t{row0} + p.causal_shift - key0;
+      const bool causal_mask = p.causal && diagonal < kBlockN - 1;
+      if (keys_in_tile < kBlockN || causal_mask) {
+        const int limit = static_cast<int>(std::max<int64_t>(std::min<int64_t>(diagonal, kBlockN), -kBlockM - 1));
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          if (key >= keys_in_tile || (causal_mask && key - row > limit)) {
+            tSrS(i) = -INFINITY;
+          }
+        }
+      }
+      const float* row_shift = smem.row_shift[read_q.index()];
+#pragma unroll
+      for (int i = 0; i < size(tSrS); ++i) {
+        tSrS(i) = exp2_approx(fmaf(tSrS(i), p.scale_log2, -row_shift[col_base + acc_col(i)]));
+      }
+      convert_fragment<Element>(tSrS, tdVrP);
+      wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+      warpgroup_wait<1>();  // dP^T done, dV may still run
+
+      const float* delta = smem.delta[read_do.index()];
+#pragma unroll
+      for (int i = 0; i < size(tdPrdP); ++i) {
+        tdPrdP(i) = p.scale * tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+      }
+      convert_fragment<Element>(tdPrdP, tdKrdS);
+      wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+
+      if constexpr (Config::kSkipdQ < 2) {
+        // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
+#pragma unroll
+        for (int i = 0; i < size(tdKrdS); ++i) {
+          sdS(col_base + acc_col(i), key_base + acc_row(i), buffer) = tdKrdS(i);
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+        if constexpr (kdQOwnKeys) {
+          named_barrier_sync(kDsBarrier + wg, 128);
+        } else {
+          named_barrier_sync(kDsBarrier, kMmaThreads);
+        }
+        wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+      }
+      warpgroup_wait<0>();
+      pipe_q.consumer_release(read_q);
+      ++read_q;
+      pipe_do.consumer_release(read_do);
+      ++read_do;
+
+      if constexpr (Config::kSkipdQ > 0) {
+        continue;
+      }
+      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
+      if constexpr (kdQBulk) {
+        // The dS barrier above (every iteration, after the previous bulk read was waited for)
+        // orders that wait before these stores into the same buffer two tiles later.
+        const int t = mma_thread % 128;
+        float* stage = smem.dq_stage + (buffer * kMmaWGs + wg) * kdQTileElems;
+#pragma unroll
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
+        named_barrier_sync(kdQStagedBarrier + wg, 128);
+        if (t == 0) {
+          const int region = kdQOwnKeys ? 0 : wg;
+          bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
+          tma_store_arrive();   // commit
+          tma_store_wait<1>();  // the previous tile's stage buffer has been read
+        }
+      } else {
+        // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
+        // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
+        float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
+#pragma unroll
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
+                    make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
+        }
+      }
+    }
+    if constexpr (kdQBulk && Config::kSkipdQ == 0) {
+      if (mma_thread % 128 == 0 && steps > 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every reduce-add done
+      }
+    }
+
+    // dK and dV of the tile's keys (zero when no query sees them), at per-thread bases plus
+    // constant offsets.
+    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + col_base;
+    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + col_base;
+#pragma unroll
+    for (int i = 0; i < size(tdKrdK); i += 2) {
+      if (key_base + acc_row(i) < keys_in_tile) {
+        cutlass::AlignedArray<Element, 2> pair;  // one 4-byte store
+        pair[0] = Element(tdKrdK(i));
+        pair[1] = Element(tdKrdK(i + 1));
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dk + acc_row(i) * p.dk_si + acc_col(i)) = pair;
+        pair[0] = Element(tdVrdV(i));
+        pair[1] = Element(tdVrdV(i + 1));
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dv + acc_row(i) * p.dv_si + acc_col(i)) = pair;
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_constant__ typename Kernel::Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ char smem_raw[];
+  auto& smem = *reinterpret_cast<typename Kernel::SharedStorage*>(smem_raw);
+  using Pipeline = typename Kernel::Pipeline;
+  const int warp = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 32, 0);
+  const bool producer = warp / 4 == 0;
+  const int m_begin = Kernel::first_m_block(p, blockIdx.x);
+  const int steps = p.group * (p.m_blocks - m_begin);
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    smem.kv_full.init(1);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Kernel::kBytesQ;  // dO and delta: the same byte count as Q and row_shift
+  pipe_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Kernel::kMmaThreads;
+  // The constructors initialise the barriers (warp 0) and fence the initialisation.
+  Pipeline pipe_q(smem.pipe_q, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_do(smem.pipe_do, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  __syncthreads();
+
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegs>();
+    if (threadIdx.x == 0 && steps > 0) {
+      Kernel::produce(p, smem, pipe_q, pipe_do, steps, m_begin);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegs>();
+    Kernel::consume(p, smem, pipe_q, pipe_do, steps, m_begin);
+  }
+#endif
+}
+
+// dq_accum (float32, kBlockM-row tiles in Kernel::dq_tile_offset order) rounded into grad_q
+// through its strides, two elements per thread (grad_q's rows are 4-byte aligned).
+template <class Kernel>
+__global__ void __launch_bounds__(256)
+    dq_convert_kernel(const float* __restrict__ dq_accum, typename Kernel::Element* grad_q, int64_t sb, int64_t sh,
+                      int64_t si, int heads, int q_len, int q_pad, int64_t pairs) {
+  using Element = typename Kernel::Element;
+  constexpr int kHeadDim = Kernel::kHeadDim, kBlockM = Kernel::kBlockM;
+  for (int64_t pair = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; pair < pairs;
+       pair += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t e = 2 * pair;
+    const int col = static_cast<int>(e % kHeadDim);
+    const int64_t row = e / kHeadDim;
+    const int64_t i = row % q_len, bh = row / q_len;
+    const int64_t h = bh % heads, b = bh / heads;
+    const int64_t tile = bh * q_pad + i / kBlockM * kBlockM;
+    const float2 x = *reinterpret_cast<const float2*>(dq_accum + tile * kHeadDim +
+                                                      Kernel::dq_tile_offset(static_cast<int>(i % kBlockM), col));
+    cutlass::AlignedArray<Element, 2> out;
+    out[0] = Element(x.x);
+    out[1] = Element(x.y);
+    *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(grad_q + b * sb + h * sh + i * si + col) = out;
+  }
+}
+
+}  // namespace detail
+
+// Host: builds the TMA descriptors and runs dq_accum's zeroing, the kernel and the dQ conversion.
+template <typename T, class Config>
+cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename CutlassElement<T>::type;
+  using Kernel = detail::Bwd<Element, Config>;
+  constexpr int D = Config::kHeadDim;
+  if (a.q_len == 0 || a.kv_len == 0 || a.batch == 0 || a.heads == 0) {
+    return cudaErrorInvalidValue;  // the caller handles empty inputs
+  }
+  const int n_blocks = (a.kv_len + Config::kBlockN - 1) / Config::kBlockN;
+  if (a.kv_heads > 65535 || a.batch > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  typename Kernel::Params p;
+  // A size-1 dim is never stepped over; TMA still wants its stride to be a multiple of 16 bytes.
+  auto dim_stride = [](int64_t size, int64_t stride, int64_t fallback) { return size == 1 ? fallback : stride; };
+  p.shape_q = make_shape(int32_t{a.q_len}, int32_t{D}, int32_t{a.heads}, int32_t{a.batch});
+  p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{D}, int32_t{a.kv_heads}, int32_t{a.batch});
+  auto view = [&](const void* ptr, typename Kernel::ShapeQKV shape, int heads, int len, int64_t sb, int64_t sh,
+                  int64_t si) {
+    const int64_t plane = int64_t{len} * si;
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
+                       make_stride(si, _1{}, dim_stride(heads, sh, plane), dim_stride(a.batch, sb, plane * heads)));
+  };
+  auto tile_q = Shape<Int<Config::kBlockM>, Int<D>>{};
+  auto tile_k = Shape<Int<Config::kBlockN>, Int<D>>{};
+  auto smem_q = take<0, 2>(typename Kernel::SmemLayoutQ{});
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.shape_q, a.heads, a.q_len, a.q_sb, a.q_sh, a.q_si), smem_q,
+                          tile_q, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, view(a.grad_out, p.shape_q, a.heads, a.q_len, a.do_sb, a.do_sh, a.do_si),
+                           smem_q, tile_q, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.shape_k, a.kv_heads, a.kv_len, a.k_sb, a.k_sh, a.k_si),
+                          typename Kernel::SmemLayoutK{}, tile_k, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.shape_k, a.kv_heads, a.kv_len, a.v_sb, a.v_sh, a.v_si),
+                          typename Kernel::SmemLayoutK{}, tile_k, _1{});
+  p.row_shift = a.row_shift;
+  p.delta = a.delta;
+  p.dq_accum = a.dq_accum;
+  p.grad_k = static_cast<Element*>(a.grad_k);
+  p.grad_v = static_cast<Element*>(a.grad_v);
+  p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_si = a.dk_si;
+  p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_si = a.dv_si;
+  p.heads = a.heads;
+  p.group = a.heads / a.kv_heads;
+  p.q_len = a.q_len;
+  p.q_pad = (a.q_len + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  p.kv_len = a.kv_len;
+  p.m_blocks = (a.q_len + Config::kBlockM - 1) / Config::kBlockM;
+  p.scale = a.scale;
+  p.scale_log2 = a.scale_log2;
+  p.causal = a.causal;
+  p.causal_shift = a.causal_shift;
+
+  const int64_t dq_elements = int64_t{a.batch} * a.heads * a.q_len * D;
+  cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, int64_t{a.batch} * a.heads * p.q_pad * D * sizeof(float), stream);
+  if (err != cudaSuccess) {
+    return err;
+  }
+  auto kernel = &detail::bwd_kernel<Kernel>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  if (err != cudaSuccess) {
+    return err;
+  }
+  // Key tile 0 first: under causality it sees the most query tiles.
+  kernel<<<dim3(n_blocks, a.kv_heads, a.batch), Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return err;
+  }
+  const int64_t pairs = dq_elements / 2;
+  const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, 65536));
+  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb,
+                                                                a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, pairs);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
+  return launch_bwd_config<T, typename DefaultBwdConfig<kHeadDim>::type>(params, stream);
+}
+
+}  // namespace safeattn::cuda::hopper

@@ -1,0 +1,57 @@
+// What the sm_90a backward attention kernel (hopper/bwd_kernel.cuh) reads and writes: plain data,
+// no CuTe and no torch, so the dispatch code (attention_bwd_sm90.cu, built for plain sm_90) and
+// the standalone check (scripts/hopper_bwd_check.cu) can both fill it. Semantics: ops/attention.h.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace safeattn::cuda::hopper {
+
+struct BwdParams {
+  // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
+  // of 8 elements (what TMA needs); sizes below 2^31.
+  const void* q = nullptr;         // [B, Hq, Q, D]
+  const void* k = nullptr;         // [B, Hkv, KV, D]
+  const void* v = nullptr;         // [B, Hkv, KV, D]
+  const void* grad_out = nullptr;  // [B, Hq, Q, D]
+  // Per query row, [B, Hq, q_pad] contiguous float32 with q_pad = Q rounded up to a multiple of
+  // 128 (the kernel bulk-copies whole tiles of rows), from the rows pre-pass
+  // (attention_bwd_kernel.cu): row_shift = (lse + lse_lo) * log2(e), +inf for a row with no
+  // visible key (every p becomes 0) and for the padding; delta = rowsum(dO * O) - grad_lse, 0 in
+  // the padding.
+  const float* row_shift = nullptr;
+  const float* delta = nullptr;
+  // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
+  // tile of rows is the kernel's own), written with atomics or bulk reduce-adds; the launcher
+  // zeroes it first and converts it into grad_q after the kernel.
+  float* dq_accum = nullptr;
+  void* grad_q = nullptr;                // [B, Hq, Q, D] strided, 4-byte aligned rows
+  void* grad_k = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
+  void* grad_v = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
+  int64_t q_sb = 0, q_sh = 0, q_si = 0;  // strides in elements
+  int64_t k_sb = 0, k_sh = 0, k_si = 0;
+  int64_t v_sb = 0, v_sh = 0, v_si = 0;
+  int64_t do_sb = 0, do_sh = 0, do_si = 0;
+  int64_t dq_sb = 0, dq_sh = 0, dq_si = 0;
+  int64_t dk_sb = 0, dk_sh = 0, dk_si = 0;
+  int64_t dv_sb = 0, dv_sh = 0, dv_si = 0;
+  int batch = 1, heads = 1, kv_heads = 1;  // query head h reads kv head h / (heads / kv_heads)
+  int q_len = 0, kv_len = 0;
+  float scale = 0.0f;       // > 0
+  float scale_log2 = 0.0f;  // scale * log2(e)
+  bool causal = false;
+  // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
+  // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
+  int64_t causal_shift = 0;
+};
+
+// The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
+// bwd_kernel.cuh, instantiated once per generated file attention_bwd_sm90_d<D>_<dtype>.cu. Runs
+// the dK/dV kernel (adding dQ into dq_accum) and the dQ conversion on the stream. Returns the
+// first launch error (cudaErrorInvalidValue for a grid it cannot launch).
+template <typename T, int kHeadDim>
+cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace safeattn::cuda::hopper
