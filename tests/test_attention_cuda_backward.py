@@ -280,7 +280,8 @@ def test_deterministic(dtype):
 def _backward_kernels(q, k, v, **kwargs):
     """Names of the attention_bwd kernels that one backward launches."""
     out, _ = safeattn.attention(q, k, v, **kwargs)
-    inputs = (q, k, v, *([kwargs["attn_mask"]] if kwargs.get("attn_mask") is not None else []))
+    mask = kwargs.get("attn_mask")
+    inputs = (q, k, v, *([mask] if mask is not None and mask.requires_grad else []))
     names = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
     return {n for n in names if "attention_bwd" in n}
 
@@ -295,8 +296,12 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    q, k, v = _qkv(1, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
-    names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True)
+    # A bool mask (no gradient) keeps the call on the mma.sync kernels on every GPU (the sm_90a
+    # backward takes no mask), here in their atomic mode.
+    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
+    keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
+    keep[..., :5] = False
+    names = _backward_kernels(q, k, v, attn_mask=keep, enable_gqa=True, is_causal=True)
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
     assert any("attention_bwd_dkdv_kernel" in n for n in names), f"no dK/dV kernel among {names}"
@@ -311,7 +316,7 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
     assert dq_kernel_ran(attn_mask=bias), "a mask gradient must take the dQ kernel (it writes the gradient)"
     deterministic_algorithms(True)
-    assert dq_kernel_ran(), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
+    assert dq_kernel_ran(attn_mask=keep), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
 
 
 def test_sm90_selection(deterministic_algorithms):
@@ -322,7 +327,8 @@ def test_sm90_selection(deterministic_algorithms):
         pytest.skip("the sm_90a kernels run on sm_90 devices only")
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
     if not any(
-        "hopper::detail::fwd_kernel" in n for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v))
+        "hopper::detail::fwd_kernel" in n
+        for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
     ):
         pytest.skip("a build without the sm_90a kernels (no CUTLASS headers)")
 
