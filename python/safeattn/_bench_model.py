@@ -134,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="2 layers, hidden 128, 4/2 heads of 32, batch 2 x 128 (a CPU check)",
     )
+    parser.add_argument("--quick", action="store_true", help="3 repeats after 1 warm-up")
     parser.add_argument("--markdown", action="store_true", help="also print the README's table")
 
 
@@ -143,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny:
         args.layers, args.hidden, args.mlp, args.heads, args.kv_heads, args.head_dim = 2, 128, 256, 4, 2, 32
         args.vocab, args.batch, args.seq = 512, 2, 128
+    if args.quick:
+        args.repeats, args.warmup = 3, 1
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench model: --device cuda but no CUDA device is visible")
