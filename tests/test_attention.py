@@ -542,11 +542,17 @@ def test_device_mismatch_message():
     q = torch.randn(1, 2, 3, 8)
     mask = torch.ones(3, 3, dtype=torch.bool, device="meta")
     k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    # A meta mask sends the call to the Meta kernel, whose check (the kernels' own) names it.
     with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
         safeattn.attention(q, k, v, mask)
+    # Under FakeTensorMode the Meta kernel sees every tensor on meta, so the device check is
+    # FakeTensorMode's own (every other check is the op's, see test_bad_inputs); torch 2.6 words it
+    # "found two different devices cpu, meta".
     with torch._subclasses.FakeTensorMode() as mode:
         fakes = [mode.from_tensor(t) for t in (q, k, v, mask)]
-        with pytest.raises(RuntimeError, match="attention: attn_mask is on meta, expected cpu"):
+        with pytest.raises(
+            RuntimeError, match="found (at least two|two different) devices,? cpu,? (and )?meta"
+        ):
             safeattn.attention(*fakes)
 
 
@@ -1085,6 +1091,36 @@ def test_private_backward_rejects_bad_arguments(overrides, message, mode):
         return
     with pytest.raises(RuntimeError, match=message):
         torch.ops.safeattn._attention_backward(**args)
+
+
+def _fake_outputs_match_real(op, args):
+    """The fake's outputs (shape, dtype, strides, device) against the CPU kernel's."""
+    real = op(**args)
+    with torch._subclasses.FakeTensorMode() as fake_mode:
+        fake = op(
+            **{n: (fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a) for n, a in args.items()}
+        )
+    for i, (f, r) in enumerate(zip(fake, real, strict=True)):
+        got, want = (f.shape, f.dtype, f.stride(), f.device), (r.shape, r.dtype, r.stride(), r.device)
+        assert got == want, f"{op}: output {i} of the fake is {got}, the kernel's {want}"
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float", "float needing grad"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_private_ops_fakes_match_kernels(mask, with_sinks):
+    """_attention_forward and _attention_backward: their Meta kernels allocate what the CPU
+    kernels return, with and without the optional outputs (grad_mask, grad_sinks)."""
+    args = _private_backward_args()
+    if mask is not None:
+        bias = torch.randn(4, 5, 7)
+        args["attn_mask"] = bias > 0 if mask == "bool" else bias
+        args["grad_mask_needed"] = mask == "float needing grad"
+    if with_sinks:
+        args["sinks"] = torch.randn(4)
+    forward = {n: args[n] for n in ("query", "key", "value", "attn_mask", "sinks")}
+    _fake_outputs_match_real(torch.ops.safeattn._attention_forward, dict(forward, enable_gqa=True))
+    _fake_outputs_match_real(torch.ops.safeattn.attention, dict(forward, enable_gqa=True))
+    _fake_outputs_match_real(torch.ops.safeattn._attention_backward, args)
 
 
 def test_private_backward_valid_call_matches_autograd():

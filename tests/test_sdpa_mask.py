@@ -347,12 +347,14 @@ BAD = [
 ]
 
 
-def _call(overrides, device=None):
+def _call(overrides, device=None, fake_mode=None):
     args = dict(batch_size=2, q_length=4, kv_length=6)
     args.update(overrides)
     if device is not None:
         args = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
         args["device"] = device
+    if fake_mode is not None:
+        args = {k: (fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     return safeattn.sdpa_mask(**args)
 
 
@@ -363,10 +365,33 @@ def test_bad_input_eager(overrides, message):
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_fake(overrides, message):
-    """The fake (meta) implementation raises the same message."""
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+def test_bad_input_fake(overrides, message, mode):
+    """The fake raises the same message: it runs the op's C++ checks (safeattn::_sdpa_mask_check),
+    on meta tensors ("meta") and under FakeTensorMode as torch.compile runs it ("fake")."""
     with pytest.raises(RuntimeError, match=message):
-        _call(overrides, device="meta")
+        if mode == "meta":
+            _call(overrides, device="meta")
+        else:
+            with torch._subclasses.FakeTensorMode() as fake_mode:
+                _call(overrides, fake_mode=fake_mode)
+
+
+def test_fake_output_matches_kernel():
+    """The fake's output (shape, dtype, strides, device) is the CPU kernel's."""
+    cases = [
+        dict(),
+        dict(dtype=torch.float16),
+        dict(padding_mask=torch.ones(2, 6, dtype=torch.bool), device="cpu"),
+        dict(q_positions=torch.arange(4), packed_ids=torch.zeros(2, 6, dtype=torch.long)),
+    ]
+    for overrides in cases:
+        real = _call(overrides)
+        with torch._subclasses.FakeTensorMode() as fake_mode:
+            fake = _call(overrides, fake_mode=fake_mode)
+        got = (fake.shape, fake.dtype, fake.stride(), fake.device)
+        want = (real.shape, real.dtype, real.stride(), real.device)
+        assert got == want, f"fake {got} != kernel {want} for {overrides}"
 
 
 def test_device_mismatch():
@@ -383,6 +408,18 @@ def test_device_mismatch():
             q_positions=torch.tensor(0),
             padding_mask=torch.ones(1, 2, dtype=torch.bool, device="meta"),
         )
+    # The fake checks devices too: FakeTensorMode runs the checks on the fake tensors themselves.
+    with torch._subclasses.FakeTensorMode() as fake_mode:
+        with pytest.raises(
+            RuntimeError, match=re.escape("padding_mask is on meta, expected cpu (from q_positions)")
+        ):
+            safeattn.sdpa_mask(
+                1,
+                2,
+                2,
+                q_positions=fake_mode.from_tensor(torch.tensor(0)),
+                padding_mask=fake_mode.from_tensor(torch.ones(1, 2, dtype=torch.bool, device="meta")),
+            )
 
 
 @pytest.mark.skipif(

@@ -611,16 +611,23 @@ BAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize("device", ["cpu", "meta", "fake", pytest.param("cuda", marks=NEEDS_CUDA)])
 @pytest.mark.parametrize("name,call,message", BAD_CASES, ids=[c[0] for c in BAD_CASES])
 def test_bad_inputs_raise(device, name, call, message):
-    # "meta" runs the fake (_fake.py); the others run the C++ check.
+    # One set of C++ checks: "cpu" and "cuda" run them in the kernels' entry points, "meta" in the
+    # Meta kernel, "fake" in the Meta kernel under FakeTensorMode (what torch.compile runs).
     with pytest.raises(RuntimeError, match=message):
-        call(device)
+        if device == "fake":
+            with torch._subclasses.FakeTensorMode():
+                call("cpu")
+        else:
+            call(device)
 
 
 def test_bad_device_raises():
-    # A mask on another device: the C++ check on CUDA, the fake with a meta mask.
+    # A mask on another device: the C++ check on CUDA, and on the CPU with a meta mask (the
+    # dispatcher picks the Meta kernel, which runs the same check). Under FakeTensorMode the Meta
+    # kernel sees every tensor on meta, and FakeTensorMode raises its own device error.
     scores = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match=r"masked_softmax: mask is on meta, expected cpu \(from scores\)"):
         safeattn.masked_softmax(scores, torch.ones(3, 4, dtype=torch.bool, device="meta"))

@@ -1,5 +1,7 @@
-// Small helpers for argument checks with messages that name the argument. The fakes in
-// python/safeattn/_fake.py raise the same texts, so keep the two in step.
+// Small helpers for argument checks with messages that name the argument. Each op's checks are
+// written once, in C++, on symbolic sizes (c10::SymInt): the CPU and CUDA entry points run them
+// on concrete sizes, and the Meta kernels (what torch.compile, torch.export and FakeTensorMode
+// run) on symbolic ones, so the fake raises the same messages from the same code.
 #pragma once
 
 #include <initializer_list>
@@ -8,11 +10,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/SymBool.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/Exception.h>
 
 namespace safeattn {
 
-// "Long", "Float", ... as c10 prints them; _fake.py maps torch dtypes to the same names.
+// "Long", "Float", ... as c10 prints them.
 inline std::string dtype_name(at::ScalarType t) {
   return c10::toString(t);
 }
@@ -44,6 +48,27 @@ inline c10::Device common_device(const char* op, std::optional<c10::Device> devi
                 ")");
   }
   return found.value_or(c10::Device(c10::kCPU));
+}
+
+// Whether a condition on sizes holds: plain for concrete sizes; for symbolic ones what
+// torch._check does (a guard on a backed size, a deferred runtime assert on an unbacked one), so
+// a Meta kernel specialises nothing beyond the condition itself. Call it once per condition and
+// combine with && and ||, which short-circuit (h % hkv must not run when hkv is 0).
+inline bool holds(const c10::SymBool& condition) {
+  return condition.expect_true(__FILE__, __LINE__);
+}
+
+// a == b, element by element (see holds).
+inline bool same_sizes(c10::SymIntArrayRef a, c10::SymIntArrayRef b) {
+  if (a.size() != b.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!holds(a[i].sym_eq(b[i]))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace safeattn

@@ -32,6 +32,30 @@ at::ScalarType acc_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The outputs of attention and _attention_forward, for the kernels and the Meta kernels alike:
+// out [B, Hq, Q, Dv] stored as [B, Q, Hq, Dv] (so that out.transpose(1, 2), what Transformers
+// returns, is contiguous), lse and lse_lo [B, Hq, Q] in the acc dtype (lse_lo only if asked for).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_outputs(const at::Tensor& query, const at::Tensor& value,
+                                                                 bool with_lse_lo) {
+  const c10::SymInt batch = query.sym_size(0), hq = query.sym_size(1), q_len = query.sym_size(2);
+  at::Tensor out = at::empty_symint({batch, q_len, hq, value.sym_size(3)}, query.options()).transpose(1, 2);
+  at::Tensor lse = at::empty_symint({batch, hq, q_len}, query.options().dtype(acc_type(query.scalar_type())));
+  at::Tensor lse_lo = with_lse_lo ? at::empty_symint({batch, hq, q_len}, lse.options()) : at::Tensor();
+  return {out, lse, lse_lo};
+}
+
+// The score rule's settings, the same in the forward's and the backward's kernel arguments. The
+// kernels get the causal shift q_offset - kv_offset (causal_shift) and kv_offset 0.
+template <typename KernelArgs>
+void set_score_rule(KernelArgs& args, const at::Tensor& query, std::optional<double> scale, double softcap,
+                    bool is_causal, int64_t q_offset, int64_t kv_offset, int64_t q_len, int64_t kv_len) {
+  args.scale = attention_scale(query, scale);
+  args.softcap = softcap;
+  args.is_causal = is_causal;
+  args.q_offset = causal_shift(q_offset, kv_offset, q_len, kv_len);
+  args.kv_offset = 0;
+}
+
 // The mask as a 4-D view [B|1, H|1, Q|1, KV|1] (leading dims added, nothing copied).
 at::Tensor mask_as_4d(const at::Tensor& mask) {
   at::Tensor m = mask;
@@ -58,21 +82,24 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
               " but query has ", dtype_name(query.scalar_type()));
   common_device(kOp, std::nullopt,
                 {{"query", query}, {"key", key}, {"value", value}, {"attn_mask", attn_mask}, {"sinks", sinks}});
-  TORCH_CHECK(key.size(0) == query.size(0), kOp, ": key has batch ", key.size(0), " but query has ", query.size(0));
-  TORCH_CHECK(value.size(0) == query.size(0), kOp, ": value has batch ", value.size(0), " but query has ",
-              query.size(0));
-  TORCH_CHECK(value.size(1) == key.size(1), kOp, ": value has ", value.size(1), " heads but key has ", key.size(1));
-  TORCH_CHECK(value.size(2) == key.size(2), kOp, ": value has kv_length ", value.size(2), " but key has ", key.size(2));
-  TORCH_CHECK(key.size(3) == query.size(3), kOp, ": key has head_dim ", key.size(3), " but query has ", query.size(3));
-  TORCH_CHECK(query.size(3) > 0, kOp, ": query head_dim must be > 0");
-  TORCH_CHECK(value.size(3) > 0, kOp, ": value head_dim must be > 0");
-  const int64_t hq = query.size(1);
-  const int64_t hkv = key.size(1);
+  // Sizes are SymInts: symbolic in the Meta kernel under torch.compile (see holds()).
+  const c10::SymInt batch = query.sym_size(0), hq = query.sym_size(1), q_len = query.sym_size(2);
+  const c10::SymInt hkv = key.sym_size(1), kv_len = key.sym_size(2);
+  TORCH_CHECK(holds(key.sym_size(0).sym_eq(batch)), kOp, ": key has batch ", key.sym_size(0), " but query has ", batch);
+  TORCH_CHECK(holds(value.sym_size(0).sym_eq(batch)), kOp, ": value has batch ", value.sym_size(0), " but query has ",
+              batch);
+  TORCH_CHECK(holds(value.sym_size(1).sym_eq(hkv)), kOp, ": value has ", value.sym_size(1), " heads but key has ", hkv);
+  TORCH_CHECK(holds(value.sym_size(2).sym_eq(kv_len)), kOp, ": value has kv_length ", value.sym_size(2),
+              " but key has ", kv_len);
+  TORCH_CHECK(holds(key.sym_size(3).sym_eq(query.sym_size(3))), kOp, ": key has head_dim ", key.sym_size(3),
+              " but query has ", query.sym_size(3));
+  TORCH_CHECK(holds(query.sym_size(3).sym_gt(0)), kOp, ": query head_dim must be > 0");
+  TORCH_CHECK(holds(value.sym_size(3).sym_gt(0)), kOp, ": value head_dim must be > 0");
   if (enable_gqa) {
-    TORCH_CHECK(hkv > 0 && hq % hkv == 0, kOp, ": query heads (", hq, ") must be a multiple of key/value heads (", hkv,
-                ")");
+    TORCH_CHECK(holds(hkv.sym_gt(0)) && holds((hq % hkv).sym_eq(0)), kOp, ": query heads (", hq,
+                ") must be a multiple of key/value heads (", hkv, ")");
   } else {
-    TORCH_CHECK(hq == hkv, kOp, ": query has ", hq, " heads but key and value have ", hkv,
+    TORCH_CHECK(holds(hq.sym_eq(hkv)), kOp, ": query has ", hq, " heads but key and value have ", hkv,
                 "; pass enable_gqa=True for grouped-query attention");
   }
   TORCH_CHECK(dropout_p == 0.0, kOp, ": dropout_p must be 0 (dropout is not implemented), got ", dropout_p);
@@ -96,20 +123,20 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                 ": attn_mask must be Bool, Float or the query dtype (", dtype_name(query.scalar_type()), "), got ",
                 dtype_name(t));
     TORCH_CHECK(m.dim() >= 2 && m.dim() <= 4, kOp, ": attn_mask must be 2-D, 3-D or 4-D, got ", m.dim(), "-D");
-    const int64_t target[4] = {query.size(0), hq, query.size(2), key.size(2)};
+    const c10::SymInt target[4] = {batch, hq, q_len, kv_len};
     bool ok = true;
     for (int64_t d = 0; d < m.dim(); ++d) {
-      const int64_t size = m.size(m.dim() - 1 - d);
-      ok = ok && (size == 1 || size == target[3 - d]);
+      const c10::SymInt& size = m.sym_size(m.dim() - 1 - d);
+      ok = ok && (holds(size.sym_eq(1)) || holds(size.sym_eq(target[3 - d])));
     }
-    TORCH_CHECK(ok, kOp, ": attn_mask of shape ", m.sizes(), " is not broadcastable to [batch, heads, q_length, ",
+    TORCH_CHECK(ok, kOp, ": attn_mask of shape ", m.sym_sizes(), " is not broadcastable to [batch, heads, q_length, ",
                 "kv_length] = [", target[0], ", ", target[1], ", ", target[2], ", ", target[3], "]");
   }
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->is_floating_point(), kOp, ": sinks must have a floating dtype, got ",
                 dtype_name(sinks->scalar_type()));
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == hq, kOp, ": sinks must be [num_heads] = [", hq, "], got ",
-                sinks->sizes());
+    TORCH_CHECK(sinks->dim() == 1 && holds(sinks->sym_size(0).sym_eq(hq)), kOp, ": sinks must be [num_heads] = [", hq,
+                "], got ", sinks->sym_sizes());
   }
 }
 
@@ -123,23 +150,22 @@ void check_attention_backward(const at::Tensor& grad_out, const std::optional<at
   check_attention(query, key, value, attn_mask, 0.0, scale, /*enable_gqa=*/true, softcap, sinks, op);
   common_device(op, query.device(),
                 {{"grad_out", grad_out}, {"grad_lse", grad_lse}, {"out", out}, {"lse", lse}, {"lse_lo", lse_lo}});
-  const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2), dv = value.size(3);
-  const std::vector<int64_t> out_shape{batch, hq, q_len, dv};
-  const std::vector<int64_t> row_shape{batch, hq, q_len};
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape), op,
-              ": out must be [batch, heads, q_length, head_dim_v] = ", at::IntArrayRef(out_shape), ", got ",
-              out.sizes());
+  const std::vector<c10::SymInt> out_shape{query.sym_size(0), query.sym_size(1), query.sym_size(2), value.sym_size(3)};
+  const c10::SymIntArrayRef row_shape = c10::SymIntArrayRef(out_shape).slice(0, 3);
+  TORCH_CHECK(same_sizes(out.sym_sizes(), out_shape), op,
+              ": out must be [batch, heads, q_length, head_dim_v] = ", c10::SymIntArrayRef(out_shape), ", got ",
+              out.sym_sizes());
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out has dtype ", dtype_name(out.scalar_type()),
               " but query has ", dtype_name(query.scalar_type()));
-  TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out has shape ", grad_out.sizes(), " but out has ",
-              out.sizes());
+  TORCH_CHECK(same_sizes(grad_out.sym_sizes(), out.sym_sizes()), op, ": grad_out has shape ", grad_out.sym_sizes(),
+              " but out has ", out.sym_sizes());
   TORCH_CHECK(grad_out.scalar_type() == query.scalar_type(), op, ": grad_out has dtype ",
               dtype_name(grad_out.scalar_type()), " but query has ", dtype_name(query.scalar_type()));
   auto check_rows = [&](const char* name, const at::Tensor& t) {
     TORCH_CHECK(t.is_floating_point(), op, ": ", name, " must have a floating dtype, got ",
                 dtype_name(t.scalar_type()));
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(row_shape), op, ": ", name,
-                " must be [batch, heads, q_length] = ", at::IntArrayRef(row_shape), ", got ", t.sizes());
+    TORCH_CHECK(same_sizes(t.sym_sizes(), row_shape), op, ": ", name, " must be [batch, heads, q_length] = ", row_shape,
+                ", got ", t.sym_sizes());
   };
   check_rows("lse", lse);
   if (lse_lo.has_value()) {
@@ -162,12 +188,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
     double softcap, const std::optional<at::Tensor>& sinks, bool with_lse_lo, AttentionFwdFn kernel) {
   check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
-  const int64_t kv_len = key.size(2), dv = value.size(3);
+  const int64_t kv_len = key.size(2);
   const at::ScalarType acc = acc_type(query.scalar_type());
-  // [B, Q, Hq, Dv] storage so that out.transpose(1, 2) (what Transformers returns) is contiguous.
-  at::Tensor out = at::empty({batch, q_len, hq, dv}, query.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({batch, hq, q_len}, query.options().dtype(acc));
-  at::Tensor lse_lo = with_lse_lo ? at::empty({batch, hq, q_len}, lse.options()) : at::Tensor();
+  auto [out, lse, lse_lo] = attention_outputs(query, value, with_lse_lo);
   if (out.numel() == 0) {  // Dv > 0 (checked), so lse is empty too
     return {out, lse, lse_lo};
   }
@@ -184,11 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
   args.out = out;
   args.lse = lse;
   args.lse_lo = lse_lo;
-  args.scale = attention_scale(query, scale);
-  args.softcap = softcap;
-  args.is_causal = is_causal;
-  args.q_offset = causal_shift(q_offset, kv_offset, q_len, kv_len);
-  args.kv_offset = 0;
+  set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
   kernel(args);
   return {out, lse, lse_lo};
 }
@@ -274,11 +293,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.grad_value = grad_value;
     args.grad_mask_partial = partial;
     args.grad_mask_assign = grad_mask_assign;
-    args.scale = attention_scale(query, scale);
-    args.softcap = softcap;
-    args.is_causal = is_causal;
-    args.q_offset = causal_shift(q_offset, kv_offset, q_len, kv_len);
-    args.kv_offset = 0;
+    set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
     kernel(args);
   }
   if (partial.defined()) {
@@ -323,6 +338,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& lse_lo) {
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
                                  kv_offset, softcap, sinks, grad_mask_needed, lse_lo, attention_bwd_cpu_stub().pick());
+}
+
+// The Meta kernels: what torch.compile, torch.export and FakeTensorMode run (sizes may be
+// symbolic). The same checks as the CPU and CUDA entry points, then the outputs they allocate.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, c10::SymInt q_offset,
+    c10::SymInt kv_offset, double softcap, const std::optional<at::Tensor>& sinks) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+  return attention_outputs(query, value, /*with_lse_lo=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_meta(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                  double dropout_p, bool is_causal, std::optional<double> scale,
+                                                  bool enable_gqa, c10::SymInt q_offset, c10::SymInt kv_offset,
+                                                  double softcap, const std::optional<at::Tensor>& sinks) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+  auto [out, lse, unused] = attention_outputs(query, value, /*with_lse_lo=*/false);
+  return {out, lse};
+}
+
+// As attention_backward_impl allocates them: gradients of query, key, value contiguous; the mask's
+// and the sinks' in their own shape and dtype, or empty when not asked for.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_meta(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, c10::SymInt q_offset,
+    c10::SymInt kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo) {
+  check_attention_backward(grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
+                           grad_mask_needed, lse_lo);
+  auto like = [](const at::Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
+  auto none = [&] { return at::empty({0}, query.options()); };  // a fresh one each: outputs never alias
+  return {like(query), like(key), like(value), attn_mask.has_value() && grad_mask_needed ? like(*attn_mask) : none(),
+          sinks.has_value() ? like(*sinks) : none()};
 }
 
 }  // namespace
@@ -510,6 +561,13 @@ TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("attention", &attention_cpu);
   m.impl("_attention_forward", &attention_forward_cpu);
   m.impl("_attention_backward", &attention_backward_cpu);
+}
+
+// Also the fakes: FakeTensorMode runs a C++ Meta kernel for an op that has no Python fake.
+TORCH_LIBRARY_IMPL(safeattn, Meta, m) {
+  m.impl("attention", &attention_meta);
+  m.impl("_attention_forward", &attention_forward_meta);
+  m.impl("_attention_backward", &attention_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {

@@ -117,8 +117,9 @@ using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 
-// Validates the arguments (shared by every backend; _fake.py raises the same messages). `op`
-// names the op in the messages.
+// Validates the arguments: the one source of attention's rules, run by every backend's entry
+// point and by the Meta kernel (the fake), on SymInt sizes (common/checks.h). `op` names the op
+// in the messages.
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
                      bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks,
@@ -126,7 +127,7 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
 
 // Validates every argument of _attention_backward: the forward's rules, then out, grad_out,
 // lse, lse_lo and grad_lse against the shapes and dtypes they must have, so that no call (a
-// traced graph's included) can make a kernel read past a tensor.
+// traced graph's included) can make a kernel read past a tensor. Also run by the Meta kernel.
 void check_attention_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                               const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,

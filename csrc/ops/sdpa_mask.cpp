@@ -18,15 +18,15 @@ namespace {
 
 constexpr const char* kOp = "sdpa_mask";
 
-void check_ids(const std::optional<at::Tensor>& ids, const char* name, int64_t batch_size) {
+void check_ids(const std::optional<at::Tensor>& ids, const char* name, const c10::SymInt& batch_size) {
   if (!ids.has_value()) {
     return;
   }
   TORCH_CHECK(at::isIntegralType(ids->scalar_type(), /*includeBool=*/false), kOp, ": ", name,
               " must have an integer dtype, got ", dtype_name(ids->scalar_type()));
   TORCH_CHECK(ids->dim() == 2, kOp, ": ", name, " must be 2-D [batch_size, length], got ", ids->dim(), "-D");
-  TORCH_CHECK(ids->size(0) == batch_size, kOp, ": ", name, " has batch ", ids->size(0), " but batch_size is ",
-              batch_size);
+  TORCH_CHECK(holds(ids->sym_size(0).sym_eq(batch_size)), kOp, ": ", name, " has batch ", ids->sym_size(0),
+              " but batch_size is ", batch_size);
 }
 
 at::Tensor as_long(const std::optional<at::Tensor>& t) {
@@ -35,24 +35,24 @@ at::Tensor as_long(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
-                            int64_t kv_offset, const std::optional<at::Tensor>& q_positions,
-                            std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
-                            const std::optional<at::Tensor>& chunk_left_padding,
+c10::Device check_sdpa_mask(const c10::SymInt& batch_size, const c10::SymInt& q_length, const c10::SymInt& kv_length,
+                            const c10::SymInt& q_offset, const c10::SymInt& kv_offset,
+                            const std::optional<at::Tensor>& q_positions, std::optional<int64_t> sliding_window,
+                            std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
                             const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
                             const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
                             bool use_finfo_min, std::optional<c10::Device> device) {
-  TORCH_CHECK(batch_size >= 0, kOp, ": batch_size must be >= 0, got ", batch_size);
-  TORCH_CHECK(q_length >= 0, kOp, ": q_length must be >= 0, got ", q_length);
-  TORCH_CHECK(kv_length >= 0, kOp, ": kv_length must be >= 0, got ", kv_length);
-  TORCH_CHECK(q_offset >= 0, kOp, ": q_offset must be >= 0, got ", q_offset);
-  TORCH_CHECK(kv_offset >= 0, kOp, ": kv_offset must be >= 0, got ", kv_offset);
+  TORCH_CHECK(holds(batch_size.sym_ge(0)), kOp, ": batch_size must be >= 0, got ", batch_size);
+  TORCH_CHECK(holds(q_length.sym_ge(0)), kOp, ": q_length must be >= 0, got ", q_length);
+  TORCH_CHECK(holds(kv_length.sym_ge(0)), kOp, ": kv_length must be >= 0, got ", kv_length);
+  TORCH_CHECK(holds(q_offset.sym_ge(0)), kOp, ": q_offset must be >= 0, got ", q_offset);
+  TORCH_CHECK(holds(kv_offset.sym_ge(0)), kOp, ": kv_offset must be >= 0, got ", kv_offset);
   // Every query and key position must be an int64 (the kernels compute the rule exactly from there).
-  constexpr int64_t kMaxPosition = std::numeric_limits<int64_t>::max();
-  TORCH_CHECK(q_offset <= kMaxPosition - q_length, kOp, ": q_offset + q_length must be <= 2**63 - 1, got ", q_offset,
-              " + ", q_length);
-  TORCH_CHECK(kv_offset <= kMaxPosition - kv_length, kOp, ": kv_offset + kv_length must be <= 2**63 - 1, got ",
-              kv_offset, " + ", kv_length);
+  const c10::SymInt max_position(std::numeric_limits<int64_t>::max());
+  TORCH_CHECK(holds(q_offset.sym_le(max_position - q_length)), kOp, ": q_offset + q_length must be <= 2**63 - 1, got ",
+              q_offset, " + ", q_length);
+  TORCH_CHECK(holds(kv_offset.sym_le(max_position - kv_length)), kOp,
+              ": kv_offset + kv_length must be <= 2**63 - 1, got ", kv_offset, " + ", kv_length);
   TORCH_CHECK(!sliding_window.has_value() || *sliding_window > 0, kOp, ": sliding_window must be > 0, got ",
               sliding_window.value_or(0));
   TORCH_CHECK(!chunk_size.has_value() || *chunk_size > 0, kOp, ": chunk_size must be > 0, got ",
@@ -69,33 +69,35 @@ c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_len
                 ": q_positions must have an integer dtype, got ", dtype_name(pos.scalar_type()));
     TORCH_CHECK(pos.dim() <= 2, kOp, ": q_positions must be 0-D, [q_length] or [batch_size, q_length], got ", pos.dim(),
                 "-D");
-    TORCH_CHECK(pos.dim() != 1 || pos.size(0) == q_length, kOp, ": q_positions has ", pos.dim() == 1 ? pos.size(0) : 0,
-                " positions but q_length is ", q_length);
-    TORCH_CHECK(pos.dim() != 2 || (pos.size(0) == batch_size && pos.size(1) == q_length), kOp,
-                ": q_positions must be [batch_size, q_length] = [", batch_size, ", ", q_length, "], got ", pos.sizes());
-    TORCH_CHECK(q_offset == 0, kOp, ": q_offset must be 0 when q_positions is given, got ", q_offset);
+    TORCH_CHECK(pos.dim() != 1 || holds(pos.sym_size(0).sym_eq(q_length)), kOp, ": q_positions has ",
+                pos.dim() == 1 ? pos.sym_size(0) : c10::SymInt(0), " positions but q_length is ", q_length);
+    TORCH_CHECK(
+        pos.dim() != 2 || (holds(pos.sym_size(0).sym_eq(batch_size)) && holds(pos.sym_size(1).sym_eq(q_length))), kOp,
+        ": q_positions must be [batch_size, q_length] = [", batch_size, ", ", q_length, "], got ", pos.sym_sizes());
+    TORCH_CHECK(holds(q_offset.sym_eq(0)), kOp, ": q_offset must be 0 when q_positions is given, got ", q_offset);
   }
   if (chunk_left_padding.has_value()) {
     const at::Tensor& pad = *chunk_left_padding;
     TORCH_CHECK(chunk_size.has_value(), kOp, ": chunk_left_padding needs chunk_size");
     TORCH_CHECK(at::isIntegralType(pad.scalar_type(), /*includeBool=*/false), kOp,
                 ": chunk_left_padding must have an integer dtype, got ", dtype_name(pad.scalar_type()));
-    TORCH_CHECK(pad.dim() == 1 && pad.size(0) == batch_size, kOp, ": chunk_left_padding must be [batch_size] = [",
-                batch_size, "], got ", pad.sizes());
+    TORCH_CHECK(pad.dim() == 1 && holds(pad.sym_size(0).sym_eq(batch_size)), kOp,
+                ": chunk_left_padding must be [batch_size] = [", batch_size, "], got ", pad.sym_sizes());
   }
   if (padding_mask.has_value()) {
     const at::Tensor& pad = *padding_mask;
     TORCH_CHECK(pad.scalar_type() == at::kBool || at::isIntegralType(pad.scalar_type(), /*includeBool=*/false), kOp,
                 ": padding_mask must be bool or integer, got ", dtype_name(pad.scalar_type()));
     TORCH_CHECK(pad.dim() == 2, kOp, ": padding_mask must be 2-D [batch_size, length], got ", pad.dim(), "-D");
-    TORCH_CHECK(pad.size(0) == batch_size, kOp, ": padding_mask has batch ", pad.size(0), " but batch_size is ",
-                batch_size);
+    TORCH_CHECK(holds(pad.sym_size(0).sym_eq(batch_size)), kOp, ": padding_mask has batch ", pad.sym_size(0),
+                " but batch_size is ", batch_size);
   }
   check_ids(packed_ids, "packed_ids", batch_size);
   if (packed_ids.has_value()) {
-    const int64_t needed = std::max(kv_offset + kv_length, q_positions.has_value() ? 0 : q_offset + q_length);
-    TORCH_CHECK(packed_ids->size(1) >= needed, kOp, ": packed_ids is too short: ", packed_ids->size(1),
-                " positions, needs ", needed);
+    const c10::SymInt kv_end = kv_offset + kv_length;
+    const c10::SymInt needed = q_positions.has_value() ? kv_end : kv_end.max(q_offset + q_length);
+    TORCH_CHECK(holds(packed_ids->sym_size(1).sym_ge(needed)), kOp,
+                ": packed_ids is too short: ", packed_ids->sym_size(1), " positions, needs ", needed);
   }
   check_ids(block_ids, "block_ids", batch_size);
 
@@ -176,6 +178,20 @@ at::Tensor sdpa_mask_cpu(int64_t batch_size, int64_t q_length, int64_t kv_length
   return out;
 }
 
+// safeattn::_sdpa_mask_check: the checks alone, for sdpa_mask's fake (python/safeattn/_fake.py),
+// which only adds the output. CompositeImplicitAutograd, so FakeTensorMode runs it on the fake
+// tensors themselves (their own devices, symbolic sizes) rather than as a Meta kernel, under which
+// every tensor would read as a meta tensor.
+void sdpa_mask_check(c10::SymInt batch_size, c10::SymInt q_length, c10::SymInt kv_length, c10::SymInt q_offset,
+                     c10::SymInt kv_offset, const std::optional<at::Tensor>& q_positions,
+                     std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                     const std::optional<at::Tensor>& chunk_left_padding, const std::optional<at::Tensor>& padding_mask,
+                     const std::optional<at::Tensor>& packed_ids, const std::optional<at::Tensor>& block_ids,
+                     std::optional<at::ScalarType> dtype, bool use_finfo_min, std::optional<c10::Device> device) {
+  check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, sliding_window, chunk_size,
+                  chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
+}
+
 // The op may have no tensor argument at all (plain causal mask), so the backend comes from
 // `device` (or the tensors) here: BackendSelect runs before any backend kernel.
 at::Tensor sdpa_mask_backend_select(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
@@ -227,6 +243,12 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
       "Tensor? q_positions=None, bool causal=True, int? sliding_window=None, int? chunk_size=None, "
       "Tensor? chunk_left_padding=None, Tensor? padding_mask=None, Tensor? packed_ids=None, "
       "Tensor? block_ids=None, ScalarType? dtype=None, bool use_finfo_min=False, Device? device=None) -> Tensor");
+  // Private: sdpa_mask's checks (sdpa_mask_check above), with its arguments but `causal`.
+  m.def(
+      "_sdpa_mask_check(SymInt batch_size, SymInt q_length, SymInt kv_length, SymInt q_offset=0, SymInt kv_offset=0, "
+      "*, Tensor? q_positions=None, int? sliding_window=None, int? chunk_size=None, Tensor? chunk_left_padding=None, "
+      "Tensor? padding_mask=None, Tensor? packed_ids=None, Tensor? block_ids=None, ScalarType? dtype=None, "
+      "bool use_finfo_min=False, Device? device=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(safeattn, BackendSelect, m) {
@@ -235,6 +257,10 @@ TORCH_LIBRARY_IMPL(safeattn, BackendSelect, m) {
 
 TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("sdpa_mask", &sdpa_mask_cpu);
+}
+
+TORCH_LIBRARY_IMPL(safeattn, CompositeImplicitAutograd, m) {
+  m.impl("_sdpa_mask_check", &sdpa_mask_check);
 }
 
 // A mask has no gradient: if an input ever requires grad, autograd raises "not implemented"

@@ -24,6 +24,7 @@
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 #include <c10/macros/Macros.h>
 
 #include "common/isa_dispatch.h"
@@ -174,12 +175,13 @@ C10_HOST_DEVICE inline bool element_attends(const SdpaMaskParams& p, int64_t b, 
 using SdpaMaskCpuFn = void (*)(const SdpaMaskParams& params, at::Tensor& out, bool use_finfo_min);
 SAFEATTN_DECLARE_ISA_STUB(sdpa_mask_cpu_stub, SdpaMaskCpuFn);
 
-// Validates the arguments (shared by every backend; the fake in _fake.py raises the same
-// messages) and returns the device the mask is built on.
-c10::Device check_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
-                            int64_t kv_offset, const std::optional<at::Tensor>& q_positions,
-                            std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
-                            const std::optional<at::Tensor>& chunk_left_padding,
+// Validates the arguments and returns the device the mask is built on: the one source of the
+// op's rules, run by every backend's kernel and by the Meta kernel (the fake), on SymInt sizes
+// (common/checks.h; an int64_t converts implicitly).
+c10::Device check_sdpa_mask(const c10::SymInt& batch_size, const c10::SymInt& q_length, const c10::SymInt& kv_length,
+                            const c10::SymInt& q_offset, const c10::SymInt& kv_offset,
+                            const std::optional<at::Tensor>& q_positions, std::optional<int64_t> sliding_window,
+                            std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
                             const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
                             const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
                             bool use_finfo_min, std::optional<c10::Device> device);

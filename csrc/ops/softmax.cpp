@@ -124,8 +124,8 @@ PreparedMask prepare_mask(const std::optional<at::Tensor>& mask, const at::Tenso
 void check_backward_pair(const char* op, const at::Tensor& grad_out, const at::Tensor& out) {
   check_float(op, "out", out.scalar_type());
   check_float(op, "grad_out", grad_out.scalar_type());
-  TORCH_CHECK(grad_out.sizes() == out.sizes(), op, ": grad_out has shape ", grad_out.sizes(), " but out has shape ",
-              out.sizes());
+  TORCH_CHECK(same_sizes(grad_out.sym_sizes(), out.sym_sizes()), op, ": grad_out has shape ", grad_out.sym_sizes(),
+              " but out has shape ", out.sym_sizes());
   common_device(op, std::nullopt, {{"grad_out", grad_out}, {"out", out}});
 }
 
@@ -141,11 +141,11 @@ void check_mask(const char* op, const std::optional<at::Tensor>& mask, const cha
               ": mask must be Bool or a floating dtype (Float, Double, Half, BFloat16), got ", dtype_name(mt));
   bool broadcastable = mask->dim() <= against.dim();
   for (int64_t k = 1; broadcastable && k <= mask->dim(); ++k) {
-    const int64_t m = mask->size(-k);
-    broadcastable = m == 1 || m == against.size(-k);
+    const c10::SymInt m = mask->sym_size(-k);
+    broadcastable = holds(m.sym_eq(1)) || holds(m.sym_eq(against.sym_size(-k)));
   }
-  TORCH_CHECK(broadcastable, op, ": mask of shape ", mask->sizes(), " is not broadcastable to ", against_name,
-              " of shape ", against.sizes());
+  TORCH_CHECK(broadcastable, op, ": mask of shape ", mask->sym_sizes(), " is not broadcastable to ", against_name,
+              " of shape ", against.sym_sizes());
   common_device(op, std::nullopt, {{against_name, against}, {"mask", mask}});
 }
 
@@ -172,6 +172,27 @@ int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::T
   return wrapped;
 }
 
+int64_t check_safe_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
+                                    at::ScalarType input_dtype) {
+  constexpr const char* op = "_safe_softmax_backward";
+  check_backward_pair(op, grad_out, out);
+  check_float(op, "input_dtype", input_dtype);
+  return wrap_dim(op, dim, out.dim());
+}
+
+int64_t check_masked_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out,
+                                      const std::optional<at::Tensor>& mask, int64_t dim, at::ScalarType input_dtype,
+                                      bool mask_requires_grad) {
+  constexpr const char* op = "_masked_softmax_backward";
+  check_backward_pair(op, grad_out, out);
+  check_float(op, "input_dtype", input_dtype);
+  const int64_t wrapped = wrap_dim(op, dim, out.dim());
+  TORCH_CHECK(!mask_requires_grad || (mask.has_value() && mask->is_floating_point()), op,
+              ": mask_requires_grad needs a floating mask");
+  check_mask(op, mask, "out", out);
+  return wrapped;
+}
+
 at::Tensor safe_softmax_impl(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype,
                              SoftmaxForwardFn kernel) {
   const int64_t wrapped = check_safe_softmax(self, dim, dtype);
@@ -186,10 +207,7 @@ at::Tensor safe_softmax_impl(const at::Tensor& self, int64_t dim, std::optional<
 
 at::Tensor safe_softmax_backward_impl(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
                                       at::ScalarType input_dtype, SoftmaxBackwardFn kernel) {
-  constexpr const char* op = "_safe_softmax_backward";
-  check_backward_pair(op, grad_out, out);
-  check_float(op, "input_dtype", input_dtype);
-  const int64_t wrapped = wrap_dim(op, dim, out.dim());
+  const int64_t wrapped = check_safe_softmax_backward(grad_out, out, dim, input_dtype);
   const at::Tensor o = out.contiguous();
   const at::Tensor g = grad_out.to(o.scalar_type()).contiguous();
   at::Tensor grad_in = at::empty(o.sizes(), o.options());
@@ -216,13 +234,7 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_impl(const at::Tensor
                                                                 const std::optional<at::Tensor>& mask, double scale,
                                                                 int64_t dim, at::ScalarType input_dtype,
                                                                 bool mask_requires_grad, SoftmaxBackwardFn kernel) {
-  constexpr const char* op = "_masked_softmax_backward";
-  check_backward_pair(op, grad_out, out);
-  check_float(op, "input_dtype", input_dtype);
-  const int64_t wrapped = wrap_dim(op, dim, out.dim());
-  TORCH_CHECK(!mask_requires_grad || (mask.has_value() && mask->is_floating_point()), op,
-              ": mask_requires_grad needs a floating mask");
-  check_mask(op, mask, "out", out);
+  const int64_t wrapped = check_masked_softmax_backward(grad_out, out, mask, dim, input_dtype, mask_requires_grad);
   const at::Tensor o = out.contiguous();
   const at::Tensor g = grad_out.to(o.scalar_type()).contiguous();
   at::Tensor grad_scores = at::empty(o.sizes(), o.options());
@@ -275,6 +287,39 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_cpu(const at::Tensor&
                                       softmax_backward_cpu_stub().pick());
 }
 
+// The Meta kernels: what torch.compile, torch.export and FakeTensorMode run (sizes may be
+// symbolic). The entry points' checks, then outputs as the *_impl functions allocate them
+// (contiguous, in the result dtype).
+at::Tensor empty_like_in(const at::Tensor& t, at::ScalarType dtype) {
+  return at::empty_symint(t.sym_sizes(), t.options().dtype(dtype));
+}
+
+at::Tensor safe_softmax_meta(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
+  check_safe_softmax(self, dim, dtype);
+  return empty_like_in(self, dtype.value_or(self.scalar_type()));
+}
+
+at::Tensor safe_softmax_backward_meta(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
+                                      at::ScalarType input_dtype) {
+  check_safe_softmax_backward(grad_out, out, dim, input_dtype);
+  return empty_like_in(out, input_dtype);
+}
+
+at::Tensor masked_softmax_meta(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale,
+                               int64_t dim, std::optional<at::ScalarType> dtype) {
+  check_masked_softmax(scores, mask, dim, dtype);
+  return empty_like_in(scores, dtype.value_or(scores.scalar_type()));
+}
+
+std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_meta(const at::Tensor& grad_out, const at::Tensor& out,
+                                                                const std::optional<at::Tensor>& mask, double scale,
+                                                                int64_t dim, at::ScalarType input_dtype,
+                                                                bool mask_requires_grad) {
+  check_masked_softmax_backward(grad_out, out, mask, dim, input_dtype, mask_requires_grad);
+  return {empty_like_in(out, input_dtype),
+          mask_requires_grad ? empty_like_in(*mask, mask->scalar_type()) : at::empty({0}, out.options())};
+}
+
 }  // namespace
 
 at::Tensor safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
@@ -311,6 +356,14 @@ TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("_safe_softmax_backward", &safe_softmax_backward_cpu);
   m.impl("masked_softmax", &masked_softmax_cpu);
   m.impl("_masked_softmax_backward", &masked_softmax_backward_cpu);
+}
+
+// Also the fakes: FakeTensorMode runs a C++ Meta kernel for an op that has no Python fake.
+TORCH_LIBRARY_IMPL(safeattn, Meta, m) {
+  m.impl("safe_softmax", &safe_softmax_meta);
+  m.impl("_safe_softmax_backward", &safe_softmax_backward_meta);
+  m.impl("masked_softmax", &masked_softmax_meta);
+  m.impl("_masked_softmax_backward", &masked_softmax_backward_meta);
 }
 
 // All four ops (the backward ops too: double backward, forward AD, torch.func) get their

@@ -136,10 +136,17 @@ SAFEATTN_DECLARE_ISA_STUB(softmax_forward_cpu_stub, SoftmaxForwardFn);
 SAFEATTN_DECLARE_ISA_STUB(softmax_backward_cpu_stub, SoftmaxBackwardFn);
 
 // Backend-independent parts (validation, casting, layout, the mask-gradient reduction); each
-// backend passes its kernel. The checks are the ones _fake.py mirrors.
+// backend passes its kernel. The check_* functions are the one source of each op's rules: every
+// entry point and the Meta kernels (the fakes) run them, on SymInt sizes (common/checks.h); each
+// returns the wrapped dim.
 int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype);
 int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::Tensor>& mask, int64_t dim,
                              std::optional<at::ScalarType> dtype);
+int64_t check_safe_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
+                                    at::ScalarType input_dtype);
+int64_t check_masked_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out,
+                                      const std::optional<at::Tensor>& mask, int64_t dim, at::ScalarType input_dtype,
+                                      bool mask_requires_grad);
 
 at::Tensor safe_softmax_impl(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype,
                              SoftmaxForwardFn kernel);

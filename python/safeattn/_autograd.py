@@ -117,21 +117,24 @@ def _zero_where_out_zero(t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(y == 0, torch.zeros((), dtype=t.dtype, device=t.device), t)
 
 
-def _backward_jvp_wrt_out(g, y, tangent_y, dim):
-    """d h / d y applied to tangent_y: t' * (g' - sum(g' y)) - y * sum(g' t')."""
+def _backward_terms(g, y, v, dim):
+    """What both products below start from, in the accumulation dtype: y, g' and v' (0 where
+    y == 0), and sum(g' y)."""
     y_acc = _acc(y)
     g_acc = _zero_where_out_zero(_acc(g).to(y_acc.dtype), y)
-    t_acc = _zero_where_out_zero(_acc(tangent_y).to(y_acc.dtype), y)
-    s = (g_acc * y_acc).sum(dim, keepdim=True)
+    v_acc = _zero_where_out_zero(_acc(v).to(y_acc.dtype), y)
+    return y_acc, g_acc, v_acc, (g_acc * y_acc).sum(dim, keepdim=True)
+
+
+def _backward_jvp_wrt_out(g, y, tangent_y, dim):
+    """d h / d y applied to tangent_y: t' * (g' - sum(g' y)) - y * sum(g' t')."""
+    y_acc, g_acc, t_acc, s = _backward_terms(g, y, tangent_y, dim)
     return t_acc * (g_acc - s) - y_acc * (g_acc * t_acc).sum(dim, keepdim=True)
 
 
 def _backward_vjp_wrt_out(g, y, u, dim):
     """u^T d h / d y: u' * (g' - sum(g' y)) - g' * sum(u' y)."""
-    y_acc = _acc(y)
-    g_acc = _zero_where_out_zero(_acc(g).to(y_acc.dtype), y)
-    u_acc = _zero_where_out_zero(_acc(u).to(y_acc.dtype), y)
-    s = (g_acc * y_acc).sum(dim, keepdim=True)
+    y_acc, g_acc, u_acc, s = _backward_terms(g, y, u, dim)
     return u_acc * (g_acc - s) - g_acc * (u_acc * y_acc).sum(dim, keepdim=True)
 
 
@@ -168,6 +171,28 @@ class _SafeSoftmax(_SingleLevelFunction):
         return _ops._safe_softmax_backward(tangent, out, ctx.dim, out.dtype)
 
 
+def _grad_op_vjp(ctx, grad_out, out, u):
+    """The vector-Jacobian products of h = J(y) g (the backward ops, inputs 1 and 2: g, y) with
+    u, as the two grad classes below need them (None where not asked for)."""
+    grad_g = grad_y = None
+    if ctx.needs_input_grad[1]:
+        grad_g = _in_backward(_ops._safe_softmax_backward.default, u, out, ctx.dim, ctx.grad_out_dtype)
+    if ctx.needs_input_grad[2]:
+        grad_y = _backward_vjp_wrt_out(grad_out, out, u, ctx.dim).to(out.dtype)
+    return grad_g, grad_y
+
+
+def _grad_op_jvp(ctx, grad_out, out, tangent_g, tangent_y):
+    """The tangent of h = J(y) g, in the accumulation dtype: J tangent_g plus d h / d y tangent_y."""
+    h = None
+    if tangent_g is not None:
+        h = _acc(_ops._safe_softmax_backward(tangent_g, out, ctx.dim, out.dtype))
+    if tangent_y is not None:
+        part = _backward_jvp_wrt_out(grad_out, out, tangent_y, ctx.dim)
+        h = part if h is None else h + part
+    return h
+
+
 class _SafeSoftmaxGrad(_SingleLevelFunction):
     """h = _safe_softmax_backward(g, y): linear in g (J g), and y-dependent (double backward)."""
 
@@ -189,23 +214,13 @@ class _SafeSoftmaxGrad(_SingleLevelFunction):
     @staticmethod
     def backward(ctx, grad):
         grad_out, out = ctx.saved_tensors
-        grad_g = grad_y = None
-        if ctx.needs_input_grad[1]:
-            grad_g = _in_backward(_ops._safe_softmax_backward.default, grad, out, ctx.dim, ctx.grad_out_dtype)
-        if ctx.needs_input_grad[2]:
-            grad_y = _backward_vjp_wrt_out(grad_out, out, grad, ctx.dim).to(out.dtype)
+        grad_g, grad_y = _grad_op_vjp(ctx, grad_out, out, grad)
         return None, grad_g, grad_y, None, None
 
     @staticmethod
     def jvp(ctx, _keyset, tangent_g, tangent_y, *_):
         grad_out, out = ctx.saved_tensors
-        result = None
-        if tangent_g is not None:
-            result = _acc(_ops._safe_softmax_backward(tangent_g, out, ctx.dim, out.dtype))
-        if tangent_y is not None:
-            part = _backward_jvp_wrt_out(grad_out, out, tangent_y, ctx.dim)
-            result = part if result is None else result + part
-        return result.to(ctx.input_dtype)
+        return _grad_op_jvp(ctx, grad_out, out, tangent_g, tangent_y).to(ctx.input_dtype)
 
 
 # ---- masked_softmax -----------------------------------------------------------------------
@@ -306,22 +321,13 @@ class _MaskedSoftmaxGrad(_SingleLevelFunction):
         u = _acc(grad_scores).to(_acc(out).dtype) * ctx.scale
         if ctx.mask_requires_grad and grad_mask is not None:
             u = u + _acc(grad_mask).to(u.dtype)
-        grad_g = grad_y = None
-        if ctx.needs_input_grad[1]:
-            grad_g = _in_backward(_ops._safe_softmax_backward.default, u, out, ctx.dim, ctx.grad_out_dtype)
-        if ctx.needs_input_grad[2]:
-            grad_y = _backward_vjp_wrt_out(grad_out, out, u, ctx.dim).to(out.dtype)
+        grad_g, grad_y = _grad_op_vjp(ctx, grad_out, out, u)
         return None, grad_g, grad_y, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, _keyset, tangent_g, tangent_y, *_):
         grad_out, out, mask = ctx.saved_tensors
-        h = None
-        if tangent_g is not None:
-            h = _acc(_ops._safe_softmax_backward(tangent_g, out, ctx.dim, out.dtype))
-        if tangent_y is not None:
-            part = _backward_jvp_wrt_out(grad_out, out, tangent_y, ctx.dim)
-            h = part if h is None else h + part
+        h = _grad_op_jvp(ctx, grad_out, out, tangent_g, tangent_y)
         tangent_scores = (h * ctx.scale).to(ctx.input_dtype)
         tangent_mask = None
         if ctx.mask_requires_grad:

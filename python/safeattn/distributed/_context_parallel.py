@@ -262,6 +262,21 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _kv_ring(key, value, padding, cfg: _Config):
+    """The ring over the ranks' key/value blocks (and padding columns): at each step, yields the
+    block held (source rank, key, value, padding or None) while the next one is in flight; the
+    step's work runs before its exchange is waited on."""
+    travelling = [key, value] + ([padding] if padding is not None else [])
+    for step in range(cfg.world):
+        if step + 1 < cfg.world:
+            arriving, works = _ring_exchange(travelling, cfg, _KV_TAG)
+        pad_block = travelling[2] if padding is not None else None
+        yield (cfg.rank - step) % cfg.world, travelling[0], travelling[1], pad_block
+        if step + 1 < cfg.world:
+            _wait(works)
+            travelling = arriving
+
+
 def _forward(query, key, value, padding, sinks, cfg: _Config):
     batch, heads, length, _ = query.shape
     acc = _acc_dtype(query.dtype)
@@ -270,13 +285,7 @@ def _forward(query, key, value, padding, sinks, cfg: _Config):
     lse = query.new_full((batch, heads, length), _NEG_INF, dtype=acc)
     q_segments = _segments(cfg.layout, cfg.rank, cfg.world, length)
     filled: set[_Segment] = set()  # query segments holding a result (a segment may see no block)
-    travelling = [key, value] + ([padding] if padding is not None else [])
-    for step in range(cfg.world):
-        if step + 1 < cfg.world:
-            arriving, works = _ring_exchange(travelling, cfg, _KV_TAG)
-        k_block, v_block = travelling[0], travelling[1]
-        pad_block = travelling[2] if padding is not None else None
-        source = (cfg.rank - step) % cfg.world
+    for source, k_block, v_block, pad_block in _kv_ring(key, value, padding, cfg):
         for q_seg in q_segments:
             for kv_seg in _segments(cfg.layout, source, cfg.world, length):
                 block = _block(q_seg, kv_seg, cfg)
@@ -303,9 +312,6 @@ def _forward(query, key, value, padding, sinks, cfg: _Config):
                     out[rows].copy_(out_part)
                     lse[rows].copy_(lse_part)
                     filled.add(q_seg)
-        if step + 1 < cfg.world:
-            _wait(works)
-            travelling = arriving
     if sinks is not None:
         # One more logit per head in every row's denominator, taking no value.
         with_sinks = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
@@ -319,14 +325,8 @@ def _backward(grad_out, grad_lse, query, key, value, padding, out, lse, cfg: _Co
     acc = _acc_dtype(query.dtype)
     grad_query = torch.zeros_like(query, dtype=acc)
     q_segments = _segments(cfg.layout, cfg.rank, cfg.world, length)
-    travelling = [key, value] + ([padding] if padding is not None else [])
     grad_works = incoming = None
-    for step in range(cfg.world):
-        if step + 1 < cfg.world:
-            arriving, works = _ring_exchange(travelling, cfg, _KV_TAG)
-        k_block, v_block = travelling[0], travelling[1]
-        pad_block = travelling[2] if padding is not None else None
-        source = (cfg.rank - step) % cfg.world
+    for source, k_block, v_block, pad_block in _kv_ring(key, value, padding, cfg):
         # This rank's share of the gradient of block `source`.
         grad_key = torch.zeros_like(k_block, dtype=acc)
         grad_value = torch.zeros_like(v_block, dtype=acc)
@@ -366,9 +366,6 @@ def _backward(grad_out, grad_lse, query, key, value, padding, out, lse, cfg: _Co
             incoming, grad_works = _ring_exchange([grad_key, grad_value], cfg, _GRAD_TAG)
         else:
             incoming = [grad_key, grad_value]
-        if step + 1 < cfg.world:
-            _wait(works)
-            travelling = arriving
     if grad_works is not None:
         _wait(grad_works)  # the last step's sums, sent on to the block's owner: this rank's own
     return grad_query.to(query.dtype), incoming[0].to(key.dtype), incoming[1].to(value.dtype)
