@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -35,15 +34,6 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
   return error;
 }
 
-bool fits_int32(const at::Tensor& t) {
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) > std::numeric_limits<int32_t>::max()) {
-      return false;
-    }
-  }
-  return true;
-}
-
 bool takes(const AttentionBwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.softcap > 0.0 ||
@@ -63,7 +53,7 @@ bool takes(const AttentionBwdArgs& a) {
   if (a.value.size(3) != head_dim || !has_head_dim<kBwdSm90HeadDims>(head_dim)) {
     return false;
   }
-  if (a.query.numel() == 0 || a.key.size(2) == 0 || !fits_int32(a.query) || !fits_int32(a.key)) {
+  if (a.query.numel() == 0 || a.key.size(2) == 0 || !attn::sizes_fit_int32(a.query) || !attn::sizes_fit_int32(a.key)) {
     return false;  // empty inputs: the other paths write the empty gradients
   }
   if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {

@@ -1,6 +1,9 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include <cstdint>
+#include <limits>
+
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -44,6 +47,15 @@ bool rows_aligned_16(const at::Tensor& t) {
   }
   for (int64_t d = 0; d < 3; ++d) {
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool sizes_fit_int32(const at::Tensor& t) {
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > std::numeric_limits<int32_t>::max()) {
       return false;
     }
   }

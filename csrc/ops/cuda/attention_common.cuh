@@ -198,6 +198,28 @@ inline bool natural_units(const at::Tensor& mask) {
 // dims are never stepped over, so their strides do not matter.
 bool rows_aligned_16(const at::Tensor& t);
 
+// Host: the tensors' addresses and [B, H, S] strides (elements) that the forward kernels'
+// parameter structs share (attention_fwd.cuh and hopper/fwd_params.h): query, key and value as
+// the kernel reads them (aligned copies or the inputs), out, lse and lse_lo from `a`.
+template <class Params>
+void set_forward_tensors(Params& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const AttentionFwdArgs& a) {
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  p.out = a.out.data_ptr();
+  p.lse = a.lse.data_ptr<float>();
+  p.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
+  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
+  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
+  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
+  p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
+}
+
+// Host: whether every size of t is below 2^31 (what kernels with 32-bit indices, such as TMA's
+// coordinates, need).
+bool sizes_fit_int32(const at::Tensor& t);
+
 // Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);

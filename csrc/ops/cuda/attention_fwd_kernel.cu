@@ -58,17 +58,8 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   attn::fwd_tile_sizes(head_dim, block_q, block_kv);
 
   FwdParams p;
-  p.q = query.data_ptr();
-  p.k = key.data_ptr();
-  p.v = value.data_ptr();
-  p.out = a.out.data_ptr();
-  p.lse = a.lse.data_ptr<float>();
-  p.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
+  attn::set_forward_tensors(p, query, key, value, a);
   p.sinks = a.sinks.defined() ? a.sinks.data_ptr<float>() : nullptr;
-  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
-  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
-  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
-  p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
   p.heads = query.size(1);
   p.group = query.size(1) / key.size(1);
   p.batch_heads = query.size(0) * query.size(1);

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/zeros.h>
@@ -31,15 +30,6 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
   return error;
 }
 
-bool fits_int32(const at::Tensor& t) {
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) > std::numeric_limits<int32_t>::max()) {
-      return false;
-    }
-  }
-  return true;
-}
-
 bool takes(const AttentionFwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.sinks.defined() || a.softcap > 0.0) {
@@ -55,7 +45,7 @@ bool takes(const AttentionFwdArgs& a) {
   if (a.value.size(3) != head_dim || !has_head_dim<kFwdSm90HeadDims>(head_dim)) {
     return false;
   }
-  if (a.query.numel() == 0 || a.key.size(2) == 0 || !fits_int32(a.query) || !fits_int32(a.key)) {
+  if (a.query.numel() == 0 || a.key.size(2) == 0 || !attn::sizes_fit_int32(a.query) || !attn::sizes_fit_int32(a.key)) {
     return false;  // empty inputs: the generic path writes the empty rows
   }
   // out is written with 4-byte stores through its strides.
@@ -77,16 +67,7 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   const at::Tensor key = attn::with_aligned_rows(a.key);
   const at::Tensor value = attn::with_aligned_rows(a.value);
   hopper::FwdParams p;
-  p.q = query.data_ptr();
-  p.k = key.data_ptr();
-  p.v = value.data_ptr();
-  p.out = a.out.data_ptr();
-  p.lse = a.lse.data_ptr<float>();
-  p.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
-  p.q_sb = query.stride(0), p.q_sh = query.stride(1), p.q_si = query.stride(2);
-  p.k_sb = key.stride(0), p.k_sh = key.stride(1), p.k_si = key.stride(2);
-  p.v_sb = value.stride(0), p.v_sh = value.stride(1), p.v_si = value.stride(2);
-  p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
+  attn::set_forward_tensors(p, query, key, value, a);
   p.batch = static_cast<int>(query.size(0));
   p.heads = static_cast<int>(query.size(1));
   p.kv_heads = static_cast<int>(key.size(1));

@@ -80,30 +80,6 @@ namespace detail {
 
 using namespace cute;
 
-// Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
-template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
-  if constexpr (kRegsA) {
-    warpgroup_fence_operand(const_cast<TA&>(a));
-  }
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  if constexpr (kZeroInit) {
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-  }
-#pragma unroll
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegsA) {
-    warpgroup_fence_operand(const_cast<TA&>(a));
-  }
-}
-
 // dst[0, bytes) += src[0, bytes) in float32, asynchronously (bulk async-group; 16-byte aligned,
 // bytes a multiple of 16).
 __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, int bytes) {

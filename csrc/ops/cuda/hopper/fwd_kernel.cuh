@@ -110,6 +110,30 @@ __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf
   return y;
 }
 
+// Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  if constexpr (kRegsA) {
+    warpgroup_fence_operand(const_cast<TA&>(a));
+  }
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) {
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+  }
+#pragma unroll
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegsA) {
+    warpgroup_fence_operand(const_cast<TA&>(a));
+  }
+}
+
 // The 16-bit K-major / MN-major shared-memory atom with the widest swizzle that divides the
 // contiguous extent (128-byte swizzle for head dims that are multiples of 64).
 template <typename Element, int kRowElements>
@@ -416,30 +440,6 @@ struct Fwd {
         convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
   }
 
-  // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
-  template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-  static __device__ __forceinline__ void gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
-    constexpr bool kRegsA = !cute::is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
-    if constexpr (kRegsA) {
-      warpgroup_fence_operand(const_cast<TA&>(a));
-    }
-    warpgroup_fence_operand(c);
-    warpgroup_arrive();
-    if constexpr (kZeroInit) {
-      mma.accumulate_ = GMMA::ScaleOut::Zero;
-    }
-#pragma unroll
-    for (int kb = 0; kb < size<2>(a); ++kb) {
-      cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_fence_operand(c);
-    if constexpr (kRegsA) {
-      warpgroup_fence_operand(const_cast<TA&>(a));
-    }
-  }
-
   static __device__ void consume(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
     const int mma_thread = threadIdx.x - 128;
     const int wg = mma_thread / 128;
@@ -520,7 +520,7 @@ struct Fwd {
         int n = t.n_blocks - 1;
         take_turn();
         pipe_k.consumer_wait(read_k);
-        gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+        wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
@@ -537,9 +537,9 @@ struct Fwd {
         for (; n > 0; --n) {
           take_turn();
           pipe_k.consumer_wait(read_k);
-          gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
+          wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
           pipe_v.consumer_wait(read_v);
-          gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+          wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
@@ -559,7 +559,7 @@ struct Fwd {
         }
         take_turn();
         pipe_v.consumer_wait(read_v);
-        gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pass_turn();
         warpgroup_wait<0>();
         pipe_v.consumer_release(read_v);
