@@ -18,10 +18,6 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-bool has_symbolic_sizes(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-}
-
 at::ScalarType acc_dtype(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -96,13 +92,9 @@ std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
                                                   bool enable_gqa, c10::SymInt q_offset, c10::SymInt kv_offset,
                                                   double softcap, const std::optional<at::Tensor>& sinks) {
-  // The fused op's checks and messages. Traced with symbolic sizes (torch.compile of a
-  // transformed function), the ATen ops below check the shapes instead.
-  const bool symbolic = has_symbolic_sizes(query) || has_symbolic_sizes(key) || has_symbolic_sizes(value) ||
-                        (attn_mask.has_value() && has_symbolic_sizes(*attn_mask));
-  if (!symbolic) {
-    check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
-  }
+  // The fused op's checks and messages (SymInt-aware: also under torch.compile of a transformed
+  // function).
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
   const at::ScalarType acc = acc_dtype(query);
   const c10::SymInt batch = query.sym_size(0), hq = query.sym_size(1), q_len = query.sym_size(2);
   const c10::SymInt head_dim = query.sym_size(3);
