@@ -31,71 +31,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "hopper_check_common.h"
 #include "ops/cuda/hopper/bwd_kernel.cuh"
 
 using safeattn::cuda::hopper::BwdConfig;
 using safeattn::cuda::hopper::BwdParams;
 using safeattn::cuda::hopper::kBwdRowPad;
-
-#define CHECK_CUDA(x)                                                                                    \
-  do {                                                                                                   \
-    cudaError_t err_ = (x);                                                                              \
-    if (err_ != cudaSuccess) {                                                                           \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                           \
-    }                                                                                                    \
-  } while (0)
-
-template <typename T>
-float to_f(T x);
-template <>
-float to_f(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-float to_f(__half x) {
-  return __half2float(x);
-}
-template <typename T>
-__host__ __device__ T from_f(float x);
-template <>
-__host__ __device__ __nv_bfloat16 from_f(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__host__ __device__ __half from_f(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__host__ __device__ float from_f(float x) {
-  return x;
-}
-
-struct Case {
-  int batch, heads, kv_heads, q_len, kv_len;
-  bool causal;
-  int64_t shift;
-  int layout;  // 0: contiguous [B, H, S, D]; 1: transposed view of [B, S, H, D]; 2: rows padded by 24
-};
-
-// Element strides (b, h, s) of a [B, H, S, D] tensor stored per `layout`; returns storage size.
-static size_t make_strides(int layout, int batch, int heads, int len, int d, int64_t (&st)[3]) {
-  if (layout == 1) {  // storage [B, S, H, D]
-    st[0] = int64_t{len} * heads * d, st[1] = d, st[2] = int64_t{heads} * d;
-  } else {
-    const int64_t row = layout == 2 ? d + 24 : d;
-    st[2] = row, st[1] = row * len, st[0] = row * len * heads;
-  }
-  return static_cast<size_t>(st[0]) * batch;
-}
-
-template <typename T>
-static T* upload(const std::vector<T>& h) {
-  T* d;
-  CHECK_CUDA(cudaMalloc(&d, h.size() * sizeof(T)));
-  CHECK_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return d;
-}
 
 struct GradError {
   double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
@@ -334,16 +275,6 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
       static_cast<long long>(cs.shift), cs.layout, eq.rel(), eq.max_rel(), ek.rel(), ek.max_rel(), ev.rel(),
       ev.max_rel(), eq.nan, ek.nan, ev.nan, eq.bad_zero, ek.bad_zero, ev.bad_zero, empty_rows, unseen_keys);
   return ok;
-}
-
-// Uniform(-1, 1) from a hash of (seed, index): the timing inputs are made on the device.
-template <typename T>
-__global__ void fill_uniform(T* p, size_t n, uint64_t seed, float amplitude) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29, x *= 0x94D049BB133111EBull, x ^= x >> 32;
-    p[i] = from_f<T>(amplitude * (float(x & 0xFFFFFF) / float(1 << 23) - 1.0f));
-  }
 }
 
 static int g_only = -1, g_variant = 0;  // --only N: run variant N alone (a hang stays in its process)

@@ -95,9 +95,9 @@ std::tuple<at::Tensor, at::Tensor> attention_math(const at::Tensor& query, const
   // The fused op's checks and messages (SymInt-aware: also under torch.compile of a transformed
   // function).
   check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
-  const at::ScalarType acc = acc_dtype(query);
   const c10::SymInt batch = query.sym_size(0), hq = query.sym_size(1), q_len = query.sym_size(2);
   const c10::SymInt head_dim = query.sym_size(3);
+  const at::ScalarType acc = acc_dtype(query);
   const c10::SymInt hkv = key.sym_size(1), kv_len = key.sym_size(2);
   const ScoreRule rule{
       scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim.guard_int(__FILE__, __LINE__))),

@@ -216,6 +216,19 @@ void set_forward_tensors(Params& p, const at::Tensor& query, const at::Tensor& k
   p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
 }
 
+// Host: the softcap and causal fields that the mma.sync forward's and the decode kernels'
+// parameter structs share, the softcap in the kernel's score units (`unit`: log2(e), or 1 in
+// natural units; see exp_of). The entry point passed q_offset = causal_shift(...), kv_offset 0.
+template <class Params>
+void set_softcap_and_causal(Params& p, const AttentionFwdArgs& a, double unit) {
+  if (a.softcap > 0.0) {
+    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
+    p.softcap_post = static_cast<float>(a.softcap * unit);
+  }
+  p.causal.enabled = a.is_causal;
+  p.causal.shift = a.q_offset - a.kv_offset;
+}
+
 // Host: whether every size of t is below 2^31 (what kernels with 32-bit indices, such as TMA's
 // coordinates, need).
 bool sizes_fit_int32(const at::Tensor& t);

@@ -478,12 +478,7 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   p.q_len = q_len;
   p.rows = static_cast<int>(group * q_len);
   p.scale_log2 = static_cast<float>(a.scale * kLog2e);
-  if (a.softcap > 0.0) {
-    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
-    p.softcap_post = static_cast<float>(a.softcap * kLog2e);
-  }
-  p.causal.enabled = a.is_causal;
-  p.causal.shift = a.q_offset - a.kv_offset;
+  attn::set_softcap_and_causal(p, a, kLog2e);
   p.mask = attn::make_mask_view(a.mask);
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.

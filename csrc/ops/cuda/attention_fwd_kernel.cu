@@ -68,12 +68,7 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.natural = attn::natural_units(a.mask);
   const double unit = p.natural ? 1.0 : 1.4426950408889634;  // log2(e)
   p.score_scale = static_cast<float>(a.scale * unit);
-  if (a.softcap > 0.0) {
-    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
-    p.softcap_post = static_cast<float>(a.softcap * unit);
-  }
-  p.causal.enabled = a.is_causal;
-  p.causal.shift = a.q_offset - a.kv_offset;
+  attn::set_softcap_and_causal(p, a, unit);
   at::Tensor summary;  // kept alive until the launch is queued (stream-ordered allocator)
   if (a.mask.defined()) {
     p.mask = attn::make_mask_view(a.mask);

@@ -1,0 +1,83 @@
+// What the standalone checks of the sm_90a attention kernels (scripts/hopper_fwd_check.cu and
+// scripts/hopper_bwd_check.cu) share: error checking, 16-bit conversions, the test cases' shape
+// and storage layouts, and device-side random inputs for the timings. No torch.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#define CHECK_CUDA(x)                                                                                    \
+  do {                                                                                                   \
+    cudaError_t err_ = (x);                                                                              \
+    if (err_ != cudaSuccess) {                                                                           \
+      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, __LINE__, #x); \
+      exit(2);                                                                                           \
+    }                                                                                                    \
+  } while (0)
+
+template <typename T>
+float to_f(T x);
+template <>
+float to_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <>
+float to_f(__half x) {
+  return __half2float(x);
+}
+template <typename T>
+__host__ __device__ T from_f(float x);
+template <>
+__host__ __device__ __nv_bfloat16 from_f(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__host__ __device__ __half from_f(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__host__ __device__ float from_f(float x) {
+  return x;
+}
+
+struct Case {
+  int batch, heads, kv_heads, q_len, kv_len;
+  bool causal;
+  int64_t shift;
+  int layout;  // 0: contiguous [B, H, S, D]; 1: transposed view of [B, S, H, D]; 2: rows padded by 24
+};
+
+// Element strides (b, h, s) of a [B, H, S, D] tensor stored per `layout`; returns storage size.
+static size_t make_strides(int layout, int batch, int heads, int len, int d, int64_t (&st)[3]) {
+  if (layout == 1) {  // storage [B, S, H, D]
+    st[0] = int64_t{len} * heads * d, st[1] = d, st[2] = int64_t{heads} * d;
+  } else {
+    const int64_t row = layout == 2 ? d + 24 : d;
+    st[2] = row, st[1] = row * len, st[0] = row * len * heads;
+  }
+  return static_cast<size_t>(st[0]) * batch;
+}
+
+template <typename T>
+static T* upload(const std::vector<T>& h) {
+  T* d;
+  CHECK_CUDA(cudaMalloc(&d, h.size() * sizeof(T)));
+  CHECK_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Uniform(-1, 1) from a hash of (seed, index): the timing inputs are made on the device.
+template <typename T>
+__global__ void fill_uniform(T* p, size_t n, uint64_t seed, float amplitude) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31, x *= 0xBF58476D1CE4E5B9ull, x ^= x >> 29, x *= 0x94D049BB133111EBull, x ^= x >> 32;
+    p[i] = from_f<T>(amplitude * (float(x & 0xFFFFFF) / float(1 << 23) - 1.0f));
+  }
+}
