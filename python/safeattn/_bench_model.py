@@ -81,6 +81,7 @@ def cases(args, device, dtype):
 
     def train_step(model, input_ids, attention_mask):
         def step():
+            model.train()  # both phases share the model: each sets its mode when it runs
             model.zero_grad(set_to_none=True)
             labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
             model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
@@ -89,6 +90,7 @@ def cases(args, device, dtype):
 
     def prefill(model, input_ids, attention_mask):
         def forward():
+            model.eval()
             with torch.no_grad():
                 model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
 
@@ -100,13 +102,12 @@ def cases(args, device, dtype):
         mask = attention_mask if padded else None  # unpadded: no mask at all, as a user would call
         for phase, make in (("train step", train_step), ("prefill", prefill)):
             table[(phase, padded, False)] = {
-                impl: make(model.train(phase == "train step"), input_ids, mask)
-                for impl, model in models.items()
+                impl: make(model, input_ids, mask) for impl, model in models.items()
             }
     if compiled:
         input_ids, attention_mask = tokens(args, True, device)
         table[("train step", True, True)] = {
-            impl: train_step(model.train(), input_ids, attention_mask) for impl, model in compiled.items()
+            impl: train_step(model, input_ids, attention_mask) for impl, model in compiled.items()
         }
     return table, failed
 

@@ -6,7 +6,6 @@
 #ifdef SAFEATTN_WITH_SM90
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include <ATen/ATen.h>
@@ -35,37 +34,16 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 }
 
 bool takes(const AttentionBwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.softcap > 0.0 ||
-      a.grad_mask_partial.defined()) {
+  if (a.mask.defined() || a.softcap > 0.0 || a.grad_mask_partial.defined() || !a.grad_query.defined() ||
+      !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
-  }
-  if (!a.grad_query.defined() || !a.grad_key.defined() || !a.grad_value.defined()) {
-    return false;
-  }
-  // p = exp2(s * scale log2(e) - row_shift) over raw dot products: scale > 0, and a
-  // scale * log2(e) that neither rounds to 0 nor overflows in float32.
-  const float scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
-  if (!(a.scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
-    return false;
-  }
-  const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_head_dim<kBwdSm90HeadDims>(head_dim)) {
-    return false;
-  }
-  if (a.query.numel() == 0 || a.key.size(2) == 0 || !attn::sizes_fit_int32(a.query) || !attn::sizes_fit_int32(a.key)) {
-    return false;  // empty inputs: the other paths write the empty gradients
   }
   if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {
     return false;  // grid y and z
   }
   // The gradients are written with 4-byte stores through their strides.
-  if (!attn::rows_aligned_16(a.grad_query) || !attn::rows_aligned_16(a.grad_key) ||
-      !attn::rows_aligned_16(a.grad_value)) {
-    return false;
-  }
-  const cudaDeviceProp* props = at::cuda::getDeviceProperties(a.query.get_device());
-  return props->major == 9 && props->minor == 0;
+  return attn::rows_aligned_16(a.grad_query) && attn::rows_aligned_16(a.grad_key) &&
+         attn::rows_aligned_16(a.grad_value) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
 }
 
 }  // namespace

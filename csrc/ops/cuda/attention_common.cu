@@ -1,9 +1,11 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -60,6 +62,23 @@ bool sizes_fit_int32(const at::Tensor& t) {
     }
   }
   return true;
+}
+
+bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
+  const at::ScalarType dtype = query.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return false;
+  }
+  const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // as the kernels get it
+  if (!(scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
+    return false;
+  }
+  if (value.size(3) != query.size(3) || query.numel() == 0 || key.size(2) == 0 || !sizes_fit_int32(query) ||
+      !sizes_fit_int32(key)) {
+    return false;  // empty inputs: the other paths write the empty rows
+  }
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
+  return props->major == 9 && props->minor == 0;
 }
 
 at::Tensor with_aligned_rows(const at::Tensor& t) {

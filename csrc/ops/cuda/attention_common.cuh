@@ -198,6 +198,12 @@ inline bool natural_units(const at::Tensor& mask) {
 // dims are never stepped over, so their strides do not matter.
 bool rows_aligned_16(const at::Tensor& t);
 
+// Host: what both sm_90a kernels (attention_fwd_sm90.cu, attention_bwd_sm90.cu) need of a call,
+// their head dims aside: bf16 / fp16, D == Dv, no empty input, sizes below 2^31, an sm_90 device,
+// and scale > 0 with a scale * log2(e) that neither rounds to 0 nor overflows in float32 (they
+// take each row's max over raw dot products and scale after).
+bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale);
+
 // Host: the tensors' addresses and [B, H, S] strides (elements) that the forward kernels'
 // parameter structs share (attention_fwd.cuh and hopper/fwd_params.h): query, key and value as
 // the kernel reads them (aligned copies or the inputs), out, lse and lse_lo from `a`.

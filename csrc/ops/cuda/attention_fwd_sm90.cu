@@ -6,7 +6,6 @@
 #ifdef SAFEATTN_WITH_SM90
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -31,29 +30,11 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
 }
 
 bool takes(const AttentionFwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
-  if ((dtype != at::kHalf && dtype != at::kBFloat16) || a.mask.defined() || a.sinks.defined() || a.softcap > 0.0) {
+  if (a.mask.defined() || a.sinks.defined() || a.softcap > 0.0 || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return false;
-  }
-  // The row max is taken over raw dot products and scaled after: that needs scale > 0 (and a
-  // scale * log2(e) that neither rounds to 0 nor overflows in float32).
-  const float scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
-  if (!(a.scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
-    return false;
-  }
-  const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_head_dim<kFwdSm90HeadDims>(head_dim)) {
-    return false;
-  }
-  if (a.query.numel() == 0 || a.key.size(2) == 0 || !attn::sizes_fit_int32(a.query) || !attn::sizes_fit_int32(a.key)) {
-    return false;  // empty inputs: the generic path writes the empty rows
   }
   // out is written with 4-byte stores through its strides.
-  if (!attn::rows_aligned_16(a.out)) {
-    return false;
-  }
-  const cudaDeviceProp* props = at::cuda::getDeviceProperties(a.query.get_device());
-  return props->major == 9 && props->minor == 0;
+  return attn::rows_aligned_16(a.out) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
 }
 
 }  // namespace
