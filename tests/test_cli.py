@@ -248,6 +248,24 @@ def test_bench_model_tiny_training_step_and_prefill():
     assert "n/a" not in out, f"every case ran:\n{out}"
 
 
+def test_bench_model_each_model_runs_its_own_implementation():
+    """The models are built from one config; each must keep the implementation it was built with
+    (Transformers 5 writes it into the config it is given: a shared one made every model run the
+    last implementation, and the GPU table compared safeattn with itself)."""
+    pytest.importorskip("transformers")
+    import types
+
+    import torch
+    from safeattn import _bench_model
+
+    args = types.SimpleNamespace(vocab=64, hidden=32, mlp=64, layers=1, heads=4, kv_heads=2, head_dim=8, seq=16)
+    config = _bench_model.model_config(args)
+    models = {impl: _bench_model.make_model(config, impl, "cpu", torch.float32) for impl in ("sdpa", "eager", "safeattn")}
+    for impl, model in models.items():
+        layer_config = model.model.layers[0].self_attn.config
+        assert layer_config._attn_implementation == impl, f"the {impl} model runs {layer_config._attn_implementation}"
+
+
 def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
     from safeattn import _cli_bench
 

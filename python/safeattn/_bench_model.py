@@ -18,6 +18,7 @@ carry S/4 left-padding tokens. ``vs best`` divides each time by the fastest of t
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 
@@ -43,13 +44,17 @@ def model_config(args):
 
 
 def make_model(config, impl: str, device, dtype):
-    """The model with attn_implementation=impl; the same random weights for every impl."""
+    """The model with attn_implementation=impl; the same random weights for every impl.
+
+    Each model gets its own copy of the config: Transformers 5 writes the implementation into
+    the config it is given, and its layers dispatch on that shared object, so models built from
+    one config would all run the implementation named last."""
     import transformers
 
     import safeattn.transformers  # noqa: F401  registers attn_implementation="safeattn"
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=impl)
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl)
     return model.to(device=device, dtype=dtype)
 
 
