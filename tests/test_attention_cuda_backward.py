@@ -5,8 +5,9 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64 and 128, no mask or softcap; the mma.sync kernels take everything else, so
-the cases with masks, softcap and other head dims test them), and the generic path (float32, head
+call: bf16/fp16, D 64 and 128, no mask or a bool one, no softcap; the mma.sync kernels take
+everything else, so the cases with float masks, softcap and other head dims test them), and the
+generic path (float32, head
 dims without an instantiation, D != Dv,
 unaligned views).
 
@@ -296,9 +297,9 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    # A bool mask (no gradient) keeps the call on the mma.sync kernels on every GPU (the sm_90a
-    # backward takes no mask), here in their atomic mode.
-    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
+    # D = 96 keeps the call on the mma.sync kernels on every GPU (the sm_90a kernels have D 64
+    # and 128), here in their atomic mode with a bool mask (no gradient).
+    q, k, v = _qkv(1, 4, 2, 97, 130, 96, torch.bfloat16, DEVICE)
     keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
     keep[..., :5] = False
     names = _backward_kernels(q, k, v, attn_mask=keep, enable_gqa=True, is_causal=True)
@@ -321,8 +322,8 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
 
 def test_sm90_selection(deterministic_algorithms):
     """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
-    takes the sm_90a kernel in the atomic mode, the mma.sync kernels when deterministic or with a
-    mask."""
+    takes the sm_90a kernel in the atomic mode, with or without a bool mask, and the mma.sync
+    kernels when deterministic or with a float bias that needs its gradient."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernels run on sm_90 devices only")
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
@@ -342,7 +343,12 @@ def test_sm90_selection(deterministic_algorithms):
     keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
     keep[..., :5] = False
     names = kernels(attn_mask=keep)
-    assert any("attention_bwd_dkdv_kernel" in n for n in names), f"a mask must take mma.sync: {names}"
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"a bool mask must take sm_90a: {names}"
+    bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
+    names = kernels(attn_mask=bias)
+    assert any(
+        "attention_bwd_dkdv_kernel" in n for n in names
+    ), f"a learnable bias must take mma.sync: {names}"
     deterministic_algorithms(True)
     names = kernels()
     assert not any(
@@ -351,6 +357,65 @@ def test_sm90_selection(deterministic_algorithms):
     assert any(
         "attention_bwd_dq_kernel" in n for n in names
     ), f"deterministic must take the dQ kernel: {names}"
+
+
+def _sm90_masks(batch, heads, q_len, kv_len):
+    """Bool masks of the shapes and structures the sm_90a kernels meet, by name: most of their
+    (64-query, 128-key) tiles fully masked or fully visible, some mixed."""
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.arange(kv_len)
+    rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    causal = positions[None, :] <= rows  # bottom-right
+    left_pad = torch.tensor([0, 200, 130, 7][:batch])
+    keep_keys = positions[None, :] >= left_pad[:, None]  # [B, KV]
+    window = causal & (positions[None, :] > rows - 150)
+    per_head = torch.rand(1, heads, q_len, kv_len, generator=gen) > 0.2
+    per_head[:, :, :, 256:384] = True  # a fully visible key tile
+    per_head[:, 1:3, :, :128] = False  # fully masked tiles in two heads
+    return {
+        "causal_left_padding": (causal & keep_keys[:, None, :])[:, None],  # [B, 1, Q, KV], as Transformers
+        "key_padding": keep_keys[:, None, None, :],  # [B, 1, 1, KV]
+        "sliding_window": window,  # [Q, KV]
+        "per_head_random": per_head,  # [1, H, Q, KV]
+        "everything_masked_in_batch_0": torch.stack([torch.zeros_like(causal)] + [causal] * (batch - 1))[
+            :, None
+        ],
+    }
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "causal_left_padding",
+        "key_padding",
+        "sliding_window",
+        "per_head_random",
+        "everything_masked_in_batch_0",
+    ],
+)
+def test_bool_masks_sm90(name, head_dim, dtype):
+    """Bool masks through the sm_90a kernels (on an H100/H200; the mma.sync kernels elsewhere):
+    skipped, visible and mixed tiles, every broadcast shape, fully masked rows and batches, GQA,
+    a partial last tile on both sides, with and without is_causal on top."""
+    batch, heads, q_len, kv_len = 4, 8, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim)
+    mask = _sm90_masks(batch, heads, q_len, kv_len)[name].to(DEVICE)
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
+    _check_against_reference(
+        q, k, v, attn_mask=mask, enable_gqa=True, is_causal=True, q_offset=kv_len - q_len
+    )
+    hopper_build = torch.cuda.get_device_capability() == (9, 0) and any(
+        "hopper::detail::fwd_kernel" in n
+        for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
+    )
+    if hopper_build:  # the kernels under test must be the ones that ran
+        out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        fwd = _cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+        assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"a bool mask must take sm_90a: {fwd}"
+        assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
 
 
 def _padding_mask(batch, q_len, kv_len):

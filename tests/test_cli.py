@@ -258,12 +258,19 @@ def test_bench_model_each_model_runs_its_own_implementation():
     import torch
     from safeattn import _bench_model
 
-    args = types.SimpleNamespace(vocab=64, hidden=32, mlp=64, layers=1, heads=4, kv_heads=2, head_dim=8, seq=16)
+    args = types.SimpleNamespace(
+        vocab=64, hidden=32, mlp=64, layers=1, heads=4, kv_heads=2, head_dim=8, seq=16
+    )
     config = _bench_model.model_config(args)
-    models = {impl: _bench_model.make_model(config, impl, "cpu", torch.float32) for impl in ("sdpa", "eager", "safeattn")}
+    models = {
+        impl: _bench_model.make_model(config, impl, "cpu", torch.float32)
+        for impl in ("sdpa", "eager", "safeattn")
+    }
     for impl, model in models.items():
         layer_config = model.model.layers[0].self_attn.config
-        assert layer_config._attn_implementation == impl, f"the {impl} model runs {layer_config._attn_implementation}"
+        assert (
+            layer_config._attn_implementation == impl
+        ), f"the {impl} model runs {layer_config._attn_implementation}"
 
 
 def test_bench_text_progress_without_tqdm(monkeypatch, capsys):

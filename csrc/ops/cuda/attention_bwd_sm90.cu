@@ -34,7 +34,9 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 }
 
 bool takes(const AttentionBwdArgs& a) {
-  if (a.mask.defined() || a.softcap > 0.0 || a.grad_mask_partial.defined() || !a.grad_query.defined() ||
+  // A bool mask is read in place (float masks and biases: the mma.sync kernels).
+  const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
+  if (!mask_ok || a.softcap > 0.0 || a.grad_mask_partial.defined() || !a.grad_query.defined() ||
       !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
@@ -95,6 +97,13 @@ bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, cons
   p.causal = a.is_causal;
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
+  // A mask is summarised per (query tile, key tile) first: fully masked ones are skipped.
+  at::Tensor summary;
+  if (a.mask.defined()) {
+    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+    p.mask = attn::make_mask_view(a.mask);
+    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
                                                                : launch_for_head_dim<__half>(head_dim, p, stream);

@@ -11,7 +11,7 @@ namespace safeattn::cuda {
 
 // Computes grad_query, grad_key and grad_value on the Hopper kernel and returns true when that
 // kernel takes the call: an sm_90 device, float16 / bfloat16, D == Dv with a compiled head dim
-// (head_dim_switch.h, kBwdSm90HeadDims), no mask, no softcap, all three gradients wanted, sizes
+// (head_dim_switch.h, kBwdSm90HeadDims), no mask or a bool one, no softcap, all three gradients wanted, sizes
 // below 2^31. dQ is summed by float32 reduce-adds in no fixed order (not bit-reproducible): the
 // caller asks only when atomics are allowed. delta and row_shift are the rows pre-pass's ([B, Hq,
 // Q] float32 contiguous, row_shift in log2 units, +inf for a row with no visible key). Returns

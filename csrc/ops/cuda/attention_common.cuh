@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "ops/attention.h"  // two_sum
+#include "ops/cuda/mask_view.cuh"
 
 namespace safeattn::cuda::attn {
 
@@ -155,35 +156,6 @@ __device__ __forceinline__ float to_float(__half x) {
 
 // ---- the mask --------------------------------------------------------------------------------
 
-enum class MaskKind : int { kNone = 0, kBool = 1, kFloat = 2, kHalf = 3, kBFloat16 = 4 };
-
-// attn_mask as the kernels read it: element (b, h, i, j) at
-// ptr + b*stride_b + h*stride_h + i*stride_q + j*stride_kv (elements; 0 on broadcast dims).
-struct MaskView {
-  const void* ptr = nullptr;
-  MaskKind kind = MaskKind::kNone;
-  int64_t stride_b = 0, stride_h = 0, stride_q = 0, stride_kv = 0;
-
-  __device__ __forceinline__ int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return b * stride_b + h * stride_h + i * stride_q + j * stride_kv;
-  }
-  // The additive value of one element: 0 / -inf for bool (True = attend), the value otherwise.
-  __device__ __forceinline__ float additive(int64_t off) const {
-    switch (kind) {
-      case MaskKind::kBool:
-        return static_cast<const bool*>(ptr)[off] ? 0.0f : -INFINITY;
-      case MaskKind::kFloat:
-        return static_cast<const float*>(ptr)[off];
-      case MaskKind::kHalf:
-        return __half2float(static_cast<const __half*>(ptr)[off]);
-      case MaskKind::kBFloat16:
-        return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[off]);
-      default:
-        return 0.0f;
-    }
-  }
-};
-
 // Host: the view of a [B, Hq, Q, KV] (expanded, stride 0 on broadcast dims) mask tensor, or an
 // empty view for an undefined tensor.
 MaskView make_mask_view(const at::Tensor& mask);
@@ -302,25 +274,6 @@ struct ScoreTransform {
 };
 
 // ---- per-tile summary of a dense mask ---------------------------------------------------------
-
-// What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles
-// (kTileMasked: neither K/V nor the mask is read), read no mask (kTileVisible), or read it once
-// per element (kTileMixed). NaN counts as mixed, so it reaches the rows it belongs to.
-enum TileClass : uint8_t { kTileMasked = 0, kTileVisible = 1, kTileMixed = 2 };
-
-// The summary as the kernels read it: class of (b, h, q_tile, kv_tile) at
-// ptr + b*stride_b + h*stride_h + q_tile*stride_q + kv_tile (0 strides on the mask's broadcast
-// dims). A null ptr (no mask) reads as kTileVisible everywhere.
-struct TileSummaryView {
-  const uint8_t* ptr = nullptr;
-  int64_t stride_b = 0, stride_h = 0, stride_q = 0;
-  int block_q = 0, block_kv = 0;  // the tile sizes it was computed for
-
-  __device__ __forceinline__ uint8_t at(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
-    return ptr == nullptr ? static_cast<uint8_t>(kTileVisible)
-                          : ptr[b * stride_b + h * stride_h + q_tile * stride_q + kv_tile];
-  }
-};
 
 // Host: the summary of a [B, Hq, Q, KV] mask view (as make_mask_view takes it) for tiles of
 // block_q queries x block_kv keys: a uint8 tensor [Bm, Hm, ceil(Q / block_q), ceil(KV / block_kv)]

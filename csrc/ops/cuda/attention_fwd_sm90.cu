@@ -30,7 +30,9 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
 }
 
 bool takes(const AttentionFwdArgs& a) {
-  if (a.mask.defined() || a.sinks.defined() || a.softcap > 0.0 || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
+  // A bool mask is read in place (float masks and biases: the mma.sync kernels).
+  const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
+  if (!mask_ok || a.sinks.defined() || a.softcap > 0.0 || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
   // out is written with 4-byte stores through its strides.
@@ -59,10 +61,19 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
   p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
-  // Causal tiles differ in length: the CTAs take them from a counter (zeroed on the stream, kept
-  // alive until the launch is queued; the caching allocator orders its reuse after the kernel).
+  // A mask is summarised per tile first (one kernel on the stream): the kernel skips the fully
+  // masked key tiles and reads the mask only in the mixed ones.
+  at::Tensor summary;
+  if (a.mask.defined()) {
+    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+    p.mask = attn::make_mask_view(a.mask);
+    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+  }
+  // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
+  // stream, kept alive until the launch is queued; the caching allocator orders its reuse after
+  // the kernel).
   at::Tensor tile_counter;
-  if (a.is_causal) {
+  if (a.is_causal || a.mask.defined()) {
     tile_counter = at::zeros({1}, query.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

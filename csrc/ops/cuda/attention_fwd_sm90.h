@@ -9,8 +9,8 @@ namespace safeattn::cuda {
 
 // Runs the forward on the Hopper kernel and returns true when that kernel takes the call: an
 // sm_90 device, float16 / bfloat16, D == Dv with a compiled head dim (SAFEATTN_ATTN_FWD_SM90_D<D>),
-// no mask, no sinks, no softcap, sizes below 2^31. Inputs whose rows TMA cannot read in place are
-// copied to aligned rows first. Returns false, having done nothing, otherwise: the caller takes
+// no mask or a bool one, no sinks, no softcap, sizes below 2^31. Inputs whose rows TMA cannot
+// read in place are copied to aligned rows first. Returns false, having done nothing, otherwise: the caller takes
 // another path.
 bool attention_fwd_sm90(const AttentionFwdArgs& args);
 

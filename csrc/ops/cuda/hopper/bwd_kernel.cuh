@@ -29,7 +29,11 @@
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 //
-// Numerics: masked elements (causality, keys past kv_len) get s = -inf, so p = 0 whatever the
+// Mask: a bool attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
+// proves fully masked, in the producer and the consumers alike; mixed steps read the mask per
+// element.
+//
+// Numerics: masked elements (causality, keys past kv_len, the mask) get s = -inf, so p = 0 whatever the
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
 // past q_len are zero-filled by TMA with row_shift +inf and delta 0 from the padding: every dS of
 // theirs is exactly 0 and nothing is written for them. NaN in an input reaches the gradients.
@@ -97,9 +101,12 @@ __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
 }
 
-template <typename Element_, class Config>
+// kMasked: the variant that reads a bool mask and its summary; the other has none of that code
+// (the mask's gathers cost the unmasked kernel registers it cannot spare).
+template <typename Element_, class Config, bool kMasked_ = false>
 struct Bwd {
   using Element = Element_;
+  static constexpr bool kMasked = kMasked_;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -227,7 +234,16 @@ struct Bwd {
     float scale, scale_log2;
     bool causal;
     int64_t causal_shift;
+    attn::MaskView mask;               // bool or none
+    attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
   };
+  static_assert(kBlockM == kMaskTileRows && kBlockN == kMaskTileKeys, "a step is one tile of the mask summary");
+
+  // Whether the mask summary rules out query tile m_block of `head` for key tile n_block. Producer
+  // and consumers skip the same steps.
+  static __device__ __forceinline__ bool step_masked(const Params& p, int batch, int head, int m_block, int n_block) {
+    return kMasked && p.mask_tiles.at(batch, head, m_block, n_block) == attn::kTileMasked;
+  }
 
   // The query tiles key tile n_block sees: [m_begin, m_blocks) of every head of the group.
   static __device__ __forceinline__ int first_m_block(const Params& p, int n_block) {
@@ -271,6 +287,9 @@ struct Bwd {
     for (int step = 0; step < steps; ++step) {
       const int head = kv_head * p.group + step / m_count;
       const int m_block = m_begin + step % m_count;
+      if (step_masked(p, batch, head, m_block, n_block)) {
+        continue;
+      }
       const int64_t row_offset = (int64_t{batch} * p.heads + head) * p.q_pad + int64_t{m_block} * kBlockM;
       Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(m_block, _0{}));
@@ -373,11 +392,32 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
+    int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     for (int step = 0; step < steps; ++step) {
       const int head = kv_head * p.group + step / m_count;
       const int m_block = m_begin + step % m_count;
-      const int buffer = step % 2;
+      const uint8_t tile_class = kMasked ? p.mask_tiles.at(batch, head, m_block, n_block) : attn::kTileVisible;
+      if (tile_class == attn::kTileMasked) {
+        continue;
+      }
+      const int buffer = visited++ % 2;
       const int row0 = m_block * kBlockM;
+      // A mixed step's mask bits (set: visible), one per accumulator element of S^T, gathered by
+      // a rolled loop before the products are issued, while few registers are live. Rows past
+      // q_len and keys past kv_len read nothing and keep their bit (handled below).
+      uint32_t keep = ~0u;
+      if (tile_class == attn::kTileMixed) {
+        static_assert(decltype(size(tSrS))::value <= 32);
+        const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head, row0, key0);
+#pragma unroll 1
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          if (key < keys_in_tile && row0 + row < p.q_len &&
+              !mask[int64_t{row} * p.mask.stride_q + int64_t{key} * p.mask.stride_kv]) {
+            keep &= ~(1u << i);
+          }
+        }
+      }
 
       pipe_q.consumer_wait(read_q);
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
@@ -395,6 +435,14 @@ struct Bwd {
         for (int i = 0; i < size(tSrS); ++i) {
           const int key = key_base + acc_row(i), row = col_base + acc_col(i);
           if (key >= keys_in_tile || (causal_mask && key - row > limit)) {
+            tSrS(i) = -INFINITY;
+          }
+        }
+      }
+      if (kMasked && ~keep != 0) {
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          if (!((keep >> i) & 1u)) {
             tSrS(i) = -INFINITY;
           }
         }
@@ -561,11 +609,11 @@ __global__ void __launch_bounds__(256)
 }  // namespace detail
 
 // Host: builds the TMA descriptors and runs dq_accum's zeroing, the kernel and the dQ conversion.
-template <typename T, class Config>
-cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+template <typename T, class Config, bool kMasked>
+cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Bwd<Element, Config>;
+  using Kernel = detail::Bwd<Element, Config, kMasked>;
   constexpr int D = Config::kHeadDim;
   if (a.q_len == 0 || a.kv_len == 0 || a.batch == 0 || a.heads == 0) {
     return cudaErrorInvalidValue;  // the caller handles empty inputs
@@ -613,6 +661,8 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
   p.scale_log2 = a.scale_log2;
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
+  p.mask = a.mask;
+  p.mask_tiles = a.mask_tiles;
 
   const int64_t dq_elements = int64_t{a.batch} * a.heads * a.q_len * D;
   cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, int64_t{a.batch} * a.heads * p.q_pad * D * sizeof(float), stream);
@@ -635,6 +685,13 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
   detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb,
                                                                 a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, pairs);
   return cudaGetLastError();
+}
+
+// The variant with the mask's code when a.mask_tiles holds a summary.
+template <typename T, class Config>
+cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+  return a.mask_tiles.ptr != nullptr ? launch_bwd_variant<T, Config, true>(a, stream)
+                                     : launch_bwd_variant<T, Config, false>(a, stream);
 }
 
 template <typename T, int kHeadDim>

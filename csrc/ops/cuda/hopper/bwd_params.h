@@ -7,6 +7,9 @@
 
 #include <cuda_runtime.h>
 
+#include "ops/cuda/hopper/fwd_params.h"  // kMaskTileRows, kMaskTileKeys
+#include "ops/cuda/mask_view.cuh"
+
 namespace safeattn::cuda::hopper {
 
 struct BwdParams {
@@ -45,6 +48,11 @@ struct BwdParams {
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
+  // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
+  // tiles of kMaskTileRows x kMaskTileKeys (the kernel's query and key tiles): fully masked
+  // (query tile, key tile) pairs are skipped, mixed ones read the mask per element.
+  attn::MaskView mask;
+  attn::TileSummaryView mask_tiles;
 };
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in

@@ -157,9 +157,12 @@ auto mn_major_atom() {
   }
 }
 
-template <typename Element_, class Config>
+// kMasked: the variant that reads a bool mask and its summary; the other has none of that code
+// (the mask's gathers cost the unmasked kernel registers it cannot spare).
+template <typename Element_, class Config, bool kMasked_ = false>
 struct Fwd {
   using Element = Element_;
+  static constexpr bool kMasked = kMasked_;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -244,7 +247,11 @@ struct Fwd {
     float scale_log2;
     bool causal;
     int64_t causal_shift;
+    attn::MaskView mask;               // bool or none
+    attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
   };
+  static_assert(kBlockM % kMaskTileRows == 0 && kBlockN == kMaskTileKeys,
+                "a tile is whole rows of the mask summary's tiles");
 
   // ---- the tile schedule ---------------------------------------------------------------------
 
@@ -257,8 +264,9 @@ struct Fwd {
     Tile t;
     const int bh = index / p.m_blocks;
     const int m = index - bh * p.m_blocks;
-    // Causal: the longest rows first within each head, so the short tiles fill the tail.
-    t.m_block = p.causal ? p.m_blocks - 1 - m : m;
+    // Causal (or masked, which is mostly causal): the longest rows first within each head, so
+    // the short tiles fill the tail.
+    t.m_block = p.causal || kMasked ? p.m_blocks - 1 - m : m;
     t.head = bh % p.heads;
     t.batch = bh / p.heads;
     int64_t kv_end = p.kv_len;
@@ -268,6 +276,33 @@ struct Fwd {
     }
     t.n_blocks = static_cast<int>((kv_end + kBlockN - 1) / kBlockN);
     return t;
+  }
+
+  // The mask summary's class of key tile n for the whole tile of rows: masked when every 64-row
+  // share is masked, visible when every share is visible, else mixed.
+  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n) {
+    if (!kMasked) {
+      return attn::kTileVisible;
+    }
+    bool any_visible = false, all_visible = true;
+#pragma unroll
+    for (int w = 0; w < kBlockM / kMaskTileRows; ++w) {
+      const int q_tile = t.m_block * (kBlockM / kMaskTileRows) + w;
+      if (int64_t{q_tile} * kMaskTileRows < p.q_len) {
+        const uint8_t c = p.mask_tiles.at(t.batch, t.head, q_tile, n);
+        any_visible |= c != attn::kTileMasked;
+        all_visible &= c == attn::kTileVisible;
+      }
+    }
+    return !any_visible ? attn::kTileMasked : (all_visible ? attn::kTileVisible : attn::kTileMixed);
+  }
+
+  // The key tile visited after tile n: the nearest one below n that the mask summary does not
+  // rule out, or -1. Producer and consumers walk the same sequence, from prev_tile(n_blocks).
+  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n) {
+    for (--n; n >= 0 && kMasked && key_tile_class(p, t, n) == attn::kTileMasked; --n) {
+    }
+    return n;
   }
 
   // ---- producer ------------------------------------------------------------------------------
@@ -293,7 +328,8 @@ struct Fwd {
         break;
       }
       const Tile t = tile_at(p, index);
-      if (t.n_blocks == 0) {  // no key visible to any row: the consumers write the empty rows alone
+      int n = prev_tile(p, t, t.n_blocks);
+      if (n < 0) {  // no key visible to any row: the consumers write the empty rows alone
         q_full.arrive();
         index = next_tile(p, index);
         continue;
@@ -332,13 +368,13 @@ struct Fwd {
       q_full.arrive_and_expect_tx(kBytesQ);
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
-      // The consumers' order: K(n-1), V(n-1); then K(n-2), V(n-1); ...; V(0).
-      load_k(t.n_blocks - 1);
-      for (int n = t.n_blocks - 1; n > 0; --n) {
-        load_k(n - 1);
+      // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
+      load_k(n);
+      for (int m = prev_tile(p, t, n); m >= 0; n = m, m = prev_tile(p, t, m)) {
+        load_k(m);
         load_v(n);
       }
-      load_v(0);
+      load_v(n);
       index = next;
     }
   }
@@ -379,6 +415,37 @@ struct Fwd {
             s(e + 2 * r + 4 * c) = -INFINITY;
           }
         }
+      }
+    }
+  }
+
+  // The bool mask's elements of key tile n_block for this thread's accumulator elements, one bit
+  // each (set: visible), gathered by a rolled loop before the tile's products are issued, while
+  // few registers are live. Rows past q_len and keys past kv_len read nothing and keep their bit
+  // (the first are never written, the second are -inf already).
+  static __device__ __forceinline__ uint64_t gather_mask(const Params& p, const Tile& t, int n_block, int64_t row0,
+                                                         int lane) {
+    constexpr int kElems = kBlockN / 2;
+    static_assert(kElems <= 64);
+    const int col0 = n_block * kBlockN + 2 * (lane % 4);
+    const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
+    uint64_t keep = ~uint64_t{0};
+#pragma unroll 1
+    for (int i = 0; i < kElems; ++i) {
+      const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
+      if (row0 + 8 * r < p.q_len && col < p.kv_len && !mask[8 * r * p.mask.stride_q + col * p.mask.stride_kv]) {
+        keep &= ~(uint64_t{1} << i);
+      }
+    }
+    return keep;
+  }
+
+  template <class FragS>
+  static __device__ __forceinline__ void apply_mask(FragS& s, uint64_t keep) {
+#pragma unroll
+    for (int i = 0; i < decltype(size(s))::value; ++i) {
+      if (!((keep >> i) & 1u)) {
+        s(i) = -INFINITY;
       }
     }
   }
@@ -513,11 +580,27 @@ struct Fwd {
         return tile_last_key >= p.kv_len || (p.causal && tile_last_key > tile_row0 + p.causal_shift);
       };
 
-      if (t.n_blocks == 0) {
+      // The mask's bits of key tile n (all set unless the tile is mixed), gathered before its
+      // products are issued; then the element tests of its scores: causality and kv_len
+      // (needs_mask), and the mask's bits.
+      auto mask_bits = [&](int n) {
+        return kMasked && key_tile_class(p, t, n) == attn::kTileMixed ? gather_mask(p, t, n, row0, lane) : ~uint64_t{0};
+      };
+      auto mask_scores = [&](int n, uint64_t keep) {
+        if (needs_mask(n)) {
+          mask_tile(tSrS, n, last_key, lane);
+        }
+        if (kMasked && ~keep != 0) {
+          apply_mask(tSrS, keep);
+        }
+      };
+
+      int n = prev_tile(p, t, t.n_blocks);
+      if (n < 0) {
         q_empty.arrive();
       } else {
-        // The last key tile: S, mask, softmax.
-        int n = t.n_blocks - 1;
+        // The first visited key tile: S, mask, softmax.
+        uint64_t keep = mask_bits(n);
         take_turn();
         pipe_k.consumer_wait(read_k);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
@@ -525,16 +608,17 @@ struct Fwd {
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
         ++read_k;
-        if (n == 0) {
+        int m = prev_tile(p, t, n);
+        if (m < 0) {
           q_empty.arrive();
         }
-        if (needs_mask(n)) {
-          mask_tile(tSrS, n, last_key, lane);
-        }
+        mask_scores(n, keep);
         softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
         convert_p(tSrS, tOrP);
-        // Each further tile: S of tile n - 1 is issued before P V of tile n.
-        for (; n > 0; --n) {
+        // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
+        while (m >= 0) {
+          const int next = prev_tile(p, t, m);
+          keep = mask_bits(m);
           take_turn();
           pipe_k.consumer_wait(read_k);
           wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
@@ -544,18 +628,17 @@ struct Fwd {
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
-          if (n == 1) {
+          if (next < 0) {
             q_empty.arrive();  // the tile's last read of Q
           }
-          if (needs_mask(n - 1)) {
-            mask_tile(tSrS, n - 1, last_key, lane);
-          }
+          mask_scores(m, keep);
           softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
           rescale(tOrO, correction);
           convert_p(tSrS, tOrP);
+          m = next;
         }
         take_turn();
         pipe_v.consumer_wait(read_v);
@@ -658,11 +741,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
 }  // namespace detail
 
 // Host: builds the TMA descriptors and launches one variant. Returns the launch error.
-template <typename T, class Config>
-cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
+template <typename T, class Config, bool kMasked>
+cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Fwd<Element, Config>;
+  using Kernel = detail::Fwd<Element, Config, kMasked>;
   constexpr int D = Config::kHeadDim;
   typename Kernel::Params p;
   // A size-1 dim is never stepped over; TMA still wants its stride to be a multiple of 16 bytes.
@@ -707,6 +790,8 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   p.scale_log2 = a.scale_log2;
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
+  p.mask = a.mask;
+  p.mask_tiles = a.mask_tiles;
   p.tile_counter = a.tile_counter;
 
   auto kernel = &detail::fwd_kernel<Kernel>;
@@ -717,6 +802,13 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The variant with the mask's code when a.mask_tiles holds a summary.
+template <typename T, class Config>
+cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
+  return a.mask_tiles.ptr != nullptr ? launch_fwd_variant<T, Config, true>(a, stream)
+                                     : launch_fwd_variant<T, Config, false>(a, stream);
 }
 
 template <typename T, int kHeadDim>

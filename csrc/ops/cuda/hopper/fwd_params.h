@@ -7,7 +7,15 @@
 
 #include <cuda_runtime.h>
 
+#include "ops/cuda/mask_view.cuh"
+
 namespace safeattn::cuda::hopper {
+
+// The tiles of the mask summary both sm_90a kernels read (attn::summarize_mask_tiles): 64 query
+// rows (a consumer warpgroup's share of a forward tile, the backward's query tile) x 128 keys
+// (both kernels' key tile).
+constexpr int kMaskTileRows = 64;
+constexpr int kMaskTileKeys = 128;
 
 struct FwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
@@ -29,6 +37,11 @@ struct FwdParams {
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
+  // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
+  // tiles of kMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully visible
+  // ones read no mask, and mixed ones read it per element.
+  attn::MaskView mask;
+  attn::TileSummaryView mask_tiles;
   // Persistent grid: at most this many CTAs (the multiprocessor count); 0: one CTA per tile.
   int max_ctas = 0;
   // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
