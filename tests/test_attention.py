@@ -659,11 +659,12 @@ def test_cuda_broadcast_masks(mask_shape, mask_dtype, dtype):
 
 
 def _tile_mask(batch, q_len, kv_len, dtype):
-    """A [B, 1, Q, KV] mask whose 128 x 64 tiles are, by design, fully masked, fully visible, or
-    mixed, with fully masked rows; float masks use 0 (visible), -inf (masked) and random bias."""
+    """A [B, 1, Q, KV] mask whose tiles (64 or 128 queries x 64 or 128 keys: the mma.sync and the
+    sm_90a kernels' sizes) are, by design, fully masked, fully visible, or mixed, with fully masked
+    rows; float masks use 0 (visible), -inf (masked) and random bias."""
     gen = torch.Generator().manual_seed(21)
     visible = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
-    visible[:, :, :, 64:192] = False  # two whole key tiles masked for every query
+    visible[:, :, :, 128:384] = False  # whole key tiles (of 64 or 128 keys) masked for every query
     visible[0, :, 128:256, :] = False  # a whole query tile of batch 0 sees nothing
     visible[1, :, 5:9, :] = False  # fully masked rows inside a tile
     visible[:, :, 300:, 400:470] = torch.rand(batch, 1, q_len - 300, 70, generator=gen) > 0.5  # mixed
@@ -682,10 +683,11 @@ def test_cuda_mask_tile_summary(mask_dtype, causal):
     mask = _tile_mask(2, q_len, kv_len, mask_dtype).to("cuda")
     q, k, v = _qkv(2, 4, 2, q_len, kv_len, 64, torch.bfloat16, "cuda")
     with torch.no_grad():
-        # Keys 64..191 are masked for every query: their tiles are skipped, so NaN there never
-        # leaks, not even through V (0 * NaN).
-        k[:, :, 64:192] = float("nan")
-        v[:, :, 64:192] = float("nan")
+        # Keys 128..383 are masked for every query: their tiles are skipped, so NaN there never
+        # leaks, not even through V (0 * NaN). (A NaN V behind a masked key of a mixed tile does:
+        # P V multiplies it by 0.)
+        k[:, :, 128:384] = float("nan")
+        v[:, :, 128:384] = float("nan")
     kwargs = {"attn_mask": mask, "enable_gqa": True, "is_causal": causal, "q_offset": 300 if causal else 0}
     out, lse = safeattn.attention(q, k, v, **kwargs)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in fully masked tiles leaked"
@@ -696,8 +698,8 @@ def test_cuda_mask_tile_summary(mask_dtype, causal):
         lse[1, :, 5:9].isneginf()
     ), "fully masked rows not 0/-inf"
     with torch.no_grad():
-        k[:, :, 64:192] = 0.0
-        v[:, :, 64:192] = 0.0
+        k[:, :, 128:384] = 0.0
+        v[:, :, 128:384] = 0.0
     _check_forward(q, k, v, **kwargs)
 
 

@@ -372,13 +372,17 @@ def _sm90_masks(batch, heads, q_len, kv_len):
     per_head = torch.rand(1, heads, q_len, kv_len, generator=gen) > 0.2
     per_head[:, :, :, 256:384] = True  # a fully visible key tile
     per_head[:, 1:3, :, :128] = False  # fully masked tiles in two heads
+    everything_masked_in_batch_0 = torch.stack([torch.zeros_like(causal)] + [causal] * (batch - 1))
     return {
         "causal_left_padding": (causal & keep_keys[:, None, :])[:, None],  # [B, 1, Q, KV], as Transformers
         "key_padding": keep_keys[:, None, None, :],  # [B, 1, 1, KV]
         "sliding_window": window,  # [Q, KV]
         "per_head_random": per_head,  # [1, H, Q, KV]
-        "everything_masked_in_batch_0": torch.stack([torch.zeros_like(causal)] + [causal] * (batch - 1))[
-            :, None
+        "everything_masked_in_batch_0": everything_masked_in_batch_0[:, None],
+        # Rows on 16-byte boundaries (the summary's 16-keys-per-load path), the last tile's keys
+        # not a multiple of 16: a mask built for a longer cache and sliced, as Transformers does.
+        "sliced_from_wider": torch.nn.functional.pad(causal & keep_keys[:, None, :], (0, 8))[
+            :, None, :, :kv_len
         ],
     }
 
@@ -393,6 +397,7 @@ def _sm90_masks(batch, heads, q_len, kv_len):
         "sliding_window",
         "per_head_random",
         "everything_masked_in_batch_0",
+        "sliced_from_wider",
     ],
 )
 def test_bool_masks_sm90(name, head_dim, dtype):

@@ -91,26 +91,50 @@ constexpr int kSummaryThreads = 256;
 
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
 // kv_tile. Each thread looks at a strided share of the tile's elements; the three flags are
-// ORed over the CTA.
+// ORed over the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride
+// along the keys (and block_kv a multiple of 16), read 16 keys per load; the index arithmetic is
+// 32-bit (a tile has at most block_q * block_kv elements).
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
-                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, uint8_t* out) {
+                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out) {
   const int64_t x = blockIdx.x;
   const int64_t kv_tile = x % kv_tiles;
   const int64_t q_tile = (x / kv_tiles) % q_tiles;
   const int64_t slice = x / (kv_tiles * q_tiles);
   const int64_t b = slice / heads_m, h = slice % heads_m;
   const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
-  const int64_t rows = q_len - i0 < block_q ? q_len - i0 : block_q;
-  const int64_t cols = kv_len - j0 < block_kv ? kv_len - j0 : block_kv;
+  const int rows = static_cast<int>(q_len - i0 < block_q ? q_len - i0 : block_q);
+  const int cols = static_cast<int>(kv_len - j0 < block_kv ? kv_len - j0 : block_kv);
   bool any_visible = false, any_masked = false, any_bias = false;
-  for (int64_t e = threadIdx.x; e < rows * cols; e += kSummaryThreads) {
-    const int64_t r = e / cols, c = e % cols;
-    const float v = mask.additive(mask.offset(b, h, i0 + r, j0 + c));
-    const bool masked = v == -INFINITY;
-    any_masked |= masked;
-    any_visible |= !masked;    // NaN included: it must reach its row
-    any_bias |= !(v == 0.0f);  // NaN included
+  if (vec16) {
+    // Bool (bytes 0 / 1): a word of four visible keys is 0x01010101, of four masked ones 0.
+    const uint8_t* tile = static_cast<const uint8_t*>(mask.ptr) + mask.offset(b, h, i0, j0);
+    const int chunks = (cols + 15) / 16;
+    for (int e = threadIdx.x; e < rows * chunks; e += kSummaryThreads) {
+      const int r = e / chunks, c = 16 * (e % chunks);
+      const uint8_t* keys = tile + r * mask.stride_q + c;
+      if (c + 16 <= cols) {
+        const uint4 w = *reinterpret_cast<const uint4*>(keys);
+        for (const uint32_t word : {w.x, w.y, w.z, w.w}) {
+          any_visible |= word != 0u;
+          any_masked |= word != 0x01010101u;
+        }
+      } else {
+        for (int k = 0; k < cols - c; ++k) {
+          any_visible |= keys[k] != 0;
+          any_masked |= keys[k] == 0;
+        }
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < rows * cols; e += kSummaryThreads) {
+      const int r = e / cols, c = e % cols;
+      const float v = mask.additive(mask.offset(b, h, i0 + r, j0 + c));
+      const bool masked = v == -INFINITY;
+      any_masked |= masked;
+      any_visible |= !masked;    // NaN included: it must reach its row
+      any_bias |= !(v == 0.0f);  // NaN included
+    }
   }
   any_visible = __syncthreads_or(any_visible);
   any_masked = __syncthreads_or(any_masked);
@@ -138,8 +162,15 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     return summary;
   }
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the mask has too many tiles to summarise (", blocks, ")");
+  // 16 keys per load: a bool mask with unit stride along the keys, every row of every slice on a
+  // 16-byte boundary, tiles starting on one.
+  // A size-1 dim is never stepped over: its stride does not matter.
+  auto aligned16 = [&](int dim) { return mask.size(dim) == 1 || mask.stride(dim) % 16 == 0; };
+  const bool vec16 = mask.scalar_type() == at::kBool && (kv_len == 1 || mask.stride(3) == 1) &&
+                     reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0 && block_kv % 16 == 0 && aligned16(0) &&
+                     aligned16(1) && aligned16(2);
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, summary.data_ptr<uint8_t>());
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
