@@ -392,24 +392,26 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
-    int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
-    for (int step = 0; step < steps; ++step) {
-      const int head = kv_head * p.group + step / m_count;
-      const int m_block = m_begin + step % m_count;
-      const uint8_t tile_class = kMasked ? p.mask_tiles.at(batch, head, m_block, n_block) : attn::kTileVisible;
-      if (tile_class == attn::kTileMasked) {
-        continue;
+    // The steps the mask summary does not rule out, and the mask bits of a mixed one (set:
+    // visible), one per accumulator element of S^T. Both are read one step ahead, while the
+    // step's products run, so their global loads stay off the path between products. Rows past
+    // q_len and keys past kv_len read nothing and keep their bit (handled below).
+    auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
+    auto m_block_of = [&](int step) { return m_begin + step % m_count; };
+    auto visit_from = [&](int step) {
+      while (step < steps && step_masked(p, batch, head_of(step), m_block_of(step), n_block)) {
+        ++step;
       }
-      const int buffer = visited++ % 2;
-      const int row0 = m_block * kBlockM;
-      // A mixed step's mask bits (set: visible), one per accumulator element of S^T, gathered by
-      // a rolled loop before the products are issued, while few registers are live. Rows past
-      // q_len and keys past kv_len read nothing and keep their bit (handled below).
+      return step;
+    };
+    auto mask_bits = [&](int step) {
       uint32_t keep = ~0u;
-      if (tile_class == attn::kTileMixed) {
+      if (kMasked && step < steps &&
+          p.mask_tiles.at(batch, head_of(step), m_block_of(step), n_block) == attn::kTileMixed) {
         static_assert(decltype(size(tSrS))::value <= 32);
-        const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head, row0, key0);
-#pragma unroll 1
+        const int row0 = m_block_of(step) * kBlockM;
+        const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
+#pragma unroll 8
         for (int i = 0; i < size(tSrS); ++i) {
           const int key = key_base + acc_row(i), row = col_base + acc_col(i);
           if (key < keys_in_tile && row0 + row < p.q_len &&
@@ -418,11 +420,28 @@ struct Bwd {
           }
         }
       }
+      return keep;
+    };
+    int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
+    int next = visit_from(0);
+    uint32_t keep = 0, keep_next = mask_bits(next);
+    for (int step = next; step < steps; step = next) {
+      const int head = head_of(step);
+      const int m_block = m_block_of(step);
+      const int buffer = visited++ % 2;
+      const int row0 = m_block * kBlockM;
+      keep = keep_next;
 
       pipe_q.consumer_wait(read_q);
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      if constexpr (kMasked) {
+        next = visit_from(step + 1);
+        keep_next = mask_bits(next);
+      } else {
+        next = step + 1;
+      }
       warpgroup_wait<1>();  // S^T done, dP^T may still run
 
       // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the

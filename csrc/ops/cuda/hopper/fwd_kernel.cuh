@@ -79,6 +79,16 @@ template <>
 struct DefaultFwdConfig<128> {
   using type = FwdConfig<128, 128, 2, 2, true>;
 };
+// With a mask (the kMasked variant): at D = 64, two consumer warpgroups of 232 registers, since
+// the mask's bits and addresses do not fit beside three warpgroups' 160 (112 bytes of spills).
+template <int kHeadDim>
+struct MaskedFwdConfig {
+  using type = typename DefaultFwdConfig<kHeadDim>::type;
+};
+template <>
+struct MaskedFwdConfig<64> {
+  using type = FwdConfig<64, 128, 4, 2, true>;
+};
 
 template <typename T>
 struct CutlassElement;
@@ -420,9 +430,9 @@ struct Fwd {
   }
 
   // The bool mask's elements of key tile n_block for this thread's accumulator elements, one bit
-  // each (set: visible), gathered by a rolled loop before the tile's products are issued, while
-  // few registers are live. Rows past q_len and keys past kv_len read nothing and keep their bit
-  // (the first are never written, the second are -inf already).
+  // each (set: visible), eight loads in flight; the consumers gather a tile's bits while the
+  // products of the tile before it run. Rows past q_len and keys past kv_len read nothing and keep
+  // their bit (the first are never written, the second are -inf already).
   static __device__ __forceinline__ uint64_t gather_mask(const Params& p, const Tile& t, int n_block, int64_t row0,
                                                          int lane) {
     constexpr int kElems = kBlockN / 2;
@@ -430,7 +440,7 @@ struct Fwd {
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
     const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
     uint64_t keep = ~uint64_t{0};
-#pragma unroll 1
+#pragma unroll 8
     for (int i = 0; i < kElems; ++i) {
       const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
       if (row0 + 8 * r < p.q_len && col < p.kv_len && !mask[8 * r * p.mask.stride_q + col * p.mask.stride_kv]) {
@@ -599,16 +609,19 @@ struct Fwd {
       if (n < 0) {
         q_empty.arrive();
       } else {
-        // The first visited key tile: S, mask, softmax.
-        uint64_t keep = mask_bits(n);
+        // The first visited key tile: S, mask, softmax. The mask summary's walk and the next
+        // tile's mask bits (global loads) are read while the tile's products run, one tile ahead,
+        // so their latency stays off the path from one product to the next.
+        const uint64_t keep = mask_bits(n);
         take_turn();
         pipe_k.consumer_wait(read_k);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
+        int m = prev_tile(p, t, n);
+        uint64_t keep_m = m >= 0 ? mask_bits(m) : ~uint64_t{0};
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
         ++read_k;
-        int m = prev_tile(p, t, n);
         if (m < 0) {
           q_empty.arrive();
         }
@@ -617,21 +630,21 @@ struct Fwd {
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
         while (m >= 0) {
-          const int next = prev_tile(p, t, m);
-          keep = mask_bits(m);
           take_turn();
           pipe_k.consumer_wait(read_k);
           wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
           pipe_v.consumer_wait(read_v);
           wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
+          const int next = prev_tile(p, t, m);
+          const uint64_t keep_next = next >= 0 ? mask_bits(next) : ~uint64_t{0};
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
           if (next < 0) {
             q_empty.arrive();  // the tile's last read of Q
           }
-          mask_scores(m, keep);
+          mask_scores(m, keep_m);
           softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
@@ -639,6 +652,7 @@ struct Fwd {
           rescale(tOrO, correction);
           convert_p(tSrS, tOrP);
           m = next;
+          keep_m = keep_next;
         }
         take_turn();
         pipe_v.consumer_wait(read_v);
@@ -813,7 +827,9 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  return launch_fwd_config<T, typename DefaultFwdConfig<kHeadDim>::type>(params, stream);
+  return params.mask_tiles.ptr != nullptr
+             ? launch_fwd_variant<T, typename MaskedFwdConfig<kHeadDim>::type, true>(params, stream)
+             : launch_fwd_variant<T, typename DefaultFwdConfig<kHeadDim>::type, false>(params, stream);
 }
 
 }  // namespace safeattn::cuda::hopper
