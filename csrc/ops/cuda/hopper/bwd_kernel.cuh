@@ -411,11 +411,14 @@ struct Bwd {
         static_assert(decltype(size(tSrS))::value <= 32);
         const int row0 = m_block_of(step) * kBlockM;
         const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
+        // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
+        const int last_row = p.q_len - 1 - row0;
 #pragma unroll 8
         for (int i = 0; i < size(tSrS); ++i) {
           const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-          if (key < keys_in_tile && row0 + row < p.q_len &&
-              !mask[int64_t{row} * p.mask.stride_q + int64_t{key} * p.mask.stride_kv]) {
+          const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                    int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
+          if (!visible && key < keys_in_tile && row <= last_row) {
             keep &= ~(1u << i);
           }
         }

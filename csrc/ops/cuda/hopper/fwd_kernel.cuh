@@ -439,11 +439,17 @@ struct Fwd {
     static_assert(kElems <= 64);
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
     const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
+    // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
+    // that the unrolled loads are all in flight at once: a conditional load waits for its test,
+    // and one L2 round trip per element made a mixed tile cost about ten plain ones.
+    const int64_t last_row = p.q_len - 1 - row0;
     uint64_t keep = ~uint64_t{0};
 #pragma unroll 8
     for (int i = 0; i < kElems; ++i) {
       const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
-      if (row0 + 8 * r < p.q_len && col < p.kv_len && !mask[8 * r * p.mask.stride_q + col * p.mask.stride_kv]) {
+      const int64_t row = 8 * r < last_row ? 8 * r : last_row;
+      const bool visible = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
+      if (!visible && 8 * r <= last_row && col < p.kv_len) {
         keep &= ~(uint64_t{1} << i);
       }
     }
