@@ -398,16 +398,19 @@ struct Bwd {
     // q_len and keys past kv_len read nothing and keep their bit (handled below).
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
+    uint8_t tile_class = attn::kTileVisible;  // of the step visit_from found (read once)
     auto visit_from = [&](int step) {
-      while (step < steps && step_masked(p, batch, head_of(step), m_block_of(step), n_block)) {
-        ++step;
+      for (; step < steps && kMasked; ++step) {
+        tile_class = p.mask_tiles.at(batch, head_of(step), m_block_of(step), n_block);
+        if (tile_class != attn::kTileMasked) {
+          break;
+        }
       }
       return step;
     };
     auto mask_bits = [&](int step) {
       uint32_t keep = ~0u;
-      if (kMasked && step < steps &&
-          p.mask_tiles.at(batch, head_of(step), m_block_of(step), n_block) == attn::kTileMixed) {
+      if (kMasked && step < steps && tile_class == attn::kTileMixed) {
         static_assert(decltype(size(tSrS))::value <= 32);
         const int row0 = m_block_of(step) * kBlockM;
         const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
@@ -427,24 +430,21 @@ struct Bwd {
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     int next = visit_from(0);
-    uint32_t keep = 0, keep_next = mask_bits(next);
-    for (int step = next; step < steps; step = next) {
+    uint32_t keep = mask_bits(next);
+    // A step's class is read while the step before it multiplies; its mask bits (a mixed step's
+    // gather) at the end of the step before, once the products are done: gathering during them
+    // spilled the dK / dV accumulators at D = 128.
+    for (int step = next; step < steps; step = next, keep = mask_bits(next)) {
       const int head = head_of(step);
       const int m_block = m_block_of(step);
       const int buffer = visited++ % 2;
       const int row0 = m_block * kBlockM;
-      keep = keep_next;
 
       pipe_q.consumer_wait(read_q);
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-      if constexpr (kMasked) {
-        next = visit_from(step + 1);
-        keep_next = mask_bits(next);
-      } else {
-        next = step + 1;
-      }
+      next = kMasked ? visit_from(step + 1) : step + 1;
       warpgroup_wait<1>();  // S^T done, dP^T may still run
 
       // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the

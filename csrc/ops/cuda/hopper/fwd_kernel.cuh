@@ -308,11 +308,24 @@ struct Fwd {
   }
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
-  // rule out, or -1. Producer and consumers walk the same sequence, from prev_tile(n_blocks).
-  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n) {
-    for (--n; n >= 0 && kMasked && key_tile_class(p, t, n) == attn::kTileMasked; --n) {
+  // rule out, or -1, and its class (read once: the consumers need it for the mask bits). Producer
+  // and consumers walk the same sequence, from prev_tile(n_blocks).
+  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n, uint8_t& tile_class) {
+    tile_class = attn::kTileVisible;
+    for (--n; n >= 0; --n) {
+      if (!kMasked) {
+        break;
+      }
+      tile_class = key_tile_class(p, t, n);
+      if (tile_class != attn::kTileMasked) {
+        break;
+      }
     }
     return n;
+  }
+  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n) {
+    uint8_t tile_class;
+    return prev_tile(p, t, n, tile_class);
   }
 
   // ---- producer ------------------------------------------------------------------------------
@@ -599,8 +612,8 @@ struct Fwd {
       // The mask's bits of key tile n (all set unless the tile is mixed), gathered before its
       // products are issued; then the element tests of its scores: causality and kv_len
       // (needs_mask), and the mask's bits.
-      auto mask_bits = [&](int n) {
-        return kMasked && key_tile_class(p, t, n) == attn::kTileMixed ? gather_mask(p, t, n, row0, lane) : ~uint64_t{0};
+      auto mask_bits = [&](int n, uint8_t tile_class) {
+        return kMasked && tile_class == attn::kTileMixed ? gather_mask(p, t, n, row0, lane) : ~uint64_t{0};
       };
       auto mask_scores = [&](int n, uint64_t keep) {
         if (needs_mask(n)) {
@@ -611,20 +624,21 @@ struct Fwd {
         }
       };
 
-      int n = prev_tile(p, t, t.n_blocks);
+      uint8_t tile_class;  // of the key tile the walk found (read once, by prev_tile)
+      int n = prev_tile(p, t, t.n_blocks, tile_class);
       if (n < 0) {
         q_empty.arrive();
       } else {
         // The first visited key tile: S, mask, softmax. The mask summary's walk and the next
         // tile's mask bits (global loads) are read while the tile's products run, one tile ahead,
         // so their latency stays off the path from one product to the next.
-        const uint64_t keep = mask_bits(n);
+        const uint64_t keep = mask_bits(n, tile_class);
         take_turn();
         pipe_k.consumer_wait(read_k);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
-        int m = prev_tile(p, t, n);
-        uint64_t keep_m = m >= 0 ? mask_bits(m) : ~uint64_t{0};
+        int m = prev_tile(p, t, n, tile_class);
+        uint64_t keep_m = m >= 0 ? mask_bits(m, tile_class) : ~uint64_t{0};
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
         ++read_k;
@@ -642,8 +656,8 @@ struct Fwd {
           pipe_v.consumer_wait(read_v);
           wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          const int next = prev_tile(p, t, m);
-          const uint64_t keep_next = next >= 0 ? mask_bits(next) : ~uint64_t{0};
+          const int next = prev_tile(p, t, m, tile_class);
+          const uint64_t keep_next = next >= 0 ? mask_bits(next, tile_class) : ~uint64_t{0};
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
