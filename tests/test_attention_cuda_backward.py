@@ -372,6 +372,7 @@ def _sm90_masks(batch, heads, q_len, kv_len):
     per_head = torch.rand(1, heads, q_len, kv_len, generator=gen) > 0.2
     per_head[:, :, :, 256:384] = True  # a fully visible key tile
     per_head[:, 1:3, :, :128] = False  # fully masked tiles in two heads
+    staircase = positions[None, :] < 2 * torch.arange(q_len)[:, None] - 50
     everything_masked_in_batch_0 = torch.stack([torch.zeros_like(causal)] + [causal] * (batch - 1))
     return {
         "causal_left_padding": (causal & keep_keys[:, None, :])[:, None],  # [B, 1, Q, KV], as Transformers
@@ -384,6 +385,10 @@ def _sm90_masks(batch, heads, q_len, kv_len):
         "sliced_from_wider": torch.nn.functional.pad(causal & keep_keys[:, None, :], (0, 8))[
             :, None, :, :kv_len
         ],
+        # Aligned rows again: a causal mask (its diagonal tiles are tested by a compare, not read)
+        # and a staircase whose rows see prefixes that grow by two keys a row (not one diagonal).
+        "causal_sliced": torch.nn.functional.pad(causal, (0, 8))[:, :kv_len],
+        "staircase_sliced": torch.nn.functional.pad(staircase, (0, 8))[:, :kv_len],
     }
 
 
@@ -398,6 +403,8 @@ def _sm90_masks(batch, heads, q_len, kv_len):
         "per_head_random",
         "everything_masked_in_batch_0",
         "sliced_from_wider",
+        "causal_sliced",
+        "staircase_sliced",
     ],
 )
 def test_bool_masks_sm90(name, head_dim, dtype):

@@ -1,6 +1,7 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -89,14 +90,29 @@ namespace {
 
 constexpr int kSummaryThreads = 256;
 
+// Bit k set iff byte k of w is nonzero.
+__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t w) {
+  w |= w >> 4;
+  w |= w >> 2;
+  w |= w >> 1;
+  return ((w & 0x01010101u) * 0x10204080u) >> 28;  // bytes' low bits gathered into bits 28..31
+}
+
+constexpr int kMaxDiagonalRows = 128;
+
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
-// kv_tile. Each thread looks at a strided share of the tile's elements; the three flags are
-// ORed over the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride
-// along the keys (and block_kv a multiple of 16), read 16 keys per load; the index arithmetic is
-// 32-bit (a tile has at most block_q * block_kv elements).
+// kv_tile. Each thread looks at a strided share of the tile's elements; the flags are ORed over
+// the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride along
+// the keys (and block_kv a multiple of 16), read 16 keys per load; the index arithmetic is 32-bit
+// (a tile has at most block_q * block_kv elements). diagonal (vec16 only, block_q <= 128): each
+// row's count of visible keys and last visible key tell whether a mixed tile is one diagonal
+// (row r sees keys c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x].
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
-                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out) {
+                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out,
+                                int16_t* diagonal) {
+  __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
+  __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
   const int64_t kv_tile = x % kv_tiles;
   const int64_t q_tile = (x / kv_tiles) % q_tiles;
@@ -105,25 +121,40 @@ __global__ void __launch_bounds__(kSummaryThreads)
   const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
   const int rows = static_cast<int>(q_len - i0 < block_q ? q_len - i0 : block_q);
   const int cols = static_cast<int>(kv_len - j0 < block_kv ? kv_len - j0 : block_kv);
+  const bool rows_stats = diagonal != nullptr;  // vec16 and block_q <= 128: the host checked
+  if (rows_stats) {
+    for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
+      row_count[r] = 0;
+      row_last[r] = -1;
+    }
+    if (threadIdx.x == 0) {
+      diag_min = INT_MAX;
+      diag_max = INT_MIN;
+    }
+    __syncthreads();
+  }
   bool any_visible = false, any_masked = false, any_bias = false;
   if (vec16) {
-    // Bool (bytes 0 / 1): a word of four visible keys is 0x01010101, of four masked ones 0.
     const uint8_t* tile = static_cast<const uint8_t*>(mask.ptr) + mask.offset(b, h, i0, j0);
     const int chunks = (cols + 15) / 16;
     for (int e = threadIdx.x; e < rows * chunks; e += kSummaryThreads) {
       const int r = e / chunks, c = 16 * (e % chunks);
       const uint8_t* keys = tile + r * mask.stride_q + c;
-      if (c + 16 <= cols) {
+      const int n = cols - c < 16 ? cols - c : 16;
+      uint32_t visible = 0;  // bit k: key c + k
+      if (n == 16) {
         const uint4 w = *reinterpret_cast<const uint4*>(keys);
-        for (const uint32_t word : {w.x, w.y, w.z, w.w}) {
-          any_visible |= word != 0u;
-          any_masked |= word != 0x01010101u;
-        }
+        visible = nonzero_bytes(w.x) | nonzero_bytes(w.y) << 4 | nonzero_bytes(w.z) << 8 | nonzero_bytes(w.w) << 12;
       } else {
-        for (int k = 0; k < cols - c; ++k) {
-          any_visible |= keys[k] != 0;
-          any_masked |= keys[k] == 0;
+        for (int k = 0; k < n; ++k) {
+          visible |= static_cast<uint32_t>(keys[k] != 0) << k;
         }
+      }
+      any_visible |= visible != 0u;
+      any_masked |= visible != (1u << n) - 1u;
+      if (rows_stats && visible != 0u) {
+        atomicAdd(&row_count[r], __popc(visible));
+        atomicMax(&row_last[r], c + 31 - __clz(visible));
       }
     }
   } else {
@@ -139,14 +170,43 @@ __global__ void __launch_bounds__(kSummaryThreads)
   any_visible = __syncthreads_or(any_visible);
   any_masked = __syncthreads_or(any_masked);
   any_bias = __syncthreads_or(any_bias);
+  uint8_t tile_class = !any_visible ? kTileMasked : (!any_masked && !any_bias ? kTileVisible : kTileMixed);
+  if (rows_stats && tile_class == kTileMixed) {
+    // One diagonal d: every row's visible keys are a prefix [0, count) (its last visible key is
+    // count - 1), the rows seeing some but not all keys agree on d = count - 1 - r, and the rows
+    // seeing none or all lie where the rule puts them.
+    bool broken = false;
+    for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
+      const int count = row_count[r];
+      broken |= row_last[r] != count - 1;
+      if (count > 0 && count < cols) {
+        atomicMin(&diag_min, count - 1 - r);
+        atomicMax(&diag_max, count - 1 - r);
+      }
+    }
+    broken = __syncthreads_or(broken);
+    const int d = diag_min;
+    broken |= d != diag_max;  // also when no row is partial (d = INT_MAX): not a diagonal
+    for (int r = threadIdx.x; r < rows && !broken; r += kSummaryThreads) {
+      const int count = row_count[r];
+      broken |= (count == 0 && r + d >= 0) || (count == cols && r + d + 1 < cols);
+    }
+    broken = __syncthreads_or(broken);
+    if (!broken) {
+      tile_class = kTileDiagonal;
+    }
+    if (threadIdx.x == 0) {
+      diagonal[x] = broken ? int16_t{0} : static_cast<int16_t>(d);
+    }
+  }
   if (threadIdx.x == 0) {
-    out[x] = !any_visible ? kTileMasked : (!any_masked && !any_bias ? kTileVisible : kTileMixed);
+    out[x] = tile_class;
   }
 }
 
 }  // namespace
 
-at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv) {
+at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals) {
   TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
                         "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
   const MaskView view = make_mask_view(mask);
@@ -169,13 +229,21 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
   const bool vec16 = mask.scalar_type() == at::kBool && (kv_len == 1 || mask.stride(3) == 1) &&
                      reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0 && block_kv % 16 == 0 && aligned16(0) &&
                      aligned16(1) && aligned16(2);
+  // Diagonal tiles: asked for, and read from aligned bool rows; otherwise no tile is one.
+  int16_t* diagonal = nullptr;
+  if (diagonals != nullptr && vec16) {
+    TORCH_INTERNAL_ASSERT(block_q <= kMaxDiagonalRows, "attention (CUDA): diagonal tiles of at most 128 rows");
+    *diagonals = at::empty(summary.sizes(), mask.options().dtype(at::kShort));
+    diagonal = diagonals->data_ptr<int16_t>();
+  }
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>());
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>(), diagonal);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
 
-TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv) {
+TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
+                                       const at::Tensor& diagonals) {
   TileSummaryView view;
   if (!summary.defined()) {
     return view;
@@ -183,6 +251,7 @@ TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, i
   TORCH_INTERNAL_ASSERT(summary.dim() == 4 && summary.is_contiguous() && summary.scalar_type() == at::kByte,
                         "attention (CUDA): the tile summary must be a contiguous 4-D uint8 tensor");
   view.ptr = summary.data_ptr<uint8_t>();
+  view.diagonal = diagonals.defined() ? diagonals.data_ptr<int16_t>() : nullptr;
   view.stride_b = summary.size(0) == 1 ? 0 : summary.stride(0);
   view.stride_h = summary.size(1) == 1 ? 0 : summary.stride(1);
   view.stride_q = summary.stride(2);

@@ -281,9 +281,13 @@ struct ScoreTransform {
 // slice is summarised once. One kernel on the current stream, no host synchronisation. Edge
 // tiles look only at the elements inside [Q, KV]. Tile sizes are arguments, so the forward and
 // the backward can each ask for their own.
-at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv);
+// With `diagonals` (block_q <= 128): also the tiles of a bool mask with 16-byte aligned rows that
+// are one diagonal (kTileDiagonal), their diagonals written to *diagonals (int16, the summary's
+// shape); only the sm_90a kernels read that class.
+at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals = nullptr);
 
 // Host: the view of a summary made by summarize_mask_tiles for the same tile sizes.
-TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv);
+TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
+                                       const at::Tensor& diagonals = at::Tensor());
 
 }  // namespace safeattn::cuda::attn

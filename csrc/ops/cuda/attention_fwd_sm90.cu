@@ -62,12 +62,13 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   p.causal_shift = a.q_offset - a.kv_offset;
   p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
   // A mask is summarised per tile first (one kernel on the stream): the kernel skips the fully
-  // masked key tiles and reads the mask only in the mixed ones.
-  at::Tensor summary;
+  // masked key tiles, tests the diagonal ones by a compare and reads the mask only in the mixed
+  // ones.
+  at::Tensor summary, diagonals;
   if (a.mask.defined()) {
-    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys, &diagonals);
     p.mask = attn::make_mask_view(a.mask);
-    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys);
+    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys, diagonals);
   }
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after

@@ -44,19 +44,29 @@ struct MaskView {
 // What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles
 // (kTileMasked: neither K/V nor the mask is read), read no mask (kTileVisible), or read it once
 // per element (kTileMixed). NaN counts as mixed, so it reaches the rows it belongs to.
-enum TileClass : uint8_t { kTileMasked = 0, kTileVisible = 1, kTileMixed = 2 };
+// kTileDiagonal, only in a summary asked for with diagonals (the sm_90a kernels): a tile that is
+// neither masked nor visible whose row r (counted from the tile's first) sees exactly its keys
+// c <= r + diagonal (counted from the tile's first key): the diagonal tiles of a causal mask, read
+// as a compare instead of the mask's elements.
+enum TileClass : uint8_t { kTileMasked = 0, kTileVisible = 1, kTileMixed = 2, kTileDiagonal = 3 };
 
 // The summary as the kernels read it: class of (b, h, q_tile, kv_tile) at
 // ptr + b*stride_b + h*stride_h + q_tile*stride_q + kv_tile (0 strides on the mask's broadcast
 // dims). A null ptr (no mask) reads as kTileVisible everywhere.
 struct TileSummaryView {
   const uint8_t* ptr = nullptr;
+  const int16_t* diagonal = nullptr;  // same layout: the diagonal of each kTileDiagonal tile, or null
   int64_t stride_b = 0, stride_h = 0, stride_q = 0;
   int block_q = 0, block_kv = 0;  // the tile sizes it was computed for
 
+  __device__ __forceinline__ int64_t index(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
+    return b * stride_b + h * stride_h + q_tile * stride_q + kv_tile;
+  }
   __device__ __forceinline__ uint8_t at(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
-    return ptr == nullptr ? static_cast<uint8_t>(kTileVisible)
-                          : ptr[b * stride_b + h * stride_h + q_tile * stride_q + kv_tile];
+    return ptr == nullptr ? static_cast<uint8_t>(kTileVisible) : ptr[index(b, h, q_tile, kv_tile)];
+  }
+  __device__ __forceinline__ int diagonal_at(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
+    return diagonal[index(b, h, q_tile, kv_tile)];
   }
 };
 

@@ -399,9 +399,13 @@ struct Bwd {
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
     uint8_t tile_class = attn::kTileVisible;  // of the step visit_from found (read once)
+    int diagonal = 0;                         // of that step, when tile_class is kTileDiagonal
     auto visit_from = [&](int step) {
       for (; step < steps && kMasked; ++step) {
         tile_class = p.mask_tiles.at(batch, head_of(step), m_block_of(step), n_block);
+        if (tile_class == attn::kTileDiagonal) {
+          diagonal = p.mask_tiles.diagonal_at(batch, head_of(step), m_block_of(step), n_block);
+        }
         if (tile_class != attn::kTileMasked) {
           break;
         }
@@ -410,7 +414,14 @@ struct Bwd {
     };
     auto mask_bits = [&](int step) {
       uint32_t keep = ~0u;
-      if (kMasked && step < steps && tile_class == attn::kTileMixed) {
+      if (kMasked && step < steps && tile_class == attn::kTileDiagonal) {
+        // A compare: query row (tile-relative) r sees the tile's keys c <= r + diagonal.
+        keep = 0;
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + diagonal} << i;
+        }
+      } else if (kMasked && step < steps && tile_class == attn::kTileMixed) {
         static_assert(decltype(size(tSrS))::value <= 32);
         const int row0 = m_block_of(step) * kBlockM;
         const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);

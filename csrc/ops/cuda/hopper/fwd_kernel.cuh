@@ -289,34 +289,70 @@ struct Fwd {
   }
 
   // The mask summary's class of key tile n for the whole tile of rows: masked when every 64-row
-  // share is masked, visible when every share is visible, else mixed.
-  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n) {
+  // share is masked, visible when every share is visible, diagonal when the shares are one
+  // diagonal of the whole tile (row r of the tile sees its keys c <= r + *diagonal; asked for
+  // with a non-null `diagonal`), else mixed.
+  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n,
+                                                           int* diagonal = nullptr) {
     if (!kMasked) {
       return attn::kTileVisible;
     }
-    bool any_visible = false, all_visible = true;
+    constexpr int kShares = kBlockM / kMaskTileRows;
+    uint8_t share[kShares];
+    bool any_visible = false, all_visible = true, one_diagonal = diagonal != nullptr, have_diagonal = false;
+    int d = 0;
 #pragma unroll
-    for (int w = 0; w < kBlockM / kMaskTileRows; ++w) {
-      const int q_tile = t.m_block * (kBlockM / kMaskTileRows) + w;
-      if (int64_t{q_tile} * kMaskTileRows < p.q_len) {
-        const uint8_t c = p.mask_tiles.at(t.batch, t.head, q_tile, n);
-        any_visible |= c != attn::kTileMasked;
-        all_visible &= c == attn::kTileVisible;
+    for (int w = 0; w < kShares; ++w) {
+      const int q_tile = t.m_block * kShares + w;
+      share[w] = int64_t{q_tile} * kMaskTileRows < p.q_len ? p.mask_tiles.at(t.batch, t.head, q_tile, n)
+                                                           : uint8_t{0xff};  // rows past q_len: any rule
+      if (share[w] != 0xff) {
+        any_visible |= share[w] != attn::kTileMasked;
+        all_visible &= share[w] == attn::kTileVisible;
+        one_diagonal &= share[w] != attn::kTileMixed;
+        if (one_diagonal && share[w] == attn::kTileDiagonal) {
+          // Share w's rows start at tile row 64 w: its rule c <= r + d_w is c <= r_tile + d_w - 64 w.
+          const int d_w = p.mask_tiles.diagonal_at(t.batch, t.head, q_tile, n) - kMaskTileRows * w;
+          one_diagonal &= !have_diagonal || d_w == d;
+          d = d_w;
+          have_diagonal = true;
+        }
       }
     }
-    return !any_visible ? attn::kTileMasked : (all_visible ? attn::kTileVisible : attn::kTileMixed);
+    if (!any_visible) {
+      return attn::kTileMasked;
+    }
+    if (all_visible) {
+      return attn::kTileVisible;
+    }
+    if (!one_diagonal || !have_diagonal) {
+      return attn::kTileMixed;
+    }
+    // The visible and masked shares must lie where the diagonal puts them.
+    const int cols = p.kv_len - n * kBlockN < kBlockN ? p.kv_len - n * kBlockN : kBlockN;
+#pragma unroll
+    for (int w = 0; w < kShares; ++w) {
+      if ((share[w] == attn::kTileVisible && kMaskTileRows * w + d + 1 < cols) ||
+          (share[w] == attn::kTileMasked && kMaskTileRows * w + kMaskTileRows - 1 + d >= 0)) {
+        return attn::kTileMixed;
+      }
+    }
+    *diagonal = d;
+    return attn::kTileDiagonal;
   }
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
-  // rule out, or -1, and its class (read once: the consumers need it for the mask bits). Producer
-  // and consumers walk the same sequence, from prev_tile(n_blocks).
-  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n, uint8_t& tile_class) {
+  // rule out, or -1, and its class and diagonal (read once: the consumers need them for the mask
+  // bits; the producer passes no `diagonal`). Producer and consumers walk the same sequence, from
+  // prev_tile(n_blocks).
+  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n, uint8_t& tile_class,
+                                                  int* diagonal) {
     tile_class = attn::kTileVisible;
     for (--n; n >= 0; --n) {
       if (!kMasked) {
         break;
       }
-      tile_class = key_tile_class(p, t, n);
+      tile_class = key_tile_class(p, t, n, diagonal);
       if (tile_class != attn::kTileMasked) {
         break;
       }
@@ -325,7 +361,7 @@ struct Fwd {
   }
   static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n) {
     uint8_t tile_class;
-    return prev_tile(p, t, n, tile_class);
+    return prev_tile(p, t, n, tile_class, nullptr);
   }
 
   // ---- producer ------------------------------------------------------------------------------
@@ -612,7 +648,18 @@ struct Fwd {
       // The mask's bits of key tile n (all set unless the tile is mixed), gathered before its
       // products are issued; then the element tests of its scores: causality and kv_len
       // (needs_mask), and the mask's bits.
-      auto mask_bits = [&](int n, uint8_t tile_class) {
+      // A diagonal tile's bits are a compare: element e + 2 r + 4 c (column 8 c + 2 (lane % 4) + e
+      // of the tile, row row_in_tile + 8 r) is visible iff column <= row + diagonal.
+      auto mask_bits = [&](int n, uint8_t tile_class, int diagonal) {
+        if (kMasked && tile_class == attn::kTileDiagonal) {
+          uint64_t keep = 0;
+#pragma unroll
+          for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
+            const int column = 8 * (i / 4) + 2 * (lane % 4) + i % 2, row = row_in_tile + 8 * ((i / 2) % 2);
+            keep |= uint64_t{column <= row + diagonal} << i;
+          }
+          return keep;
+        }
         return kMasked && tile_class == attn::kTileMixed ? gather_mask(p, t, n, row0, lane) : ~uint64_t{0};
       };
       auto mask_scores = [&](int n, uint64_t keep) {
@@ -625,20 +672,21 @@ struct Fwd {
       };
 
       uint8_t tile_class;  // of the key tile the walk found (read once, by prev_tile)
-      int n = prev_tile(p, t, t.n_blocks, tile_class);
+      int diagonal = 0;    // of that tile, when tile_class is kTileDiagonal
+      int n = prev_tile(p, t, t.n_blocks, tile_class, &diagonal);
       if (n < 0) {
         q_empty.arrive();
       } else {
         // The first visited key tile: S, mask, softmax. The mask summary's walk and the next
         // tile's mask bits (global loads) are read while the tile's products run, one tile ahead,
         // so their latency stays off the path from one product to the next.
-        const uint64_t keep = mask_bits(n, tile_class);
+        const uint64_t keep = mask_bits(n, tile_class, diagonal);
         take_turn();
         pipe_k.consumer_wait(read_k);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
-        int m = prev_tile(p, t, n, tile_class);
-        uint64_t keep_m = m >= 0 ? mask_bits(m, tile_class) : ~uint64_t{0};
+        int m = prev_tile(p, t, n, tile_class, &diagonal);
+        uint64_t keep_m = m >= 0 ? mask_bits(m, tile_class, diagonal) : ~uint64_t{0};
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
         ++read_k;
@@ -656,8 +704,8 @@ struct Fwd {
           pipe_v.consumer_wait(read_v);
           wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          const int next = prev_tile(p, t, m, tile_class);
-          const uint64_t keep_next = next >= 0 ? mask_bits(next, tile_class) : ~uint64_t{0};
+          const int next = prev_tile(p, t, m, tile_class, &diagonal);
+          const uint64_t keep_next = next >= 0 ? mask_bits(next, tile_class, diagonal) : ~uint64_t{0};
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
