@@ -30,8 +30,8 @@
 //             converts dq_accum to grad_q.
 //
 // Mask: a bool attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
-// proves fully masked, in the producer and the consumers alike; mixed steps read the mask per
-// element.
+// proves fully masked, in the producer and the consumers alike; diagonal steps are a compare,
+// mixed ones read the mask per element.
 //
 // Numerics: masked elements (causality, keys past kv_len, the mask) get s = -inf, so p = 0 whatever the
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
@@ -392,10 +392,9 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
-    // The steps the mask summary does not rule out, and the mask bits of a mixed one (set:
-    // visible), one per accumulator element of S^T. Both are read one step ahead, while the
-    // step's products run, so their global loads stay off the path between products. Rows past
-    // q_len and keys past kv_len read nothing and keep their bit (handled below).
+    // The steps the mask summary does not rule out, and the mask bits of a mixed or diagonal one
+    // (set: visible), one per accumulator element of S^T, both found one step ahead (below).
+    // Rows past q_len and keys past kv_len read nothing and keep their bit (handled below).
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
     uint8_t tile_class = attn::kTileVisible;  // of the step visit_from found (read once)
