@@ -22,6 +22,9 @@
 //             cores run while the softmax of the previous tile is computed; with kPingPong the
 //             warpgroups also take turns issuing (named barriers), so one's softmax overlaps the
 //             other's products.
+//   mask      (the kMasked variant) a bool mask's tile summary: producer and consumers walk the
+//             same key tiles, skipping fully masked ones; fully visible ones read no mask,
+//             diagonal ones are a compare, mixed ones gather their mask bits one tile ahead.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
 //             lse_lo (the rounding error of lse, from a double-precision sum) per row.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
