@@ -237,7 +237,8 @@ struct Bwd {
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
   };
-  static_assert(kBlockM == kMaskTileRows && kBlockN == kMaskTileKeys, "a step is one tile of the mask summary");
+  static_assert(!kMasked || (kBlockM == kMaskTileRows && kBlockN == kMaskTileKeys),
+                "a masked step is one tile of the mask summary");
 
   // Whether the mask summary rules out query tile m_block of `head` for key tile n_block. Producer
   // and consumers skip the same steps.
@@ -413,26 +414,28 @@ struct Bwd {
     };
     auto mask_bits = [&](int step) {
       uint32_t keep = ~0u;
-      if (kMasked && step < steps && tile_class == attn::kTileDiagonal) {
-        // A compare: query row (tile-relative) r sees the tile's keys c <= r + diagonal.
-        keep = 0;
+      if constexpr (kMasked) {
+        if (step < steps && tile_class == attn::kTileDiagonal) {
+          // A compare: query row (tile-relative) r sees the tile's keys c <= r + diagonal.
+          keep = 0;
 #pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + diagonal} << i;
-        }
-      } else if (kMasked && step < steps && tile_class == attn::kTileMixed) {
-        static_assert(decltype(size(tSrS))::value <= 32);
-        const int row0 = m_block_of(step) * kBlockM;
-        const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
-        // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
-        const int last_row = p.q_len - 1 - row0;
+          for (int i = 0; i < size(tSrS); ++i) {
+            keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + diagonal} << i;
+          }
+        } else if (step < steps && tile_class == attn::kTileMixed) {
+          static_assert(decltype(size(tSrS))::value <= 32);
+          const int row0 = m_block_of(step) * kBlockM;
+          const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
+          // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
+          const int last_row = p.q_len - 1 - row0;
 #pragma unroll 8
-        for (int i = 0; i < size(tSrS); ++i) {
-          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-          const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                    int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
-          if (!visible && key < keys_in_tile && row <= last_row) {
-            keep &= ~(1u << i);
+          for (int i = 0; i < size(tSrS); ++i) {
+            const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+            const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                      int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
+            if (!visible && key < keys_in_tile && row <= last_row) {
+              keep &= ~(1u << i);
+            }
           }
         }
       }
@@ -722,8 +725,13 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
 // The variant with the mask's code when a.mask_tiles holds a summary.
 template <typename T, class Config>
 cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
-  return a.mask_tiles.ptr != nullptr ? launch_bwd_variant<T, Config, true>(a, stream)
-                                     : launch_bwd_variant<T, Config, false>(a, stream);
+  if (a.mask_tiles.ptr == nullptr) {
+    return launch_bwd_variant<T, Config, false>(a, stream);
+  }
+  if constexpr (Config::kBlockM == kMaskTileRows && Config::kBlockN == kMaskTileKeys) {
+    return launch_bwd_variant<T, Config, true>(a, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T, int kHeadDim>

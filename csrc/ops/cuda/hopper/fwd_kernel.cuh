@@ -263,8 +263,8 @@ struct Fwd {
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
   };
-  static_assert(kBlockM % kMaskTileRows == 0 && kBlockN == kMaskTileKeys,
-                "a tile is whole rows of the mask summary's tiles");
+  static_assert(!kMasked || (kBlockM % kMaskTileRows == 0 && kBlockN == kMaskTileKeys),
+                "a masked tile is whole rows of the mask summary's tiles");
 
   // ---- the tile schedule ---------------------------------------------------------------------
 
@@ -653,24 +653,31 @@ struct Fwd {
       // (needs_mask), and the mask's bits.
       // A diagonal tile's bits are a compare: element e + 2 r + 4 c (column 8 c + 2 (lane % 4) + e
       // of the tile, row row_in_tile + 8 r) is visible iff column <= row + diagonal.
-      auto mask_bits = [&](int n, uint8_t tile_class, int diagonal) {
-        if (kMasked && tile_class == attn::kTileDiagonal) {
-          uint64_t keep = 0;
+      auto mask_bits = [&](int n, uint8_t tile_class, int diagonal) -> uint64_t {
+        if constexpr (kMasked) {
+          if (tile_class == attn::kTileDiagonal) {
+            uint64_t keep = 0;
 #pragma unroll
-          for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
-            const int column = 8 * (i / 4) + 2 * (lane % 4) + i % 2, row = row_in_tile + 8 * ((i / 2) % 2);
-            keep |= uint64_t{column <= row + diagonal} << i;
+            for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
+              const int column = 8 * (i / 4) + 2 * (lane % 4) + i % 2, row = row_in_tile + 8 * ((i / 2) % 2);
+              keep |= uint64_t{column <= row + diagonal} << i;
+            }
+            return keep;
           }
-          return keep;
+          if (tile_class == attn::kTileMixed) {
+            return gather_mask(p, t, n, row0, lane);
+          }
         }
-        return kMasked && tile_class == attn::kTileMixed ? gather_mask(p, t, n, row0, lane) : ~uint64_t{0};
+        return ~uint64_t{0};
       };
       auto mask_scores = [&](int n, uint64_t keep) {
         if (needs_mask(n)) {
           mask_tile(tSrS, n, last_key, lane);
         }
-        if (kMasked && ~keep != 0) {
-          apply_mask(tSrS, keep);
+        if constexpr (kMasked) {
+          if (~keep != 0) {
+            apply_mask(tSrS, keep);
+          }
         }
       };
 
@@ -889,11 +896,17 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The variant with the mask's code when a.mask_tiles holds a summary.
+// The variant with the mask's code when a.mask_tiles holds a summary (cudaErrorInvalidValue for
+// a tile shape that does not match the summary's tiles: only the standalone check has those).
 template <typename T, class Config>
 cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
-  return a.mask_tiles.ptr != nullptr ? launch_fwd_variant<T, Config, true>(a, stream)
-                                     : launch_fwd_variant<T, Config, false>(a, stream);
+  if (a.mask_tiles.ptr == nullptr) {
+    return launch_fwd_variant<T, Config, false>(a, stream);
+  }
+  if constexpr (Config::kBlockN == kMaskTileKeys && Config::kBlockM % kMaskTileRows == 0) {
+    return launch_fwd_variant<T, Config, true>(a, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T, int kHeadDim>
