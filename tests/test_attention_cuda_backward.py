@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 import safeattn
 import torch
-from test_attention import _check_against_reference, _qkv
+from safeattn import reference
+from test_attention import FLOOR, _check_against_reference, _compare, _qkv
 from test_attention_cuda_decode import _cuda_kernel_names
 
 _OPS = ("safeattn::attention", "safeattn::_attention_backward")
@@ -428,6 +429,53 @@ def test_bool_masks_sm90(name, head_dim, dtype):
         bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
         assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"a bool mask must take sm_90a: {fwd}"
         assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("grad_layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("upstream", ["finite", "nan_on_empty_rows"])
+def test_grad_out_as_given(upstream, grad_layout, head_dim):
+    """The Hopper backward reads grad_out as the caller gave it (the rows pre-pass, not a cleaned
+    copy): NaN and inf on the rows with no visible key (left padding) change no gradient, in a
+    call of several query and key tiles with a partial last one; a grad_out with a non-unit inner
+    stride takes the pre-pass's element-wise loads. Against the float64 reference with those rows'
+    upstream zeroed (what the rule says they are). Also a check of dS's stmatrix stores: every
+    gradient against the reference, in every tile."""
+    batch, heads, q_len, kv_len, dtype = 4, 8, 300, 520, torch.bfloat16
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 5)
+    mask = _sm90_masks(batch, heads, q_len, kv_len)["causal_left_padding"].clone()
+    mask[1, :, [0, 63, 64, 200, q_len - 1]] = False  # empty rows at tile edges and the last one
+    mask[3, :, 128:192] = False  # a whole query tile of empty rows (its steps are skipped)
+    kwargs = {"attn_mask": mask.to(DEVICE), "enable_gqa": True}
+    out, lse = safeattn.attention(q, k, v, **kwargs)
+    empty = lse.isneginf()[..., None]  # [B, H, Q, 1]
+    assert empty.any() and not empty.all()
+    gen = torch.Generator().manual_seed(11)
+    clean = torch.randn(out.shape, generator=gen).to(DEVICE, dtype).masked_fill(empty, 0)
+    given = clean
+    if upstream == "nan_on_empty_rows":
+        odd = torch.arange(head_dim, device=DEVICE) % 2 == 1
+        given = clean.masked_fill(empty, float("nan")).masked_fill(empty & odd, float("-inf"))
+    if grad_layout == "strided":
+        wide = torch.full((*out.shape[:3], 2 * head_dim), 7.0, device=DEVICE, dtype=dtype)
+        wide[..., ::2] = given
+        given = wide[..., ::2]
+    got = torch.autograd.grad(out, (q, k, v), given, retain_graph=True)
+    ref_out, _ = reference.attention(q, k, v, **kwargs)
+    want = torch.autograd.grad(ref_out, (q, k, v), clean.double())
+    low_out, _ = reference.attention(q, k, v, compute_dtype=dtype, **kwargs)
+    low = torch.autograd.grad(low_out, (q, k, v), clean)
+    for name, g, w, lo in zip(("grad_query", "grad_key", "grad_value"), got, want, low, strict=True):
+        assert g.isfinite().all(), f"{name}: the upstream of an empty row leaked"
+        _compare(name, g, w, lo, 3, FLOOR[dtype] * max(1.0, w.abs().max().item()) * 4)
+    assert (got[0].masked_select(empty) == 0).all(), "an empty row's grad_query must be 0"
+    if torch.cuda.get_device_capability() == (9, 0):
+        names = _cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v), given, retain_graph=True))
+        if any(
+            "hopper::detail::fwd_kernel" in n
+            for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, **kwargs))
+        ):
+            assert any("hopper::detail::bwd_kernel" in n for n in names), f"sm_90a did not run: {names}"
 
 
 def _padding_mask(batch, q_len, kv_len):

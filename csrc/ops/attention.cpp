@@ -212,6 +212,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
   return {out, lse, lse_lo};
 }
 
+namespace {
+
+at::Tensor without_empty_rows(const at::Tensor& grad_out, const at::Tensor& lse) {
+  return grad_out.masked_fill(lse.eq(-std::numeric_limits<double>::infinity()).unsqueeze(-1), 0);
+}
+
+}  // namespace
+
+at::Tensor grad_out_without_empty_rows(const AttentionBwdArgs& args) {
+  return without_empty_rows(args.grad_out, args.lse);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out_in, const std::optional<at::Tensor>& grad_lse_in, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
@@ -225,13 +237,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const at::ScalarType acc = acc_type(query.scalar_type());
 
   // A row with no visible key (lse -inf) passes no gradient on, whatever its upstream gradient
-  // holds: with p = 0 for every key, a NaN or inf in that row's dO would still reach dQ (0 * NaN)
-  // and, through P^T dO, dV and dK of every key. Dropped here once, for every backend.
-  const at::Tensor empty_rows = lse.eq(-std::numeric_limits<double>::infinity());
-  const at::Tensor grad_out = grad_out_in.masked_fill(empty_rows.unsqueeze(-1), 0);
+  // holds: grad_lse's rows here, grad_out's by the backend (grad_out_without_empty_rows).
   std::optional<at::Tensor> grad_lse;
   if (grad_lse_in.has_value()) {
-    grad_lse = grad_lse_in->masked_fill(empty_rows, 0);
+    grad_lse = grad_lse_in->masked_fill(lse.eq(-std::numeric_limits<double>::infinity()), 0);
   }
 
   // Written in full by the kernel; zeros only when it has nothing to run.
@@ -248,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   if (sinks.has_value()) {
     // d(loss)/d(sink_h) = -sum_{b,i} exp(sink_h - lse[b,h,i]) * Delta[b,h,i], with
     // Delta = rowsum(dO * O) - dlse (the row term of the softmax backward): O(B*H*Q), here.
+    const at::Tensor grad_out = without_empty_rows(grad_out_in, lse);
     at::Tensor delta = (grad_out.to(acc) * out.to(acc)).sum(-1);
     if (grad_lse.has_value()) {
       delta = delta - grad_lse->to(acc);
@@ -275,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   }
   if (!empty) {
     AttentionBwdArgs args;
-    args.grad_out = grad_out;
+    args.grad_out = grad_out_in;
     if (grad_lse.has_value()) {
       args.grad_lse = *grad_lse;
     }
@@ -330,6 +340,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
                         softcap, sinks, /*with_lse_lo=*/true, attention_fwd_cpu_stub().pick());
 }
 
+// The CPU kernels read grad_out with the empty rows dropped.
+void attention_bwd_cpu(const AttentionBwdArgs& args) {
+  AttentionBwdArgs cleaned = args;
+  cleaned.grad_out = grad_out_without_empty_rows(args);
+  attention_bwd_cpu_stub().pick()(cleaned);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
@@ -337,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo) {
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, attention_bwd_cpu_stub().pick());
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, &attention_bwd_cpu);
 }
 
 // The Meta kernels: what torch.compile, torch.export and FakeTensorMode run (sizes may be

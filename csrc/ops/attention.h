@@ -63,7 +63,10 @@ struct AttentionFwdArgs {
 // query heads of its group, so no element is written by two tasks: no atomics, and results
 // that do not depend on the thread count. One parallel region per call.
 struct AttentionBwdArgs {
-  at::Tensor grad_out;    // [B, Hq, Q, Dv], any strides
+  // [B, Hq, Q, Dv], any strides, as the caller gave it: a row with no visible key (lse -inf) may
+  // hold anything, NaN included. Such a row passes no gradient on: a backend either reads
+  // grad_out_without_empty_rows(args) or guarantees that itself.
+  at::Tensor grad_out;
   at::Tensor grad_lse;    // undefined, or [B, Hq, Q]
   at::Tensor query;       // [B, Hq, Q, D], any strides
   at::Tensor key;         // [B, Hkv, KV, D], any strides
@@ -151,6 +154,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, AttentionBwdFn kernel);
+
+// grad_out with the rows whose lse is -inf (no visible key) set to 0: with p = 0 for every key,
+// a NaN or inf in such a row would still reach dQ (0 * NaN) and, through P^T dO, dV and dK of
+// every key. The one statement of that rule; a kernel that reads grad_out directly must keep
+// it some other way (the Hopper backward: attention_bwd_sm90.h).
+at::Tensor grad_out_without_empty_rows(const AttentionBwdArgs& args);
 
 // Typed C++ entry points: call the dispatcher (autograd and tracing included).
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

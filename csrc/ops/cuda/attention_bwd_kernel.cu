@@ -4,7 +4,10 @@
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
 // gradient's partial sums:
 //   - on an H100/H200, with atomics allowed (use_atomic_dq), the sm_90a TMA + wgmma kernels
-//     (attention_bwd_sm90.h) after the rows pre-pass, for what they cover;
+//     (attention_bwd_sm90.h) after the rows pre-pass, for what they cover: the pre-pass writes
+//     their padded row arrays, zeroes dq_accum and reads grad_out as given (no cleaned copy of
+//     it unless an empty row holds a non-finite value: Sm90BwdRows);
+//   - the paths below read grad_out_without_empty_rows (ops/attention.h);
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
 //     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a
@@ -42,49 +45,142 @@ using attn::kLog2e;
 // one batch).
 constexpr int64_t kMaskGradChunkBytes = int64_t(512) << 20;
 
-constexpr int kRowsWarps = 8;
+// The rows pre-pass: kRowsLanes lanes per query row, each reading 8 elements of dO and O at a
+// time (16 bytes when the rows allow it).
+constexpr int kRowsLanes = 8;
+constexpr int kRowsThreads = 256;
 
-// Per query row (b, h, i), one warp: delta = sum_d dO * O - dlse, and the row's shift and lo
-// (BwdParams::row_shift): in log2 units shift = (lse + lse_lo) log2(e); in natural units (a
-// floating mask) shift = lse and lo = lse_lo log2(e). A row whose lse is -inf (no visible key)
-// gets shift +inf and lo 0: every p becomes exactly 0. NaN stays NaN.
+struct RowsArgs {
+  const void* grad_out = nullptr;  // [B, Hq, Q, Dv], as given (empty rows not cleaned)
+  int64_t go_sb = 0, go_sh = 0, go_ss = 0, go_sd = 0;
+  const void* out = nullptr;  // [B, Hq, Q, Dv]
+  int64_t o_sb = 0, o_sh = 0, o_ss = 0, o_sd = 0;
+  bool vec16 = false;               // both: unit inner stride, rows 16-byte aligned, Dv % 8 == 0
+  const float* lse = nullptr;       // [B, Hq, Q] contiguous
+  const float* lse_lo = nullptr;    // [B, Hq, Q] contiguous
+  const float* grad_lse = nullptr;  // [B, Hq, Q] contiguous, or null
+  bool natural = false;             // row_shift in natural units (then row_lo too)
+  float* delta = nullptr;           // [B, Hq, pitch]
+  float* row_shift = nullptr;       // [B, Hq, pitch]
+  float* row_lo = nullptr;          // [B, Hq, pitch], natural only
+  float* dq_zero = nullptr;         // null, or [B, Hq, pitch, dq_cols] float32: set to 0
+  int* grad_out_dirty = nullptr;    // null, or set to 1 when an empty row's dO is not finite
+  int64_t hq = 0, q_len = 0, pitch = 0, dv = 0, dq_cols = 0, rows = 0;  // rows = B * Hq * pitch
+};
+
+// Per query row (b, h, i), kRowsLanes lanes: delta = sum_d dO * O - dlse, and the row's shift
+// and lo (BwdParams::row_shift): in log2 units shift = (lse + lse_lo) log2(e); in natural units
+// (a floating mask) shift = lse and lo = lse_lo log2(e). A row whose lse is -inf (no visible
+// key) gets shift +inf, lo 0 and delta 0, whatever its dO holds: every p and dS becomes exactly
+// 0 (grad_out_dirty records a non-finite dO there, which the products would still spread). Rows
+// i in [q_len, pitch) are padding: shift +inf, delta 0. NaN elsewhere stays NaN.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kRowsWarps * 32)
-    attention_bwd_rows_kernel(const scalar_t* __restrict__ grad_out, int64_t go_sb, int64_t go_sh, int64_t go_ss,
-                              int64_t go_sd, const scalar_t* __restrict__ out, int64_t o_sb, int64_t o_sh, int64_t o_ss,
-                              int64_t o_sd, const float* __restrict__ lse, const float* __restrict__ lse_lo,
-                              const float* __restrict__ grad_lse, bool natural, float* __restrict__ delta,
-                              float* __restrict__ row_shift, float* __restrict__ row_lo, int64_t hq, int64_t q_len,
-                              int64_t dv, int64_t rows) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) {
-    return;
+__global__ void __launch_bounds__(kRowsThreads) attention_bwd_rows_kernel(const RowsArgs a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowsThreads / kRowsLanes) + threadIdx.x / kRowsLanes;
+  const int lane = threadIdx.x % kRowsLanes;
+  if (row >= a.rows) {
+    return;  // the whole group: the shuffles below stay within the group's lanes
   }
-  const int64_t i = row % q_len;
-  const int64_t h = (row / q_len) % hq;
-  const int64_t b = row / (q_len * hq);
-  const scalar_t* go = grad_out + b * go_sb + h * go_sh + i * go_ss;
-  const scalar_t* o = out + b * o_sb + h * o_sh + i * o_ss;
-  float sum = 0.0f;
-  for (int64_t d = lane; d < dv; d += 32) {
-    sum += attn::to_float(go[d * go_sd]) * attn::to_float(o[d * o_sd]);
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  }
-  if (lane == 0) {
-    delta[row] = grad_lse != nullptr ? sum - grad_lse[row] : sum;
-    const float l = lse[row];
-    const bool empty = l == -INFINITY;
-    if (natural) {
-      row_shift[row] = empty ? INFINITY : l;
-      row_lo[row] = empty ? 0.0f : lse_lo[row] * kLog2e;
-    } else {
-      row_shift[row] = empty ? INFINITY : fmaf(l, kLog2e, lse_lo[row] * kLog2e);
+  const unsigned group_mask = ((1u << kRowsLanes) - 1) << (threadIdx.x % 32 / kRowsLanes * kRowsLanes);
+  const int64_t bh = row / a.pitch, i = row % a.pitch;
+  if (a.dq_zero != nullptr) {
+    float4* dq = reinterpret_cast<float4*>(a.dq_zero + row * a.dq_cols);
+    for (int64_t c = lane; c < a.dq_cols / 4; c += kRowsLanes) {
+      dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   }
+  if (i >= a.q_len) {
+    if (lane == 0) {
+      a.delta[row] = 0.0f;
+      a.row_shift[row] = INFINITY;
+      if (a.row_lo != nullptr) {
+        a.row_lo[row] = 0.0f;
+      }
+    }
+    return;
+  }
+  const int64_t r = bh * a.q_len + i;  // lse's index
+  const int64_t h = bh % a.hq, b = bh / a.hq;
+  const float l = a.lse[r];
+  const bool empty = l == -INFINITY;
+  const scalar_t* go = static_cast<const scalar_t*>(a.grad_out) + b * a.go_sb + h * a.go_sh + i * a.go_ss;
+  const scalar_t* o = static_cast<const scalar_t*>(a.out) + b * a.o_sb + h * a.o_sh + i * a.o_ss;
+  float sum = 0.0f;
+  bool finite = true;
+  if (a.vec16) {
+    for (int64_t d = 8 * lane; d < a.dv; d += 8 * kRowsLanes) {
+      const uint4 gv = *reinterpret_cast<const uint4*>(go + d);
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + d);
+      const scalar_t* g8 = reinterpret_cast<const scalar_t*>(&gv);
+      const scalar_t* o8 = reinterpret_cast<const scalar_t*>(&ov);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float x = attn::to_float(g8[k]);
+        sum = fmaf(x, attn::to_float(o8[k]), sum);
+        finite = finite && isfinite(x);
+      }
+    }
+  } else {
+    for (int64_t d = lane; d < a.dv; d += kRowsLanes) {
+      const float x = attn::to_float(go[d * a.go_sd]);
+      sum = fmaf(x, attn::to_float(o[d * a.o_sd]), sum);
+      finite = finite && isfinite(x);
+    }
+  }
+#pragma unroll
+  for (int offset = kRowsLanes / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(group_mask, sum, offset);
+  }
+  finite = __all_sync(group_mask, finite);
+  if (lane == 0) {
+    a.delta[row] = empty ? 0.0f : (a.grad_lse != nullptr ? sum - a.grad_lse[r] : sum);
+    if (a.natural) {
+      a.row_shift[row] = empty ? INFINITY : l;
+      a.row_lo[row] = empty ? 0.0f : a.lse_lo[r] * kLog2e;
+    } else {
+      a.row_shift[row] = empty ? INFINITY : fmaf(l, kLog2e, a.lse_lo[r] * kLog2e);
+    }
+    if (empty && !finite && a.grad_out_dirty != nullptr) {
+      *a.grad_out_dirty = 1;
+    }
+  }
+}
+
+// grad_out with its empty rows (lse -inf) zeroed, into a contiguous copy; only when the rows
+// pre-pass found a non-finite value in one (*dirty), else every block returns at once.
+template <typename scalar_t>
+__global__ void __launch_bounds__(256)
+    attention_bwd_clean_grad_out_kernel(const int* __restrict__ dirty, const scalar_t* __restrict__ grad_out,
+                                        int64_t sb, int64_t sh, int64_t ss, int64_t sd, const float* __restrict__ lse,
+                                        scalar_t* __restrict__ clean, int64_t hq, int64_t q_len, int64_t dv,
+                                        int64_t elements) {
+  if (*dirty == 0) {
+    return;
+  }
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < elements; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t d = e % dv, r = e / dv;  // r: the row (b, h, i) in [B, Hq, Q] order
+    const int64_t i = r % q_len, h = r / q_len % hq, b = r / q_len / hq;
+    // 0 as raw bits (+0.0 in both 16-bit formats: no conversion needed).
+    const scalar_t x = grad_out[b * sb + h * sh + i * ss + d * sd];
+    const uint16_t bits = lse[r] == -INFINITY ? uint16_t{0} : *reinterpret_cast<const uint16_t*>(&x);
+    *reinterpret_cast<uint16_t*>(clean + e) = bits;
+  }
+}
+
+// The rows pre-pass over [B, Hq, pitch] rows (RowsArgs).
+template <typename T>
+void launch_rows(RowsArgs a, const at::Tensor& grad_out, const at::Tensor& out, cudaStream_t stream) {
+  a.grad_out = grad_out.const_data_ptr();
+  a.go_sb = grad_out.stride(0), a.go_sh = grad_out.stride(1), a.go_ss = grad_out.stride(2);
+  a.go_sd = grad_out.stride(3);
+  a.out = out.const_data_ptr();
+  a.o_sb = out.stride(0), a.o_sh = out.stride(1), a.o_ss = out.stride(2), a.o_sd = out.stride(3);
+  a.dv = out.size(3);
+  a.vec16 = a.dv % 8 == 0 && attn::rows_aligned_16(grad_out) && attn::rows_aligned_16(out);
+  const int64_t per_block = kRowsThreads / kRowsLanes;
+  attention_bwd_rows_kernel<T>
+      <<<static_cast<unsigned>((a.rows + per_block - 1) / per_block), kRowsThreads, 0, stream>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
@@ -134,8 +230,62 @@ bool use_atomic_dq(const AttentionBwdArgs& a) {
   return !at::globalContext().deterministicAlgorithms() && !a.grad_mask_partial.defined() && a.grad_query.defined();
 }
 
+// The Hopper backward (attention_bwd_sm90.h) after its rows pre-pass: rows padded, dq_accum
+// zeroed, and grad_out read as given (Sm90BwdRows: how an empty row's dO is kept out).
 template <typename T>
-void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
+void attention_bwd_hopper(const AttentionBwdArgs& a) {
+  const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
+  const int64_t head_dim = a.query.size(3);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
+  TORCH_INTERNAL_ASSERT(!attn::natural_units(a.mask), "attention backward (CUDA): the sm90 kernels take no float mask");
+  const at::Tensor lse = a.lse.to(at::kFloat).contiguous();
+  const at::Tensor lse_lo = a.lse_lo.to(at::kFloat).contiguous();
+  const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
+  const int64_t pitch = attention_bwd_sm90_row_pitch(q_len);
+  Sm90BwdRows rows;
+  rows.delta = at::empty({batch, hq, pitch}, f32);
+  rows.row_shift = at::empty({batch, hq, pitch}, f32);
+  rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
+  // Only a mask or a negative causal shift (query 0 then sees no key) can leave a row empty.
+  if (a.mask.defined() || (a.is_causal && a.q_offset - a.kv_offset < 0)) {
+    rows.grad_out_dirty = at::zeros({1}, a.query.options().dtype(at::kInt));
+  }
+  RowsArgs r;
+  r.lse = lse.const_data_ptr<float>();
+  r.lse_lo = lse_lo.const_data_ptr<float>();
+  r.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
+  r.delta = rows.delta.data_ptr<float>();
+  r.row_shift = rows.row_shift.data_ptr<float>();
+  r.dq_zero = rows.dq_accum.data_ptr<float>();
+  r.dq_cols = head_dim;
+  r.grad_out_dirty = rows.grad_out_dirty.defined() ? rows.grad_out_dirty.data_ptr<int>() : nullptr;
+  r.hq = hq, r.q_len = q_len, r.pitch = pitch, r.rows = batch * hq * pitch;
+  launch_rows<T>(r, a.grad_out, a.out, stream);
+  if (rows.grad_out_dirty.defined()) {
+    const at::Tensor& go = a.grad_out;
+    rows.grad_out_clean = at::empty(go.sizes(), go.options());
+    const int64_t elements = go.numel();
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((elements + 255) / 256, 1024));
+    attention_bwd_clean_grad_out_kernel<T><<<blocks, 256, 0, stream>>>(
+        rows.grad_out_dirty.const_data_ptr<int>(), static_cast<const T*>(go.const_data_ptr()), go.stride(0),
+        go.stride(1), go.stride(2), go.stride(3), lse.const_data_ptr<float>(),
+        static_cast<T*>(rows.grad_out_clean.data_ptr()), hq, q_len, go.size(3), elements);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  attention_bwd_sm90(a, rows);
+}
+
+template <typename T>
+void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
+  // Hopper: the TMA + wgmma kernels where they cover the call. Their dQ is summed with atomics,
+  // so only where the atomic mode is allowed (deterministic algorithms keep the dQ kernel).
+  if (use_atomic_dq(args) && attention_bwd_sm90_takes(args)) {
+    attention_bwd_hopper<T>(args);
+    return;
+  }
+  AttentionBwdArgs a = args;
+  a.grad_out = grad_out_without_empty_rows(args);
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t hkv = a.key.size(1), kv_len = a.key.size(2), head_dim = a.query.size(3);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -153,25 +303,17 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
   const at::Tensor delta = at::empty({batch, hq, q_len}, f32);
   const at::Tensor row_shift = at::empty({batch, hq, q_len}, f32);
   const at::Tensor row_lo = natural ? at::empty({batch, hq, q_len}, f32) : at::Tensor();
-  const int64_t rows = batch * hq * q_len;
-  {
-    const auto& go = a.grad_out;
-    const auto& o = a.out;
-    const int64_t blocks = (rows + kRowsWarps - 1) / kRowsWarps;
-    attention_bwd_rows_kernel<T><<<static_cast<unsigned>(blocks), kRowsWarps * 32, 0, stream>>>(
-        static_cast<const T*>(go.const_data_ptr()), go.stride(0), go.stride(1), go.stride(2), go.stride(3),
-        static_cast<const T*>(o.const_data_ptr()), o.stride(0), o.stride(1), o.stride(2), o.stride(3),
-        lse.const_data_ptr<float>(), lse_lo.const_data_ptr<float>(),
-        grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr, natural, delta.data_ptr<float>(),
-        row_shift.data_ptr<float>(), natural ? row_lo.data_ptr<float>() : nullptr, hq, q_len, a.value.size(3), rows);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  RowsArgs r;
+  r.lse = lse.const_data_ptr<float>();
+  r.lse_lo = lse_lo.const_data_ptr<float>();
+  r.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
+  r.natural = natural;
+  r.delta = delta.data_ptr<float>();
+  r.row_shift = row_shift.data_ptr<float>();
+  r.row_lo = natural ? row_lo.data_ptr<float>() : nullptr;
+  r.hq = hq, r.q_len = q_len, r.pitch = q_len, r.rows = batch * hq * q_len;
+  launch_rows<T>(r, a.grad_out, a.out, stream);
   const bool atomic_dq = use_atomic_dq(a);
-  // Hopper: the TMA + wgmma kernels where they cover the call. Their dQ is summed with atomics,
-  // so only where the atomic mode is allowed (deterministic algorithms keep the dQ kernel).
-  if (atomic_dq && attention_bwd_sm90(a, delta, row_shift)) {
-    return;
-  }
 
   BwdParams p{};
   p.query = query.const_data_ptr();
@@ -255,7 +397,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& a) {
 
 void attention_bwd_cuda(const AttentionBwdArgs& args) {
   if (!tensor_core_supported(args)) {
-    attention_backward_chunked(args);
+    AttentionBwdArgs cleaned = args;
+    cleaned.grad_out = grad_out_without_empty_rows(args);
+    attention_backward_chunked(cleaned);
     return;
   }
   if (args.query.scalar_type() == at::kBFloat16) {

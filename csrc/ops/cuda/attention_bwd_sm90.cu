@@ -20,10 +20,6 @@
 namespace safeattn::cuda {
 namespace {
 
-// The kernel bulk-copies row_shift and delta in whole tiles: rows padded to this multiple
-// (hopper/bwd_params.h).
-constexpr int64_t kRowPad = 128;
-
 template <typename T>
 cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cudaStream_t stream) {
   cudaError_t error = cudaSuccess;
@@ -33,7 +29,9 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
   return error;
 }
 
-bool takes(const AttentionBwdArgs& a) {
+}  // namespace
+
+bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
   // A bool mask is read in place (float masks and biases: the mma.sync kernels).
   const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
   if (!mask_ok || a.softcap > 0.0 || a.grad_mask_partial.defined() || !a.grad_query.defined() ||
@@ -48,35 +46,28 @@ bool takes(const AttentionBwdArgs& a) {
          attn::rows_aligned_16(a.grad_value) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
 }
 
-}  // namespace
-
-bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, const at::Tensor& row_shift) {
-  if (!takes(a)) {
-    return false;
-  }
+void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // TMA reads rows in place when they are 16-byte aligned; otherwise from an aligned copy.
   const at::Tensor query = attn::with_aligned_rows(a.query);
   const at::Tensor key = attn::with_aligned_rows(a.key);
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), head_dim = query.size(3);
-  // Rows past q_len: row_shift +inf (p = 0) and delta 0, so their dS is exactly 0.
-  const int64_t pad = (q_len + kRowPad - 1) / kRowPad * kRowPad - q_len;
-  const at::Tensor shift_padded =
-      pad == 0 ? row_shift.contiguous() : at::constant_pad_nd(row_shift, {0, pad}, INFINITY);
-  const at::Tensor delta_padded = pad == 0 ? delta.contiguous() : at::constant_pad_nd(delta, {0, pad}, 0.0);
-  // dQ summed over the key tiles in float32 (zeroed by the launcher on the stream), then rounded
-  // once into grad_query.
-  const at::Tensor dq_accum = at::empty({batch, heads, q_len + pad, head_dim}, query.options().dtype(at::kFloat));
+  TORCH_INTERNAL_ASSERT(rows.dq_accum.size(2) == attention_bwd_sm90_row_pitch(q_len) &&
+                        rows.dq_accum.size(3) == head_dim && rows.dq_accum.is_contiguous());
 
   hopper::BwdParams p;
   p.q = query.const_data_ptr();
   p.k = key.const_data_ptr();
   p.v = value.const_data_ptr();
   p.grad_out = grad_out.const_data_ptr();
-  p.row_shift = shift_padded.const_data_ptr<float>();
-  p.delta = delta_padded.const_data_ptr<float>();
-  p.dq_accum = dq_accum.data_ptr<float>();
+  if (rows.grad_out_dirty.defined()) {
+    p.grad_out_dirty = rows.grad_out_dirty.const_data_ptr<int>();
+    p.grad_out_clean = rows.grad_out_clean.const_data_ptr();
+  }
+  p.row_shift = rows.row_shift.const_data_ptr<float>();
+  p.delta = rows.delta.const_data_ptr<float>();
+  p.dq_accum = rows.dq_accum.data_ptr<float>();
   p.grad_q = a.grad_query.data_ptr();
   p.grad_k = a.grad_key.data_ptr();
   p.grad_v = a.grad_value.data_ptr();
@@ -108,7 +99,6 @@ bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, cons
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
                                                                : launch_for_head_dim<__half>(head_dim, p, stream);
   C10_CUDA_CHECK(err);
-  return true;
 }
 
 }  // namespace safeattn::cuda
@@ -117,8 +107,12 @@ bool attention_bwd_sm90(const AttentionBwdArgs& a, const at::Tensor& delta, cons
 
 namespace safeattn::cuda {
 
-bool attention_bwd_sm90(const AttentionBwdArgs&, const at::Tensor&, const at::Tensor&) {
+bool attention_bwd_sm90_takes(const AttentionBwdArgs&) {
   return false;
+}
+
+void attention_bwd_sm90(const AttentionBwdArgs&, const Sm90BwdRows&) {
+  TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): this build has no sm90 kernels");
 }
 
 }  // namespace safeattn::cuda

@@ -3,19 +3,40 @@
 // (setup.py defines SAFEATTN_WITH_SM90 then).
 #pragma once
 
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 
 #include "ops/attention.h"
+#include "ops/cuda/hopper/bwd_params.h"  // kBwdRowPad
 
 namespace safeattn::cuda {
 
-// Computes grad_query, grad_key and grad_value on the Hopper kernel and returns true when that
-// kernel takes the call: an sm_90 device, float16 / bfloat16, D == Dv with a compiled head dim
-// (head_dim_switch.h, kBwdSm90HeadDims), no mask or a bool one, no softcap, all three gradients wanted, sizes
-// below 2^31. dQ is summed by float32 reduce-adds in no fixed order (not bit-reproducible): the
-// caller asks only when atomics are allowed. delta and row_shift are the rows pre-pass's ([B, Hq,
-// Q] float32 contiguous, row_shift in log2 units, +inf for a row with no visible key). Returns
-// false, having done nothing, otherwise: the caller takes another path.
-bool attention_bwd_sm90(const AttentionBwdArgs& args, const at::Tensor& delta, const at::Tensor& row_shift);
+// Whether the Hopper kernel takes the call: an sm_90 device, float16 / bfloat16, D == Dv with a
+// compiled head dim (head_dim_switch.h, kBwdSm90HeadDims), no mask or a bool one, no softcap, all
+// three gradients wanted, sizes below 2^31. dQ is summed by float32 reduce-adds in no fixed order
+// (not bit-reproducible): the caller asks only when atomics are allowed.
+bool attention_bwd_sm90_takes(const AttentionBwdArgs& args);
+
+// The rows of the per-row arrays below: Q rounded up to whole tiles of the kernel.
+inline int64_t attention_bwd_sm90_row_pitch(int64_t q_len) {
+  return (q_len + hopper::kBwdRowPad - 1) / hopper::kBwdRowPad * hopper::kBwdRowPad;
+}
+
+// What the rows pre-pass (attention_bwd_kernel.cu) prepares for the kernel. grad_out is read as
+// the caller gave it: a row with no visible key gets row_shift +inf and delta 0 (so p = dS = 0),
+// and when such a row holds a non-finite dO (which P^T dO and dO V^T would still spread) the
+// pre-pass sets grad_out_dirty and the kernel reads grad_out_clean instead.
+struct Sm90BwdRows {
+  at::Tensor delta;           // [B, Hq, pitch] float32: rowsum(dO * O) - grad_lse; 0 for empty rows and padding
+  at::Tensor row_shift;       // [B, Hq, pitch] float32: (lse + lse_lo) log2(e); +inf for empty rows and padding
+  at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed
+  at::Tensor grad_out_dirty;  // undefined when no row can be empty, else int32 [1]
+  at::Tensor grad_out_clean;  // defined with grad_out_dirty: grad_out's shape, contiguous, empty rows 0
+};
+
+// Computes grad_query, grad_key and grad_value on the Hopper kernel; only after
+// attention_bwd_sm90_takes(args).
+void attention_bwd_sm90(const AttentionBwdArgs& args, const Sm90BwdRows& rows);
 
 }  // namespace safeattn::cuda

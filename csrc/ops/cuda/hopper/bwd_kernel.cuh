@@ -66,8 +66,7 @@ struct BwdConfig {
   static constexpr bool kdQBulk = kdQBulk_;
 };
 
-// Row padding of row_shift and delta (bwd_params.h): every kBlockM divides it.
-constexpr int kBwdRowPad = 128;
+static_assert(kBwdRowPad % 128 == 0, "every kBlockM divides the row padding (bwd_params.h)");
 
 template <int kHeadDim>
 struct DefaultBwdConfig;
@@ -187,6 +186,13 @@ struct Bwd {
   // dS: (query rows, keys, buffer), query rows contiguous.
   using SmemLayoutdS =
       decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(), Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // The same bytes seen as dS^T (keys, query rows, buffer): the S^T accumulator's shape.
+  using SmemLayoutdSt =
+      decltype(composition(SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+                                                       Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  // dS^T from the accumulator registers into shared memory: stmatrix, four 8 x 8 blocks a call
+  // (each block row is 8 consecutive query rows of one key: 16 contiguous bytes of dS).
+  using R2SCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
 
   // Global tensors as TMA sees them: (rows, head dim, head, batch), 32-bit sizes, 64-bit strides.
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -222,6 +228,8 @@ struct Bwd {
 
   struct Params {
     TmaQ tma_q, tma_do;
+    TmaQ tma_do_clean;          // grad_out_clean, or grad_out again
+    const int* grad_out_dirty;  // null, or nonzero: dO is read through tma_do_clean
     TmaK tma_k, tma_v;
     ShapeQKV shape_q, shape_k;
     const float* row_shift;  // [B, Hq, q_pad]
@@ -279,8 +287,10 @@ struct Bwd {
     copy(p.tma_v.with(reinterpret_cast<uint64_t&>(kv_full), 0, TMA::CacheHintSm90::EVICT_FIRST), cta_v.partition_S(gV),
          cta_v.partition_D(sV));
 
+    // dO without its empty rows' non-finite values (bwd_params.h): one flag read per CTA.
+    const TmaQ& tma_do = p.grad_out_dirty != nullptr && *p.grad_out_dirty != 0 ? p.tma_do_clean : p.tma_do;
     auto cta_q = p.tma_q.get_slice(_0{});
-    auto cta_do = p.tma_do.get_slice(_0{});
+    auto cta_do = tma_do.get_slice(_0{});
     Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));      // (TMA, stage)
     Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stage)
     PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
@@ -294,8 +304,8 @@ struct Bwd {
       const int64_t row_offset = (int64_t{batch} * p.heads + head) * p.q_pad + int64_t{m_block} * kBlockM;
       Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                              make_coord(m_block, _0{}));
-      Tensor gdO = local_tile(p.tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch),
-                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+      Tensor gdO = local_tile(tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                              make_coord(m_block, _0{}));
 
       pipe_q.producer_acquire(write_q);
       uint64_t* q_bar = pipe_q.producer_get_barrier(write_q);
@@ -306,7 +316,7 @@ struct Bwd {
 
       pipe_do.producer_acquire(write_do);
       uint64_t* do_bar = pipe_do.producer_get_barrier(write_do);
-      copy(p.tma_do.with(*do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_do.partition_S(gdO)),
+      copy(tma_do.with(*do_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_do.partition_S(gdO)),
            tdOsdO(_, write_do.index()));
       SM90_BULK_COPY_G2S::copy(p.delta + row_offset, do_bar, smem.delta[write_do.index()], kBytesRows);
       ++write_do;
@@ -329,6 +339,7 @@ struct Bwd {
     Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQt{});
     Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQt{});
     Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdSt{});
 
     TiledMmaSdP mma_sdp;
     TiledMmadKV mma_dkv;
@@ -371,6 +382,11 @@ struct Bwd {
     Tensor tdVrP = make_tensor<Element>(RegLayoutA{});
     Tensor tdKrdS = make_tensor<Element>(RegLayoutA{});
     static_assert(decltype(size(tSrS))::value == kBlockM / 2 && decltype(size(tdVrP))::value == kBlockM / 2);
+    R2SCopydS r2s_ds;
+    auto thr_r2s_ds = r2s_ds.get_slice(mma_thread);
+    Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
+    // tdKrdS's registers seen in the accumulator's layout (the same order), as the copy's source.
+    Tensor tdSrdS = thr_r2s_ds.retile_S(make_tensor(tdKrdS.data(), tSrS.layout()));
 
     // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row
     // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2: a
@@ -501,10 +517,7 @@ struct Bwd {
 
       if constexpr (Config::kSkipdQ < 2) {
         // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
-#pragma unroll
-        for (int i = 0; i < size(tdKrdS); ++i) {
-          sdS(col_base + acc_col(i), key_base + acc_row(i), buffer) = tdKrdS(i);
-        }
+        copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
         cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
         if constexpr (kdQOwnKeys) {
           named_barrier_sync(kDsBarrier + wg, 128);
@@ -590,6 +603,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   if (threadIdx.x == 0) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do_clean.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     smem.kv_full.init(1);
@@ -617,33 +631,48 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
 }
 
 // dq_accum (float32, kBlockM-row tiles in Kernel::dq_tile_offset order) rounded into grad_q
-// through its strides, two elements per thread (grad_q's rows are 4-byte aligned).
+// through its strides, 8 consecutive elements of a row per thread: dq_tile_offset keeps such a
+// run contiguous and 32-byte aligned (two 16-byte loads); one 16-byte store when grad_q's rows
+// are 16-byte aligned (vec16), else four 4-byte ones.
 template <class Kernel>
 __global__ void __launch_bounds__(256)
     dq_convert_kernel(const float* __restrict__ dq_accum, typename Kernel::Element* grad_q, int64_t sb, int64_t sh,
-                      int64_t si, int heads, int q_len, int q_pad, int64_t pairs) {
+                      int64_t si, int heads, int q_len, int q_pad, int64_t runs, bool vec16) {
   using Element = typename Kernel::Element;
   constexpr int kHeadDim = Kernel::kHeadDim, kBlockM = Kernel::kBlockM;
-  for (int64_t pair = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; pair < pairs;
-       pair += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t e = 2 * pair;
-    const int col = static_cast<int>(e % kHeadDim);
-    const int64_t row = e / kHeadDim;
+  constexpr int kRunsPerRow = kHeadDim / 8;
+  static_assert(kHeadDim % 8 == 0);
+  for (int64_t run = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; run < runs;
+       run += int64_t{gridDim.x} * blockDim.x) {
+    const int col = static_cast<int>(run % kRunsPerRow) * 8;
+    const int64_t row = run / kRunsPerRow;
     const int64_t i = row % q_len, bh = row / q_len;
     const int64_t h = bh % heads, b = bh / heads;
     const int64_t tile = bh * q_pad + i / kBlockM * kBlockM;
-    const float2 x = *reinterpret_cast<const float2*>(dq_accum + tile * kHeadDim +
-                                                      Kernel::dq_tile_offset(static_cast<int>(i % kBlockM), col));
-    cutlass::AlignedArray<Element, 2> out;
-    out[0] = Element(x.x);
-    out[1] = Element(x.y);
-    *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(grad_q + b * sb + h * sh + i * si + col) = out;
+    const float* src = dq_accum + tile * kHeadDim + Kernel::dq_tile_offset(static_cast<int>(i % kBlockM), col);
+    const float4 lo = *reinterpret_cast<const float4*>(src);
+    const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+    cutlass::AlignedArray<Element, 8> out;
+    out[0] = Element(lo.x), out[1] = Element(lo.y), out[2] = Element(lo.z), out[3] = Element(lo.w);
+    out[4] = Element(hi.x), out[5] = Element(hi.y), out[6] = Element(hi.z), out[7] = Element(hi.w);
+    Element* dst = grad_q + b * sb + h * sh + i * si + col;
+    if (vec16) {
+      *reinterpret_cast<cutlass::AlignedArray<Element, 8>*>(dst) = out;
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; k += 2) {
+        cutlass::AlignedArray<Element, 2> pair;
+        pair[0] = out[k], pair[1] = out[k + 1];
+        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dst + k) = pair;
+      }
+    }
   }
 }
 
 }  // namespace detail
 
-// Host: builds the TMA descriptors and runs dq_accum's zeroing, the kernel and the dQ conversion.
+// Host: builds the TMA descriptors and runs the kernel and the dQ conversion (dq_accum arrives
+// zeroed).
 template <typename T, class Config, bool kMasked>
 cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   using namespace cute;
@@ -675,6 +704,13 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
                           tile_q, _1{});
   p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, view(a.grad_out, p.shape_q, a.heads, a.q_len, a.do_sb, a.do_sh, a.do_si),
                            smem_q, tile_q, _1{});
+  p.grad_out_dirty = a.grad_out_dirty;
+  p.tma_do_clean = a.grad_out_clean == nullptr
+                       ? p.tma_do
+                       : make_tma_copy(SM90_TMA_LOAD{},
+                                       view(a.grad_out_clean, p.shape_q, a.heads, a.q_len,
+                                            int64_t{a.heads} * a.q_len * D, int64_t{a.q_len} * D, D),
+                                       smem_q, tile_q, _1{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.shape_k, a.kv_heads, a.kv_len, a.k_sb, a.k_sh, a.k_si),
                           typename Kernel::SmemLayoutK{}, tile_k, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.shape_k, a.kv_heads, a.kv_len, a.v_sb, a.v_sh, a.v_si),
@@ -699,13 +735,8 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
 
-  const int64_t dq_elements = int64_t{a.batch} * a.heads * a.q_len * D;
-  cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, int64_t{a.batch} * a.heads * p.q_pad * D * sizeof(float), stream);
-  if (err != cudaSuccess) {
-    return err;
-  }
   auto kernel = &detail::bwd_kernel<Kernel>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (err != cudaSuccess) {
     return err;
   }
@@ -715,10 +746,13 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   if (err != cudaSuccess) {
     return err;
   }
-  const int64_t pairs = dq_elements / 2;
-  const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, 65536));
-  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb,
-                                                                a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, pairs);
+  const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
+  const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
+  auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
+  const bool vec16 =
+      reinterpret_cast<uintptr_t>(a.grad_q) % 16 == 0 && aligned16(a.dq_sb) && aligned16(a.dq_sh) && aligned16(a.dq_si);
+  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(
+      a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, runs, vec16);
   return cudaGetLastError();
 }
 

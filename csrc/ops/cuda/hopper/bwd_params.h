@@ -12,6 +12,9 @@
 
 namespace safeattn::cuda::hopper {
 
+// The rows of row_shift, delta and dq_accum: Q rounded up to a multiple of this (whole tiles).
+constexpr int kBwdRowPad = 128;
+
 struct BwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
   // of 8 elements (what TMA needs); sizes below 2^31.
@@ -19,16 +22,21 @@ struct BwdParams {
   const void* k = nullptr;         // [B, Hkv, KV, D]
   const void* v = nullptr;         // [B, Hkv, KV, D]
   const void* grad_out = nullptr;  // [B, Hq, Q, D]
+  // Null, or a flag the kernel reads on the device: nonzero when grad_out holds a non-finite
+  // value in a row with no visible key, and the kernel reads grad_out_clean ([B, Hq, Q, D]
+  // contiguous, those rows 0) instead (attention_bwd_sm90.h, Sm90BwdRows).
+  const int* grad_out_dirty = nullptr;
+  const void* grad_out_clean = nullptr;
   // Per query row, [B, Hq, q_pad] contiguous float32 with q_pad = Q rounded up to a multiple of
-  // 128 (the kernel bulk-copies whole tiles of rows), from the rows pre-pass
+  // kBwdRowPad (the kernel bulk-copies whole tiles of rows), from the rows pre-pass
   // (attention_bwd_kernel.cu): row_shift = (lse + lse_lo) * log2(e), +inf for a row with no
   // visible key (every p becomes 0) and for the padding; delta = rowsum(dO * O) - grad_lse, 0 in
   // the padding.
   const float* row_shift = nullptr;
   const float* delta = nullptr;
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
-  // tile of rows is the kernel's own), written with atomics or bulk reduce-adds; the launcher
-  // zeroes it first and converts it into grad_q after the kernel.
+  // tile of rows is the kernel's own), zeroed by the caller, added into with atomics or bulk
+  // reduce-adds; the launcher converts it into grad_q after the kernel.
   float* dq_accum = nullptr;
   void* grad_q = nullptr;                // [B, Hq, Q, D] strided, 4-byte aligned rows
   void* grad_k = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
