@@ -63,8 +63,6 @@ struct BwdParams {
   int64_t k_stride_b, k_stride_h, k_stride_s;
   int64_t v_stride_b, v_stride_h, v_stride_s;
   int64_t do_stride_b, do_stride_h, do_stride_s;
-  // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
-  bool natural;
   // [B, Hq, Q] contiguous, +inf where lse is -inf: (lse + lse_lo) * log2(e) in log2 units; lse
   // itself in natural units, with row_lo = lse_lo * log2(e) subtracted after the conversion
   // (p = 2^((s - lse) log2(e) - row_lo): a row of finfo.min scores keeps its log(sum)).
@@ -87,7 +85,8 @@ struct BwdParams {
   // no per-element test.
   TileSummaryView tiles_dkdv, tiles_dq;
   Causal causal;
-  ScoreTransform transform;
+  // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
+  ScoreRule score;
   int64_t hq, hkv, q_len, kv_len;
 };
 
@@ -189,31 +188,17 @@ __device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride
 // needed. Without softcap, in log2 units (the common case) it is one multiply and one subtract.
 __device__ __forceinline__ float exp2_arg(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h, int64_t i,
                                           int64_t j, float shift, float lo, float& dscore) {
-  float x;
-  if (p.transform.softcap > 0.0f) {
-    const float s = p.transform(dot);
-    dscore = p.transform.derivative(s);
-    x = p.natural ? s : s * kLog2e;
-  } else {
-    dscore = p.transform.scale;
-    // Natural units: rounded on its own, as the forward does, before the bias is added.
-    x = p.natural ? __fmul_rn(dot, p.transform.scale) : dot * (p.transform.scale * kLog2e);
-  }
+  float x = p.score.score(dot);
+  dscore = p.score.derivative(x);
   if (!plain) {
     if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
       return -INFINITY;
     }
     if (p.mask.kind != MaskKind::kNone) {
-      const float m = p.mask.additive(p.mask.offset(b, h, i, j));
-      // A -inf mask value (False bool, or a -inf bias) hides what is behind it, NaN included. In
-      // log2 units the mask is bool: m is 0.
-      if (m == -INFINITY) {
-        return -INFINITY;
-      }
-      x = x + m;
+      x = p.score.masked(x, p.mask.additive(p.mask.offset(b, h, i, j)));
     }
   }
-  return p.natural ? (x - shift) * kLog2e - lo : x - shift;
+  return p.score.natural ? (x - shift) * kLog2e - lo : x - shift;
 }
 
 // A tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) whose summary class is `cls` needs no
@@ -352,7 +337,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
     for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
       const bool valid = i0 + r < p.q_len;
       lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
-      lo_s[buf * kQueries + r] = valid && p.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
+      lo_s[buf * kQueries + r] = valid && p.score.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
       delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
     }
   };
@@ -552,7 +537,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
     const int64_t i = i0 + query_row + g + half * 8;
     const int64_t row = (b * p.hq + h) * p.q_len + i;
     row_lse[half] = i < p.q_len ? p.row_shift[row] : INFINITY;
-    row_lo[half] = i < p.q_len && p.natural ? p.row_lo[row] : 0.0f;
+    row_lo[half] = i < p.q_len && p.score.natural ? p.row_lo[row] : 0.0f;
     row_delta[half] = i < p.q_len ? p.delta[row] : 0.0f;
   }
 

@@ -324,7 +324,6 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   p.k_stride_b = key.stride(0), p.k_stride_h = key.stride(1), p.k_stride_s = key.stride(2);
   p.v_stride_b = value.stride(0), p.v_stride_h = value.stride(1), p.v_stride_s = value.stride(2);
   p.do_stride_b = grad_out.stride(0), p.do_stride_h = grad_out.stride(1), p.do_stride_s = grad_out.stride(2);
-  p.natural = natural;
   p.row_shift = row_shift.const_data_ptr<float>();
   p.row_lo = natural ? row_lo.const_data_ptr<float>() : nullptr;
   p.delta = delta.const_data_ptr<float>();
@@ -351,8 +350,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   }
   p.causal.enabled = a.is_causal;
   p.causal.shift = a.q_offset - a.kv_offset;
-  p.transform.scale = static_cast<float>(a.scale);
-  p.transform.softcap = static_cast<float>(a.softcap);
+  p.score = attn::score_rule(a.scale, a.softcap, natural);
   p.hq = hq;
   p.hkv = hkv;
   p.q_len = q_len;

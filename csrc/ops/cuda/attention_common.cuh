@@ -194,19 +194,6 @@ void set_forward_tensors(Params& p, const at::Tensor& query, const at::Tensor& k
   p.o_sb = a.out.stride(0), p.o_sh = a.out.stride(1), p.o_si = a.out.stride(2);
 }
 
-// Host: the softcap and causal fields that the mma.sync forward's and the decode kernels'
-// parameter structs share, the softcap in the kernel's score units (`unit`: log2(e), or 1 in
-// natural units; see exp_of). The entry point passed q_offset = causal_shift(...), kv_offset 0.
-template <class Params>
-void set_softcap_and_causal(Params& p, const AttentionFwdArgs& a, double unit) {
-  if (a.softcap > 0.0) {
-    p.softcap_pre = static_cast<float>(a.scale / a.softcap);
-    p.softcap_post = static_cast<float>(a.softcap * unit);
-  }
-  p.causal.enabled = a.is_causal;
-  p.causal.shift = a.q_offset - a.kv_offset;
-}
-
 // Host: whether every size of t is below 2^31 (what kernels with 32-bit indices, such as TMA's
 // coordinates, need).
 bool sizes_fit_int32(const at::Tensor& t);
@@ -251,27 +238,70 @@ struct Causal {
   }
 };
 
-// ---- the score transform ---------------------------------------------------------------------
+// ---- the score rule --------------------------------------------------------------------------
 
-// s = scale * <q, k>, then softcap * tanh(s / softcap) when softcap > 0. In the log2 domain the
-// kernels may fold log2(e) into the scale; keep NaN: a NaN score must reach the output.
-struct ScoreTransform {
-  float scale = 1.0f;
-  float softcap = 0.0f;  // 0: none
+// What every mma.sync kernel (forward, decode, backward) makes of a raw dot product q.k, in its
+// score units (exp_of: log2, or natural with a floating mask): s = scale * dot, then softcap *
+// tanh(s / softcap) when softcap > 0; then a mask value m added (in natural units, scaled by
+// mask_unit), a -inf one hiding the score, NaN included. Built on the host by score_rule().
+struct ScoreRule {
+  float scale = 0.0f;          // scale in the score units (no softcap)
+  float softcap_pre = 0.0f;    // scale / softcap
+  float softcap_post = 0.0f;   // softcap in the score units; 0: no softcap
+  float mask_unit = 1.0f;      // log2(e) for a floating mask in log2 units (decode), else 1
+  float natural_scale = 0.0f;  // scale in natural units: d score / d dot without softcap
+  bool natural = false;
 
-  __device__ __forceinline__ float operator()(float dot) const {
-    const float s = dot * scale;
-    return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
-  }
-  // d(transformed)/d(dot), for the backward: scale * (1 - tanh^2) with softcap, scale without.
-  __device__ __forceinline__ float derivative(float transformed) const {
-    if (softcap > 0.0f) {
-      const float t = transformed / softcap;
-      return scale * (1.0f - t * t);
+  __device__ __forceinline__ float score(float dot) const {
+    if (softcap_post > 0.0f) {
+      return softcap_post * tanhf(dot * softcap_pre);
     }
-    return scale;
+    // Natural units: rounded on its own (never fused with the mask add), alike in every kernel.
+    return natural ? __fmul_rn(dot, scale) : dot * scale;
+  }
+  // score() over n values, the branch taken once (keeps tanhf off the plain path).
+  template <int n>
+  __device__ __forceinline__ void score_all(float* s) const {
+    if (softcap_post > 0.0f) {
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        s[k] = softcap_post * tanhf(s[k] * softcap_pre);
+      }
+    } else if (natural) {
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        s[k] = __fmul_rn(s[k], scale);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < n; ++k) {
+        s[k] *= scale;
+      }
+    }
+  }
+  // The score with the mask value m (0 or -inf for a bool mask) applied.
+  __device__ __forceinline__ float masked(float score, float m) const {
+    return m == -INFINITY ? -INFINITY : score + m * mask_unit;
+  }
+  // d score / d dot from the score (the backward's chain rule): scale (1 - tanh^2) with softcap.
+  __device__ __forceinline__ float derivative(float score) const {
+    if (softcap_post > 0.0f) {
+      const float t = score / softcap_post;
+      return natural_scale * (1.0f - t * t);
+    }
+    return natural_scale;
   }
 };
+
+// Host: the rule for `scale` and `softcap` (0: none) in natural units when `natural` (a floating
+// mask), else log2 units, with a floating mask's values converted to them when `log2_mask`.
+ScoreRule score_rule(double scale, double softcap, bool natural, bool log2_mask = false);
+
+// Host: the causal fields the mma.sync forward's and the decode kernels' parameter structs
+// share. The entry point passed q_offset = causal_shift(...), kv_offset 0.
+inline Causal causal_rule(const AttentionFwdArgs& a) {
+  return Causal{a.is_causal, a.q_offset - a.kv_offset};
+}
 
 // ---- per-tile summary of a dense mask ---------------------------------------------------------
 

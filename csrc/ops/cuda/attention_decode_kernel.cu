@@ -39,6 +39,7 @@ using attn::Causal;
 using attn::kLn2;
 using attn::kLog2e;
 using attn::MaskView;
+using attn::ScoreRule;
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
@@ -63,10 +64,8 @@ struct DecodeParams {
   int64_t kv_end;           // keys at or past it are visible to no row (kv_len, or less by causal)
   int64_t tiles_per_split;  // key tiles of kTileKeys per split
   int splits;
-  int rows;                   // group * q_len: row r is query i = r / group of head hk * group + r % group
-  float scale_log2 = 0.0f;    // scale * log2(e) (no softcap)
-  float softcap_pre = 0.0f;   // scale / softcap
-  float softcap_post = 0.0f;  // softcap * log2(e); 0: no softcap
+  int rows;         // group * q_len: row r is query i = r / group of head hk * group + r % group
+  ScoreRule score;  // log2 units, a floating mask's values converted to them
   Causal causal;
   MaskView mask;
 };
@@ -179,14 +178,7 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
       ldmatrix_x4(kb, k_s + k_row * kStride + kk * 16 + k_col);
       mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s_acc[nt][e] =
-            p.softcap_post > 0.0f ? p.softcap_post * tanhf(s_acc[nt][e] * p.softcap_pre) : s_acc[nt][e] * p.scale_log2;
-      }
-    }
+    p.score.score_all<8>(&s_acc[0][0]);
     // Keys past kv_end, the causal rule and the mask: only where one of them can hide a key.
     if (p.mask.kind != attn::MaskKind::kNone || j0 + kWarpKeys > p.kv_end ||
         !p.causal.tile_all_visible(0, j0 + kWarpKeys)) {
@@ -200,8 +192,7 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
             const bool visible = row_ok[half] && j < p.kv_end && p.causal.visible(row_query[half], j);
             float x = s_acc[nt][2 * half + e];
             if (visible && p.mask.kind != attn::MaskKind::kNone) {
-              const float m = p.mask.additive(row_mask[half] + j * p.mask.stride_kv);
-              x = m == -INFINITY ? -INFINITY : x + m * kLog2e;  // a masked element hides its score, NaN included
+              x = p.score.masked(x, p.mask.additive(row_mask[half] + j * p.mask.stride_kv));
             }
             s_acc[nt][2 * half + e] = visible ? x : -INFINITY;
           }
@@ -477,8 +468,8 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
   p.group = group;
   p.q_len = q_len;
   p.rows = static_cast<int>(group * q_len);
-  p.scale_log2 = static_cast<float>(a.scale * kLog2e);
-  attn::set_softcap_and_causal(p, a, kLog2e);
+  p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false, /*log2_mask=*/true);
+  p.causal = attn::causal_rule(a);
   p.mask = attn::make_mask_view(a.mask);
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.

@@ -56,10 +56,7 @@ struct FwdParams {
   int64_t batch_heads = 1;  // B * Hq
   int64_t q_len = 0, kv_len = 0;
   // Score units (attention_common.cuh, exp_of): log2, or natural with a floating mask.
-  bool natural = false;
-  float score_scale = 0.0f;   // scale * log2(e), or scale when natural (no softcap)
-  float softcap_pre = 0.0f;   // scale / softcap
-  float softcap_post = 0.0f;  // softcap * log2(e), or softcap when natural; 0: no softcap
+  ScoreRule score;
   Causal causal;
   MaskView mask;
   TileSummaryView tiles;  // null ptr without a mask
@@ -303,41 +300,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       }
 
       // ---- scores in the kernel's units: scale (softcap), mask, causal, key bounds ----
-      if (p.softcap_post > 0.0f) {  // uniform: keeps tanhf off the plain path
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s_acc[mt][nt][e] = p.softcap_post * tanhf(s_acc[mt][nt][e] * p.softcap_pre);
-            }
-          }
-        }
-      } else if (p.natural) {
-        // Rounded on its own (never fused with the bias add), as the backward recomputes it.
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s_acc[mt][nt][e] = __fmul_rn(s_acc[mt][nt][e], p.score_scale);
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s_acc[mt][nt][e] *= p.score_scale;
-            }
-          }
-        }
-      }
+      p.score.score_all<kMTiles * kNTiles * 4>(&s_acc[0][0][0]);
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
       const bool edge = j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN);
       if (read_mask || edge) {
@@ -365,9 +328,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
                 const bool visible = row_ok && c < col_limit && c - r <= diag;
                 float x = s_acc[mt][nt][2 * half + e];
                 if (visible && read_mask) {
-                  const float m = p.mask.additive(mask_row + c * p.mask.stride_kv);
-                  // Log2 units only without a floating mask: m is then 0 or -inf.
-                  x = m == -INFINITY ? -INFINITY : x + m;
+                  x = p.score.masked(x, p.mask.additive(mask_row + c * p.mask.stride_kv));
                 }
                 s_acc[mt][nt][2 * half + e] = visible ? x : -INFINITY;
               }
@@ -392,7 +353,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
           const float m_new = fmaxf(row_max[mt][half], mx);
           const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
           // Natural units: subtract first, then convert (see exp_of).
-          const float unit = p.natural ? kLog2e : 1.0f;
+          const float unit = p.score.natural ? kLog2e : 1.0f;
           const float alpha = fast_exp2((row_max[mt][half] - offset) * unit);  // old max -inf: 0
           row_max[mt][half] = m_new;
           float sum = 0.0f;
@@ -443,7 +404,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   cp_async_wait<0>();
 
   // ---- epilogue: normalise, lse, stage the tile in shared memory, 16-byte stores ----
-  const float sink = p.sinks != nullptr ? p.sinks[h] * (p.natural ? 1.0f : kLog2e) : 0.0f;
+  const float sink = p.sinks != nullptr ? p.sinks[h] * (p.score.natural ? 1.0f : kLog2e) : 0.0f;
   float* lse_row = p.lse + bh * p.q_len;
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -453,7 +414,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
-      const RowEnd end = finish_row(row_max[mt][half], l, p.sinks != nullptr, sink, p.natural);
+      const RowEnd end = finish_row(row_max[mt][half], l, p.sinks != nullptr, sink, p.score.natural);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         // An empty row is exactly 0, even if a masked value was NaN (0 * NaN in P V).

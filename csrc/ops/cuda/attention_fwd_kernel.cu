@@ -65,10 +65,8 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.batch_heads = query.size(0) * query.size(1);
   p.q_len = query.size(2);
   p.kv_len = key.size(2);
-  p.natural = attn::natural_units(a.mask);
-  const double unit = p.natural ? 1.0 : 1.4426950408889634;  // log2(e)
-  p.score_scale = static_cast<float>(a.scale * unit);
-  attn::set_softcap_and_causal(p, a, unit);
+  p.score = attn::score_rule(a.scale, a.softcap, attn::natural_units(a.mask));
+  p.causal = attn::causal_rule(a);
   at::Tensor summary;  // kept alive until the launch is queued (stream-ordered allocator)
   if (a.mask.defined()) {
     p.mask = attn::make_mask_view(a.mask);

@@ -49,19 +49,19 @@ namespace safeattn::cuda::hopper {
 
 // Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
 // warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
-// S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when each warpgroup
-// multiplies its own keys). kdQOwnKeys: -1 picks (Bwd::kdQOwnKeys), 0 / 1 force it.
+// S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's product
+// covers whole rows). kdQMode: -1 picks (Bwd::kdQMode), else one of DqMode.
 // kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
 // float2 atomics from registers. kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu,
 // its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQOwnKeys_ = -1,
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQMode_ = -1,
           int kSkipdQ_ = 0>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kdQOwnKeys = kdQOwnKeys_;
+  static constexpr int kdQMode = kdQMode_;
   static constexpr int kSkipdQ = kSkipdQ_;
   static constexpr bool kdQBulk = kdQBulk_;
 };
@@ -78,6 +78,14 @@ template <>
 struct DefaultBwdConfig<128> {
   using type = BwdConfig<128, 64, 128, 2>;
 };
+
+// How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
+//   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
+//                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
+//   kdQOwnKeys    each over its own 64 keys for whole rows, both adding a partial dQ;
+//   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
+//                 step, and the other warpgroup goes on to the next step meanwhile.
+enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2 };
 
 namespace detail {
 
@@ -120,15 +128,17 @@ struct Bwd {
   static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
   static_assert(kBlockN == 64 * kMmaWGs, "each consumer warpgroup owns 64 keys");
   static_assert(kBlockM == 64 || kBlockM == 128);
-  // The dQ product (M = query rows, K = keys): by query rows when there are 128 of them; by
-  // 64-wide head-dim halves for 64 rows and head dims that are multiples of 128 (the halves must
-  // be whole 128-byte swizzle rows); otherwise each warpgroup multiplies its own 64 keys and both
-  // add their partial dQ (twice the additions, but no wait for the other warpgroup).
-  static constexpr bool kdQOwnKeys =
-      Config::kdQOwnKeys >= 0 ? Config::kdQOwnKeys == 1 : kBlockM == 64 && kHeadDim % 128 != 0;
-  static_assert(kdQOwnKeys || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
-  static constexpr int kdQWarpgroupsM = kdQOwnKeys ? 1 : kBlockM / 64;
-  static constexpr int kdQWarpgroupsN = kdQOwnKeys ? 1 : kMmaWGs / kdQWarpgroupsM;
+  // The dQ product's sharing (DqMode): split where the tile allows it, else alternate (at D = 64
+  // on an H200 fwd+bwd 335 -> 359 TFLOP/s against own keys: half the reduce-adds per step).
+  static constexpr int kdQMode =
+      Config::kdQMode >= 0 ? Config::kdQMode
+                           : (kBlockM == 128 || kHeadDim % 128 == 0 ? hopper::kdQSplit : hopper::kdQAlternate);
+  static constexpr bool kdQOwnKeys = kdQMode == hopper::kdQOwnKeys;
+  static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
+  static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
+  static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
+  static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
+  static constexpr int kdQWarpgroupsN = kdQWholeRows ? 1 : kMmaWGs / kdQWarpgroupsM;
   static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
   // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
   // w did, with kdQOwnKeys); 3 + w: warpgroup w staged its dQ.
@@ -149,7 +159,7 @@ struct Bwd {
       return r * kHeadDim + c;
     } else {
       constexpr int kN = kHeadDim / kdQWarpgroupsN;
-      const int region = kdQOwnKeys ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
+      const int region = kdQWholeRows ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
       const int rr = r % 64, cc = c % kN;
       const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
       const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
@@ -346,7 +356,7 @@ struct Bwd {
     TiledMmadQ mma_dq;
     auto wg_sdp = mma_sdp.get_slice(wg * 128);
     auto wg_dkv = mma_dkv.get_slice(wg * 128);
-    auto wg_dq = mma_dq.get_slice(wg * 128);
+    auto wg_dq = mma_dq.get_slice(kdQAlternate ? 0 : wg * 128);
     Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, 1, D / 16): this warpgroup's keys
     Tensor tSrV = wg_sdp.partition_fragment_A(sV);      // (MMA, 1, D / 16)
     Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, 1, D / 16, stage)
@@ -399,7 +409,7 @@ struct Bwd {
     const int dq_row_base = (kdQWarpgroupsM == 2 ? 64 * wg : 0) + row_base;
     const int dq_col_base = (kdQWarpgroupsN == 2 ? wg * (kHeadDim / 2) : 0) + col_base;
     static_assert(decltype(size(tdVrdV))::value == kHeadDim / 2);
-    static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQOwnKeys ? 128 : kMmaThreads));
+    static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQWholeRows ? 128 : kMmaThreads));
 
     clear(tdVrdV);
     clear(tdKrdK);
@@ -466,7 +476,9 @@ struct Bwd {
     for (int step = next; step < steps; step = next, keep = mask_bits(next)) {
       const int head = head_of(step);
       const int m_block = m_block_of(step);
-      const int buffer = visited++ % 2;
+      const int visit = visited++;
+      const int buffer = visit % 2;
+      const bool dq_here = !kdQAlternate || wg == buffer;  // this warpgroup multiplies this step's dQ
       const int row0 = m_block * kBlockM;
 
       pipe_q.consumer_wait(read_q);
@@ -524,7 +536,9 @@ struct Bwd {
         } else {
           named_barrier_sync(kDsBarrier, kMmaThreads);
         }
-        wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+        if (dq_here) {
+          wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+        }
       }
       warpgroup_wait<0>();
       pipe_q.consumer_release(read_q);
@@ -532,15 +546,17 @@ struct Bwd {
       pipe_do.consumer_release(read_do);
       ++read_do;
 
-      if constexpr (Config::kSkipdQ > 0) {
+      if (Config::kSkipdQ > 0 || !dq_here) {
         continue;
       }
       float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
       if constexpr (kdQBulk) {
         // The dS barrier above (every iteration, after the previous bulk read was waited for)
-        // orders that wait before these stores into the same buffer two tiles later.
+        // orders that wait before these stores into the same buffer two tiles later (two of this
+        // warpgroup's dQ steps later when they alternate).
         const int t = mma_thread % 128;
-        float* stage = smem.dq_stage + (buffer * kMmaWGs + wg) * kdQTileElems;
+        const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
+        float* stage = smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
 #pragma unroll
         for (int i = 0; i < size(tdQrdQ); i += 2) {
           *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
@@ -548,7 +564,7 @@ struct Bwd {
         cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
         named_barrier_sync(kdQStagedBarrier + wg, 128);
         if (t == 0) {
-          const int region = kdQOwnKeys ? 0 : wg;
+          const int region = kdQWholeRows ? 0 : wg;
           bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
           tma_store_arrive();   // commit
           tma_store_wait<1>();  // the previous tile's stage buffer has been read
