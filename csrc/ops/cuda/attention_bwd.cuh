@@ -209,6 +209,47 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
          p.causal.tile_all_visible(i0, j0 + cols);
 }
 
+// The backward's two score-shaped products at once, one warp's 16 rows: acc1 += A1 B1^T and
+// acc2 += A2 B2^T (S and dP: A1, A2 = K, V and B1, B2 = Q, dO in the dK/dV kernel, transposed in
+// the dQ kernel), over the head dim. A rows a_row.. of shared tiles, B kCols rows; row stride
+// kHeadDim + 8 (load_tile's); accumulators [kCols / 8][4] in the m16n8 layout.
+template <typename T, int kHeadDim, int kCols>
+__device__ __forceinline__ void paired_score_products(float (&acc1)[kCols / 8][4], float (&acc2)[kCols / 8][4],
+                                                      const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
+                                                      int lane) {
+  constexpr int kStride = kHeadDim + 8;
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    uint32_t fa1[4], fa2[4];
+    const int row = a_row + (lane & 15);
+    const int col = ks * 16 + (lane >> 4) * 8;
+    ldmatrix_x4(fa1, a1 + row * kStride + col);
+    ldmatrix_x4(fa2, a2 + row * kStride + col);
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
+      const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+      uint32_t fb1[4], fb2[4];
+      ldmatrix_x4(fb1, b1 + b_row * kStride + b_col);
+      ldmatrix_x4(fb2, b2 + b_row * kStride + b_col);
+      mma_16816<T>(acc1[2 * np], fa1, {fb1[0], fb1[1]});
+      mma_16816<T>(acc1[2 * np + 1], fa1, {fb1[2], fb1[3]});
+      mma_16816<T>(acc2[2 * np], fa2, {fb2[0], fb2[1]});
+      mma_16816<T>(acc2[2 * np + 1], fa2, {fb2[2], fb2[3]});
+    }
+  }
+}
+
+// Accumulator n-tiles 2 kk and 2 kk + 1 (m16n8, float) as the A fragment of an m16n8k16 product
+// over those 16 columns, rounded to T.
+template <typename T, int kTiles>
+__device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk, uint32_t (&a)[4]) {
+  a[0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+  a[1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+  a[2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+  a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+}
+
 // ---- dK / dV ---------------------------------------------------------------------------------
 
 // The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's 64 keys j of
@@ -398,26 +439,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
           dpt[t][e] = 0.0f;
         }
       }
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        uint32_t a_k[4], a_v[4];
-        const int a_row = key_row + (lane & 15);
-        const int a_col = ks * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(a_k, k_s + a_row * kStride + a_col);
-        ldmatrix_x4(a_v, v_s + a_row * kStride + a_col);
-#pragma unroll
-        for (int np = 0; np < kSubQueries / 16; ++np) {
-          const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
-          const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
-          uint32_t b_q[4], b_do[4];
-          ldmatrix_x4(b_q, qt + b_row * kStride + b_col);
-          ldmatrix_x4(b_do, dot + b_row * kStride + b_col);
-          mma_16816<T>(st[2 * np], a_k, {b_q[0], b_q[1]});
-          mma_16816<T>(st[2 * np + 1], a_k, {b_q[2], b_q[3]});
-          mma_16816<T>(dpt[2 * np], a_v, {b_do[0], b_do[1]});
-          mma_16816<T>(dpt[2 * np + 1], a_v, {b_do[2], b_do[3]});
-        }
-      }
+      paired_score_products<T, kHeadDim, kSubQueries>(st, dpt, k_s, v_s, key_row, qt, dot, lane);
 
       // P^T and dS'^T in place (st holds p, dpt holds dS').
 #pragma unroll
@@ -437,12 +459,9 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
       // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
 #pragma unroll
       for (int kk = 0; kk < kSubQueries / 16; ++kk) {
-        const uint32_t a_p[4] = {pack2<T>(st[2 * kk][0], st[2 * kk][1]), pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                                 pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                                 pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-        const uint32_t a_ds[4] = {pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]), pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]),
-                                  pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                                  pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+        uint32_t a_p[4], a_ds[4];
+        a_fragment<T>(st, kk, a_p);
+        a_fragment<T>(dpt, kk, a_ds);
         if constexpr (kAtomicDq) {
           // dS'^T as the registers hold it: rows key_row + g (+8), columns q0 + 2 * tig (+1) of
           // the n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
@@ -617,26 +636,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
         dp_acc[t][e] = 0.0f;
       }
     }
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t a_q[4], a_do[4];
-      const int a_row = query_row + (lane & 15);
-      const int a_col = ks * 16 + (lane >> 4) * 8;
-      ldmatrix_x4(a_q, q_s + a_row * kStride + a_col);
-      ldmatrix_x4(a_do, do_s + a_row * kStride + a_col);
-#pragma unroll
-      for (int np = 0; np < kKeys / 16; ++np) {
-        const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
-        uint32_t b_k[4], b_v[4];
-        ldmatrix_x4(b_k, kt + b_row * kStride + b_col);
-        ldmatrix_x4(b_v, vt + b_row * kStride + b_col);
-        mma_16816<T>(s_acc[2 * np], a_q, {b_k[0], b_k[1]});
-        mma_16816<T>(s_acc[2 * np + 1], a_q, {b_k[2], b_k[3]});
-        mma_16816<T>(dp_acc[2 * np], a_do, {b_v[0], b_v[1]});
-        mma_16816<T>(dp_acc[2 * np + 1], a_do, {b_v[2], b_v[3]});
-      }
-    }
+    paired_score_products<T, kHeadDim, kKeys>(s_acc, dp_acc, q_s, do_s, query_row, kt, vt, lane);
 
     // dS (the mask gradient) and dS' (dp_acc, in place).
 #pragma unroll
@@ -675,10 +675,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
     // dQ += dS' K: A from the registers, B = K loaded transposed.
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      const uint32_t a_ds[4] = {pack2<T>(dp_acc[2 * kk][0], dp_acc[2 * kk][1]),
-                                pack2<T>(dp_acc[2 * kk][2], dp_acc[2 * kk][3]),
-                                pack2<T>(dp_acc[2 * kk + 1][0], dp_acc[2 * kk + 1][1]),
-                                pack2<T>(dp_acc[2 * kk + 1][2], dp_acc[2 * kk + 1][3])};
+      uint32_t a_ds[4];
+      a_fragment<T>(dp_acc, kk, a_ds);
       const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
