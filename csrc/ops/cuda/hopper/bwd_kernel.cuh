@@ -17,15 +17,16 @@
 //             in registers for the whole CTA:
 //               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
 //               P^T = exp2(...) -> dV += P^T dO   (P^T from registers, dO^T a view of dO)
-//               dS^T = scale P^T (dP^T - delta) -> dK += dS^T Q   (dS^T from registers)
-//               dS^T stored to shared memory, then dQ = dS K. D = 128: after a barrier of
-//               both warpgroups (dQ needs every key of the tile) each multiplies all 128 keys
-//               for one 64-wide head-dim half; D = 64: each multiplies its own 64 keys for the
-//               whole row (no wait for the other warpgroup, twice the additions). dS has two
-//               buffers, so a warpgroup may write the next tile's while the other still reads
-//               this one's. The float32 dQ product goes to a shared-memory stage in register
-//               order and one thread adds the whole stage into dq_accum with a bulk reduce-add
-//               (kdQBulk; else float2 atomics from registers: many small L2 operations).
+//               dS^T = scale P^T (dP^T - delta), stored to shared memory as dS (stmatrix);
+//               after a barrier of both warpgroups (dQ needs every key of the tile) dQ = dS K
+//               (DqMode: at D = 128 each warpgroup multiplies all 128 keys for one 64-wide
+//               head-dim half; at D = 64 one warpgroup multiplies all of them, alternating),
+//               then dK += dS^T Q (dS^T from registers), so that dQ's staging runs during dK.
+//               dS has two buffers, so a warpgroup may write the next tile's while the other
+//               still reads this one's. The float32 dQ product goes to a shared-memory stage
+//               in register order and one thread adds the whole stage into dq_accum with a bulk
+//               reduce-add (kdQBulk; else float2 atomics from registers: many small L2
+//               operations).
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 //
@@ -467,6 +468,39 @@ struct Bwd {
       }
       return keep;
     };
+    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum.
+    auto stage_dq = [&](int head, int row0, int visit, int buffer) {
+      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
+      if constexpr (kdQBulk) {
+        // The dS barrier above (every iteration, after the previous bulk read was waited for)
+        // orders that wait before these stores into the same buffer two tiles later (two of this
+        // warpgroup's dQ steps later when they alternate).
+        const int t = mma_thread % 128;
+        const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
+        float* stage = smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
+#pragma unroll
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+        }
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
+        named_barrier_sync(kdQStagedBarrier + wg, 128);
+        if (t == 0) {
+          const int region = kdQWholeRows ? 0 : wg;
+          bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
+          tma_store_arrive();   // commit
+          tma_store_wait<1>();  // the previous tile's stage buffer has been read
+        }
+      } else {
+        // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
+        // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
+        float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
+#pragma unroll
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
+                    make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
+        }
+      }
+    };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     int next = visit_from(0);
     uint32_t keep = mask_bits(next);
@@ -525,7 +559,6 @@ struct Bwd {
         tdPrdP(i) = p.scale * tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
       }
       convert_fragment<Element>(tdPrdP, tdKrdS);
-      wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
 
       if constexpr (Config::kSkipdQ < 2) {
         // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
@@ -540,45 +573,18 @@ struct Bwd {
           wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
         }
       }
-      warpgroup_wait<0>();
-      pipe_q.consumer_release(read_q);
-      ++read_q;
+      // dK after dQ: dQ's staging below runs while the tensor cores do dK.
+      wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+      warpgroup_wait<1>();              // dV and dQ done, dK may still run
+      warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
       pipe_do.consumer_release(read_do);
       ++read_do;
-
-      if (Config::kSkipdQ > 0 || !dq_here) {
-        continue;
+      if (Config::kSkipdQ == 0 && dq_here) {
+        stage_dq(head, row0, visit, buffer);
       }
-      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
-      if constexpr (kdQBulk) {
-        // The dS barrier above (every iteration, after the previous bulk read was waited for)
-        // orders that wait before these stores into the same buffer two tiles later (two of this
-        // warpgroup's dQ steps later when they alternate).
-        const int t = mma_thread % 128;
-        const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
-        float* stage = smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
-#pragma unroll
-        for (int i = 0; i < size(tdQrdQ); i += 2) {
-          *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
-        }
-        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
-        named_barrier_sync(kdQStagedBarrier + wg, 128);
-        if (t == 0) {
-          const int region = kdQWholeRows ? 0 : wg;
-          bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
-          tma_store_arrive();   // commit
-          tma_store_wait<1>();  // the previous tile's stage buffer has been read
-        }
-      } else {
-        // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
-        // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
-        float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
-#pragma unroll
-        for (int i = 0; i < size(tdQrdQ); i += 2) {
-          atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
-                    make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
-        }
-      }
+      warpgroup_wait<0>();  // dK done: its Q can go
+      pipe_q.consumer_release(read_q);
+      ++read_q;
     }
     if constexpr (kdQBulk && Config::kSkipdQ == 0) {
       if (mma_thread % 128 == 0 && steps > 0) {
