@@ -91,9 +91,9 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // A mask is summarised per (query tile, key tile) first: fully masked ones are skipped.
   at::Tensor summary, diagonals;
   if (a.mask.defined()) {
-    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys, &diagonals);
+    summary = attn::summarize_mask_tiles(a.mask, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, &diagonals);
     p.mask = attn::make_mask_view(a.mask);
-    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys, diagonals);
+    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, diagonals);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)

@@ -66,9 +66,9 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   // ones.
   at::Tensor summary, diagonals;
   if (a.mask.defined()) {
-    summary = attn::summarize_mask_tiles(a.mask, hopper::kMaskTileRows, hopper::kMaskTileKeys, &diagonals);
+    summary = attn::summarize_mask_tiles(a.mask, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, &diagonals);
     p.mask = attn::make_mask_view(a.mask);
-    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kMaskTileRows, hopper::kMaskTileKeys, diagonals);
+    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, diagonals);
   }
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after

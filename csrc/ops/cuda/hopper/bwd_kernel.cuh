@@ -254,9 +254,9 @@ struct Bwd {
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
-    attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
+    attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
   };
-  static_assert(!kMasked || (kBlockM == kMaskTileRows && kBlockN == kMaskTileKeys),
+  static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked step is one tile of the mask summary");
 
   // Whether the mask summary rules out query tile m_block of `head` for key tile n_block. Producer
@@ -784,7 +784,7 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_bwd_variant<T, Config, false>(a, stream);
   }
-  if constexpr (Config::kBlockM == kMaskTileRows && Config::kBlockN == kMaskTileKeys) {
+  if constexpr (Config::kBlockM == kBwdMaskTileRows && Config::kBlockN == kMaskTileKeys) {
     return launch_bwd_variant<T, Config, true>(a, stream);
   }
   return cudaErrorInvalidValue;

@@ -7,13 +7,15 @@
 
 #include <cuda_runtime.h>
 
-#include "ops/cuda/hopper/fwd_params.h"  // kMaskTileRows, kMaskTileKeys
+#include "ops/cuda/hopper/fwd_params.h"  // kMaskTileKeys
 #include "ops/cuda/mask_view.cuh"
 
 namespace safeattn::cuda::hopper {
 
 // The rows of row_shift, delta and dq_accum: Q rounded up to a multiple of this (whole tiles).
 constexpr int kBwdRowPad = 128;
+// The query rows of the backward's mask summary tiles (its query tile; keys: kMaskTileKeys).
+constexpr int kBwdMaskTileRows = 64;
 
 struct BwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
@@ -57,7 +59,7 @@ struct BwdParams {
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
   // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
-  // tiles of kMaskTileRows x kMaskTileKeys (the kernel's query and key tiles): fully masked
+  // tiles of kBwdMaskTileRows x kMaskTileKeys (the kernel's query and key tiles): fully masked
   // (query tile, key tile) pairs are skipped, mixed ones read the mask per element.
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;

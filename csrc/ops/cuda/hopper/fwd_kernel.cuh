@@ -22,8 +22,9 @@
 //             cores run while the softmax of the previous tile is computed; with kPingPong the
 //             warpgroups also take turns issuing (named barriers), so one's softmax overlaps the
 //             other's products.
-//   mask      (the kMasked variant) a bool mask's tile summary: producer and consumers walk the
-//             same key tiles, skipping fully masked ones; fully visible ones read no mask,
+//   mask      (the kMasked variant) a bool mask's tile summary: the producer walks it, skipping
+//             fully masked key tiles, and hands each visited tile (index, class, diagonal) to the
+//             consumers through shared memory with its K load; fully visible tiles read no mask,
 //             diagonal ones are a compare, mixed ones gather their mask bits one tile ahead.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
 //             lse_lo (the rounding error of lse, from a double-precision sum) per row.
@@ -83,7 +84,7 @@ struct DefaultFwdConfig<128> {
   using type = FwdConfig<128, 128, 2, 2, true>;
 };
 // With a mask (the kMasked variant): at D = 64, two consumer warpgroups of 232 registers, since
-// the mask's bits and addresses do not fit beside three warpgroups' 160 (112 bytes of spills).
+// the mask's bits and addresses do not fit beside three warpgroups' 160 (168 bytes of spills).
 template <int kHeadDim>
 struct MaskedFwdConfig {
   using type = typename DefaultFwdConfig<kHeadDim>::type;
@@ -231,6 +232,19 @@ struct Fwd {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
+  // A key tile the walk over the mask summary visits: its index (-1: the walk has ended), class
+  // and, for a kTileDiagonal one, its diagonal. The producer walks (kMasked) and hands each
+  // visit to the consumers through shared memory, so their loop reads no summary.
+  struct Visit {
+    int n, tile_class, diagonal;
+  };
+  // K load j carries the visit after its key tile in slot j % kVisitSlots. The producer writes the
+  // slot before acquiring K's stage for load j; by then the consumers have released load
+  // j - kStages - 1, and they read a load's slot before releasing its stage, so kStages + 1 slots
+  // are never overwritten while read. The stage's mbarrier (arrive: release, wait: acquire)
+  // publishes the slot with the load.
+  static constexpr int kVisitSlots = kStages + 1;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, kQStages * cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
@@ -242,6 +256,8 @@ struct Fwd {
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
     cutlass::arch::ClusterBarrier q_empty[kQStages];
     int tile_index[kQStages];
+    Visit first_visit[kQStages];      // the tile's first visited key tile, published with its index
+    Visit next_visit[kVisitSlots];    // kMasked: per K load, the visit after it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
@@ -261,10 +277,10 @@ struct Fwd {
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
-    attn::TileSummaryView mask_tiles;  // kMaskTileRows x kMaskTileKeys
+    attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
   };
-  static_assert(!kMasked || (kBlockM % kMaskTileRows == 0 && kBlockN == kMaskTileKeys),
-                "a masked tile is whole rows of the mask summary's tiles");
+  static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
+                "a masked tile is one of the mask summary's tiles");
 
   // ---- the tile schedule ---------------------------------------------------------------------
 
@@ -291,80 +307,42 @@ struct Fwd {
     return t;
   }
 
-  // The mask summary's class of key tile n for the whole tile of rows: masked when every 64-row
-  // share is masked, visible when every share is visible, diagonal when the shares are one
-  // diagonal of the whole tile (row r of the tile sees its keys c <= r + *diagonal; asked for
-  // with a non-null `diagonal`), else mixed.
-  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n,
-                                                           int* diagonal = nullptr) {
-    if (!kMasked) {
-      return attn::kTileVisible;
+  // The mask summary's class of key tile n for the tile's rows (the summary's tiles are the
+  // kernel's), and its diagonal when it is kTileDiagonal.
+  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n, int& diagonal) {
+    const uint8_t tile_class = p.mask_tiles.at(t.batch, t.head, t.m_block, n);
+    if (tile_class == attn::kTileDiagonal) {
+      diagonal = p.mask_tiles.diagonal_at(t.batch, t.head, t.m_block, n);
     }
-    constexpr int kShares = kBlockM / kMaskTileRows;
-    uint8_t share[kShares];
-    bool any_visible = false, all_visible = true, one_diagonal = diagonal != nullptr, have_diagonal = false;
-    int d = 0;
-#pragma unroll
-    for (int w = 0; w < kShares; ++w) {
-      const int q_tile = t.m_block * kShares + w;
-      share[w] = int64_t{q_tile} * kMaskTileRows < p.q_len ? p.mask_tiles.at(t.batch, t.head, q_tile, n)
-                                                           : uint8_t{0xff};  // rows past q_len: any rule
-      if (share[w] != 0xff) {
-        any_visible |= share[w] != attn::kTileMasked;
-        all_visible &= share[w] == attn::kTileVisible;
-        one_diagonal &= share[w] != attn::kTileMixed;
-        if (one_diagonal && share[w] == attn::kTileDiagonal) {
-          // Share w's rows start at tile row 64 w: its rule c <= r + d_w is c <= r_tile + d_w - 64 w.
-          const int d_w = p.mask_tiles.diagonal_at(t.batch, t.head, q_tile, n) - kMaskTileRows * w;
-          one_diagonal &= !have_diagonal || d_w == d;
-          d = d_w;
-          have_diagonal = true;
-        }
-      }
-    }
-    if (!any_visible) {
-      return attn::kTileMasked;
-    }
-    if (all_visible) {
-      return attn::kTileVisible;
-    }
-    if (!one_diagonal || !have_diagonal) {
-      return attn::kTileMixed;
-    }
-    // The visible and masked shares must lie where the diagonal puts them.
-    const int cols = p.kv_len - n * kBlockN < kBlockN ? p.kv_len - n * kBlockN : kBlockN;
-#pragma unroll
-    for (int w = 0; w < kShares; ++w) {
-      if ((share[w] == attn::kTileVisible && kMaskTileRows * w + d + 1 < cols) ||
-          (share[w] == attn::kTileMasked && kMaskTileRows * w + kMaskTileRows - 1 + d >= 0)) {
-        return attn::kTileMixed;
-      }
-    }
-    *diagonal = d;
-    return attn::kTileDiagonal;
+    return tile_class;
   }
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
-  // rule out, or -1, and its class and diagonal (read once: the consumers need them for the mask
-  // bits; the producer passes no `diagonal`). Producer and consumers walk the same sequence, from
-  // prev_tile(n_blocks).
-  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n, uint8_t& tile_class,
-                                                  int* diagonal) {
-    tile_class = attn::kTileVisible;
-    for (--n; n >= 0; --n) {
-      if (!kMasked) {
-        break;
-      }
-      tile_class = key_tile_class(p, t, n, diagonal);
-      if (tile_class != attn::kTileMasked) {
-        break;
+  // rule out (n = -1: none), with its class and diagonal. The walk of a tile starts from
+  // visit_after(n_blocks); only the producer walks a mask's summary.
+  static __device__ __forceinline__ Visit visit_after(const Params& p, const Tile& t, int n) {
+    Visit v{n - 1, attn::kTileVisible, 0};
+    if constexpr (kMasked) {
+      for (; v.n >= 0; --v.n) {
+        v.tile_class = key_tile_class(p, t, v.n, v.diagonal);
+        if (v.tile_class != attn::kTileMasked) {
+          break;
+        }
       }
     }
-    return n;
+    return v;
   }
-  static __device__ __forceinline__ int prev_tile(const Params& p, const Tile& t, int n) {
-    uint8_t tile_class;
-    return prev_tile(p, t, n, tile_class, nullptr);
+  static __device__ __forceinline__ void write_visit(Visit& slot, const Visit& v) {
+    auto& out = reinterpret_cast<volatile Visit&>(slot);
+    out.n = v.n;
+    out.tile_class = v.tile_class;
+    out.diagonal = v.diagonal;
+    asm volatile("" ::: "memory");  // before the mbarrier arrive that publishes it
+  }
+  static __device__ __forceinline__ Visit read_visit(const Visit& slot) {
+    asm volatile("" ::: "memory");  // after the mbarrier wait that published it
+    const auto& in = reinterpret_cast<const volatile Visit&>(slot);
+    return Visit{in.n, in.tile_class, in.diagonal};
   }
 
   // ---- producer ------------------------------------------------------------------------------
@@ -374,23 +352,25 @@ struct Fwd {
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutVt{});
     PipelineState write_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_v = cutlass::make_producer_start_state<Pipeline>();
-    int q_loads = 0;
+    int q_loads = 0, k_loads = 0;
     for (int index = blockIdx.x;;) {
-      // Every tile, and the end, passes through a Q buffer's q_full with its index: the consumers
-      // learn what to compute from the producer (the schedule may be dynamic).
+      // Every tile, and the end, passes through a Q buffer's q_full with its index and first key
+      // tile: the consumers learn what to compute from the producer (the schedule may be dynamic).
       const int slot = q_loads % kQStages;
       auto& q_full = smem.q_full[slot];
       if (q_loads >= kQStages) {
         smem.q_empty[slot].wait((q_loads / kQStages - 1) & 1);  // that tile's last QK is done
       }
       ++q_loads;
-      publish_tile(smem, slot, index < p.tiles ? index : -1);
       if (index >= p.tiles) {
+        publish_tile(smem, slot, -1, Visit{-1, attn::kTileMasked, 0});
         q_full.arrive();
         break;
       }
       const Tile t = tile_at(p, index);
-      int n = prev_tile(p, t, t.n_blocks);
+      const Visit first = visit_after(p, t, t.n_blocks);
+      publish_tile(smem, slot, index, first);
+      int n = first.n;
       if (n < 0) {  // no key visible to any row: the consumers write the empty rows alone
         q_full.arrive();
         index = next_tile(p, index);
@@ -414,7 +394,12 @@ struct Fwd {
       Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gVt));  // (TMA, n)
       Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stage)
 
-      auto load_k = [&](int n) {
+      // K of key tile n, with `after`, the visit that follows it.
+      auto load_k = [&](int n, const Visit& after) {
+        if constexpr (kMasked) {
+          write_visit(smem.next_visit[k_loads % kVisitSlots], after);
+          ++k_loads;
+        }
         pipe_k.producer_acquire(write_k);
         copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
              tKsK(_, write_k.index()));
@@ -431,9 +416,11 @@ struct Fwd {
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
-      load_k(n);
-      for (int m = prev_tile(p, t, n); m >= 0; n = m, m = prev_tile(p, t, m)) {
-        load_k(m);
+      Visit after = visit_after(p, t, n);
+      load_k(n, after);
+      for (int m = after.n; m >= 0; n = m, m = after.n) {
+        after = visit_after(p, t, m);
+        load_k(m, after);
         load_v(n);
       }
       load_v(n);
@@ -443,9 +430,9 @@ struct Fwd {
 
   // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
   // barrier asm has no memory clobber, so the compiler is told here.
-  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index) {
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index, const Visit& first) {
     *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
-    asm volatile("" ::: "memory");
+    write_visit(smem.first_visit[slot], first);
   }
 
   // Dynamic: tiles in order (head-major, longest rows first under causal), each taken by the
@@ -597,7 +584,16 @@ struct Fwd {
     static_assert(decltype(size(tOrO))::value == kHeadDim / 2);
 
     PipelineState read_k, read_v;
-    int q_loads = 0;
+    int q_loads = 0, k_reads = 0;
+    // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
+    // that load); without a mask the walk is every tile down to 0.
+    auto visit_after_load = [&](int n) -> Visit {
+      if constexpr (kMasked) {
+        return read_visit(smem.next_visit[k_reads++ % kVisitSlots]);
+      } else {
+        return Visit{n - 1, attn::kTileVisible, 0};
+      }
+    };
     const int turn_barrier = 1 + wg;
     const int next_turn_barrier = 1 + (wg + 1) % kMmaWGs;
     auto take_turn = [&] {
@@ -625,6 +621,7 @@ struct Fwd {
       if (index < 0) {
         break;
       }
+      const Visit first = read_visit(smem.first_visit[slot]);
       auto& q_empty = smem.q_empty[slot];
       Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
           make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{}));
@@ -681,22 +678,21 @@ struct Fwd {
         }
       };
 
-      uint8_t tile_class;  // of the key tile the walk found (read once, by prev_tile)
-      int diagonal = 0;    // of that tile, when tile_class is kTileDiagonal
-      int n = prev_tile(p, t, t.n_blocks, tile_class, &diagonal);
+      const int n = first.n;
       if (n < 0) {
         q_empty.arrive();
       } else {
-        // The first visited key tile: S, mask, softmax. The mask summary's walk and the next
-        // tile's mask bits (global loads) are read while the tile's products run, one tile ahead,
-        // so their latency stays off the path from one product to the next.
-        const uint64_t keep = mask_bits(n, tile_class, diagonal);
+        // The first visited key tile: S, mask, softmax. The next tile's mask bits (global loads)
+        // are read while the tile's products run, one tile ahead, so their latency stays off the
+        // path from one product to the next.
+        const uint64_t keep = mask_bits(n, first.tile_class, first.diagonal);
         take_turn();
         pipe_k.consumer_wait(read_k);
+        Visit after = visit_after_load(n);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
-        int m = prev_tile(p, t, n, tile_class, &diagonal);
-        uint64_t keep_m = m >= 0 ? mask_bits(m, tile_class, diagonal) : ~uint64_t{0};
+        int m = after.n;
+        uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
         ++read_k;
@@ -710,12 +706,13 @@ struct Fwd {
         while (m >= 0) {
           take_turn();
           pipe_k.consumer_wait(read_k);
+          after = visit_after_load(m);
           wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
           pipe_v.consumer_wait(read_v);
           wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          const int next = prev_tile(p, t, m, tile_class, &diagonal);
-          const uint64_t keep_next = next >= 0 ? mask_bits(next, tile_class, diagonal) : ~uint64_t{0};
+          const int next = after.n;
+          const uint64_t keep_next = next >= 0 ? mask_bits(next, after.tile_class, after.diagonal) : ~uint64_t{0};
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
@@ -903,7 +900,7 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_fwd_variant<T, Config, false>(a, stream);
   }
-  if constexpr (Config::kBlockN == kMaskTileKeys && Config::kBlockM % kMaskTileRows == 0) {
+  if constexpr (Config::kBlockN == kMaskTileKeys && Config::kBlockM == kFwdMaskTileRows) {
     return launch_fwd_variant<T, Config, true>(a, stream);
   }
   return cudaErrorInvalidValue;

@@ -11,11 +11,11 @@
 
 namespace safeattn::cuda::hopper {
 
-// The tiles of the mask summary both sm_90a kernels read (attn::summarize_mask_tiles): 64 query
-// rows (a consumer warpgroup's share of a forward tile, the backward's query tile) x 128 keys
-// (both kernels' key tile).
-constexpr int kMaskTileRows = 64;
+// The tiles of the mask summary the sm_90a kernels read (attn::summarize_mask_tiles), each kernel's
+// own: 128 keys (both kernels' key tile) x kFwdMaskTileRows query rows (the masked forward's tile;
+// hopper/bwd_params.h has the backward's), so that a tile's class is one byte of the summary.
 constexpr int kMaskTileKeys = 128;
+constexpr int kFwdMaskTileRows = 128;
 
 struct FwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
@@ -38,7 +38,7 @@ struct FwdParams {
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
   // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
-  // tiles of kMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully visible
+  // tiles of kFwdMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully visible
   // ones read no mask, and mixed ones read it per element.
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
