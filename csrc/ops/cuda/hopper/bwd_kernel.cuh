@@ -31,8 +31,9 @@
 //             converts dq_accum to grad_q.
 //
 // Mask: a bool attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
-// proves fully masked, in the producer and the consumers alike; diagonal steps are a compare,
-// mixed ones read the mask per element.
+// proves fully masked: the producer walks it and hands each visited step (index, class, diagonal)
+// to the consumers with the Q load before it (the first with K and V); diagonal steps are a
+// compare, mixed ones read the mask per element.
 //
 // Numerics: masked elements (causality, keys past kv_len, the mask) get s = -inf, so p = 0 whatever the
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
@@ -221,6 +222,10 @@ struct Bwd {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
+  // Q load j carries the visit after its step in slot j % kVisitSlots: written before Q's stage is
+  // acquired for load j, read by the consumers before they release it (as in the forward).
+  static constexpr int kVisitSlots = kStages + 1;
+
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
@@ -233,6 +238,8 @@ struct Bwd {
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
+    TileVisit first_visit;              // kMasked: the first step visited, published with K and V
+    TileVisit next_visit[kVisitSlots];  // kMasked: per Q load, the step visited after it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
@@ -259,10 +266,39 @@ struct Bwd {
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked step is one tile of the mask summary");
 
-  // Whether the mask summary rules out query tile m_block of `head` for key tile n_block. Producer
-  // and consumers skip the same steps.
-  static __device__ __forceinline__ bool step_masked(const Params& p, int batch, int head, int m_block, int n_block) {
-    return kMasked && p.mask_tiles.at(batch, head, m_block, n_block) == attn::kTileMasked;
+  // The first step from `step` on that the mask summary does not rule out for key tile n_block
+  // (index `steps`: none), with its class and diagonal. Step s is query tile m_begin + s % m_count
+  // of head kv_head * group + s / m_count. The producer walks kWalkLoads summary bytes per round
+  // trip (all in flight at once), so a long masked run (the keys a causal mask hides from the
+  // first query tiles) costs a few round trips instead of one per step.
+  static constexpr int kWalkLoads = 8;
+  static __device__ TileVisit visit_from(const Params& p, int step, int steps, int m_begin) {
+    if constexpr (!kMasked) {
+      return TileVisit{step, attn::kTileVisible, 0};
+    }
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int m_count = p.m_blocks - m_begin;
+    int group_head = step / m_count, m = m_begin + step % m_count;
+    for (; group_head < p.group; ++group_head, m = m_begin) {
+      const int head = kv_head * p.group + group_head;
+      const uint8_t* column = p.mask_tiles.ptr + p.mask_tiles.index(batch, head, 0, n_block);
+      for (; m < p.m_blocks; m += kWalkLoads) {
+        uint8_t tile_class[kWalkLoads];
+#pragma unroll
+        for (int j = 0; j < kWalkLoads; ++j) {
+          tile_class[j] = m + j < p.m_blocks ? column[int64_t{m + j} * p.mask_tiles.stride_q] : uint8_t{attn::kTileMasked};
+        }
+#pragma unroll
+        for (int j = 0; j < kWalkLoads; ++j) {
+          if (tile_class[j] != attn::kTileMasked) {
+            const int diagonal =
+                tile_class[j] == attn::kTileDiagonal ? p.mask_tiles.diagonal_at(batch, head, m + j, n_block) : 0;
+            return TileVisit{group_head * m_count + m + j - m_begin, tile_class[j], diagonal};
+          }
+        }
+      }
+    }
+    return TileVisit{steps, attn::kTileMasked, 0};
   }
 
   // The query tiles key tile n_block sees: [m_begin, m_blocks) of every head of the group.
@@ -292,6 +328,10 @@ struct Bwd {
     auto cta_k = p.tma_k.get_slice(_0{});
     auto cta_v = p.tma_v.get_slice(_0{});
     auto& kv_full = smem.kv_full;
+    TileVisit visit = visit_from(p, 0, steps, m_begin);
+    if constexpr (kMasked) {
+      write_visit(smem.first_visit, visit);  // published by kv_full's arrive
+    }
     kv_full.arrive_and_expect_tx(kBytesKV);
     copy(p.tma_k.with(reinterpret_cast<uint64_t&>(kv_full), 0, TMA::CacheHintSm90::EVICT_FIRST), cta_k.partition_S(gK),
          cta_k.partition_D(sK));
@@ -306,11 +346,13 @@ struct Bwd {
     Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stage)
     PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
-    for (int step = 0; step < steps; ++step) {
+    for (int q_loads = 0; visit.position < steps; ++q_loads) {
+      const int step = visit.position;
       const int head = kv_head * p.group + step / m_count;
       const int m_block = m_begin + step % m_count;
-      if (step_masked(p, batch, head, m_block, n_block)) {
-        continue;
+      visit = visit_from(p, step + 1, steps, m_begin);
+      if constexpr (kMasked) {
+        write_visit(smem.next_visit[q_loads % kVisitSlots], visit);
       }
       const int64_t row_offset = (int64_t{batch} * p.heads + head) * p.q_pad + int64_t{m_block} * kBlockM;
       Tensor gQ = local_tile(p.tma_q.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
@@ -420,36 +462,33 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
-    // The steps the mask summary does not rule out, and the mask bits of a mixed or diagonal one
-    // (set: visible), one per accumulator element of S^T, both found one step ahead (below).
-    // Rows past q_len and keys past kv_len read nothing and keep their bit (handled below).
+    // The steps the mask summary does not rule out (the producer's walk, read from shared memory
+    // with each Q load), and the mask bits of a mixed or diagonal one (set: visible), one per
+    // accumulator element of S^T, found one step ahead (below). Rows past q_len and keys past
+    // kv_len read nothing and keep their bit (handled below).
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
-    uint8_t tile_class = attn::kTileVisible;  // of the step visit_from found (read once)
-    int diagonal = 0;                         // of that step, when tile_class is kTileDiagonal
-    auto visit_from = [&](int step) {
-      for (; step < steps && kMasked; ++step) {
-        tile_class = p.mask_tiles.at(batch, head_of(step), m_block_of(step), n_block);
-        if (tile_class == attn::kTileDiagonal) {
-          diagonal = p.mask_tiles.diagonal_at(batch, head_of(step), m_block_of(step), n_block);
-        }
-        if (tile_class != attn::kTileMasked) {
-          break;
-        }
+    int q_reads = 0;
+    // The visit after `step`, once its Q load has landed; without a mask every step is visited.
+    auto visit_after_load = [&](int step) -> TileVisit {
+      if constexpr (kMasked) {
+        return read_visit(smem.next_visit[q_reads++ % kVisitSlots]);
+      } else {
+        return TileVisit{step + 1, attn::kTileVisible, 0};
       }
-      return step;
     };
-    auto mask_bits = [&](int step) {
+    auto mask_bits = [&](const TileVisit& visit) {
       uint32_t keep = ~0u;
       if constexpr (kMasked) {
-        if (step < steps && tile_class == attn::kTileDiagonal) {
+        const int step = visit.position;
+        if (step < steps && visit.tile_class == attn::kTileDiagonal) {
           // A compare: query row (tile-relative) r sees the tile's keys c <= r + diagonal.
           keep = 0;
 #pragma unroll
           for (int i = 0; i < size(tSrS); ++i) {
-            keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + diagonal} << i;
+            keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + visit.diagonal} << i;
           }
-        } else if (step < steps && tile_class == attn::kTileMixed) {
+        } else if (step < steps && visit.tile_class == attn::kTileMixed) {
           static_assert(decltype(size(tSrS))::value <= 32);
           const int row0 = m_block_of(step) * kBlockM;
           const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
@@ -502,12 +541,17 @@ struct Bwd {
       }
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
-    int next = visit_from(0);
+    TileVisit next{0, attn::kTileVisible, 0};
+    if constexpr (kMasked) {
+      if (steps > 0) {
+        next = read_visit(smem.first_visit);  // kv_full has been waited for
+      }
+    }
     uint32_t keep = mask_bits(next);
-    // A step's class is read while the step before it multiplies; its mask bits (a mixed step's
-    // gather) at the end of the step before, once the products are done: gathering during them
-    // spilled the dK / dV accumulators at D = 128.
-    for (int step = next; step < steps; step = next, keep = mask_bits(next)) {
+    // A step's class arrives with the Q load of the step before; its mask bits (a mixed step's
+    // gather) are found at the end of the step before, once the products are done: gathering
+    // during them spilled the dK / dV accumulators at D = 128.
+    for (int step = next.position; step < steps; step = next.position, keep = mask_bits(next)) {
       const int head = head_of(step);
       const int m_block = m_block_of(step);
       const int visit = visited++;
@@ -516,10 +560,10 @@ struct Bwd {
       const int row0 = m_block * kBlockM;
 
       pipe_q.consumer_wait(read_q);
+      next = visit_after_load(step);
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-      next = kMasked ? visit_from(step + 1) : step + 1;
       warpgroup_wait<1>();  // S^T done, dP^T may still run
 
       // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the

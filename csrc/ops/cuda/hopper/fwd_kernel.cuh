@@ -124,6 +124,26 @@ __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf
   return y;
 }
 
+// A tile the walk over a mask summary visits: its position in the walk's order (outside the walk's
+// range: the walk has ended), class and, for a kTileDiagonal one, its diagonal. In both kernels the
+// producer walks and hands each visit to the consumers through shared memory with a load's
+// mbarrier (arrive: release, wait: acquire), so their loop reads no summary.
+struct TileVisit {
+  int position, tile_class, diagonal;
+};
+__device__ __forceinline__ void write_visit(TileVisit& slot, const TileVisit& v) {
+  auto& out = reinterpret_cast<volatile TileVisit&>(slot);
+  out.position = v.position;
+  out.tile_class = v.tile_class;
+  out.diagonal = v.diagonal;
+  asm volatile("" ::: "memory");  // before the mbarrier arrive that publishes it
+}
+__device__ __forceinline__ TileVisit read_visit(const TileVisit& slot) {
+  asm volatile("" ::: "memory");  // after the mbarrier wait that published it
+  const auto& in = reinterpret_cast<const volatile TileVisit&>(slot);
+  return TileVisit{in.position, in.tile_class, in.diagonal};
+}
+
 // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, TC& c) {
@@ -232,12 +252,6 @@ struct Fwd {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
 
-  // A key tile the walk over the mask summary visits: its index (-1: the walk has ended), class
-  // and, for a kTileDiagonal one, its diagonal. The producer walks (kMasked) and hands each
-  // visit to the consumers through shared memory, so their loop reads no summary.
-  struct Visit {
-    int n, tile_class, diagonal;
-  };
   // K load j carries the visit after its key tile in slot j % kVisitSlots. The producer writes the
   // slot before acquiring K's stage for load j; by then the consumers have released load
   // j - kStages - 1, and they read a load's slot before releasing its stage, so kStages + 1 slots
@@ -256,8 +270,8 @@ struct Fwd {
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
     cutlass::arch::ClusterBarrier q_empty[kQStages];
     int tile_index[kQStages];
-    Visit first_visit[kQStages];      // the tile's first visited key tile, published with its index
-    Visit next_visit[kVisitSlots];    // kMasked: per K load, the visit after it
+    TileVisit first_visit[kQStages];    // the tile's first visited key tile, published with its index
+    TileVisit next_visit[kVisitSlots];  // kMasked: per K load, the visit after it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
@@ -318,13 +332,13 @@ struct Fwd {
   }
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
-  // rule out (n = -1: none), with its class and diagonal. The walk of a tile starts from
+  // rule out (index -1: none), with its class and diagonal. The walk of a tile starts from
   // visit_after(n_blocks); only the producer walks a mask's summary.
-  static __device__ __forceinline__ Visit visit_after(const Params& p, const Tile& t, int n) {
-    Visit v{n - 1, attn::kTileVisible, 0};
+  static __device__ __forceinline__ TileVisit visit_after(const Params& p, const Tile& t, int n) {
+    TileVisit v{n - 1, attn::kTileVisible, 0};
     if constexpr (kMasked) {
-      for (; v.n >= 0; --v.n) {
-        v.tile_class = key_tile_class(p, t, v.n, v.diagonal);
+      for (; v.position >= 0; --v.position) {
+        v.tile_class = key_tile_class(p, t, v.position, v.diagonal);
         if (v.tile_class != attn::kTileMasked) {
           break;
         }
@@ -332,19 +346,6 @@ struct Fwd {
     }
     return v;
   }
-  static __device__ __forceinline__ void write_visit(Visit& slot, const Visit& v) {
-    auto& out = reinterpret_cast<volatile Visit&>(slot);
-    out.n = v.n;
-    out.tile_class = v.tile_class;
-    out.diagonal = v.diagonal;
-    asm volatile("" ::: "memory");  // before the mbarrier arrive that publishes it
-  }
-  static __device__ __forceinline__ Visit read_visit(const Visit& slot) {
-    asm volatile("" ::: "memory");  // after the mbarrier wait that published it
-    const auto& in = reinterpret_cast<const volatile Visit&>(slot);
-    return Visit{in.n, in.tile_class, in.diagonal};
-  }
-
   // ---- producer ------------------------------------------------------------------------------
 
   static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
@@ -363,14 +364,14 @@ struct Fwd {
       }
       ++q_loads;
       if (index >= p.tiles) {
-        publish_tile(smem, slot, -1, Visit{-1, attn::kTileMasked, 0});
+        publish_tile(smem, slot, -1, TileVisit{-1, attn::kTileMasked, 0});
         q_full.arrive();
         break;
       }
       const Tile t = tile_at(p, index);
-      const Visit first = visit_after(p, t, t.n_blocks);
+      const TileVisit first = visit_after(p, t, t.n_blocks);
       publish_tile(smem, slot, index, first);
-      int n = first.n;
+      int n = first.position;
       if (n < 0) {  // no key visible to any row: the consumers write the empty rows alone
         q_full.arrive();
         index = next_tile(p, index);
@@ -395,7 +396,7 @@ struct Fwd {
       Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stage)
 
       // K of key tile n, with `after`, the visit that follows it.
-      auto load_k = [&](int n, const Visit& after) {
+      auto load_k = [&](int n, const TileVisit& after) {
         if constexpr (kMasked) {
           write_visit(smem.next_visit[k_loads % kVisitSlots], after);
           ++k_loads;
@@ -416,9 +417,9 @@ struct Fwd {
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
-      Visit after = visit_after(p, t, n);
+      TileVisit after = visit_after(p, t, n);
       load_k(n, after);
-      for (int m = after.n; m >= 0; n = m, m = after.n) {
+      for (int m = after.position; m >= 0; n = m, m = after.position) {
         after = visit_after(p, t, m);
         load_k(m, after);
         load_v(n);
@@ -430,7 +431,7 @@ struct Fwd {
 
   // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
   // barrier asm has no memory clobber, so the compiler is told here.
-  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index, const Visit& first) {
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index, const TileVisit& first) {
     *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
     write_visit(smem.first_visit[slot], first);
   }
@@ -587,11 +588,11 @@ struct Fwd {
     int q_loads = 0, k_reads = 0;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
-    auto visit_after_load = [&](int n) -> Visit {
+    auto visit_after_load = [&](int n) -> TileVisit {
       if constexpr (kMasked) {
         return read_visit(smem.next_visit[k_reads++ % kVisitSlots]);
       } else {
-        return Visit{n - 1, attn::kTileVisible, 0};
+        return TileVisit{n - 1, attn::kTileVisible, 0};
       }
     };
     const int turn_barrier = 1 + wg;
@@ -621,7 +622,7 @@ struct Fwd {
       if (index < 0) {
         break;
       }
-      const Visit first = read_visit(smem.first_visit[slot]);
+      const TileVisit first = read_visit(smem.first_visit[slot]);
       auto& q_empty = smem.q_empty[slot];
       Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
           make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{}));
@@ -678,7 +679,7 @@ struct Fwd {
         }
       };
 
-      const int n = first.n;
+      const int n = first.position;
       if (n < 0) {
         q_empty.arrive();
       } else {
@@ -688,10 +689,10 @@ struct Fwd {
         const uint64_t keep = mask_bits(n, first.tile_class, first.diagonal);
         take_turn();
         pipe_k.consumer_wait(read_k);
-        Visit after = visit_after_load(n);
+        TileVisit after = visit_after_load(n);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn();
-        int m = after.n;
+        int m = after.position;
         uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         warpgroup_wait<0>();
         pipe_k.consumer_release(read_k);
@@ -711,7 +712,7 @@ struct Fwd {
           pipe_v.consumer_wait(read_v);
           wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
           pass_turn();
-          const int next = after.n;
+          const int next = after.position;
           const uint64_t keep_next = next >= 0 ? mask_bits(next, after.tile_class, after.diagonal) : ~uint64_t{0};
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
