@@ -419,6 +419,11 @@ def test_bool_masks_sm90(name, head_dim, dtype):
     _check_against_reference(
         q, k, v, attn_mask=mask, enable_gqa=True, is_causal=True, q_offset=kv_len - q_len
     )
+    _assert_sm90_took_mask(q, k, v, mask)
+
+
+def _assert_sm90_took_mask(q, k, v, mask):
+    """On an sm_90 device with the sm_90a kernels built, the bool mask ran through them."""
     hopper_build = torch.cuda.get_device_capability() == (9, 0) and any(
         "hopper::detail::fwd_kernel" in n
         for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
@@ -429,6 +434,32 @@ def test_bool_masks_sm90(name, head_dim, dtype):
         bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
         assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"a bool mask must take sm_90a: {fwd}"
         assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["causal_left_padding", "packed_documents"])
+def test_bool_mask_long_walks_sm90(kind, head_dim):
+    """Long runs of fully masked tiles before and between the visited ones, so that the sm_90a
+    kernels' producers walk the mask summary over many tiles (the backward's walk reads several
+    tiles per round trip and crosses from one query head of a GQA group to the next): 17 key
+    tiles, 33 query tiles of the backward, left padding up to 1300 of 2100 keys, and packed
+    documents whose masked tiles lie between visible ones."""
+    batch, heads, length = 3, 4, 2100
+    q, k, v = _qkv(batch, heads, 2, length, length, head_dim, torch.bfloat16, DEVICE, seed=7)
+    positions = torch.arange(length)
+    causal = positions[None, :] <= positions[:, None]
+    if kind == "causal_left_padding":
+        keep_keys = positions[None, :] >= torch.tensor([0, 1300, 700])[:, None]
+        mask = causal & keep_keys[:, None, :]
+    else:
+        # Document ids change at different places per batch row; a key is seen only by the
+        # queries of its own document at or after it.
+        starts = [[0, 300, 1400], [0, 900, 1000, 2000], [0, 129, 1700]]
+        ids = torch.stack([(positions[:, None] >= torch.tensor(row)[None, :]).sum(1) for row in starts])
+        mask = causal & (ids[:, :, None] == ids[:, None, :])
+    mask = mask[:, None].to(DEVICE)
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
+    _assert_sm90_took_mask(q, k, v, mask)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -9,7 +9,7 @@
 //   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
 //      memory and walks every query head of its GQA group and every query tile that can see the
 //      tile (the causal rule skips the tiles above the diagonal). Each of 8 warps owns 16 keys
-//      (DkvTraits), and computes the transposed tiles (keys along rows, queries along
+//      (DkvConfig), and computes the transposed tiles (keys along rows, queries along
 //      columns):
 //        S^T = K Q^T     P^T = exp(score(S^T) - lse)     dP^T = V dO^T
 //        dS^T = P^T * (dP^T - Delta)     dS'^T = dS^T * d score / d(q.k)
@@ -24,7 +24,7 @@
 //      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
 //        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its warps
 //        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries and a share
-//        of the head dim, DkvTraits::kDqCols), added into a zeroed [B, Hq, Q, D] float32 buffer
+//        of the head dim, DkvConfig::kDqCols), added into a zeroed [B, Hq, Q, D] float32 buffer
 //        with red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
 //        head adds into the same rows, in no fixed order: not bit-reproducible. Used unless
 //        deterministic algorithms are on (torch.use_deterministic_algorithms) or a mask
@@ -94,11 +94,11 @@ struct BwdParams {
 // smaller for large head dims so that the dQ accumulator (head_dim floats per thread) plus the
 // two score tiles stay in registers.
 template <int kHeadDim>
-struct BwdTraits {
+struct DqConfig {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStride = kHeadDim + 8;  // smem row, elements (16-byte padding)
+  static constexpr int kStride = padded_row(kHeadDim);
   // kDqQueries queries per CTA, kDqKeys keys per step.
   static constexpr int kDqQueries = 16 * kWarps;
   static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
@@ -111,11 +111,11 @@ struct BwdTraits {
 // tiles. Measured against the 4-warp, 64-key shape it replaced (H100, B=4 H=16 S=4096 bf16 causal,
 // fwd+bwd): 163 vs 148 TFLOP/s at D=128, 108 vs 104 at D=64, 185 vs 164 with causal + padding.
 template <int kHeadDim>
-struct DkvTraits {
+struct DkvConfig {
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kStride = padded_row(kHeadDim);
   static constexpr int kKeys = 16 * kWarps;
   static constexpr int kQueries = 64;
   // The step's queries are scored kSubQueries at a time: at D > 64 a 64-query score tile pair
@@ -124,7 +124,7 @@ struct DkvTraits {
   // Atomic dQ: dS'^T of a step in smem, [kKeys][kDsStride]; warp w computes dQ of the step's
   // queries [16 * (w / kDqWarpsPerRows), +16) and head-dim columns [kDqCols * (w %
   // kDqWarpsPerRows), +kDqCols), so every warp does the same work.
-  static constexpr int kDsStride = kQueries + 8;
+  static constexpr int kDsStride = padded_row(kQueries);
   static constexpr int kDqWarpsPerRows = kWarps / (kQueries / 16);
   static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
   static_assert(kDqWarpsPerRows * (kQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
@@ -143,7 +143,7 @@ struct BwdTileSizes {
 inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
   return with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    sizes = {DkvTraits<D>::kQueries, DkvTraits<D>::kKeys, BwdTraits<D>::kDqQueries, BwdTraits<D>::kDqKeys};
+    sizes = {DkvConfig<D>::kQueries, DkvConfig<D>::kKeys, DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys};
   });
 }
 
@@ -165,19 +165,11 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
 
 namespace bwd_detail {
 
-// Copies rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements)
-// into smem (row stride kStride), 16 bytes per cp.async; rows at or past `len` become zeros.
+// Rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements) into
+// shared memory; rows at or past `len` become zeros.
 template <typename T, int kHeadDim, int kRows, int kThreads>
-__device__ __forceinline__ void load_tile(T* smem, const T* base, int64_t stride_s, int64_t row0, int64_t len) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kStride = kHeadDim + 8;
-  for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
-    const int r = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const bool valid = row0 + r < len;
-    const T* src = valid ? base + (row0 + r) * stride_s + col : base;
-    cp_async_16(smem + r * kStride + col, src, valid);
-  }
+__device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride_s, int64_t row0, int64_t len) {
+  load_tile<T, kRows, kHeadDim, kThreads, 1>(smem, base + row0 * stride_s, stride_s, len - row0, threadIdx.x);
 }
 
 // The exponent of p = 2^x for (query i, key j) from the raw dot product and the row's shift and lo
@@ -212,12 +204,12 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
 // The backward's two score-shaped products at once, one warp's 16 rows: acc1 += A1 B1^T and
 // acc2 += A2 B2^T (S and dP: A1, A2 = K, V and B1, B2 = Q, dO in the dK/dV kernel, transposed in
 // the dQ kernel), over the head dim. A rows a_row.. of shared tiles, B kCols rows; row stride
-// kHeadDim + 8 (load_tile's); accumulators [kCols / 8][4] in the m16n8 layout.
+// padded_row(kHeadDim) (load_tile's); accumulators [kCols / 8][4] in the m16n8 layout.
 template <typename T, int kHeadDim, int kCols>
 __device__ __forceinline__ void paired_score_products(float (&acc1)[kCols / 8][4], float (&acc2)[kCols / 8][4],
                                                       const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
                                                       int lane) {
-  constexpr int kStride = kHeadDim + 8;
+  constexpr int kStride = padded_row(kHeadDim);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     uint32_t fa1[4], fa2[4];
@@ -260,7 +252,7 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
                                             int64_t i0, int warp, int lane) {
-  using Tr = DkvTraits<kHeadDim>;
+  using Tr = DkvConfig<kHeadDim>;
   constexpr int kNTiles = Tr::kDqCols / 8;
   const int row0 = 16 * (warp / Tr::kDqWarpsPerRows);           // this warp's queries within the step
   const int col0 = Tr::kDqCols * (warp % Tr::kDqWarpsPerRows);  // and head-dim columns
@@ -316,8 +308,8 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
 
 // kAtomicDq: also dQ of every step, added into p.dq_accum (the atomic mode, see the top).
 template <typename T, int kHeadDim, bool kAtomicDq>
-__global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
-  using Tr = DkvTraits<kHeadDim>;
+__global__ void __launch_bounds__(DkvConfig<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
+  using Tr = DkvConfig<kHeadDim>;
   constexpr int kStride = Tr::kStride;
   constexpr int kKeys = Tr::kKeys;
   constexpr int kQueries = Tr::kQueries;
@@ -345,8 +337,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
 
   const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
   const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
-  load_tile<T, kHeadDim, kKeys, Tr::kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
-  load_tile<T, kHeadDim, kKeys, Tr::kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
+  load_rows<T, kHeadDim, kKeys, Tr::kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
+  load_rows<T, kHeadDim, kKeys, Tr::kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
   cp_async_commit();
 
   // Queries before first_query(j0) see no key of this tile (j0 is its smallest key).
@@ -371,8 +363,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
     const int64_t i0 = step_q_tile(step) * kQueries;
     const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
     const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
-    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
-    load_tile<T, kHeadDim, kQueries, Tr::kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
+    load_rows<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
+    load_rows<T, kHeadDim, kQueries, Tr::kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
                                                    p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
     for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
@@ -515,8 +507,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads) attention_bwd_d
 // ---- dQ (and the mask gradient) --------------------------------------------------------------
 
 template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_dq_kernel(const BwdParams p) {
-  using Tr = BwdTraits<kHeadDim>;
+__global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq_kernel(const BwdParams p) {
+  using Tr = DqConfig<kHeadDim>;
   constexpr int kStride = Tr::kStride;
   constexpr int kQueries = Tr::kDqQueries;
   constexpr int kKeys = Tr::kDqKeys;
@@ -544,8 +536,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
   const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
   const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
-  load_tile<T, kHeadDim, kQueries, Tr::kThreads>(q_s, q_base, p.q_stride_s, i0, p.q_len);
-  load_tile<T, kHeadDim, kQueries, Tr::kThreads>(do_s, do_base, p.do_stride_s, i0, p.q_len);
+  load_rows<T, kHeadDim, kQueries, Tr::kThreads>(q_s, q_base, p.q_stride_s, i0, p.q_len);
+  load_rows<T, kHeadDim, kQueries, Tr::kThreads>(do_s, do_base, p.do_stride_s, i0, p.q_len);
   cp_async_commit();
 
   const int query_row = warp * 16;  // this warp's queries within the tile
@@ -566,9 +558,9 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
   const int64_t steps = (kv_end + kKeys - 1) / kKeys;
 
   auto prefetch = [&](int64_t step, int buf) {
-    load_tile<T, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s, step * kKeys,
+    load_rows<T, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s, step * kKeys,
                                                 p.kv_len);
-    load_tile<T, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s, step * kKeys,
+    load_rows<T, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s, step * kKeys,
                                                 p.kv_len);
   };
 
@@ -712,7 +704,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads) attention_bwd_d
 // (the caller then skips the dQ kernel).
 template <typename T, int kHeadDim>
 void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
-  using Tr = DkvTraits<kHeadDim>;
+  using Tr = DkvConfig<kHeadDim>;
   const bool atomic_dq = params.dq_accum != nullptr;
   auto* kernel =
       atomic_dq ? &attention_bwd_dkdv_kernel<T, kHeadDim, true> : &attention_bwd_dkdv_kernel<T, kHeadDim, false>;
@@ -732,7 +724,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
     bwd_detail::launch_dkdv<T, kHeadDim>(params, launch.batch, stream);
   }
   if (launch.run_dq) {
-    using Tr = BwdTraits<kHeadDim>;
+    using Tr = DqConfig<kHeadDim>;
     auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim>;
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));

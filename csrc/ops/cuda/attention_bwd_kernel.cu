@@ -167,9 +167,18 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// The rows pre-pass over [B, Hq, pitch] rows (RowsArgs).
+// The rows pre-pass over [B, Hq, pitch] rows of args' grad_out, out, lse, lse_lo and grad_lse;
+// `a` holds the outputs and the pitch. Returns lse as contiguous float32.
 template <typename T>
-void launch_rows(RowsArgs a, const at::Tensor& grad_out, const at::Tensor& out, cudaStream_t stream) {
+at::Tensor launch_rows(const AttentionBwdArgs& args, RowsArgs a, cudaStream_t stream) {
+  const at::Tensor &grad_out = args.grad_out, &out = args.out;
+  const at::Tensor lse = args.lse.to(at::kFloat).contiguous();
+  const at::Tensor lse_lo = args.lse_lo.to(at::kFloat).contiguous();
+  const at::Tensor grad_lse = args.grad_lse.defined() ? args.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
+  a.lse = lse.const_data_ptr<float>();
+  a.lse_lo = lse_lo.const_data_ptr<float>();
+  a.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
+  a.hq = out.size(1), a.q_len = out.size(2), a.rows = out.size(0) * a.hq * a.pitch;
   a.grad_out = grad_out.const_data_ptr();
   a.go_sb = grad_out.stride(0), a.go_sh = grad_out.stride(1), a.go_ss = grad_out.stride(2);
   a.go_sd = grad_out.stride(3);
@@ -181,6 +190,7 @@ void launch_rows(RowsArgs a, const at::Tensor& grad_out, const at::Tensor& out, 
   attention_bwd_rows_kernel<T>
       <<<static_cast<unsigned>((a.rows + per_block - 1) / per_block), kRowsThreads, 0, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return lse;
 }
 
 template <typename T>
@@ -239,9 +249,6 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
   TORCH_INTERNAL_ASSERT(!attn::natural_units(a.mask), "attention backward (CUDA): the sm90 kernels take no float mask");
-  const at::Tensor lse = a.lse.to(at::kFloat).contiguous();
-  const at::Tensor lse_lo = a.lse_lo.to(at::kFloat).contiguous();
-  const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
   const int64_t pitch = attention_bwd_sm90_row_pitch(q_len);
   Sm90BwdRows rows;
   rows.delta = at::empty({batch, hq, pitch}, f32);
@@ -252,16 +259,13 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
     rows.grad_out_dirty = at::zeros({1}, a.query.options().dtype(at::kInt));
   }
   RowsArgs r;
-  r.lse = lse.const_data_ptr<float>();
-  r.lse_lo = lse_lo.const_data_ptr<float>();
-  r.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
   r.delta = rows.delta.data_ptr<float>();
   r.row_shift = rows.row_shift.data_ptr<float>();
   r.dq_zero = rows.dq_accum.data_ptr<float>();
   r.dq_cols = head_dim;
   r.grad_out_dirty = rows.grad_out_dirty.defined() ? rows.grad_out_dirty.data_ptr<int>() : nullptr;
-  r.hq = hq, r.q_len = q_len, r.pitch = pitch, r.rows = batch * hq * pitch;
-  launch_rows<T>(r, a.grad_out, a.out, stream);
+  r.pitch = pitch;
+  const at::Tensor lse = launch_rows<T>(a, r, stream);
   if (rows.grad_out_dirty.defined()) {
     const at::Tensor& go = a.grad_out;
     rows.grad_out_clean = at::empty(go.sizes(), go.options());
@@ -297,22 +301,16 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
 
   // The rows pre-pass: Delta and each row's shift and lo, [B, Hq, Q] float32.
   const bool natural = attn::natural_units(a.mask);
-  const at::Tensor lse = a.lse.to(at::kFloat).contiguous();
-  const at::Tensor lse_lo = a.lse_lo.to(at::kFloat).contiguous();
-  const at::Tensor grad_lse = a.grad_lse.defined() ? a.grad_lse.to(at::kFloat).contiguous() : at::Tensor();
   const at::Tensor delta = at::empty({batch, hq, q_len}, f32);
   const at::Tensor row_shift = at::empty({batch, hq, q_len}, f32);
   const at::Tensor row_lo = natural ? at::empty({batch, hq, q_len}, f32) : at::Tensor();
   RowsArgs r;
-  r.lse = lse.const_data_ptr<float>();
-  r.lse_lo = lse_lo.const_data_ptr<float>();
-  r.grad_lse = grad_lse.defined() ? grad_lse.const_data_ptr<float>() : nullptr;
   r.natural = natural;
   r.delta = delta.data_ptr<float>();
   r.row_shift = row_shift.data_ptr<float>();
   r.row_lo = natural ? row_lo.data_ptr<float>() : nullptr;
-  r.hq = hq, r.q_len = q_len, r.pitch = q_len, r.rows = batch * hq * q_len;
-  launch_rows<T>(r, a.grad_out, a.out, stream);
+  r.pitch = q_len;
+  launch_rows<T>(a, r, stream);
   const bool atomic_dq = use_atomic_dq(a);
 
   BwdParams p{};

@@ -73,6 +73,35 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// The mma.sync kernels' shared-memory row of `elements` 16-bit values, padded by 16 bytes so that
+// ldmatrix's eight row addresses fall in different banks.
+constexpr int padded_row(int elements) {
+  return elements + 8;
+}
+
+// A kRows x kHeadDim tile from global memory (rows `row_stride` elements apart) to shared memory
+// (rows padded_row(kHeadDim) apart), one cp.async of 16 bytes per
+// chunk; rows at or past valid_rows are zero-filled (their source is not read). kUnroll rounds
+// of kThreads chunks are unrolled (default: all of them; the register-bound backward takes 1).
+template <typename T, int kRows, int kHeadDim, int kThreads,
+          int kUnroll = (kRows * kHeadDim / 8 + kThreads - 1) / kThreads>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kStride = padded_row(kHeadDim);
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll kUnroll
+  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
+      break;
+    }
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < valid_rows;
+    const T* from = valid ? src + r * row_stride + ch * 8 : src;
+    cp_async_16(dst + r * kStride + ch * 8, from, valid);
+  }
+}
+
 // 2^x on the special-function unit (ex2.approx.ftz: 2 ulp, -inf -> 0, NaN -> NaN); results below
 // 2^-126 flush to 0, which a probability can afford. exp2f without --use_fast_math adds
 // subnormal handling around the same instruction, in the hottest loops.

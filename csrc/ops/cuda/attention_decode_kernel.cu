@@ -78,11 +78,11 @@ constexpr size_t decode_smem_bytes() {
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
   using namespace attn;              // mma, ldmatrix, cp.async, fast_exp2
-  using namespace attn::fwd_detail;  // load_tile, mma_pair
-  constexpr int kStride = kD + 8;    // padded shared-memory row, elements
-  constexpr int kChunks = kD / 8;    // 16-byte chunks per row
-  constexpr int kKSteps = kD / 16;   // k16 steps of Q K^T
-  constexpr int kDTiles = kD / 8;    // n8 tiles of an output row
+  using namespace attn::fwd_detail;  // mma_pair
+  constexpr int kStride = padded_row(kD);
+  constexpr int kChunks = kD / 8;   // 16-byte chunks per row
+  constexpr int kKSteps = kD / 16;  // k16 steps of Q K^T
+  constexpr int kDTiles = kD / 8;   // n8 tiles of an output row
   static_assert(kD % 16 == 0, "decode: head dim");
   // The warps' merge reuses the K/V buffers: m and l per (warp, row), then O per (warp, row).
   static_assert((2 + kD) * kWarps * kMaxRows * sizeof(float) <= 4 * kTileKeys * kStride * sizeof(T),

@@ -118,26 +118,6 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
 
 namespace fwd_detail {
 
-// kRows x D tile from global (rows `row_stride` apart) to shared (rows kStride apart), 16 bytes
-// per cp.async; rows at or past valid_rows are zero-filled (their source is not read).
-template <typename T, int kRows, int kHeadDim, int kThreads>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
-  constexpr int kStride = kHeadDim + 8;
-  constexpr int kTotal = kRows * kChunks;
-#pragma unroll
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + tid;
-    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
-      break;
-    }
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < valid_rows;
-    const T* from = valid ? src + r * row_stride + ch * 8 : src;
-    cp_async_16(dst + r * kStride + ch * 8, from, valid);
-  }
-}
-
 template <typename T>
 __device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
                                          const uint32_t (&b)[4]) {
@@ -160,11 +140,11 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   constexpr bool kQInRegs = Cfg::kQInRegs;
   constexpr int kThreads = kWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row MMA tiles per warp
-  constexpr int kStride = D + 8;                    // padded shared-memory row, elements
-  constexpr int kChunks = D / 8;                    // 16-byte chunks per row
-  constexpr int kNTiles = kBlockN / 8;              // n8 tiles of a score row
-  constexpr int kDTiles = D / 8;                    // n8 tiles of an output row
-  constexpr int kKSteps = D / 16;                   // k16 steps of Q K^T
+  constexpr int kStride = padded_row(D);
+  constexpr int kChunks = D / 8;        // 16-byte chunks per row
+  constexpr int kNTiles = kBlockN / 8;  // n8 tiles of a score row
+  constexpr int kDTiles = D / 8;        // n8 tiles of an output row
+  constexpr int kKSteps = D / 16;       // k16 steps of Q K^T
   static_assert(D % 16 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kWarps) == 0, "bad tile shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];

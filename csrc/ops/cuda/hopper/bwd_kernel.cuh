@@ -286,7 +286,8 @@ struct Bwd {
         uint8_t tile_class[kWalkLoads];
 #pragma unroll
         for (int j = 0; j < kWalkLoads; ++j) {
-          tile_class[j] = m + j < p.m_blocks ? column[int64_t{m + j} * p.mask_tiles.stride_q] : uint8_t{attn::kTileMasked};
+          tile_class[j] =
+              m + j < p.m_blocks ? column[int64_t{m + j} * p.mask_tiles.stride_q] : uint8_t{attn::kTileMasked};
         }
 #pragma unroll
         for (int j = 0; j < kWalkLoads; ++j) {

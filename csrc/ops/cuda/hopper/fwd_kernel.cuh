@@ -431,7 +431,8 @@ struct Fwd {
 
   // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
   // barrier asm has no memory clobber, so the compiler is told here.
-  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index, const TileVisit& first) {
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index,
+                                                      const TileVisit& first) {
     *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
     write_visit(smem.first_visit[slot], first);
   }
