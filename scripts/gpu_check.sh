@@ -14,8 +14,9 @@
 #   suite     the whole suite in one pytest process (-n PYTEST_WORKERS): the summary line to quote
 #   pick      the files in PICK (one pytest process, -k PICK_K when set)
 #   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
-#   sanitize  compute-sanitizer memcheck over a reduced CUDA selection of every op (SANITIZE_FILES
-#             and SANITIZE_K override the files and the -k expression)
+#   sanitize  compute-sanitizer (SANITIZE_TOOL, default memcheck) over a reduced CUDA selection of
+#             every op, safeattn's kernels only (SANITIZE_FILES and SANITIZE_K override the files
+#             and the -k expression)
 #   bench     `python -m safeattn bench NAME --device cuda --markdown` for each NAME in BENCH
 #             (default: sdpa_mask softmax attention), BENCH_ARGS added (e.g. --quick); the README
 #             tables end each bench_NAME.txt
@@ -86,14 +87,17 @@ stage_cuda() {
 
 stage_sanitize() {
   # Small CUDA cases of every op (no compile, opcheck or 2^31-element cases: too slow under the
-  # tool). -n 1: the tool serialises kernels anyway.
-  timeout -k 10 "$TIMEOUT" compute-sanitizer --tool memcheck --error-exitcode 3 --print-limit 20 \
+  # tool). -n 1: the tool serialises kernels anyway. SANITIZE_TOOL: memcheck (default) or
+  # racecheck, synccheck, initcheck; only kernels whose names contain SANITIZE_KERNELS (default
+  # safeattn) are instrumented, so the reference's cuBLAS calls run at full speed.
+  timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "${SANITIZE_TOOL:-memcheck}" \
+    --kernel-name "kns=${SANITIZE_KERNELS:-safeattn}" --error-exitcode 3 --print-limit 20 \
     python -m pytest -q -p no:cacheprovider -x \
     ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py} \
     -k "${SANITIZE_K:-cuda and not compile and not opcheck and not pow_31}" \
     >"$OUT/sanitize.log" 2>&1
   local rc=$?
-  say "sanitize (rc $rc): $(grep -E 'ERROR SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed|skipped).* in [0-9.]+s' "$OUT/sanitize.log" | tail -1)"
+  say "sanitize ${SANITIZE_TOOL:-memcheck} (rc $rc): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/sanitize.log" | tail -1); $(grep -E '[0-9]+ (passed|failed|skipped).* in [0-9.]+s' "$OUT/sanitize.log" | tail -1)"
 }
 
 run_bench() {
