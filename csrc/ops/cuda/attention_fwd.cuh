@@ -67,38 +67,13 @@ struct FwdParams {
 // (kMTiles = 2) load each K/V fragment once for two MMAs, which halves shared-memory traffic;
 // it fits only for small head dims.
 template <int kHeadDim>
-struct FwdConfig;
-template <>
-struct FwdConfig<32> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
-  static constexpr bool kQInRegs = true;
-};
-template <>
-struct FwdConfig<64> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 4;
-  static constexpr bool kQInRegs = true;
-};
-template <>
-struct FwdConfig<80> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 8;
-  static constexpr bool kQInRegs = true;
-};
-template <>
-struct FwdConfig<96> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 8;
-  static constexpr bool kQInRegs = true;
-};
-template <>
-struct FwdConfig<128> {
-  static constexpr int kBlockM = 128, kBlockN = 64, kWarps = 8;
-  static constexpr bool kQInRegs = true;
-};
-template <>
-struct FwdConfig<256> {
-  // O alone takes 128 registers: Q is re-read from shared memory, and 32-key tiles keep S small
-  // (64-key tiles spilled); 135 KB of shared memory.
-  static constexpr int kBlockM = 128, kBlockN = 32, kWarps = 8;
-  static constexpr bool kQInRegs = false;
+struct FwdConfig {
+  static constexpr int kBlockM = 128;
+  // D = 256: O alone takes 128 registers, so Q is re-read from shared memory and 32-key tiles keep
+  // S small (64-key tiles spilled); 135 KB of shared memory.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
+  static constexpr int kWarps = kHeadDim <= 64 ? 4 : 8;
+  static constexpr bool kQInRegs = kHeadDim <= 128;
 };
 
 // Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
