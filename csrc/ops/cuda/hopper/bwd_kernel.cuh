@@ -31,7 +31,7 @@
 //             converts dq_accum to grad_q.
 //
 // Mask: a bool attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
-// proves fully masked: the producer walks it and hands each visited step (index, class, diagonal)
+// proves fully masked: the producer walks it and hands each visited step (position, class, diagonal)
 // to the consumers with the Q load before it (the first with K and V); diagonal steps are a
 // compare, mixed ones read the mask per element.
 //
@@ -267,7 +267,7 @@ struct Bwd {
                 "a masked step is one tile of the mask summary");
 
   // The first step from `step` on that the mask summary does not rule out for key tile n_block
-  // (index `steps`: none), with its class and diagonal. Step s is query tile m_begin + s % m_count
+  // (position `steps`: none), with its class and diagonal. Step s is query tile m_begin + s % m_count
   // of head kv_head * group + s / m_count. The producer walks kWalkLoads summary bytes per round
   // trip (all in flight at once), so a long masked run (the keys a causal mask hides from the
   // first query tiles) costs a few round trips instead of one per step.

@@ -23,7 +23,7 @@
 //             warpgroups also take turns issuing (named barriers), so one's softmax overlaps the
 //             other's products.
 //   mask      (the kMasked variant) a bool mask's tile summary: the producer walks it, skipping
-//             fully masked key tiles, and hands each visited tile (index, class, diagonal) to the
+//             fully masked key tiles, and hands each visited tile (position, class, diagonal) to the
 //             consumers through shared memory with its K load; fully visible tiles read no mask,
 //             diagonal ones are a compare, mixed ones gather their mask bits one tile ahead.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
@@ -332,7 +332,7 @@ struct Fwd {
   }
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
-  // rule out (index -1: none), with its class and diagonal. The walk of a tile starts from
+  // rule out (position -1: none), with its class and diagonal. The walk of a tile starts from
   // visit_after(n_blocks); only the producer walks a mask's summary.
   static __device__ __forceinline__ TileVisit visit_after(const Params& p, const Tile& t, int n) {
     TileVisit v{n - 1, attn::kTileVisible, 0};
@@ -346,6 +346,7 @@ struct Fwd {
     }
     return v;
   }
+
   // ---- producer ------------------------------------------------------------------------------
 
   static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
