@@ -80,9 +80,9 @@ constexpr int padded_row(int elements) {
 }
 
 // A kRows x kHeadDim tile from global memory (rows `row_stride` elements apart) to shared memory
-// (rows padded_row(kHeadDim) apart), one cp.async of 16 bytes per
-// chunk; rows at or past valid_rows are zero-filled (their source is not read). kUnroll rounds
-// of kThreads chunks are unrolled (default: all of them; the register-bound backward takes 1).
+// (rows padded_row(kHeadDim) apart), one 16-byte cp.async per chunk; rows at or past valid_rows
+// are zero-filled (their source is not read). kUnroll rounds of kThreads chunks are unrolled
+// (default: all of them; the register-bound backward takes 1).
 template <typename T, int kRows, int kHeadDim, int kThreads,
           int kUnroll = (kRows * kHeadDim / 8 + kThreads - 1) / kThreads>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
