@@ -88,10 +88,15 @@ stage_cuda() {
 stage_sanitize() {
   # Small CUDA cases of every op (no compile, opcheck or 2^31-element cases: too slow under the
   # tool). -n 1: the tool serialises kernels anyway. SANITIZE_TOOL: memcheck (default) or
-  # racecheck, synccheck, initcheck; only kernels whose names contain SANITIZE_KERNELS (default
-  # safeattn) are instrumented, so the reference's cuBLAS calls run at full speed.
+  # racecheck, synccheck, initcheck. memcheck instruments only the kernels whose names contain
+  # SANITIZE_KERNELS (default safeattn), so the reference's cuBLAS calls run at full speed;
+  # racecheck instruments every kernel: with a kernel filter it stops at the first launch with
+  # "Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception" (H200, CUDA
+  # 13 driver, 2026-11-26, whatever kernel the filter names), so give it few tests and time.
+  local filter=()
+  [ "${SANITIZE_TOOL:-memcheck}" = racecheck ] || filter=(--kernel-name "kns=${SANITIZE_KERNELS:-safeattn}")
   timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "${SANITIZE_TOOL:-memcheck}" \
-    --kernel-name "kns=${SANITIZE_KERNELS:-safeattn}" --error-exitcode 3 --print-limit 20 \
+    "${filter[@]}" --error-exitcode 3 --print-limit 20 \
     python -m pytest -q -p no:cacheprovider -x \
     ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py} \
     -k "${SANITIZE_K:-cuda and not compile and not opcheck and not pow_31}" \
