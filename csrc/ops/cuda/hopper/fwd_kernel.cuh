@@ -144,6 +144,53 @@ __device__ __forceinline__ TileVisit read_visit(const TileVisit& slot) {
   return TileVisit{in.position, in.tile_class, in.diagonal};
 }
 
+// Per-tile timestamps of the standalone check's --trace build (-DSAFEATTN_FWD_TRACE; compiled out
+// otherwise): consumer thread 0 of warpgroup 0 writes, for each of its CTA's first kFwdTraceTiles
+// tiles, the record [tile index, key tiles visited, clock64 when the tile is known, when its
+// first S is ready, when its last P V is done, when its output is written, %globaltimer (ns)
+// when it is known, SM id].
+struct TileTrace {
+#ifdef SAFEATTN_FWD_TRACE
+  unsigned long long* record = nullptr;
+  int tiles = 0, visits = 0;
+  __device__ void begin(unsigned long long* trace, bool writer, int index) {
+    record = trace != nullptr && writer && tiles < kFwdTraceTiles
+                 ? trace + (static_cast<size_t>(blockIdx.x) * kFwdTraceTiles + tiles) * kFwdTraceFields
+                 : nullptr;
+    ++tiles;
+    visits = 0;
+    if (record != nullptr) {
+      unsigned long long now, sm;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(reinterpret_cast<unsigned&>(sm)));
+      record[0] = static_cast<unsigned long long>(index);
+      record[2] = clock64();
+      record[6] = now;
+      record[7] = sm & 0xffffffffu;
+    }
+  }
+  __device__ void visit() {
+    ++visits;
+  }
+  __device__ void stamp(int field) {
+    if (record != nullptr) {
+      record[field] = clock64();
+    }
+  }
+  __device__ void end() {
+    if (record != nullptr) {
+      record[5] = clock64();
+      record[1] = static_cast<unsigned long long>(visits);
+    }
+  }
+#else
+  __device__ void begin(unsigned long long*, bool, int) {}
+  __device__ void visit() {}
+  __device__ void stamp(int) {}
+  __device__ void end() {}
+#endif
+};
+
 // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void wgmma_batch(Mma& mma, TA const& a, TB const& b, TC& c) {
@@ -292,6 +339,7 @@ struct Fwd {
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
+    unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
   };
   static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked tile is one of the mask summary's tiles");
@@ -588,6 +636,7 @@ struct Fwd {
 
     PipelineState read_k, read_v;
     int q_loads = 0, k_reads = 0;
+    TileTrace trace;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
     auto visit_after_load = [&](int n) -> TileVisit {
@@ -624,6 +673,7 @@ struct Fwd {
       if (index < 0) {
         break;
       }
+      trace.begin(p.trace, mma_thread == 0, index);
       const TileVisit first = read_visit(smem.first_visit[slot]);
       auto& q_empty = smem.q_empty[slot];
       Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
@@ -697,6 +747,8 @@ struct Fwd {
         int m = after.position;
         uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         warpgroup_wait<0>();
+        trace.stamp(3);
+        trace.visit();
         pipe_k.consumer_release(read_k);
         ++read_k;
         if (m < 0) {
@@ -731,16 +783,19 @@ struct Fwd {
           convert_p(tSrS, tOrP);
           m = next;
           keep_m = keep_next;
+          trace.visit();
         }
         take_turn();
         pipe_v.consumer_wait(read_v);
         wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pass_turn();
         warpgroup_wait<0>();
+        trace.stamp(4);
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
       store_tile(p, t, tOrO, row_max, row_sum, row0, lane);
+      trace.end();
     }
   }
 
@@ -885,6 +940,7 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
   p.tile_counter = a.tile_counter;
+  p.trace = a.trace;
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);

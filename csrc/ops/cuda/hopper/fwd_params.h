@@ -47,7 +47,13 @@ struct FwdParams {
   // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
   // CTAs take tiles dynamically, which keeps unequal (causal) tiles balanced.
   int* tile_counter = nullptr;
+  // Read only by a kernel built with -DSAFEATTN_FWD_TRACE (the standalone check's --trace): per
+  // CTA, kFwdTraceTiles records of kFwdTraceFields timestamps (fwd_kernel.cuh, TileTrace).
+  unsigned long long* trace = nullptr;
 };
+
+constexpr int kFwdTraceTiles = 64;
+constexpr int kFwdTraceFields = 8;
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
 // fwd_kernel.cuh, instantiated once per generated file attention_fwd_sm90_d<D>_<dtype>.cu.

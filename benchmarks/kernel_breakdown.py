@@ -1,0 +1,65 @@
+"""Where one forward + backward's GPU time goes, kernel by kernel (torch.profiler, us per call,
+mean of 5): SDPA cuDNN is_causal, safeattn is_causal and safeattn with the bench's causal + padding
+dense mask ([B, 1, S, S] bool, row b left-padded by b S/8), B=4 H=16 S=4096 bf16, D 128 and 64.
+The benchmarks' TFLOP/s include the host and every small kernel; this names them. On the GPU
+host, after a build: `python benchmarks/kernel_breakdown.py`."""
+
+import collections
+import sys
+
+import safeattn
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+B, H, S, CALLS = 4, 16, 4096, 5
+
+
+def cudnn(q, k, v):
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def kernel_times(fn, head_dim):
+    """Kernel name -> us per forward + backward call."""
+    q, k, v = (
+        torch.randn(B, H, S, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    grad = torch.randn(B, H, S, head_dim, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        fn(q, k, v).backward(grad)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn(q, k, v).backward(grad)
+        torch.cuda.synchronize()
+    times = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] += event.device_time / CALLS
+    return times
+
+
+def main():
+    pad = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    for b in range(B):
+        pad[b, : b * S // 8] = False
+    dense = torch.ones(S, S, dtype=torch.bool, device="cuda").tril()[None, None] & pad[:, None, None, :]
+    cases = {
+        "cudnn causal": cudnn,
+        "ours causal": lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0],
+        "ours mask": lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
+    }
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for head_dim in (128, 64):
+        for name, fn in cases.items():
+            times = kernel_times(fn, head_dim)
+            print(f"== D={head_dim} {name}: total {sum(times.values()):.0f} us")
+            for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:7]:
+                print(f"   {t:8.1f}  {kernel[:110]}")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
