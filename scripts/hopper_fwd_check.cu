@@ -436,6 +436,10 @@ int main(int argc, char** argv) {
   failed += check_variant<__half, FwdConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
   VARIANT(bf16, 64, 128, 5, 3, true);
   VARIANT(bf16, 64, 192, 3, 2, true);
+  // A share of the softmax's exponentials on the FMA pipes (exp2_poly): every 4th / 2nd column group.
+  failed += check_variant<bf16, FwdConfig<64, 128, 4, 3, true, 2, 4>>("bf16 d64 wg3 exp-poly 1/4", quick, timing);
+  failed += check_variant<bf16, FwdConfig<64, 128, 4, 3, true, 2, 2>>("bf16 d64 wg3 exp-poly 1/2", quick, timing);
+  failed += check_variant<bf16, FwdConfig<128, 128, 2, 2, true, 2, 4>>("bf16 d128 exp-poly 1/4", quick, timing);
 #endif
 #undef VARIANT
   if (timing && (g_only < 0 || g_only == 99)) {  // the static schedule under causality

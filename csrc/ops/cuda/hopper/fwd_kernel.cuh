@@ -60,7 +60,8 @@ namespace safeattn::cuda::hopper {
 
 // Tile shape and schedule of one kernel variant. Shared memory: Q kBlockM x D, K and V kStages x
 // kBlockN x D each (16-bit); registers per consumer thread: S kBlockN / 2, O D / 2, P kBlockN / 4.
-template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2,
+          int kExpPolyEvery_ = 0>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMmaWGs = kMmaWGs_;
@@ -70,6 +71,10 @@ struct FwdConfig {
   static constexpr bool kPingPong = kPingPong_;
   // Q buffers: with 2 the next tile's Q loads while the current one is still in use.
   static constexpr int kQStages = kQStages_;
+  // Softmax exponentials of every kExpPolyEvery-th column group (8 columns) by exp2_poly on the
+  // FMA pipes instead of ex2 on the MUFU (0: none): for head dims where the exponentials, not the
+  // tensor cores, bound a key tile (an experiment of the standalone check; no default uses it).
+  static constexpr int kExpPolyEvery = kExpPolyEvery_;
 };
 
 // The variant each head dim runs (measured on an H100, benchmarks/notes_attention_cuda.md).
@@ -124,6 +129,22 @@ __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf
   return y;
 }
 
+// 2^x for the softmax's exponents (x <= 0, -inf, NaN) on the FMA pipes, the idea of
+// FlashAttention-4's software exponential: x = j + f with j = round(x) and f in [-0.5, 0.5],
+// 2^f by a degree-4 polynomial (relative error 2.7e-6 over that range, fitted here to 2^f), 2^j
+// written into a float's exponent bits. Below -127 (-inf included) it gives 0, as ex2.approx.ftz
+// does; NaN stays NaN (NaN times any 2^j).
+__device__ __forceinline__ float exp2_poly(float x) {
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x to an integer
+  const float clamped = x < -127.0f ? -127.0f : x;
+  const float t = clamped + kRound;
+  const float f = clamped - (t - kRound);
+  const float p =
+      fmaf(fmaf(fmaf(fmaf(9.570022e-3f, f, 5.591768e-2f), f, 2.4024744e-1f), f, 6.9312185e-1f), f, 9.999993e-1f);
+  const int j = __float_as_int(t) - __float_as_int(kRound);  // round(x), in [-127, 0]
+  return p * __int_as_float((j + 127) << 23);
+}
+
 // A tile the walk over a mask summary visits: its position in the walk's order (outside the walk's
 // range: the walk has ended), class and, for a kTileDiagonal one, its diagonal. In both kernels the
 // producer walks and hands each visit to the consumers through shared memory with a load's
@@ -160,13 +181,14 @@ struct TileTrace {
     ++tiles;
     visits = 0;
     if (record != nullptr) {
-      unsigned long long now, sm;
+      unsigned long long now;
+      unsigned sm;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(reinterpret_cast<unsigned&>(sm)));
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
       record[0] = static_cast<unsigned long long>(index);
       record[2] = clock64();
       record[6] = now;
-      record[7] = sm & 0xffffffffu;
+      record[7] = sm;
     }
   }
   __device__ void visit() {
@@ -251,6 +273,10 @@ struct Fwd {
   static constexpr int kQStages = Config::kQStages;
   static constexpr int kMmaWGs = Config::kMmaWGs;
   static constexpr bool kPingPong = Config::kPingPong && kMmaWGs > 1;
+  // Whether the softmax's column group c (8 columns) takes exp2_poly (Config::kExpPolyEvery).
+  static constexpr bool exp2_on_fma(int c) {
+    return Config::kExpPolyEvery > 0 && c % (Config::kExpPolyEvery > 0 ? Config::kExpPolyEvery : 1) == 0;
+  }
   static constexpr int kMmaThreads = 128 * kMmaWGs;
   static constexpr int kThreads = kMmaThreads + 128;
   // Registers per thread after setmaxnreg (multiples of 8). The CTA starts with the launch bound's
@@ -589,7 +615,8 @@ struct Fwd {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = e + 2 * r + 4 * c;
-          s(i) = exp2_approx(fmaf(s(i), scale_log2, -offset));
+          const float x = fmaf(s(i), scale_log2, -offset);
+          s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
           sum += s(i);
         }
       }
