@@ -24,7 +24,8 @@ What the model gets, compared with ``"sdpa"``:
 - a mask that holds causality and key padding alone (the common case: a padded batch in a causal
   model; with 5.x, whose query offset is a number) runs as the op's ``is_causal`` at the mask's
   positions plus a ``[B, 1, 1, KV]`` key mask, the same elements as the dense mask the model
-  receives, so the kernels skip the tiles past the diagonal (2x faster on the CPU). The dense mask
+  receives, which the sm_90a kernels run without summarising a dense mask or testing diagonal
+  tiles element by element (the CPU kernels find the same bounds in the dense mask). The dense mask
   is still what the model sees and what any other code reads; a mask changed in place, sliced or
   copied runs as the dense mask it is;
 - grouped-query attention without copying K/V, Gemma2's logit ``softcap`` and GPT-OSS's attention
@@ -202,9 +203,10 @@ class _CausalPadding:
     """What a bool mask built here stands for when it holds no more than causality (or none) and
     key padding, in the op's terms: ``is_causal`` at the positions ``q_offset`` / ``kv_offset``
     and a ``[B, 1, 1, KV]`` key mask (None: no padding). The same elements as the dense mask, but
-    the kernels skip the tiles past the diagonal instead of testing each element there (CPU: 2x
-    the dense mask's speed, forward and backward, B4 S2048 bf16 and float32 on an AMD EPYC; H200:
-    0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md). ``version`` is the
+    the kernels skip the tiles past the diagonal instead of testing each element there (H200, B4
+    H16 S4096 D128: 0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md; on the CPU
+    2x before its kernels bounded their key loops by a dense mask's span, about even since).
+    ``version`` is the
     mask's ``_version`` when noted: a mask changed in place since then runs as the dense mask it
     is, as does any new tensor made from it (a slice, a copy), which carries no note, and a mask
     made under ``torch.inference_mode`` (no version counter: never noted)."""
