@@ -368,6 +368,7 @@ struct Fwd {
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
     int head_group;                    // FwdParams::head_group, at least 1
+    int batch_heads;                   // batch * heads: tiles / m_blocks
   };
   static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked tile is one of the mask summary's tiles");
@@ -385,7 +386,7 @@ struct Fwd {
     if (p.causal || kMasked) {
       // Causal (or masked, which is mostly causal): the longest rows first, so that short tiles
       // fill the tail (tile_order.h).
-      const TileRank r = longest_first(index, p.m_blocks, p.tiles / p.m_blocks, p.head_group);
+      const TileRank r = longest_first(index, p.m_blocks, p.batch_heads, p.head_group);
       bh = r.head;
       t.m_block = p.m_blocks - 1 - r.rank;
     } else {
@@ -977,6 +978,7 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.tile_counter = a.tile_counter;
   p.trace = a.trace;
   p.head_group = a.head_group > 1 ? a.head_group : 1;
+  p.batch_heads = a.heads * a.batch;
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
