@@ -7,17 +7,12 @@ host, after a build: `python benchmarks/kernel_breakdown.py`."""
 import collections
 import sys
 
-import safeattn
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from safeattn._bench_attention import _prefill_cases
 
 B, H, S, CALLS = 4, 16, 4096, 5
-
-
-def cudnn(q, k, v):
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+# The benchmark's own cases (`python -m safeattn bench attention`), so the two time the same calls.
+CASES = ("SDPA cuDNN, is_causal", "safeattn, is_causal", "safeattn, causal+padding mask")
 
 
 def kernel_times(fn, head_dim):
@@ -42,19 +37,11 @@ def kernel_times(fn, head_dim):
 
 
 def main():
-    pad = torch.ones(B, S, dtype=torch.bool, device="cuda")
-    for b in range(B):
-        pad[b, : b * S // 8] = False
-    dense = torch.ones(S, S, dtype=torch.bool, device="cuda").tril()[None, None] & pad[:, None, None, :]
-    cases = {
-        "cudnn causal": cudnn,
-        "ours causal": lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0],
-        "ours mask": lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
-    }
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    cases = _prefill_cases(B, H, S, "cuda")
     for head_dim in (128, 64):
-        for name, fn in cases.items():
-            times = kernel_times(fn, head_dim)
+        for name in CASES:
+            times = kernel_times(cases[name][0], head_dim)
             print(f"== D={head_dim} {name}: total {sum(times.values()):.0f} us")
             for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:7]:
                 print(f"   {t:8.1f}  {kernel[:110]}")

@@ -201,11 +201,12 @@ static bool g_trace = false;            // --trace: one traced causal launch of 
 // fit time = a visits + b over all tiles gives the per-key-tile and the fixed per-tile cost; the
 // spread of the CTAs' end times is the tail.
 static void report_trace(const std::vector<unsigned long long>& trace, int ctas, const char* name) {
-  constexpr int F = safeattn::cuda::hopper::kFwdTraceFields, T = safeattn::cuda::hopper::kFwdTraceTiles;
+  using namespace safeattn::cuda::hopper;  // the record's fields: FwdTraceField
+  constexpr int F = kFwdTraceFields, T = kFwdTraceTiles;
   auto record = [&](int cta, int k) { return &trace[(size_t(cta) * T + k) * F]; };
   std::vector<int> count(ctas, 0);  // records per CTA (a written record has its clock set)
   for (int c = 0; c < ctas; ++c) {
-    while (count[c] < T && record(c, count[c])[2] != 0) {
+    while (count[c] < T && record(c, count[c])[kTraceKnown] != 0) {
       ++count[c];
     }
   }
@@ -215,21 +216,22 @@ static void report_trace(const std::vector<unsigned long long>& trace, int ctas,
   for (int c = 0; c < ctas; ++c) {
     for (int k = 0; k < count[c]; ++k) {
       const unsigned long long* r = record(c, k);
-      const double visits = double(r[1]), dur = double(r[5] - r[2]);
+      const double visits = double(r[kTraceVisits]), dur = double(r[kTraceWritten] - r[kTraceKnown]);
       sx += visits, sy += dur, sxx += visits * visits, sxy += visits * dur;
-      if (r[1] > 0) {
-        first += double(r[3] - r[2]), body += double(r[4] - r[3]), epilogue += double(r[5] - r[4]);
+      if (r[kTraceVisits] > 0) {
+        first += double(r[kTraceFirstS] - r[kTraceKnown]), body += double(r[kTraceLastPV] - r[kTraceFirstS]),
+            epilogue += double(r[kTraceWritten] - r[kTraceLastPV]);
       }
       if (k > 0) {
-        gaps += double(r[2] - record(c, k - 1)[5]);
+        gaps += double(r[kTraceKnown] - record(c, k - 1)[kTraceWritten]);
       }
       ++tiles;
     }
     used += count[c] > 0;
     truncated += count[c] == T;
     if (count[c] > 1) {
-      cycles += double(record(c, count[c] - 1)[2] - record(c, 0)[2]);
-      ns += double(record(c, count[c] - 1)[6] - record(c, 0)[6]);
+      cycles += double(record(c, count[c] - 1)[kTraceKnown] - record(c, 0)[kTraceKnown]);
+      ns += double(record(c, count[c] - 1)[kTraceNs] - record(c, 0)[kTraceNs]);
     }
   }
   if (tiles < 2) {
@@ -243,8 +245,8 @@ static void report_trace(const std::vector<unsigned long long>& trace, int ctas,
   for (int c = 0; c < ctas; ++c) {
     if (count[c] > 0) {
       const unsigned long long* last = record(c, count[c] - 1);
-      t0 = std::min(t0, double(record(c, 0)[6]));
-      ends.push_back(double(last[6]) + double(last[5] - last[2]) / ghz);
+      t0 = std::min(t0, double(record(c, 0)[kTraceNs]));
+      ends.push_back(double(last[kTraceNs]) + double(last[kTraceWritten] - last[kTraceKnown]) / ghz);
     }
   }
   std::sort(ends.begin(), ends.end());

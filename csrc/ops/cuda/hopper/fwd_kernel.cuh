@@ -168,9 +168,7 @@ __device__ __forceinline__ TileVisit read_visit(const TileVisit& slot) {
 
 // Per-tile timestamps of the standalone check's --trace build (-DSAFEATTN_FWD_TRACE; compiled out
 // otherwise): consumer thread 0 of warpgroup 0 writes, for each of its CTA's first kFwdTraceTiles
-// tiles, the record [tile index, key tiles visited, clock64 when the tile is known, when its
-// first S is ready, when its last P V is done, when its output is written, %globaltimer (ns)
-// when it is known, SM id].
+// tiles, a record of the fields FwdTraceField names (fwd_params.h).
 struct TileTrace {
 #ifdef SAFEATTN_FWD_TRACE
   unsigned long long* record = nullptr;
@@ -186,30 +184,30 @@ struct TileTrace {
       unsigned sm;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      record[0] = static_cast<unsigned long long>(index);
-      record[2] = clock64();
-      record[6] = now;
-      record[7] = sm;
+      record[kTraceTile] = static_cast<unsigned long long>(index);
+      record[kTraceKnown] = clock64();
+      record[kTraceNs] = now;
+      record[kTraceSm] = sm;
     }
   }
   __device__ void visit() {
     ++visits;
   }
-  __device__ void stamp(int field) {
+  __device__ void stamp(FwdTraceField field) {
     if (record != nullptr) {
       record[field] = clock64();
     }
   }
   __device__ void end() {
     if (record != nullptr) {
-      record[5] = clock64();
-      record[1] = static_cast<unsigned long long>(visits);
+      record[kTraceWritten] = clock64();
+      record[kTraceVisits] = static_cast<unsigned long long>(visits);
     }
   }
 #else
   __device__ void begin(unsigned long long*, bool, int) {}
   __device__ void visit() {}
-  __device__ void stamp(int) {}
+  __device__ void stamp(FwdTraceField) {}
   __device__ void end() {}
 #endif
 };
@@ -783,7 +781,7 @@ struct Fwd {
         int m = after.position;
         uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         warpgroup_wait<0>();
-        trace.stamp(3);
+        trace.stamp(kTraceFirstS);
         trace.visit();
         pipe_k.consumer_release(read_k);
         ++read_k;
@@ -826,7 +824,7 @@ struct Fwd {
         wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pass_turn();
         warpgroup_wait<0>();
-        trace.stamp(4);
+        trace.stamp(kTraceLastPV);
         pipe_v.consumer_release(read_v);
         ++read_v;
       }

@@ -55,8 +55,19 @@ struct FwdParams {
   unsigned long long* trace = nullptr;
 };
 
+// The trace's layout: per CTA kFwdTraceTiles records, one per tile, of these fields.
 constexpr int kFwdTraceTiles = 64;
-constexpr int kFwdTraceFields = 8;
+enum FwdTraceField : int {
+  kTraceTile,     // the tile's index in the schedule
+  kTraceVisits,   // key tiles visited
+  kTraceKnown,    // clock64: the tile known to the consumers
+  kTraceFirstS,   // clock64: its first S ready
+  kTraceLastPV,   // clock64: its last P V done
+  kTraceWritten,  // clock64: its output written
+  kTraceNs,       // %globaltimer (ns) at kTraceKnown
+  kTraceSm,       // the SM's id
+  kFwdTraceFields
+};
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
 // fwd_kernel.cuh, instantiated once per generated file attention_fwd_sm90_d<D>_<dtype>.cu.
