@@ -2,6 +2,7 @@
 // kernel (TORCH_LIBRARY*, the CPU ISA stubs); its only Python function reports the build.
 #include <torch/extension.h>
 
+#include "ops/attention.h"
 #include "safeattn.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -21,9 +22,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["cuda_archs"] = info.cuda_archs;
         d["attention_fwd_head_dims"] = info.attention_fwd_head_dims;
         d["attention_bwd_head_dims"] = info.attention_bwd_head_dims;
+        // Read now, not at build time: the CPU, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
+        // torch.backends.mkldnn.enabled decide it.
+        const auto tiles = safeattn::attention_cpu_tiles_stub().pick();
+        pybind11::dict cpu_tiles;
+        cpu_tiles["bfloat16"] = tiles(at::kBFloat16);
+        cpu_tiles["float16"] = tiles(at::kHalf);
+        d["cpu_tiles"] = cpu_tiles;
         return d;
       },
-      "Version, torch built against, CPU ISA variants and CUDA archs.");
+      "Version, torch built against, CPU ISA variants and tiles, CUDA archs.");
   m.def("cpu_parallel_threads", &safeattn::cpu_parallel_threads,
         "Threads at::parallel_for uses in safeattn's CPU code (1 if built without OpenMP).");
 }

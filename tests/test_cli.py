@@ -47,6 +47,8 @@ def test_info_reports_build():
     info = safeattn.build_info()
     assert f"safeattn        {safeattn.__version__}" in out, out
     assert "CPU ISA in use  " + info["cpu_isa_in_use"] in out, out
+    assert "CPU bf16 tiles  " + info["cpu_tiles"]["bfloat16"] in out, out
+    assert "CPU fp16 tiles  " + info["cpu_tiles"]["float16"] in out, out
     assert "DEFAULT" in info["cpu_isas"], f"the DEFAULT variant is always built: {info}"
     assert "DEFAULT" in info["cpu_isas_runnable"], f"every CPU runs the DEFAULT variant: {info}"
     assert set(info["cpu_isas_runnable"]) <= set(info["cpu_isas"]), f"runnable but not built: {info}"

@@ -21,6 +21,7 @@ namespace safeattn {
 
 SAFEATTN_DEFINE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DEFINE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
+SAFEATTN_DEFINE_ISA_STUB(attention_cpu_tiles_stub, AttentionCpuTilesFn);
 
 namespace {
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
@@ -119,6 +120,10 @@ using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
 using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
+// What the CPU kernels multiply the tiles of a bf16 / fp16 input in now, and why not in that
+// dtype where they don't: "bfloat16", "float16" or "float32 (<reason>)" (build_info's cpu_tiles).
+using AttentionCpuTilesFn = std::string (*)(at::ScalarType dtype);
+SAFEATTN_DECLARE_ISA_STUB(attention_cpu_tiles_stub, AttentionCpuTilesFn);
 
 // Validates the arguments: the one source of attention's rules, run by every backend's entry
 // point and by the Meta kernel (the fake), on SymInt sizes (common/checks.h). `op` names the op

@@ -26,6 +26,9 @@ def _info() -> int:
     print(f"CPU ISAs built  {', '.join(info['cpu_isas']) or 'none'} (this CPU runs {runnable})")
     print(f"CPU ISA in use  {info['cpu_isa_in_use']}  (set ATEN_CPU_CAPABILITY to change)")
     print(f"torch's ISA     {torch.backends.cpu.get_cpu_capability()}")
+    tiles = info["cpu_tiles"]
+    print(f"CPU bf16 tiles  {tiles['bfloat16']}")
+    print(f"CPU fp16 tiles  {tiles['float16']}")
     threads = safeattn._C.cpu_parallel_threads()
     print(
         f"CPU kernels     {threads} of {torch.get_num_threads()} threads (at::parallel_for, torch's OpenMP)"

@@ -339,8 +339,9 @@ inline bool onednn_isa_allows(at::ScalarType dtype) {
 // torch whose brgemm lacks the VNNI path (oneDNN held too low: it throws) or reads another layout
 // leaves the tiles in float32 rather than computing garbage. 3 x 40 over K = 6 with ldc 48 covers
 // M and N tails and checks that nothing is written past N. Small integers are exact in bf16/fp16.
+// Returns "" when the product is exact, else what went wrong (for lowp_tiles_status).
 template <typename T>
-bool lowp_probe() {
+std::string lowp_probe() {
   constexpr int64_t M = 3, N = 40, K = 6, ldc = 48;
   T a[M * K];
   T b[K / 2 * kVnniCols * 2];
@@ -370,10 +371,10 @@ bool lowp_probe() {
   try {
     at::native::cpublas::brgemm(M, N, K, K, kVnniCols, ldc, /*add_C=*/false, a, b, c, /*is_vnni=*/true);
     at::native::cpublas::brgemm_release(/*is_vnni=*/true);
-  } catch (const c10::Error&) {
-    return false;
+  } catch (const c10::Error& e) {
+    return std::string("torch's brgemm refused the probe: ") + e.what_without_backtrace();
   }
-  return std::equal(c, c + M * ldc, want);
+  return std::equal(c, c + M * ldc, want) ? "" : "torch's brgemm gave a wrong product in the probe";
 }
 
 // The CPU's bf16 / fp16 matrix hardware, as ATen reports it: AVX512-BF16 or AMX-BF16 for bf16,
@@ -400,24 +401,50 @@ inline LowpHardware lowp_hardware() {
   return hardware;
 }
 
-// Whether this call's tiles of `dtype` take the bf16 / fp16 micro-kernel: the AVX-512 build, a
-// CPU with the instructions (AVX512-BF16 or AMX-BF16 for bf16; AMX-FP16 for fp16: without it
-// oneDNN converts fp16 to float32 and gains nothing), oneDNN allowed to use them, the probe
-// passed, and oneDNN enabled (torch.backends.mkldnn.enabled: without it brgemm refuses VNNI; read
+// Whether the tiles of `dtype` can take the bf16 / fp16 micro-kernel in this process: the
+// AVX-512 build, a CPU with the instructions (AVX512-BF16 or AMX-BF16 for bf16; AMX-FP16 for fp16:
+// without it oneDNN converts fp16 to float32 and gains nothing), oneDNN allowed to use them, and
+// the probe passed. Returns "" when they can, else why not (decided once per dtype).
+inline const std::string& lowp_tiles_barrier(at::ScalarType dtype) {
+  static const std::string kNotLowp = "not a bf16 / fp16 dtype";
+#if defined(SAFEATTN_LOWP_TILES)
+  auto barrier = [](bool hardware, at::ScalarType t, auto probe) -> std::string {
+    if (!hardware) {
+      return t == at::kHalf ? "no AMX-FP16 on this CPU" : "no AVX512-BF16 or AMX-BF16 on this CPU";
+    }
+    if (!onednn_isa_allows(t)) {
+      return "ONEDNN_MAX_CPU_ISA holds oneDNN below the instructions";
+    }
+    return probe();
+  };
+  static const LowpHardware hardware = lowp_hardware();
+  static const std::string bf16 = barrier(hardware.bf16, at::kBFloat16, [] { return lowp_probe<c10::BFloat16>(); });
+  static const std::string fp16 = barrier(hardware.fp16, at::kHalf, [] { return lowp_probe<c10::Half>(); });
+  return dtype == at::kBFloat16 ? bf16 : dtype == at::kHalf ? fp16 : kNotLowp;
+#else
+  static const std::string kNotBuilt = "only the AVX-512 kernels multiply in bf16 / fp16";
+  return dtype == at::kBFloat16 || dtype == at::kHalf ? kNotBuilt : kNotLowp;
+#endif
+}
+
+// Whether this call's tiles of `dtype` take the bf16 / fp16 micro-kernel: lowp_tiles_barrier
+// clear and oneDNN enabled (torch.backends.mkldnn.enabled: without it brgemm refuses VNNI; read
 // per call, so that `with torch.backends.mkldnn.flags(enabled=False)` gives float32 tiles).
 inline bool use_lowp_tiles(at::ScalarType dtype) {
-#if defined(SAFEATTN_LOWP_TILES)
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) {
-    return false;
+  return lowp_tiles_barrier(dtype).empty() && at::globalContext().userEnabledMkldnn();
+}
+
+// What the tiles of `dtype` are multiplied in now, and why: "bfloat16" / "float16", or
+// "float32 (<the reason>)". For build_info()["cpu_tiles"] (attention_cpu_tiles_stub).
+inline std::string lowp_tiles_status(at::ScalarType dtype) {
+  const std::string& barrier = lowp_tiles_barrier(dtype);
+  if (!barrier.empty()) {
+    return "float32 (" + barrier + ")";
   }
-  static const LowpHardware hardware = lowp_hardware();
-  static const bool bf16_ok = hardware.bf16 && onednn_isa_allows(at::kBFloat16) && lowp_probe<c10::BFloat16>();
-  static const bool fp16_ok = hardware.fp16 && onednn_isa_allows(at::kHalf) && lowp_probe<c10::Half>();
-  return (dtype == at::kBFloat16 ? bf16_ok : fp16_ok) && at::globalContext().userEnabledMkldnn();
-#else
-  (void)dtype;
-  return false;
-#endif
+  if (!at::globalContext().userEnabledMkldnn()) {
+    return "float32 (torch.backends.mkldnn.enabled is False)";
+  }
+  return dtype == at::kBFloat16 ? "bfloat16" : "float16";
 }
 
 // Releases the AMX tile state this thread configured (a no-op elsewhere); called by every thread

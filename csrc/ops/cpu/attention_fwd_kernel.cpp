@@ -418,5 +418,6 @@ void attention_fwd_kernel(const AttentionFwdArgs& args) {
 }  // namespace
 
 SAFEATTN_REGISTER_ISA_KERNEL(attention_fwd_cpu_stub, &attention_fwd_kernel);
+SAFEATTN_REGISTER_ISA_KERNEL(attention_cpu_tiles_stub, &lowp_tiles_status);
 
 }  // namespace safeattn::cpu
