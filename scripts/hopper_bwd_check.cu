@@ -39,9 +39,17 @@ using safeattn::cuda::hopper::BwdConfig;
 using safeattn::cuda::hopper::BwdParams;
 using safeattn::cuda::hopper::kBwdRowPad;
 
-// --head-group N: the causal tile order's head groups (tile_order.h; 1, the default, as the
-// extension runs today), for the reference checks and the timings alike.
-static int g_head_group = 1;
+// --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
+// head); 0, the default, head_group_for's choice, as the extension runs. For the reference checks
+// and the timings alike.
+static int g_head_group = 0;
+
+// The SM count: the backward runs one CTA per SM (BwdParams::resident_ctas).
+static int resident_ctas() {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return sms;
+}
 
 struct GradError {
   double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
@@ -169,6 +177,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.causal = cs.causal;
   p.head_group = g_head_group;
+  p.resident_ctas = resident_ctas();
   p.causal_shift = std::min<int64_t>(std::max<int64_t>(cs.shift, -int64_t{cs.q_len} - 1), cs.kv_len);
   CHECK_CUDA((safeattn::cuda::hopper::launch_bwd_config<T, Config>(p, 0)));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -336,6 +345,7 @@ static void time_variant(const char* name, bool causal) {
   p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
   p.causal = causal;
   p.head_group = g_head_group;
+  p.resident_ctas = resident_ctas();
   p.causal_shift = 0;
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
@@ -417,8 +427,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  printf("device %s, %d SMs, sm_%d%d, head group %d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
-         g_head_group);
+  printf("device %s, %d SMs, sm_%d%d, head group %d%s\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
+         g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
   int failed = 0;
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, query rows per step, keys per CTA, stages[, dQ by own keys,

@@ -821,7 +821,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
-  p.head_group = a.head_group > 1 ? a.head_group : 1;
+  p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);

@@ -975,15 +975,15 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.mask_tiles = a.mask_tiles;
   p.tile_counter = a.tile_counter;
   p.trace = a.trace;
-  p.head_group = a.head_group > 1 ? a.head_group : 1;
   p.batch_heads = a.heads * a.batch;
+  const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
+  p.head_group = a.head_group > 0 ? a.head_group : head_group_for(p.m_blocks, p.batch_heads, grid);
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (err != cudaSuccess) {
     return err;
   }
-  const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
