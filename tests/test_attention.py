@@ -1282,6 +1282,62 @@ def test_cpu_tiles_never_read_hidden_keys(monkeypatch, tiles):
     _check_against_reference(q, k, v, is_causal=True, q_offset=37, enable_gqa=True)
 
 
+def _structured_bool_mask(kind, b, h, q_len, kv_len):
+    """A [b, h|1, q|1, kv|1] bool mask of a kind whose rows see a span of the keys."""
+    i = torch.arange(q_len)[:, None] + (kv_len - q_len)  # bottom-right positions
+    j = torch.arange(kv_len)[None, :]
+    if kind == "sliding":
+        return ((j <= i) & (j > i - 150)).expand(b, 1, q_len, kv_len)
+    if kind == "packed":  # documents of 300 keys; a query sees its own document's past
+        return ((j <= i) & (j // 300 == i // 300)).expand(b, 1, q_len, kv_len)
+    if kind == "left_padding":  # per batch row, keys before `pad` are padding
+        pad = torch.tensor([0, 700])[:b, None, None]
+        return ((j <= i) & (j >= pad))[:, None]
+    if kind == "per_head":  # a different window per head, and one head with no key at all
+        heads = [(j > i - 100 * (t + 1)) & (j <= i) & (t != 1) for t in range(h)]
+        return torch.stack(heads)[None].expand(b, h, q_len, kv_len)
+    if kind == "last_key_only":
+        return (j == kv_len - 1).expand(b, 1, q_len, kv_len)
+    if kind == "key_padding":  # [b, 1, 1, kv]: stride 0 along the queries
+        return (j >= 1000)[None, None].expand(b, 1, 1, kv_len)
+    if kind == "row_mask":  # [b, 1, q, 1]: stride 0 along the keys, every other row sees nothing
+        return (torch.arange(q_len) % 2 == 0)[None, None, :, None].expand(b, 1, q_len, 1)
+    if kind == "transposed":  # a non-contiguous view: the keys stride is not 1
+        return ((j <= i) & (j > i - 400)).t().contiguous().t().expand(b, 1, q_len, kv_len)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sliding",
+        "packed",
+        "left_padding",
+        "per_head",
+        "last_key_only",
+        "key_padding",
+        "row_mask",
+        "transposed",
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_bool_masks_skip_what_they_hide(kind, dtype):
+    """A bool mask's key span per query tile bounds the CPU kernels' key loops (forward: per 64
+    queries, backward: per (64 queries, 128 keys) pair): outside it every element is False, so
+    skipping must leave the result as the float64 reference has it, forward and backward, with
+    spans that start and end mid-tile, rows with no key, broadcast and strided masks."""
+    q, k, v = _qkv(2, 4, 2, 200, 1100, 64, dtype, "cpu")
+    mask = _structured_bool_mask(kind, 2, 4, 200, 1100)
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
+    out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    # The same mask as a float bias (no span: every key tile visited) gives the same output.
+    bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    out_bias, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    torch.testing.assert_close(
+        out, out_bias, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2})
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cpu_low_precision_tiles_are_taken(monkeypatch, dtype):
     """Where the hardware is, the bf16 / fp16 tiles are the ones that run: switching them off

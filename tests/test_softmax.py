@@ -5,6 +5,8 @@ Runs on CPU; the CUDA cases run where a GPU is visible (same file on the GPU hos
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import safeattn
 import torch
@@ -595,6 +597,29 @@ BAD_CASES = [
         r"masked_softmax: mask must be Bool or a floating dtype \(Float, Double, Half, BFloat16\), got Long",
     ),
     (
+        "masked scale nan",
+        lambda d: safeattn.masked_softmax(torch.randn(3, 4, device=d), None, math.nan),
+        r"masked_softmax: scale must be a finite number in float32, got nan",
+    ),
+    (
+        "masked scale inf",
+        lambda d: safeattn.masked_softmax(torch.randn(3, 4, device=d), None, -math.inf),
+        r"masked_softmax: scale must be a finite number in float32, got -inf",
+    ),
+    (
+        # Finite in float64 but not in float32, where a float32 input is scaled: inf scores.
+        "masked scale beyond float32",
+        lambda d: safeattn.masked_softmax(torch.randn(3, 4, device=d), None, 1e39),
+        r"masked_softmax: scale must be a finite number in float32, got 1e\+39",
+    ),
+    (
+        "masked backward scale",
+        lambda d: torch.ops.safeattn._masked_softmax_backward(
+            torch.randn(3, 4, device=d), torch.randn(3, 4, device=d), None, math.inf, -1, torch.float32, False
+        ),
+        r"_masked_softmax_backward: scale must be a finite number in float32, got inf",
+    ),
+    (
         "backward shapes",
         lambda d: torch.ops.safeattn._safe_softmax_backward(
             torch.randn(3, 4, device=d), torch.randn(3, 5, device=d), -1, torch.float32
@@ -609,6 +634,18 @@ BAD_CASES = [
         r"_masked_softmax_backward: mask_requires_grad needs a floating mask",
     ),
 ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_softmax_scale_range_is_the_computations(device):
+    """A scale beyond float32 is refused for float32 work (above) but taken where the softmax
+    runs in float64: float64 scores, or float32 scores with dtype=torch.float64."""
+    scores = torch.randn(3, 70, dtype=torch.float64, device=device) * 1e-39
+    for x, dtype in ((scores, None), (scores.float(), torch.float64)):
+        got = safeattn.masked_softmax(x, None, 1e39, dtype=dtype)
+        want = reference.masked_softmax(x, None, 1e39, dtype=dtype)
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want.to(got.device), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta", "fake", pytest.param("cuda", marks=NEEDS_CUDA)])

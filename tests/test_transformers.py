@@ -294,7 +294,8 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
     calls = []
 
     def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
-        calls.append((query.shape, key.shape, enable_gqa, is_causal, attn_mask is None, kwargs))
+        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+        calls.append((query.shape, key.shape, enable_gqa, is_causal, mask_shape, kwargs))
         return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
 
     def no_composite(*args, **kwargs):
@@ -306,10 +307,18 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
     kwargs, _ = model_inputs("left")
     logits(make_model(config, "safeattn"), kwargs)
     assert len(calls) == config.num_hidden_layers, "one op call per layer"
-    for q_shape, k_shape, enable_gqa, is_causal, no_mask, extra in calls:
+    for layer_type, (q_shape, k_shape, enable_gqa, is_causal, mask_shape, extra) in zip(
+        config.layer_types, calls, strict=True
+    ):
         assert k_shape[1] == config.num_key_value_heads < q_shape[1], "K/V reach the op at the KV-head count"
         assert enable_gqa, "grouped-query attention is native (enable_gqa)"
-        assert not no_mask and not is_causal, "left padding: a mask, not is_causal"
+        batch, _, q_length, _ = q_shape
+        kv_length = k_shape[2]
+        if layer_type == "full_attention" and not IS_TF4:  # causal + left padding: is_causal, key mask
+            # (4.57 gives the query positions as a tensor: its masks stay dense.)
+            assert is_causal and mask_shape == (batch, 1, 1, kv_length), (layer_type, is_causal, mask_shape)
+        else:  # a sliding window: the dense mask
+            assert not is_causal and mask_shape == (batch, 1, q_length, kv_length), (layer_type, mask_shape)
         assert extra["softcap"] == config.attn_logit_softcapping, "Gemma2's softcap reaches the op"
 
 
@@ -352,6 +361,94 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
         ), f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
     for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"
+
+
+def _op_spy(monkeypatch, calls):
+    """Routes the drop-in's op calls through a recorder of (kv_length, is_causal, mask shape,
+    q_offset, kv_offset)."""
+    op = st._attention_op(torch.device("cpu"))
+    if op is None:
+        pytest.skip("this build has no attention op")
+
+    def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
+        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+        calls.append(
+            (key.shape[2], is_causal, mask_shape, kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
+        )
+        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
+
+    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_causal_padding_masks_run_as_is_causal_and_a_key_mask(monkeypatch, side):
+    # A causal mask with padding and nothing else reaches the op as is_causal at the mask's
+    # positions plus a [B, 1, 1, KV] key mask (the kernels skip the tiles past the diagonal),
+    # prefill and every decode step; the tokens and logits are those of the dense mask.
+    if IS_TF4:
+        pytest.skip("Transformers 4.57 passes the query positions as a tensor: its masks stay dense")
+    calls = []
+    _op_spy(monkeypatch, calls)
+    config = make_config("llama")
+    model = make_model(config, "safeattn")
+    input_ids, attention_mask = padded_batch(side)
+    batch, length = input_ids.shape
+    layers = config.num_hidden_layers
+
+    def run():
+        with torch.no_grad():
+            tokens = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=3,
+                min_new_tokens=3,
+                do_sample=False,
+            )
+        return tokens, logits(model, dict(input_ids=input_ids, attention_mask=attention_mask))
+
+    tokens, out = run()
+    assert calls[:layers] == [(length, True, (batch, 1, 1, length), 0, 0)] * layers, calls[:layers]
+    for step in (1, 2):  # one query at position length + step - 1, over every cached key
+        kv = length + step
+        want = [(kv, True, (batch, 1, 1, kv), kv - 1, 0)] * layers
+        assert calls[step * layers : (step + 1) * layers] == want, calls[step * layers : (step + 1) * layers]
+    assert (
+        calls[3 * layers :] == [(length, True, (batch, 1, 1, length), 0, 0)] * layers
+    ), "the logits' forward"
+
+    calls.clear()
+    monkeypatch.setattr(st, "_causal_padding", lambda *args: None)  # the dense masks instead
+    dense_tokens, dense_out = run()
+    assert calls and all(not causal and mask is not None for _, causal, mask, _, _ in calls), "dense masks"
+    assert torch.equal(tokens, dense_tokens), "the same greedy tokens"
+    torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-5)
+
+
+def test_a_noted_mask_changed_or_copied_runs_as_the_dense_mask(monkeypatch):
+    # The note holds only for the mask as built: changed in place (here: the last query of row 0
+    # loses every key) or copied, it runs as the dense mask it is.
+    outputs = []
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        copy = attention_mask.clone()
+        copy[0, 0, -1, :] = False
+        attention_mask[0, 0, -1, :] = False  # in place
+        out, weights = st.attention_forward(module, query, key, value, attention_mask, **kwargs)
+        from_copy, _ = st.attention_forward(module, query, key, value, copy, **kwargs)
+        outputs.append((out, from_copy))
+        return out, weights
+
+    calls = []
+    _op_spy(monkeypatch, calls)
+    monkeypatch.setitem(AttentionInterface._global_mapping, st.NAME, recording)
+    config = make_config("llama")
+    kwargs, _ = model_inputs("left")
+    logits(make_model(config, "safeattn"), kwargs)
+    assert len(outputs) == config.num_hidden_layers
+    for out, from_copy in outputs:  # out: [B, Q, H, D]
+        assert torch.all(out[0, -1] == 0), "the changed mask hides every key from that query"
+        torch.testing.assert_close(out, from_copy, rtol=0, atol=0)
+    assert all(mask is not None and mask[2] > 1 and not causal for _, causal, mask, _, _ in calls), calls
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])

@@ -4,7 +4,9 @@
 // run) on symbolic ones, so the fake raises the same messages from the same code.
 #pragma once
 
+#include <cmath>
 #include <initializer_list>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -48,6 +50,13 @@ inline c10::Device common_device(const char* op, std::optional<c10::Device> devi
                 ")");
   }
   return found.value_or(c10::Device(c10::kCPU));
+}
+
+// Whether x is a finite number in the type the kernels compute `input` in (float64 for float64,
+// float32 otherwise): a scale or softcap that is not one there cannot be honoured (inf scores,
+// inf - inf = NaN; a softcap beyond float32 would be inf).
+inline bool finite_in_acc(double x, at::ScalarType input) {
+  return std::isfinite(x) && (input == at::kDouble || std::fabs(x) <= std::numeric_limits<float>::max());
 }
 
 // Whether a condition on sizes holds: plain for concrete sizes; for symbolic ones what

@@ -107,15 +107,13 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   // The kernels compute in float32 (float64 for float64 inputs): a softcap or scale that is not
   // a finite number there cannot be honoured (softcap=inf would give inf/inf = NaN, a softcap
   // that underflows to 0 would silently mean "none").
-  const bool acc_is_double = query.scalar_type() == at::kDouble;
-  auto finite_in_acc = [&](double x) {
-    return std::isfinite(x) && (acc_is_double || std::fabs(x) <= std::numeric_limits<float>::max());
-  };
+  const at::ScalarType t_in = query.scalar_type();
+  const bool acc_is_double = t_in == at::kDouble;
   auto positive_in_acc = [&](double x) { return acc_is_double || static_cast<float>(x) > 0.0f; };
-  TORCH_CHECK(softcap == 0.0 || (softcap > 0.0 && finite_in_acc(softcap) && positive_in_acc(softcap)), kOp,
+  TORCH_CHECK(softcap == 0.0 || (softcap > 0.0 && finite_in_acc(softcap, t_in) && positive_in_acc(softcap)), kOp,
               ": softcap must be 0 (none) or a finite positive number", acc_is_double ? "" : " in float32", ", got ",
               softcap);
-  TORCH_CHECK(!scale.has_value() || finite_in_acc(*scale), kOp, ": scale must be a finite number",
+  TORCH_CHECK(!scale.has_value() || finite_in_acc(*scale, t_in), kOp, ": scale must be a finite number",
               acc_is_double ? "" : " in float32", ", got ", scale.value_or(0.0));
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;

@@ -149,6 +149,12 @@ void check_mask(const char* op, const std::optional<at::Tensor>& mask, const cha
   common_device(op, std::nullopt, {{against_name, against}, {"mask", mask}});
 }
 
+// scale multiplies the scores in the type the kernels compute the (cast) input in.
+void check_scale(const char* op, double scale, at::ScalarType input) {
+  TORCH_CHECK(finite_in_acc(scale, input), op, ": scale must be a finite number",
+              input == at::kDouble ? "" : " in float32", ", got ", scale);
+}
+
 }  // namespace
 
 int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
@@ -160,13 +166,14 @@ int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at
   return wrap_dim(op, dim, self.dim());
 }
 
-int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::Tensor>& mask, int64_t dim,
+int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale, int64_t dim,
                              std::optional<at::ScalarType> dtype) {
   constexpr const char* op = "masked_softmax";
   check_float(op, "scores", scores.scalar_type());
   if (dtype.has_value()) {
     check_float(op, "dtype", *dtype);
   }
+  check_scale(op, scale, dtype.value_or(scores.scalar_type()));
   const int64_t wrapped = wrap_dim(op, dim, scores.dim());
   check_mask(op, mask, "scores", scores);
   return wrapped;
@@ -181,11 +188,12 @@ int64_t check_safe_softmax_backward(const at::Tensor& grad_out, const at::Tensor
 }
 
 int64_t check_masked_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out,
-                                      const std::optional<at::Tensor>& mask, int64_t dim, at::ScalarType input_dtype,
-                                      bool mask_requires_grad) {
+                                      const std::optional<at::Tensor>& mask, double scale, int64_t dim,
+                                      at::ScalarType input_dtype, bool mask_requires_grad) {
   constexpr const char* op = "_masked_softmax_backward";
   check_backward_pair(op, grad_out, out);
   check_float(op, "input_dtype", input_dtype);
+  check_scale(op, scale, out.scalar_type());
   const int64_t wrapped = wrap_dim(op, dim, out.dim());
   TORCH_CHECK(!mask_requires_grad || (mask.has_value() && mask->is_floating_point()), op,
               ": mask_requires_grad needs a floating mask");
@@ -220,7 +228,7 @@ at::Tensor safe_softmax_backward_impl(const at::Tensor& grad_out, const at::Tens
 
 at::Tensor masked_softmax_impl(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale,
                                int64_t dim, std::optional<at::ScalarType> dtype, SoftmaxForwardFn kernel) {
-  const int64_t wrapped = check_masked_softmax(scores, mask, dim, dtype);
+  const int64_t wrapped = check_masked_softmax(scores, mask, scale, dim, dtype);
   const at::Tensor in = (dtype.has_value() ? scores.to(*dtype) : scores).contiguous();
   const PreparedMask prepared = prepare_mask(mask, in, wrapped);
   at::Tensor out = at::empty(in.sizes(), in.options());
@@ -234,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_impl(const at::Tensor
                                                                 const std::optional<at::Tensor>& mask, double scale,
                                                                 int64_t dim, at::ScalarType input_dtype,
                                                                 bool mask_requires_grad, SoftmaxBackwardFn kernel) {
-  const int64_t wrapped = check_masked_softmax_backward(grad_out, out, mask, dim, input_dtype, mask_requires_grad);
+  const int64_t wrapped =
+      check_masked_softmax_backward(grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad);
   const at::Tensor o = out.contiguous();
   const at::Tensor g = grad_out.to(o.scalar_type()).contiguous();
   at::Tensor grad_scores = at::empty(o.sizes(), o.options());
@@ -307,7 +316,7 @@ at::Tensor safe_softmax_backward_meta(const at::Tensor& grad_out, const at::Tens
 
 at::Tensor masked_softmax_meta(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale,
                                int64_t dim, std::optional<at::ScalarType> dtype) {
-  check_masked_softmax(scores, mask, dim, dtype);
+  check_masked_softmax(scores, mask, scale, dim, dtype);
   return empty_like_in(scores, dtype.value_or(scores.scalar_type()));
 }
 
@@ -315,7 +324,7 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_meta(const at::Tensor
                                                                 const std::optional<at::Tensor>& mask, double scale,
                                                                 int64_t dim, at::ScalarType input_dtype,
                                                                 bool mask_requires_grad) {
-  check_masked_softmax_backward(grad_out, out, mask, dim, input_dtype, mask_requires_grad);
+  check_masked_softmax_backward(grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad);
   return {empty_like_in(out, input_dtype),
           mask_requires_grad ? empty_like_in(*mask, mask->scalar_type()) : at::empty({0}, out.options())};
 }

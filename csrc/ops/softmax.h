@@ -140,13 +140,13 @@ SAFEATTN_DECLARE_ISA_STUB(softmax_backward_cpu_stub, SoftmaxBackwardFn);
 // entry point and the Meta kernels (the fakes) run them, on SymInt sizes (common/checks.h); each
 // returns the wrapped dim.
 int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype);
-int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::Tensor>& mask, int64_t dim,
+int64_t check_masked_softmax(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale, int64_t dim,
                              std::optional<at::ScalarType> dtype);
 int64_t check_safe_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
                                     at::ScalarType input_dtype);
 int64_t check_masked_softmax_backward(const at::Tensor& grad_out, const at::Tensor& out,
-                                      const std::optional<at::Tensor>& mask, int64_t dim, at::ScalarType input_dtype,
-                                      bool mask_requires_grad);
+                                      const std::optional<at::Tensor>& mask, double scale, int64_t dim,
+                                      at::ScalarType input_dtype, bool mask_requires_grad);
 
 at::Tensor safe_softmax_impl(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype,
                              SoftmaxForwardFn kernel);

@@ -162,7 +162,8 @@ def masked_softmax(
     Args:
         scores: floating tensor ``[..., dim, ...]`` (float32, float64, float16, bfloat16).
         mask: None, bool or floating tensor broadcastable to ``scores``, same device.
-        scale: multiplies the scores before the mask is applied.
+        scale: multiplies the scores before the mask is applied; a finite number (in float32
+            unless the computation is float64).
         dim: the dim to normalise over (default the last).
         dtype: optional floating dtype: ``scores`` is cast to it first, the result comes out
             in it (as ``torch.softmax``).

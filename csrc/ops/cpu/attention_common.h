@@ -10,6 +10,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <ATen/Context.h>
 #include <ATen/cpu/Utils.h>
@@ -151,6 +152,76 @@ struct MaskView {
     return b * stride_b + h * stride_h + i * stride_q + j * stride_kv;
   }
 };
+
+// The first and one past the last nonzero byte of p[0 .. n), eight at a time: (n, 0) when none.
+// A bool mask's row, read as bytes (any nonzero byte is True, as `m[c] ? ...` reads it).
+inline int64_t first_nonzero(const unsigned char* p, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t word;
+    std::memcpy(&word, p + j, 8);
+    if (word != 0) {
+      break;
+    }
+  }
+  for (; j < n && p[j] == 0; ++j) {
+  }
+  return j;
+}
+inline int64_t end_of_nonzero(const unsigned char* p, int64_t n) {
+  int64_t j = n;
+  for (; j >= 8; j -= 8) {
+    uint64_t word;
+    std::memcpy(&word, p + j - 8, 8);
+    if (word != 0) {
+      break;
+    }
+  }
+  for (; j > 0 && p[j - 1] == 0; --j) {
+  }
+  return j;
+}
+
+// The keys [begin, end) outside which rows [i0, i0 + m) of head h of batch b of a bool mask are
+// all False (begin == end: the rows see no key); [0, kv_len) for any other mask. A tile of keys
+// whose every score is masked changes nothing (its p are all 0 and the running max stays), so the
+// kernels start and stop their key loops there: a sliding window, chunks, packed documents or
+// padding given as a dense mask then cost what they show, as is_causal's diagonal does.
+inline std::pair<int64_t, int64_t> bool_mask_keys(const MaskView& mask, int64_t b, int64_t h, int64_t i0, int64_t m,
+                                                  int64_t kv_len) {
+  if (mask.kind != MaskKind::kBool || kv_len == 0) {
+    return {0, kv_len};
+  }
+  int64_t begin = kv_len, end = 0;
+  const int64_t rows = mask.stride_q == 0 ? std::min<int64_t>(m, 1) : m;
+  for (int64_t r = 0; r < rows && (begin > 0 || end < kv_len); ++r) {
+    const auto* row = static_cast<const unsigned char*>(mask.data) + mask.offset(b, h, i0 + r, 0);
+    if (mask.stride_kv == 0) {  // one value for every key
+      if (row[0] != 0) {
+        return {0, kv_len};
+      }
+      continue;
+    }
+    if (mask.stride_kv == 1) {
+      begin = first_nonzero(row, begin);               // begin again when none before it
+      end += end_of_nonzero(row + end, kv_len - end);  // end again when none after it
+      continue;
+    }
+    for (int64_t j = 0; j < begin; ++j) {
+      if (row[j * mask.stride_kv] != 0) {
+        begin = j;
+        break;
+      }
+    }
+    for (int64_t j = kv_len - 1; j >= end; --j) {
+      if (row[j * mask.stride_kv] != 0) {
+        end = j + 1;
+        break;
+      }
+    }
+  }
+  return begin < end ? std::pair<int64_t, int64_t>{begin, end} : std::pair<int64_t, int64_t>{0, 0};
+}
 
 // s += bias, except s = -inf where the bias is -inf: a masked element hides its score, NaN
 // included (as a False bool does, and as the CUDA kernels and the backward's add_staged_mask do).

@@ -317,9 +317,12 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
       std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
       std::fill(acc.begin(), acc.end(), acc_t(0));
 
-      // Keys past the last row's diagonal are invisible to the whole tile.
-      const int64_t kv_end = causal ? clamp_to(i0 + m - 1 + diagonal + 1, 0, kv_len) : kv_len;
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kKvBlock) {
+      // Keys past the last row's diagonal are invisible to the whole tile, as are those outside
+      // the span a bool mask leaves the tile's rows (the start kept a multiple of kVnniCols, the
+      // packed tiles' column block).
+      const auto [mask_begin, mask_end] = bool_mask_keys(mask, b, h, i0, m, kv_len);
+      const int64_t kv_end = std::min(causal ? clamp_to(i0 + m - 1 + diagonal + 1, 0, kv_len) : kv_len, mask_end);
+      for (int64_t j0 = mask_begin / kVnniCols * kVnniCols; j0 < kv_end; j0 += kKvBlock) {
         const int64_t n = std::min(kKvBlock, kv_end - j0);
         const int64_t n_pad = round_up(n, Tiles::kKeyGrain);
         tiles.scores(scratch, bh_kv, j0, n, m, scores.data(), ld_scores);
