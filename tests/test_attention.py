@@ -1307,35 +1307,58 @@ def _structured_bool_mask(kind, b, h, q_len, kv_len):
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "sliding",
-        "packed",
-        "left_padding",
-        "per_head",
-        "last_key_only",
-        "key_padding",
-        "row_mask",
-        "transposed",
-    ],
-)
+_SPAN_KINDS = [
+    "sliding",
+    "packed",
+    "left_padding",
+    "per_head",
+    "last_key_only",
+    "key_padding",
+    "row_mask",
+    "transposed",
+]
+
+
+@pytest.mark.parametrize("kind", _SPAN_KINDS)
+@pytest.mark.parametrize("form", ["bool", "float"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_bool_masks_skip_what_they_hide(kind, dtype):
-    """A bool mask's key span per query tile bounds the CPU kernels' key loops (forward: per 64
-    queries, backward: per (64 queries, 128 keys) pair): outside it every element is False, so
-    skipping must leave the result as the float64 reference has it, forward and backward, with
-    spans that start and end mid-tile, rows with no key, broadcast and strided masks."""
+def test_cpu_masks_skip_what_they_hide(kind, form, dtype):
+    """The span of keys a mask leaves each query tile (False, or -inf in a float mask) bounds the
+    CPU kernels' key loops (forward: per 64 queries; backward: per pair of 64 queries and 128
+    keys): outside it every score is hidden, so skipping must leave the result as the float64
+    reference has it, forward and backward, with spans that start and end mid-tile, rows with no
+    key, broadcast and strided masks."""
     q, k, v = _qkv(2, 4, 2, 200, 1100, 64, dtype, "cpu")
-    mask = _structured_bool_mask(kind, 2, 4, 200, 1100)
+    keep = _structured_bool_mask(kind, 2, 4, 200, 1100)
+    mask = keep if form == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
-    out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    # The same mask as a float bias (no span: every key tile visited) gives the same output.
-    bias = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
-    out_bias, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True)
-    torch.testing.assert_close(
-        out, out_bias, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2})
-    )
+    if form == "bool":  # the two forms of one mask agree
+        out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        bias = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+        out_bias, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True)
+        torch.testing.assert_close(
+            out, out_bias, **({} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2})
+        )
+
+
+def test_cpu_mask_spans_see_nan_biases():
+    """A NaN bias is not hidden by the spans: its row is NaN, and no other row."""
+    q, k, v = _qkv(1, 2, 2, 130, 1100, 64, torch.float32, "cpu")
+    bias = torch.full((1, 1, 130, 1100), float("-inf"))
+    bias[..., :10] = 0.0
+    bias[0, 0, 70, 1099] = float("nan")  # far past the other rows' span, in its own key tile
+    out, _ = safeattn.attention(q, k, v, attn_mask=bias)
+    assert out[0, :, 70].isnan().all(), "the NaN bias reached its row"
+    assert not out[0, :, :70].isnan().any() and not out[0, :, 71:].isnan().any(), "and no other row"
+
+
+def test_cpu_mask_spans_keep_bias_gradients():
+    """A bias that requires grad gets its gradient on every element, the -inf ones included (0
+    there), though its -inf entries leave spans."""
+    q, k, v = _qkv(1, 2, 2, 130, 1100, 64, torch.float32, "cpu")
+    keep = _structured_bool_mask("sliding", 1, 2, 130, 1100)
+    learned = torch.randn(1, 1, 130, 1100).masked_fill(~keep, float("-inf")).requires_grad_()
+    _check_against_reference(q, k, v, attn_mask=learned, extra_grad_inputs=(learned,))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -205,7 +205,6 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
   const int64_t group = hq / hkv;
   const BwdShape shape{q_len, head_dim, kv_len, dv, group, round_up(q_len, kQBlock)};
   const int64_t q_pad = shape.q_pad;
-  const int64_t q_tiles = q_pad / kQBlock;
 
   const at::Tensor &grad_out = a.grad_out, &out = a.out;
   const acc_t* lse_ptr = a.lse.const_data_ptr<acc_t>();
@@ -228,6 +227,12 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
   const bool causal = a.is_causal;
   const int64_t diagonal = a.q_offset - a.kv_offset;  // key j visible to query i iff j <= i + diagonal
 
+  // The key span each query tile's mask rows leave (mask_keys), read once per call; a (query
+  // tile, key tile) pair outside it is all masked and contributes nothing. With a mask gradient
+  // to write every pair is visited (a skipped one would leave its entries unwritten).
+  const MaskSpans spans =
+      gm != nullptr ? MaskSpans::every_key(kv_len) : MaskSpans::compute<acc_t>(mask, batch, hq, q_len, kv_len, kQBlock);
+
   at::parallel_for(0, batch * hkv, 1, [&](int64_t task_begin, int64_t task_end) {
     // Per task: the operands (Tiles), Delta, lse and the dQ^T accumulator of the group. Tile
     // columns are padded to whole vectors; padding columns hold junk that no product reads.
@@ -239,7 +244,6 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
     std::vector<acc_t> dk(kKvBlock * head_dim), dvb(kKvBlock * dv);
     std::vector<acc_t> lse_tile(ld), lse_lo_tile(ld), delta_tile(ld);
     std::vector<acc_t> mask_tile(mask.kind != MaskKind::kNone ? kKvBlock * ld : 0);
-    std::vector<std::pair<int64_t, int64_t>> mask_keys(group * q_tiles);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task / hkv, hk = task % hkv;
       tiles.pack_kv(head_rows<scalar_t>(a.key, b, hk), head_rows<scalar_t>(a.value, b, hk));
@@ -264,16 +268,6 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
         }
       }
       std::fill(dq_cols.begin(), dq_cols.end(), acc_t(0));
-      // Per (head, query tile): the keys a bool mask leaves its rows (bool_mask_keys); a (query
-      // tile, key tile) pair outside them is all masked and contributes nothing. Bool masks have
-      // no gradient, so nothing is written for a skipped pair.
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t t = 0; t < q_tiles; ++t) {
-          const int64_t i0 = t * kQBlock;
-          mask_keys[g * q_tiles + t] =
-              bool_mask_keys(mask, b, hk * group + g, i0, std::min(kQBlock, q_len - i0), kv_len);
-        }
-      }
 
       for (int64_t j0 = 0; j0 < kv_len; j0 += kKvBlock) {
         const int64_t n = std::min(kKvBlock, kv_len - j0);
@@ -293,7 +287,7 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
             }
           }
           for (int64_t i0 = i_start; i0 < q_len; i0 += kQBlock) {
-            const auto [keys_begin, keys_end] = mask_keys[g * q_tiles + i0 / kQBlock];
+            const auto [keys_begin, keys_end] = spans.at(b, h, i0 / kQBlock);
             if (keys_end <= j0 || keys_begin >= j0 + n) {
               continue;
             }

@@ -11,8 +11,10 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -182,46 +184,133 @@ inline int64_t end_of_nonzero(const unsigned char* p, int64_t n) {
   return j;
 }
 
-// The keys [begin, end) outside which rows [i0, i0 + m) of head h of batch b of a bool mask are
-// all False (begin == end: the rows see no key); [0, kv_len) for any other mask. A tile of keys
-// whose every score is masked changes nothing (its p are all 0 and the running max stays), so the
-// kernels start and stop their key loops there: a sliding window, chunks, packed documents or
-// padding given as a dense mask then cost what they show, as is_causal's diagonal does.
-inline std::pair<int64_t, int64_t> bool_mask_keys(const MaskView& mask, int64_t b, int64_t h, int64_t i0, int64_t m,
-                                                  int64_t kv_len) {
-  if (mask.kind != MaskKind::kBool || kv_len == 0) {
-    return {0, kv_len};
-  }
-  int64_t begin = kv_len, end = 0;
-  const int64_t rows = mask.stride_q == 0 ? std::min<int64_t>(m, 1) : m;
-  for (int64_t r = 0; r < rows && (begin > 0 || end < kv_len); ++r) {
-    const auto* row = static_cast<const unsigned char*>(mask.data) + mask.offset(b, h, i0 + r, 0);
-    if (mask.stride_kv == 0) {  // one value for every key
-      if (row[0] != 0) {
-        return {0, kv_len};
-      }
-      continue;
+// Widens [begin, end) to the first and one past the last key of one mask row that the scores of
+// type T see: a nonzero bool, or a float entry that is not -inf once in T (what apply_mask_run
+// and add_staged_mask hide). Only [0, begin) and [end, kv_len) are searched.
+template <typename T, typename M>
+inline void widen_to_visible(const M* row, int64_t stride, int64_t kv_len, int64_t& begin, int64_t& end) {
+  auto visible = [&](int64_t j) {
+    if constexpr (std::is_same_v<M, unsigned char>) {
+      return row[j * stride] != 0;
+    } else {
+      return !(static_cast<T>(row[j * stride]) == kNegInf<T>);
     }
-    if (mask.stride_kv == 1) {
+  };
+  if constexpr (std::is_same_v<M, unsigned char>) {
+    if (stride == 1) {
       begin = first_nonzero(row, begin);               // begin again when none before it
       end += end_of_nonzero(row + end, kv_len - end);  // end again when none after it
-      continue;
-    }
-    for (int64_t j = 0; j < begin; ++j) {
-      if (row[j * mask.stride_kv] != 0) {
-        begin = j;
-        break;
-      }
-    }
-    for (int64_t j = kv_len - 1; j >= end; --j) {
-      if (row[j * mask.stride_kv] != 0) {
-        end = j + 1;
-        break;
-      }
+      return;
     }
   }
-  return begin < end ? std::pair<int64_t, int64_t>{begin, end} : std::pair<int64_t, int64_t>{0, 0};
+  for (int64_t j = 0; j < begin; ++j) {
+    if (visible(j)) {
+      begin = j;
+      break;
+    }
+  }
+  for (int64_t j = kv_len - 1; j >= end; --j) {
+    if (visible(j)) {
+      end = j + 1;
+      break;
+    }
+  }
 }
+
+// The keys [begin, end) outside which rows [i0, i0 + m) of head h of batch b of the mask hide
+// every score of type T (begin == end: the rows see no key): False, or -inf in a float mask. A
+// tile of keys whose every score is masked changes nothing (its p are all 0 and the running max
+// stays), so the kernels start and stop their key loops there: a sliding window, chunks, packed
+// documents, padding or a causal mask given as a dense mask then cost what they show, as
+// is_causal's diagonal does. The rows are read last first, so that a causal mask's widest row
+// sets the end at once.
+template <typename T>
+inline std::pair<int64_t, int64_t> mask_keys(const MaskView& mask, int64_t b, int64_t h, int64_t i0, int64_t m,
+                                             int64_t kv_len) {
+  if (mask.kind == MaskKind::kNone || kv_len == 0) {
+    return {0, kv_len};
+  }
+  const int64_t rows = mask.stride_q == 0 ? std::min<int64_t>(m, 1) : m;
+  const int64_t stride = mask.stride_kv;
+  const int64_t keys = stride == 0 ? 1 : kv_len;  // one entry for every key: read it once
+  int64_t begin = keys, end = 0;
+  for (int64_t r = rows - 1; r >= 0 && (begin > 0 || end < keys); --r) {
+    const int64_t at = mask.offset(b, h, i0 + r, 0);
+    switch (mask.kind) {
+      case MaskKind::kBool:
+        widen_to_visible<T>(static_cast<const unsigned char*>(mask.data) + at, stride, keys, begin, end);
+        break;
+      case MaskKind::kFloat:
+        widen_to_visible<T>(static_cast<const float*>(mask.data) + at, stride, keys, begin, end);
+        break;
+      case MaskKind::kHalf:
+        widen_to_visible<T>(static_cast<const c10::Half*>(mask.data) + at, stride, keys, begin, end);
+        break;
+      case MaskKind::kBFloat16:
+        widen_to_visible<T>(static_cast<const c10::BFloat16*>(mask.data) + at, stride, keys, begin, end);
+        break;
+      case MaskKind::kDouble:
+        widen_to_visible<T>(static_cast<const double*>(mask.data) + at, stride, keys, begin, end);
+        break;
+      case MaskKind::kNone:
+        break;
+    }
+  }
+  if (begin >= end) {
+    return {0, 0};
+  }
+  return stride == 0 ? std::pair<int64_t, int64_t>{0, kv_len} : std::pair<int64_t, int64_t>{begin, end};
+}
+
+// mask_keys of every query tile (q_block rows) of every (batch, head), computed once per call,
+// in parallel, before the kernel's own loop: heads or batch rows that share the mask (stride 0)
+// share their spans, so a [B, 1, Q, KV] mask is read once, not once per head.
+class MaskSpans {
+ public:
+  template <typename T>
+  static MaskSpans compute(const MaskView& mask, int64_t batch, int64_t heads, int64_t q_len, int64_t kv_len,
+                           int64_t q_block) {
+    MaskSpans spans = every_key(kv_len);
+    if (mask.kind == MaskKind::kNone) {
+      return spans;
+    }
+    spans.batch_ = mask.stride_b == 0 ? 1 : batch;
+    spans.heads_ = mask.stride_h == 0 ? 1 : heads;
+    spans.tiles_ = mask.stride_q == 0 ? 1 : (q_len + q_block - 1) / q_block;
+    spans.spans_.resize(spans.batch_ * spans.heads_ * spans.tiles_);
+    const int64_t rows = mask.stride_q == 0 ? std::min<int64_t>(q_len, 1) : q_block;
+    at::parallel_for(0, static_cast<int64_t>(spans.spans_.size()), grain_for(rows * kv_len, int64_t{1} << 16),
+                     [&](int64_t begin, int64_t end) {
+                       for (int64_t index = begin; index < end; ++index) {
+                         const int64_t t = index % spans.tiles_, bh = index / spans.tiles_;
+                         const int64_t i0 = t * q_block;
+                         spans.spans_[index] = mask_keys<T>(mask, bh / spans.heads_, bh % spans.heads_, i0,
+                                                            std::min(rows, q_len - i0), kv_len);
+                       }
+                     });
+    return spans;
+  }
+
+  // Every key for every tile: what compute gives without a mask.
+  static MaskSpans every_key(int64_t kv_len) {
+    MaskSpans spans;
+    spans.kv_len_ = kv_len;
+    return spans;
+  }
+
+  // The span of query tile t of head h of batch b ([0, kv_len) without a mask).
+  std::pair<int64_t, int64_t> at(int64_t b, int64_t h, int64_t t) const {
+    if (spans_.empty()) {
+      return {0, kv_len_};
+    }
+    const int64_t index = ((batch_ == 1 ? 0 : b) * heads_ + (heads_ == 1 ? 0 : h)) * tiles_ + (tiles_ == 1 ? 0 : t);
+    return spans_[index];
+  }
+
+ private:
+  int64_t kv_len_ = 0, batch_ = 1, heads_ = 1, tiles_ = 1;
+  std::vector<std::pair<int64_t, int64_t>> spans_;
+};
 
 // s += bias, except s = -inf where the bias is -inf: a masked element hides its score, NaN
 // included (as a False bool does, and as the CUDA kernels and the backward's add_staged_mask do).

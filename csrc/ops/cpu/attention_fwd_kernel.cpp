@@ -290,6 +290,9 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
   // Key j is visible to query i iff j <= i + diagonal.
   const int64_t diagonal = a.q_offset - a.kv_offset;
 
+  // The key span each query tile's mask rows leave (mask_keys), read once per call.
+  const MaskSpans spans = MaskSpans::compute<acc_t>(mask, batch, hq, q_len, kv_len, kQBlock);
+
   const int64_t tasks = batch * hq * q_tiles;
   // Tiles no larger than the problem: a decoding call allocates and clears a few hundred bytes,
   // not the 128 KB of a full 64 x 512 score tile. ld_scores is the score tile's row stride.
@@ -318,9 +321,9 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
 
       // Keys past the last row's diagonal are invisible to the whole tile, as are those outside
-      // the span a bool mask leaves the tile's rows (the start kept a multiple of kVnniCols, the
+      // the span the mask leaves the tile's rows (the start kept a multiple of kVnniCols, the
       // packed tiles' column block).
-      const auto [mask_begin, mask_end] = bool_mask_keys(mask, b, h, i0, m, kv_len);
+      const auto [mask_begin, mask_end] = spans.at(b, h, tile);
       const int64_t kv_end = std::min(causal ? clamp_to(i0 + m - 1 + diagonal + 1, 0, kv_len) : kv_len, mask_end);
       for (int64_t j0 = mask_begin / kVnniCols * kVnniCols; j0 < kv_end; j0 += kKvBlock) {
         const int64_t n = std::min(kKvBlock, kv_end - j0);
