@@ -424,6 +424,22 @@ def test_causal_padding_masks_run_as_is_causal_and_a_key_mask(monkeypatch, side)
     torch.testing.assert_close(out, dense_out, rtol=1e-5, atol=1e-5)
 
 
+def test_inference_mode_masks_run_dense(monkeypatch):
+    # A mask made under torch.inference_mode has no version counter, so it is never noted: the
+    # model runs, with the dense mask, and gives the logits of no_grad's run.
+    calls = []
+    _op_spy(monkeypatch, calls)
+    config = make_config("llama")
+    model = make_model(config, "safeattn")
+    kwargs, _ = model_inputs("left")
+    with torch.inference_mode():
+        out = model(**kwargs).logits.float()
+    assert calls and all(
+        mask is not None and mask[2] > 1 and not causal for _, causal, mask, _, _ in calls
+    ), calls
+    torch.testing.assert_close(out, logits(model, kwargs), rtol=1e-5, atol=1e-5)
+
+
 def test_a_noted_mask_changed_or_copied_runs_as_the_dense_mask(monkeypatch):
     # The note holds only for the mask as built: changed in place (here: the last query of row 0
     # loses every key) or copied, it runs as the dense mask it is.

@@ -206,7 +206,8 @@ class _CausalPadding:
     the dense mask's speed, forward and backward, B4 S2048 bf16 and float32 on an AMD EPYC; H200:
     0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md). ``version`` is the
     mask's ``_version`` when noted: a mask changed in place since then runs as the dense mask it
-    is, as does any new tensor made from it (a slice, a copy), which carries no note."""
+    is, as does any new tensor made from it (a slice, a copy), which carries no note, and a mask
+    made under ``torch.inference_mode`` (no version counter: never noted)."""
 
     keys: torch.Tensor | None
     causal: bool
@@ -222,8 +223,9 @@ def _note_causal_padding(
     mask: torch.Tensor, described, kv_length: int, q_offset: int, kv_offset: int
 ) -> None:
     """Notes on ``mask`` (a plain attribute, eager only) what it stands for, when that is
-    causality and padding alone: no window, chunks, packed sequences or blocks."""
-    if any(
+    causality and padding alone: no window, chunks, packed sequences or blocks. Not on a tensor
+    made under ``torch.inference_mode``: it has no version counter to tell a change in place."""
+    if mask.is_inference() or any(
         x is not None
         for x in (described.sliding_window, described.chunk_size, described.packed_ids, described.block_ids)
     ):
