@@ -7,7 +7,8 @@
 //
 // (-DHOPPER_BWD_CHECK_D=64 or 128: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
 // the dispatched variants alone, a shorter build.)
-// Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)]. For each
+// Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
+// causal key-tile order, tile_order.h)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
 // the kernel given row_shift and delta as the rows pre-pass makes them (from a float64 forward),
 // then a float64 CPU reference of dQ, dK, dV over odd shapes (Q/KV in 1, 17, 97, 300, 1025;
@@ -37,6 +38,18 @@
 using safeattn::cuda::hopper::BwdConfig;
 using safeattn::cuda::hopper::BwdParams;
 using safeattn::cuda::hopper::kBwdRowPad;
+
+// --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
+// head); 0, the default, head_group_for's choice, as the extension runs. For the reference checks
+// and the timings alike.
+static int g_head_group = 0;
+
+// The SM count: the backward runs one CTA per SM (BwdParams::resident_ctas).
+static int resident_ctas() {
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return sms;
+}
 
 struct GradError {
   double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
@@ -163,6 +176,8 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.causal = cs.causal;
+  p.head_group = g_head_group;
+  p.resident_ctas = resident_ctas();
   p.causal_shift = std::min<int64_t>(std::max<int64_t>(cs.shift, -int64_t{cs.q_len} - 1), cs.kv_len);
   CHECK_CUDA((safeattn::cuda::hopper::launch_bwd_config<T, Config>(p, 0)));
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -329,6 +344,8 @@ static void time_variant(const char* name, bool causal) {
   p.scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
   p.causal = causal;
+  p.head_group = g_head_group;
+  p.resident_ctas = resident_ctas();
   p.causal_shift = 0;
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
@@ -397,6 +414,8 @@ static int check_variant(const char* name, bool quick, bool check, bool timing) 
 int main(int argc, char** argv) {
   bool quick = false, check = true, timing = true;
   for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--head-group") && i + 1 < argc)
+      g_head_group = atoi(argv[++i]);
     if (!strcmp(argv[i], "--quick"))
       quick = true;
     if (!strcmp(argv[i], "--no-timing"))
@@ -408,7 +427,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  printf("device %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
+  printf("device %s, %d SMs, sm_%d%d, head group %d%s\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
+         g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
   int failed = 0;
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, query rows per step, keys per CTA, stages[, dQ by own keys,

@@ -6,8 +6,9 @@
 //        scripts/hopper_fwd_check.cu -o hopper_fwd_check
 //
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
-// [--profile (two causal launches of each default, nothing else: for ncu)] [--trace (built with -DSAFEATTN_FWD_TRACE:
-// the causal defaults' per-tile timeline, where a launch's time goes)]. For each kernel variant: fresh random
+// [--profile (two causal launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
+// tile_order.h)] [--trace (built with -DSAFEATTN_FWD_TRACE: the causal defaults' per-tile timeline, where a launch's
+// time goes)]. For each kernel variant: fresh random
 // inputs (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1,
 // 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
 // strides) comparing out, lse, lse + lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16
@@ -32,6 +33,11 @@
 
 using safeattn::cuda::hopper::FwdConfig;
 using safeattn::cuda::hopper::FwdParams;
+
+// --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
+// head); 0, the default, head_group_for's choice, as the extension runs. For the reference checks
+// and the timings alike.
+static int g_head_group = 0;
 
 struct Errors {
   double out_rel_l2 = 0, out_max_abs = 0, lse_max_abs = 0, lse2_max_abs = 0;
@@ -80,6 +86,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   p.q_len = cs.q_len, p.kv_len = cs.kv_len;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.causal = cs.causal;
+  p.head_group = g_head_group;
   p.causal_shift = std::min<int64_t>(std::max<int64_t>(cs.shift, -int64_t{cs.q_len} - 1), cs.kv_len);
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -299,6 +306,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     p.causal_shift = KV - S;  // bottom-right aligned when KV < S (rows before S - KV see no key)
     p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
     p.causal = causal;
+    p.head_group = g_head_group;
     p.max_ctas = persistent ? sms : 0;
     p.tile_counter = dynamic ? counter : nullptr;
     return p;
@@ -390,6 +398,8 @@ static int check_variant(const char* name, bool quick, bool timing) {
 int main(int argc, char** argv) {
   bool quick = false, timing = true;
   for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--head-group") && i + 1 < argc)
+      g_head_group = atoi(argv[++i]);
     if (!strcmp(argv[i], "--quick"))
       quick = true;
     if (!strcmp(argv[i], "--no-timing"))
@@ -417,13 +427,15 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (g_profile || g_trace) {
+    printf("head group %d%s\n", g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
     time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
     time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
     return 0;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  printf("device %s, %d SMs, sm_%d%d\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor);
+  printf("device %s, %d SMs, sm_%d%d, head group %d%s\n", prop.name, prop.multiProcessorCount, prop.major, prop.minor,
+         g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
   int failed = 0;
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, key tile, stages, consumer warpgroups, ping-pong)

@@ -88,6 +88,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.causal = a.is_causal;
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
+  p.resident_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
   // A mask is summarised per (query tile, key tile) first: fully masked ones are skipped.
   at::Tensor summary, diagonals;
   if (a.mask.defined()) {

@@ -262,6 +262,7 @@ struct Bwd {
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
+    int head_group;                    // BwdParams::head_group, at least 1
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked step is one tile of the mask summary");
@@ -272,11 +273,29 @@ struct Bwd {
   // trip (all in flight at once), so a long masked run (the keys a causal mask hides from the
   // first query tiles) costs a few round trips instead of one per step.
   static constexpr int kWalkLoads = 8;
-  static __device__ TileVisit visit_from(const Params& p, int step, int steps, int m_begin) {
+
+  // The (key tile, kv head, batch) of this CTA. The grid is (key tiles, kv heads, batch) and the
+  // hardware hands its blocks out in linear order; under causality (or a mask) that order is read
+  // as longest_first's over the (batch, kv head)s, so key tile 0 (seen by every query) and the
+  // other long ones go first in each group of heads (tile_order.h).
+  struct Block {
+    int n_block, kv_head, batch;
+  };
+  static __device__ __forceinline__ Block block_coords(const Params& p) {
+    const int64_t blocks = int64_t{gridDim.x} * gridDim.y * gridDim.z;
+    if ((!p.causal && !kMasked) || blocks > INT32_MAX) {
+      return Block{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+    }
+    const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    const TileRank r =
+        longest_first(linear, static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z), p.head_group);
+    return Block{r.rank, r.head % static_cast<int>(gridDim.y), r.head / static_cast<int>(gridDim.y)};
+  }
+  static __device__ TileVisit visit_from(const Params& p, const Block& block, int step, int steps, int m_begin) {
     if constexpr (!kMasked) {
       return TileVisit{step, attn::kTileVisible, 0};
     }
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
     const int m_count = p.m_blocks - m_begin;
     int group_head = step / m_count, m = m_begin + step % m_count;
     for (; group_head < p.group; ++group_head, m = m_begin) {
@@ -314,9 +333,9 @@ struct Bwd {
 
   // ---- producer ------------------------------------------------------------------------------
 
-  static __device__ void produce(const Params& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do, int steps,
-                                 int m_begin) {
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  static __device__ void produce(const Params& p, const Block& block, SharedStorage& smem, Pipeline& pipe_q,
+                                 Pipeline& pipe_do, int steps, int m_begin) {
+    const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
     const int m_count = p.m_blocks - m_begin;
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
@@ -329,7 +348,7 @@ struct Bwd {
     auto cta_k = p.tma_k.get_slice(_0{});
     auto cta_v = p.tma_v.get_slice(_0{});
     auto& kv_full = smem.kv_full;
-    TileVisit visit = visit_from(p, 0, steps, m_begin);
+    TileVisit visit = visit_from(p, block, 0, steps, m_begin);
     if constexpr (kMasked) {
       write_visit(smem.first_visit, visit);  // published by kv_full's arrive
     }
@@ -351,7 +370,7 @@ struct Bwd {
       const int step = visit.position;
       const int head = kv_head * p.group + step / m_count;
       const int m_block = m_begin + step % m_count;
-      visit = visit_from(p, step + 1, steps, m_begin);
+      visit = visit_from(p, block, step + 1, steps, m_begin);
       if constexpr (kMasked) {
         write_visit(smem.next_visit[q_loads % kVisitSlots], visit);
       }
@@ -379,9 +398,9 @@ struct Bwd {
 
   // ---- consumers -----------------------------------------------------------------------------
 
-  static __device__ void consume(const Params& p, SharedStorage& smem, Pipeline& pipe_q, Pipeline& pipe_do, int steps,
-                                 int m_begin) {
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  static __device__ void consume(const Params& p, const Block& block, SharedStorage& smem, Pipeline& pipe_q,
+                                 Pipeline& pipe_do, int steps, int m_begin) {
+    const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
     const int m_count = p.m_blocks - m_begin;
     const int mma_thread = threadIdx.x - 128;
     const int wg = mma_thread / 128;
@@ -664,7 +683,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   using Pipeline = typename Kernel::Pipeline;
   const int warp = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 32, 0);
   const bool producer = warp / 4 == 0;
-  const int m_begin = Kernel::first_m_block(p, blockIdx.x);
+  const typename Kernel::Block block = Kernel::block_coords(p);
+  const int m_begin = Kernel::first_m_block(p, block.n_block);
   const int steps = p.group * (p.m_blocks - m_begin);
 
   if (threadIdx.x == 0) {
@@ -688,11 +708,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegs>();
     if (threadIdx.x == 0 && steps > 0) {
-      Kernel::produce(p, smem, pipe_q, pipe_do, steps, m_begin);
+      Kernel::produce(p, block, smem, pipe_q, pipe_do, steps, m_begin);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegs>();
-    Kernel::consume(p, smem, pipe_q, pipe_do, steps, m_begin);
+    Kernel::consume(p, block, smem, pipe_q, pipe_do, steps, m_begin);
   }
 #endif
 }
@@ -801,6 +821,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
+  p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);

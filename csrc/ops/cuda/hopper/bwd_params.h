@@ -63,6 +63,11 @@ struct BwdParams {
   // (query tile, key tile) pairs are skipped, mixed ones read the mask per element.
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
+  // Causal (and masked) key tiles go longest first within groups of at most head_group (batch,
+  // kv head)s (hopper/tile_order.h); 0: head_group_for's choice for resident_ctas CTAs at once;
+  // 1: the grid's own order, head after head, each longest first.
+  int head_group = 0;
+  int resident_ctas = 0;  // CTAs that run at once: the SM count (one CTA per SM); 0: unknown
 };
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in

@@ -53,6 +53,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "ops/cuda/hopper/fwd_params.h"
+#include "ops/cuda/hopper/tile_order.h"
 
 namespace safeattn::cuda::hopper {
 
@@ -364,6 +365,8 @@ struct Fwd {
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
+    int head_group;                    // FwdParams::head_group, at least 1
+    int batch_heads;                   // batch * heads: tiles / m_blocks
   };
   static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked tile is one of the mask summary's tiles");
@@ -377,11 +380,17 @@ struct Fwd {
 
   static __device__ __forceinline__ Tile tile_at(const Params& p, int index) {
     Tile t;
-    const int bh = index / p.m_blocks;
-    const int m = index - bh * p.m_blocks;
-    // Causal (or masked, which is mostly causal): the longest rows first within each head, so
-    // the short tiles fill the tail.
-    t.m_block = p.causal || kMasked ? p.m_blocks - 1 - m : m;
+    int bh;
+    if (p.causal || kMasked) {
+      // Causal (or masked, which is mostly causal): the longest rows first, so that short tiles
+      // fill the tail (tile_order.h).
+      const TileRank r = longest_first(index, p.m_blocks, p.batch_heads, p.head_group);
+      bh = r.head;
+      t.m_block = p.m_blocks - 1 - r.rank;
+    } else {
+      bh = index / p.m_blocks;
+      t.m_block = index - bh * p.m_blocks;
+    }
     t.head = bh % p.heads;
     t.batch = bh / p.heads;
     int64_t kv_end = p.kv_len;
@@ -966,13 +975,15 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.mask_tiles = a.mask_tiles;
   p.tile_counter = a.tile_counter;
   p.trace = a.trace;
+  p.batch_heads = a.heads * a.batch;
+  const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
+  p.head_group = a.head_group > 0 ? a.head_group : head_group_for(p.m_blocks, p.batch_heads, grid);
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (err != cudaSuccess) {
     return err;
   }
-  const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }

@@ -1,0 +1,78 @@
+// The sm_90a kernels' causal tile order (ops/cuda/hopper/tile_order.h), checked on the host: every
+// tile exactly once, head after head when head_group is 1, within each group of heads the longest
+// tiles (rank 0) first, and the groups as equal as they can be; and head_group_for's rule.
+#define CATCH_CONFIG_PREFIX_ALL
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+#include "ops/cuda/hopper/tile_order.h"
+
+using safeattn::cuda::hopper::head_group_for;
+using safeattn::cuda::hopper::longest_first;
+using safeattn::cuda::hopper::TileRank;
+
+CATCH_TEST_CASE("longest_first visits every tile once, longest first within each head group") {
+  for (int tiles_per_head : {1, 3, 32}) {
+    for (int heads : {1, 5, 16, 64}) {
+      for (int head_group : {1, 2, 4, 7, 9, 64, 100}) {
+        CATCH_CAPTURE(tiles_per_head, heads, head_group);
+        // The groups: ceil(heads / head_group) of them, the heads dealt out one at a time, so
+        // their sizes differ by at most one, the larger ones first; consecutive heads each.
+        std::vector<int> sizes((heads + head_group - 1) / head_group, 0);
+        for (int h = 0; h < heads; ++h) {
+          ++sizes[h % sizes.size()];
+        }
+        std::vector<int> seen(static_cast<size_t>(heads) * tiles_per_head, 0);
+        int index = 0, first_head = 0;
+        for (int size : sizes) {
+          CATCH_REQUIRE(size <= head_group);
+          int previous_rank = 0;
+          for (int i = 0; i < size * tiles_per_head; ++i, ++index) {
+            const TileRank r = longest_first(index, tiles_per_head, heads, head_group);
+            // Inside its group, every tile once, and the ranks never decrease (longest first).
+            CATCH_REQUIRE(r.head >= first_head);
+            CATCH_REQUIRE(r.head < first_head + size);
+            CATCH_REQUIRE(r.rank >= previous_rank);
+            CATCH_REQUIRE(r.rank < tiles_per_head);
+            previous_rank = r.rank;
+            ++seen[static_cast<size_t>(r.head) * tiles_per_head + r.rank];
+            if (head_group == 1) {  // the kernels' order before the groups: head after head
+              CATCH_REQUIRE(r.head == index / tiles_per_head);
+              CATCH_REQUIRE(r.rank == index % tiles_per_head);
+            }
+          }
+          first_head += size;
+        }
+        for (int count : seen) {
+          CATCH_REQUIRE(count == 1);
+        }
+      }
+    }
+  }
+}
+
+CATCH_TEST_CASE("head_group_for: the fewest heads with twice the resident CTAs' tiles, within bounds") {
+  // 132 CTAs (an H100), 64 (batch, head)s: 32 tiles per head (S = 4096, 128-row tiles) need 9
+  // heads for 264 tiles; 22 (192-row tiles) need 12; 64 tiles need 5.
+  CATCH_REQUIRE(head_group_for(32, 64, 132) == 9);
+  CATCH_REQUIRE(head_group_for(22, 64, 132) == 12);
+  CATCH_REQUIRE(head_group_for(64, 64, 132) == 5);
+  CATCH_REQUIRE(head_group_for(1000, 64, 132) == 1);  // one head already has the tiles
+  CATCH_REQUIRE(head_group_for(8, 16, 132) == 16);    // never more than the heads there are
+  CATCH_REQUIRE(head_group_for(0, 16, 132) == 1);     // nothing known: head after head
+  CATCH_REQUIRE(head_group_for(32, 16, 0) == 1);
+  for (int tiles : {1, 7, 32, 33, 100}) {
+    for (int heads : {1, 3, 64, 1000}) {
+      const int g = head_group_for(tiles, heads, 132);
+      CATCH_REQUIRE(g >= 1);
+      CATCH_REQUIRE(g <= heads);
+      if (g < heads) {  // enough tiles, and one head fewer would not be
+        CATCH_REQUIRE(g * tiles >= 2 * 132);
+      }
+      if (g > 1) {
+        CATCH_REQUIRE((g - 1) * tiles < 2 * 132);
+      }
+    }
+  }
+}
