@@ -56,11 +56,17 @@ def _compare(name, got, ref64, ref_low, factor, floor):
     ), f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
 
 
-def _check_against_reference(q, k, v, *, grads=True, check_lse_grad=False, extra_grad_inputs=(), **kwargs):
-    """Runs kernel, float64 reference and low-precision reference; compares out, lse and grads."""
+def _check_against_reference(
+    q, k, v, *, grads=True, check_lse_grad=False, extra_grad_inputs=(), reference_mask=None, **kwargs
+):
+    """Runs kernel, float64 reference and low-precision reference; compares out, lse and grads.
+    ``reference_mask``: the references' ``attn_mask`` where the kernel's is not a tensor (a
+    MaskDescription)."""
     dtype = q.dtype
     out, lse = safeattn.attention(q, k, v, **kwargs)
     assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    if reference_mask is not None:
+        kwargs = {**kwargs, "attn_mask": reference_mask}
     ref_out, ref_lse = reference.attention(q, k, v, **kwargs)
     low_dtype = dtype if dtype != torch.float64 else torch.float32
     low_out, low_lse = reference.attention(q, k, v, compute_dtype=low_dtype, **kwargs)
@@ -177,6 +183,171 @@ def test_sdpa_mask_kinds(device, kind, mask_dtype):
             lse[0, :, :5].isneginf()
         ), "fully masked rows not 0/-inf"
     _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# Described masks: attention(MaskDescription) is attention with the mask sdpa_mask would build.
+_DESCRIBED_KINDS = {
+    **{
+        kind: kw
+        for kind, kw in _sdpa_mask_cases(2, 1, 1).items()
+        if kind not in ("padding", "sliding_padding", "chunked_left_padding", "packed", "blocks")
+    },
+    "padding": "padding",  # built per case below: their tensors are [B, L], L = kv_offset + KV
+    "right_padding": "right_padding",
+    "bidirectional_padding": "bidirectional_padding",
+    "sliding_padding": "sliding_padding",
+    "chunked_left_padding": "chunked_left_padding",
+    "packed": "packed",
+    "packed_padding": "packed_padding",
+    "blocks": "blocks",
+}
+
+
+def _described_kwargs(kind, batch, width):
+    """sdpa_mask's rule keywords for `kind` over key positions 0 .. width - 1."""
+    cases = _sdpa_mask_cases(batch, width, width)
+    right = torch.ones(batch, width, dtype=torch.long)
+    right[1, width - 9 :] = 0  # right padding: the last keys of row 1
+    extra = {
+        "right_padding": {"padding_mask": right},
+        "bidirectional_padding": {"causal": False, "padding_mask": cases["padding"]["padding_mask"]},
+        "packed_padding": {**cases["packed"], "padding_mask": cases["padding"]["padding_mask"]},
+    }
+    return dict(extra.get(kind) or cases.get(kind) or _DESCRIBED_KINDS[kind])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(_DESCRIBED_KINDS))
+@pytest.mark.parametrize(
+    ("q_len", "kv_len", "q_offset", "kv_offset"), [(40, 40, 0, 0), (9, 45, 36, 0), (1, 30, 34, 6)]
+)
+def test_described_masks_match_sdpa_mask(device, kind, q_len, kv_len, q_offset, kv_offset):
+    # Every mask kind at three placements (prefill; a chunk of queries at the end of the keys;
+    # one decoded query over keys that start at 6): the description materialises bit for bit
+    # to the reference's mask, and attention with it gives what the references give with that
+    # mask, forward and backward, fully masked rows included.
+    batch = 2
+    kw = _described_kwargs(kind, batch, kv_offset + kv_len)
+    description = safeattn.MaskDescription(**kw)
+    dense = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, **kw)
+    drawn = description.materialise(batch, q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
+    assert torch.equal(drawn, dense), f"{kind}: materialise differs from the reference mask"
+    description = safeattn.MaskDescription(
+        **{name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
+    )
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
+    _check_against_reference(
+        q,
+        k,
+        v,
+        attn_mask=description,
+        enable_gqa=True,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        reference_mask=dense.to(device),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["padding", "sliding_padding", "packed_padding"])
+def test_described_masks_low_precision(device, dtype, kind):
+    batch, q_len, kv_len = 2, 130, 130  # more than one tile each way
+    kw = _described_kwargs(kind, batch, kv_len)
+    dense = reference.sdpa_mask(batch, q_len, kv_len, **kw)
+    description = safeattn.MaskDescription(
+        **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    )
+    q, k, v = _qkv(batch, 4, 4, q_len, kv_len, 64, dtype, device)
+    out, lse = _check_against_reference(q, k, v, attn_mask=description, reference_mask=dense.to(device))
+    dense_out, dense_lse = safeattn.attention(q, k, v, dense.to(device))
+    torch.testing.assert_close(out, dense_out, msg=f"{kind}: description against its dense mask")
+    torch.testing.assert_close(lse, dense_lse)
+
+
+def test_described_causal_padding_is_never_drawn(monkeypatch):
+    # Causality and key padding alone run as is_causal plus a [B, 1, 1, KV] key mask at the
+    # call's positions: sdpa_mask is never called. A window is drawn (for now).
+    batch, q_len, kv_len, kv_offset = 2, 5, 12, 3
+    pad = torch.ones(batch, kv_offset + kv_len, dtype=torch.long)
+    pad[0, :7] = 0
+    q, k, v = _qkv(batch, 2, 2, q_len, kv_len, 16, torch.float32, "cpu")
+    from safeattn import ops
+
+    mask, is_causal = ops._described_mask(safeattn.MaskDescription(padding_mask=pad), q, k, 10, kv_offset)
+    assert is_causal and mask.dtype == torch.bool and mask.shape == (batch, 1, 1, kv_len)
+    assert torch.equal(mask[:, 0, 0], pad[:, kv_offset:].bool())
+    mask, is_causal = ops._described_mask(safeattn.MaskDescription(causal=False), q, k, 0, 0)
+    assert mask is None and not is_causal, "bidirectional without padding: no mask at all"
+    mask, is_causal = ops._described_mask(safeattn.MaskDescription(sliding_window=3), q, k, 10, kv_offset)
+    assert is_causal and mask.shape == (batch, 1, q_len, kv_len), "a window is drawn, is_causal kept"
+    blocks = torch.full((batch, kv_offset + kv_len), -1)
+    mask, is_causal = ops._described_mask(safeattn.MaskDescription(block_ids=blocks), q, k, 10, kv_offset)
+    assert not is_causal, "blocks reach past the diagonal: is_causal would hide them"
+
+    def no_drawing(*args, **kwargs):
+        raise AssertionError("sdpa_mask called for a causal + padding description")
+
+    monkeypatch.setattr(ops, "sdpa_mask", no_drawing)
+    out, lse = safeattn.attention(
+        q, k, v, safeattn.MaskDescription(padding_mask=pad), q_offset=10, kv_offset=kv_offset
+    )
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    ("description", "kwargs", "message"),
+    [
+        ({}, {"is_causal": True}, "is_causal must be False"),
+        (
+            {"padding_mask": torch.ones(3, 8, dtype=torch.bool)},
+            {},
+            r"padding_mask must be \[B, L\] with B = 2",
+        ),
+        ({"padding_mask": torch.ones(8, dtype=torch.bool)}, {}, "padding_mask must be"),
+        ({}, {"q_offset": -1}, "q_offset and kv_offset are positions"),
+        ({"sliding_window": 0}, {}, "sliding_window"),
+        ({"packed_ids": torch.zeros(2, 3, dtype=torch.long)}, {}, "packed_ids"),
+        ({"chunk_size": -2}, {}, "chunk_size"),
+    ],
+)
+def test_described_mask_bad_inputs(description, kwargs, message):
+    q, k, v = _qkv(2, 2, 2, 4, 8, 16, torch.float32, "cpu")
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        safeattn.attention(q, k, v, safeattn.MaskDescription(**description), **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
+def test_described_masks_compile_fullgraph_dynamic(device):
+    # Descriptions made inside and passed into a compiled function trace without a break, with
+    # symbolic lengths and offsets, and give eager's values and gradients.
+    torch._dynamo.reset()
+
+    def fn(q, k, v, keep, ids):
+        q_offset = k.shape[2] - q.shape[2]
+        padded, _ = safeattn.attention(
+            q, k, v, safeattn.MaskDescription(padding_mask=keep), q_offset=q_offset
+        )
+        packed, _ = safeattn.attention(
+            q, k, v, safeattn.MaskDescription(packed_ids=ids, padding_mask=keep), q_offset=q_offset
+        )
+        return padded.float().square().sum() + packed.float().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for q_len, kv_len in ((9, 17), (12, 33)):
+        q, k, v = _qkv(2, 2, 2, q_len, kv_len, 32, torch.float32, device)
+        keep = torch.ones(2, kv_len, dtype=torch.bool, device=device)
+        keep[0, :4] = False
+        ids = (torch.arange(kv_len, device=device) // 5).expand(2, kv_len).contiguous()
+        inputs = (q, k, v, keep, ids)
+        want = fn(*inputs)
+        want_grads = torch.autograd.grad(want, (q, k, v))
+        got = compiled(*inputs)
+        got_grads = torch.autograd.grad(got, (q, k, v))
+        torch.testing.assert_close(got, want, msg="compiled forward differs from eager")
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, msg="compiled backward differs from eager")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -417,7 +417,7 @@ def test_causal_padding_masks_run_as_is_causal_and_a_key_mask(monkeypatch, side)
     ), "the logits' forward"
 
     calls.clear()
-    monkeypatch.setattr(st, "_causal_padding", lambda *args: None)  # the dense masks instead
+    monkeypatch.setattr(st, "_noted", lambda *args: None)  # the dense masks instead
     dense_tokens, dense_out = run()
     assert calls and all(not causal and mask is not None for _, causal, mask, _, _ in calls), "dense masks"
     assert torch.equal(tokens, dense_tokens), "the same greedy tokens"

@@ -8,7 +8,7 @@ import torch  # loads libtorch, which _C links against
 
 from . import _build_check
 from ._version import __version__
-from .ops import attention, masked_softmax, safe_softmax, sdpa_mask
+from .ops import MaskDescription, attention, masked_softmax, safe_softmax, sdpa_mask
 
 # Checked before _C loads: a _C built for another torch fails with an undefined symbol or aborts
 # the interpreter. `python -m safeattn info` gets the package without _C, to print this itself.
@@ -23,7 +23,15 @@ if _build_problem is None:
     # Registrations; distributed registers its DTensor rules once torch.distributed.tensor is imported.
     from . import _autograd, _fake, distributed  # noqa: F401
 
-__all__ = ["__version__", "attention", "build_info", "masked_softmax", "safe_softmax", "sdpa_mask"]
+__all__ = [
+    "MaskDescription",
+    "__version__",
+    "attention",
+    "build_info",
+    "masked_softmax",
+    "safe_softmax",
+    "sdpa_mask",
+]
 
 
 def build_info() -> dict:

@@ -12,7 +12,7 @@ lives in the closures.
 :func:`read_mask_function` recognises a closure by its code object (the inner function of a
 factory has one code object for every closure it makes), reads its parameters from its cells by
 free-variable name, and gives a :class:`MaskDescription`, or :class:`NotRecognised` with the
-reason in words. A factory missing from this Transformers release, or whose free variables are
+reason in words (``MaskDescription`` is the public ``safeattn.MaskDescription``). A factory missing from this Transformers release, or whose free variables are
 named otherwise, is not recognised; tests/test_transformers_masks.py fails when a mask that a
 supported model builds is not recognised, so a release that renames what is read here shows up
 as a test failure, not as a silent fallback.
@@ -21,9 +21,8 @@ The description is the mask in the terms of the native op, ``((base AND packed) 
 padding`` (``safeattn.sdpa_mask``'s docstring gives each rule): a causal flag, a window, a
 chunking, and ``[B]`` / ``[B, L]`` tensors (chunk left padding, key padding, packed and block
 ids), never a ``[B, 1, Q, KV]`` tensor. ``MaskDescription.materialise`` builds it densely through
-``safeattn.sdpa_mask``, so every description has a dense twin to test against; an attention
-kernel can take the same fields instead of a dense mask and evaluate the rules from indices
-(``padding_key_bounds`` gives the per-batch key range of the padding as one interval).
+``safeattn.sdpa_mask``, so every description has a dense twin to test against, and
+``safeattn.attention`` takes the description itself.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from transformers import masking_utils as _mu
 
-from .ops import sdpa_mask as _sdpa_mask
+from .ops import MaskDescription, _and_padding
 
 __all__ = ["MaskDescription", "NotRecognised", "read_mask_function", "recognised_factories"]
 
@@ -45,99 +43,12 @@ __all__ = ["MaskDescription", "NotRecognised", "read_mask_function", "recognised
 DYNAMO_READS_CLOSURES = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class MaskDescription:
-    """A mask the native op builds: ``((base AND packed) OR block) AND padding``.
-
-    The fields are ``safeattn.sdpa_mask``'s keywords and mean what they mean there; positions
-    (query and key offsets, a query-position tensor) are call data, not part of the description.
-
-    Attributes:
-        causal: base ``kv <= q`` (True) or every key (False).
-        sliding_window: ``w > 0``: ``kv > q - w`` when causal, ``|q - kv| <= w`` when not.
-        chunk_size: ``c > 0``: ``(kv - p) // c == (q - p) // c``, ``p`` from chunk_left_padding.
-        chunk_left_padding: ``[B]`` integers, or None (0).
-        padding_mask: ``[B, L]`` bool or integer (nonzero attends); keys past ``L`` are padding.
-        packed_ids: ``[B, L]`` sequence ids, ANDed: ``ids[b, q] == ids[b, kv]``.
-        block_ids: ``[B, L]`` block ids, ORed onto base and packed: ``ids[b, q] == ids[b, kv]
-            and ids[b, q] >= 0``.
-    """
-
-    causal: bool = True
-    sliding_window: int | None = None
-    chunk_size: int | None = None
-    chunk_left_padding: torch.Tensor | None = None
-    padding_mask: torch.Tensor | None = None
-    packed_ids: torch.Tensor | None = None
-    block_ids: torch.Tensor | None = None
-
-    def with_padding(self, padding_mask: torch.Tensor | None) -> MaskDescription:
-        """This mask ANDed with one more ``[B, L]`` key padding mask (None: unchanged)."""
-        if padding_mask is None:
-            return self
-        return dataclasses.replace(self, padding_mask=_and_padding(self.padding_mask, padding_mask))
-
-    def sdpa_mask_kwargs(self) -> dict:
-        """The keywords of ``safeattn.sdpa_mask`` that build this mask."""
-        return {
-            "causal": self.causal,
-            "sliding_window": self.sliding_window,
-            "chunk_size": self.chunk_size,
-            "chunk_left_padding": self.chunk_left_padding,
-            "padding_mask": self.padding_mask,
-            "packed_ids": self.packed_ids,
-            "block_ids": self.block_ids,
-        }
-
-    def materialise(self, batch_size: int, q_length: int, kv_length: int, **call) -> torch.Tensor:
-        """The dense ``[batch_size, 1, q_length, kv_length]`` mask, by ``safeattn.sdpa_mask``.
-
-        ``call``: that op's keywords that are not rules: the positions (``q_offset``,
-        ``kv_offset``, ``q_positions``) and the output (``dtype``, ``use_finfo_min``, ``device``).
-        """
-        return _sdpa_mask(batch_size, q_length, kv_length, **call, **self.sdpa_mask_kwargs())
-
-    def padding_key_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The keys the padding keeps, per batch row, as one interval: ``(start, end, exact)``.
-
-        ``start``, ``end``: ``[B]`` int64, the first kept key position and one past the last
-        (both 0 on a row that keeps none); ``exact``: ``[B]`` bool, True where every position in
-        ``[start, end)`` is kept (left or right padding, or none), so that a kernel can bound its
-        key loop by the interval and drop the per-key padding test on those rows. Computed on the
-        padding mask's device with no host synchronisation. None without a padding mask.
-        """
-        if self.padding_mask is None:
-            return None
-        keep = self.padding_mask.bool()
-        width = keep.shape[-1]
-        position = torch.arange(width, device=keep.device)
-        kept = keep.sum(-1)
-        start = torch.where(keep, position, width).amin(-1)
-        end = torch.where(keep, position + 1, 0).amax(-1)
-        start = torch.where(kept > 0, start, 0)
-        return start, end, kept == end - start
-
-
 @dataclasses.dataclass(frozen=True)
 class NotRecognised:
     """A mask function the reader cannot describe; ``reason`` says why in words (the same words
     for the same cause, so that a caller can report each reason once)."""
 
     reason: str
-
-
-def _and_padding(first: torch.Tensor | None, second: torch.Tensor) -> torch.Tensor:
-    """Two ``[B, L]`` padding masks ANDed; the narrower counts as padding past its end."""
-    if first is None:
-        return second
-    width = max(first.shape[-1], second.shape[-1])
-    combined = None
-    for mask in (first, second):
-        mask = mask.bool()
-        if mask.shape[-1] < width:
-            mask = F.pad(mask, (0, width - mask.shape[-1]))
-        combined = mask if combined is None else combined & mask
-    return combined
 
 
 # --------------------------------------------------------------------------------------------

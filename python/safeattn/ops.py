@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+import dataclasses
 
-__all__ = ["masked_softmax", "safe_softmax", "sdpa_mask"]
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MaskDescription", "masked_softmax", "safe_softmax", "sdpa_mask"]
 
 
 def sdpa_mask(
@@ -98,6 +101,149 @@ def sdpa_mask(
     return torch.ops.safeattn.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, **kwargs)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskDescription:
+    """An attention mask given by its rules instead of stored: ``sdpa_mask``'s mask, undrawn.
+
+    The fields are ``sdpa_mask``'s keywords and mean what they mean there (its docstring gives
+    each rule): an element attends when ``((base AND packed) OR block) AND padding``. Positions
+    are not part of a description: ``attention`` takes them from its ``q_offset`` /
+    ``kv_offset`` and ``materialise`` from its arguments, so one description serves every layer
+    and step of a model. Pass it to ``attention`` as ``attn_mask``; it gives what the dense
+    mask ``sdpa_mask(B, Q, KV, q_offset, kv_offset, **description.sdpa_mask_kwargs())`` gives.
+
+    Example, a left-padded batch of causal rows and one padding-free row of two packed
+    documents (``[B, L]`` tensors, ``L`` at least ``kv_offset + KV``)::
+
+        padded = MaskDescription(padding_mask=attention_mask)          # causal + padding
+        packed = MaskDescription(packed_ids=torch.tensor([[0, 0, 0, 1, 1]]))
+        out, lse = safeattn.attention(q, k, v, padded)
+
+    Attributes:
+        causal: base ``kv <= q`` (True, the default) or every key (False).
+        sliding_window: ``w > 0``: ``kv > q - w`` when causal, ``|q - kv| <= w`` when not.
+        chunk_size: ``c > 0``: ``(kv - p) // c == (q - p) // c``, ``p`` from chunk_left_padding.
+        chunk_left_padding: ``[B]`` integers, or None (0).
+        padding_mask: ``[B, L]`` bool or integer (nonzero attends); keys past ``L`` are padding.
+        packed_ids: ``[B, L]`` sequence ids, ANDed: ``ids[b, q] == ids[b, kv]``.
+        block_ids: ``[B, L]`` block ids, ORed onto base and packed: ``ids[b, q] == ids[b, kv]
+            and ids[b, q] >= 0``.
+    """
+
+    causal: bool = True
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    chunk_left_padding: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
+    packed_ids: torch.Tensor | None = None
+    block_ids: torch.Tensor | None = None
+
+    def with_padding(self, padding_mask: torch.Tensor | None) -> MaskDescription:
+        """This mask ANDed with one more ``[B, L]`` key padding mask (None: unchanged)."""
+        if padding_mask is None:
+            return self
+        return dataclasses.replace(self, padding_mask=_and_padding(self.padding_mask, padding_mask))
+
+    def sdpa_mask_kwargs(self) -> dict:
+        """The keywords of ``safeattn.sdpa_mask`` that build this mask."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def materialise(self, batch_size: int, q_length: int, kv_length: int, **call) -> torch.Tensor:
+        """The dense ``[batch_size, 1, q_length, kv_length]`` mask, by ``safeattn.sdpa_mask``.
+
+        ``call``: that op's keywords that are not rules: the positions (``q_offset``,
+        ``kv_offset``, ``q_positions``) and the output (``dtype``, ``use_finfo_min``, ``device``).
+        """
+        return sdpa_mask(batch_size, q_length, kv_length, **call, **self.sdpa_mask_kwargs())
+
+    def is_causal_and_padding(self) -> bool:
+        """True when the mask is causality (or none) and key padding alone: no window, chunks,
+        packed sequences or blocks. ``attention`` runs such a mask as its ``is_causal`` plus a
+        ``[B, 1, 1, KV]`` key mask (``key_mask``), never drawn as ``[B, 1, Q, KV]``."""
+        return all(x is None for x in (self.sliding_window, self.chunk_size, self.packed_ids, self.block_ids))
+
+    def key_mask(self, kv_length: int, kv_offset: int = 0) -> torch.Tensor | None:
+        """The padding's keys at positions ``kv_offset ..`` as a bool ``[B, 1, 1, kv_length]``
+        mask (True attends; positions past the padding mask's width are padding), None
+        without a padding mask."""
+        if self.padding_mask is None:
+            return None
+        keep = self.padding_mask.bool()
+        missing = kv_offset + kv_length - keep.shape[-1]
+        if missing > 0:
+            keep = F.pad(keep, (0, missing))
+        return keep[:, kv_offset : kv_offset + kv_length][:, None, None, :]
+
+    def padding_key_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The keys the padding keeps, per batch row, as one interval: ``(start, end, exact)``.
+
+        ``start``, ``end``: ``[B]`` int64, the first kept key position and one past the last
+        (both 0 on a row that keeps none); ``exact``: ``[B]`` bool, True where every position in
+        ``[start, end)`` is kept (left or right padding, or none), so that a kernel can bound its
+        key loop by the interval and drop the per-key padding test on those rows. Computed on the
+        padding mask's device with no host synchronisation. None without a padding mask.
+        """
+        if self.padding_mask is None:
+            return None
+        keep = self.padding_mask.bool()
+        width = keep.shape[-1]
+        position = torch.arange(width, device=keep.device)
+        kept = keep.sum(-1)
+        start = torch.where(keep, position, width).amin(-1)
+        end = torch.where(keep, position + 1, 0).amax(-1)
+        start = torch.where(kept > 0, start, 0)
+        return start, end, kept == end - start
+
+
+def _and_padding(first: torch.Tensor | None, second: torch.Tensor) -> torch.Tensor:
+    """Two ``[B, L]`` padding masks ANDed; the narrower counts as padding past its end."""
+    if first is None:
+        return second
+    width = max(first.shape[-1], second.shape[-1])
+    combined = None
+    for mask in (first, second):
+        mask = mask.bool()
+        if mask.shape[-1] < width:
+            mask = F.pad(mask, (0, width - mask.shape[-1]))
+        combined = mask if combined is None else combined & mask
+    return combined
+
+
+def _described_mask(
+    description: MaskDescription, query: torch.Tensor, key: torch.Tensor, q_offset, kv_offset
+) -> tuple[torch.Tensor | None, bool]:
+    """What the op runs for a described mask: ``(attn_mask, is_causal)``.
+
+    Causality and key padding alone: ``is_causal`` and the ``[B, 1, 1, KV]`` key mask, so the
+    kernels skip the tiles past the diagonal and read KV bytes of mask per batch row. Any other
+    rule (window, chunks, packed sequences, blocks): the dense mask, built by the native
+    ``sdpa_mask`` in one pass, which the kernels summarise per tile (the GPU) or per query tile
+    (the CPU) so that fully masked tiles are skipped; ``is_causal`` is kept alongside where the
+    mask is causal anyway (no blocks), which bounds the key loops by the diagonal too.
+    """
+    if q_offset < 0 or kv_offset < 0:
+        raise ValueError(
+            f"safeattn.attention: q_offset and kv_offset are positions (>= 0) with a MaskDescription, "
+            f"got q_offset={q_offset}, kv_offset={kv_offset}"
+        )
+    batch_size, q_length, kv_length = query.shape[0], query.shape[-2], key.shape[-2]
+    if description.is_causal_and_padding():
+        keys = description.padding_mask
+        if keys is not None and (keys.dim() != 2 or keys.shape[0] != batch_size):
+            raise ValueError(
+                f"safeattn.attention: attn_mask.padding_mask must be [B, L] with B = {batch_size} "
+                f"(the query's batch), got {tuple(keys.shape)}"
+            )
+        keys = description.key_mask(kv_length, kv_offset)
+        if keys is not None:
+            keys = keys.to(query.device)
+        return keys, bool(description.causal)
+    mask = description.materialise(
+        batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, device=query.device
+    )
+    return mask, bool(description.causal) and description.block_ids is None
+
+
 # ---- softmax family --------------------------------------------------------------------
 
 
@@ -184,7 +330,7 @@ def attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | MaskDescription | None = None,
     dropout_p: float = 0,  # ints: a float default makes torch.compile trace every caller again
     is_causal: bool = False,
     scale: float | None = None,
@@ -247,13 +393,19 @@ def attention(
         attn_mask: bool (True attends) or float (added; float32 or the query dtype), of shape
             ``[Q, KV]``, ``[H|1, Q, KV]`` or ``[B|1, H|1, Q|1, KV|1]``; broadcast through strides,
             never expanded in memory. A float mask that requires grad gets its gradient, reduced
-            to its own shape deterministically.
+            to its own shape deterministically. Or a ``MaskDescription``: the mask
+            ``sdpa_mask`` would build for it at positions ``q_offset`` / ``kv_offset`` (both
+            ``>= 0`` then; ``is_causal`` must be False, the description's ``causal`` says it),
+            without building it when it is causality (or none) and key padding alone: that
+            runs as ``is_causal`` and a ``[B, 1, 1, KV]`` key mask. Other rules (window, chunks,
+            packed sequences, blocks) are built densely by ``sdpa_mask`` for now.
         dropout_p: must be 0: dropout is not implemented (a non-zero value raises).
         is_causal: apply the causal rule above.
         scale: score scale, default ``1 / sqrt(D)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (query head ``h`` uses key/value head
             ``h // (Hq // Hkv)``); K and V are never repeated in memory. Otherwise ``Hq == Hkv``.
-        q_offset, kv_offset: positions of the first query and key, for ``is_causal``.
+        q_offset, kv_offset: positions of the first query and key, for ``is_causal`` and a
+            ``MaskDescription``.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the mask.
         sinks: ``[Hq]`` float logits (GPT-OSS ``s_aux``): one extra logit per head in the softmax
             denominator that takes no value. Differentiable.
@@ -263,6 +415,13 @@ def attention(
         (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
         float32 (float64 for float64 inputs). Both are differentiable.
     """
+    if isinstance(attn_mask, MaskDescription):
+        if is_causal:
+            raise ValueError(
+                "safeattn.attention: is_causal must be False when attn_mask is a MaskDescription "
+                "(its `causal` field says whether the mask is causal)"
+            )
+        attn_mask, is_causal = _described_mask(attn_mask, query, key, q_offset, kv_offset)
     return torch.ops.safeattn.attention(
         query,
         key,

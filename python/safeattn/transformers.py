@@ -62,6 +62,7 @@ except ImportError:  # pragma: no cover
 
 from . import _mask_reader
 from ._mask_reader import NotRecognised, read_mask_function
+from .ops import MaskDescription, _described_mask
 
 __all__ = ["NAME", "attention_forward", "eager_mask", "patch_masks", "sdpa_mask", "unpatch_masks"]
 
@@ -191,7 +192,7 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
         device=device,
     )
     if float_dtype is None and q_positions is None and not _is_tracing(attention_mask):
-        _note_causal_padding(mask, described, kv_length, q_offset, kv_offset)
+        _note_description(mask, described, kv_length, q_offset, kv_offset)
     return True, mask
 
 
@@ -199,48 +200,45 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
 # Causal + padding masks run as is_causal and a key mask
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class _CausalPadding:
+class _Noted:
     """What a bool mask built here stands for when it holds no more than causality (or none) and
-    key padding, in the op's terms: ``is_causal`` at the positions ``q_offset`` / ``kv_offset``
-    and a ``[B, 1, 1, KV]`` key mask (None: no padding). The same elements as the dense mask, but
-    the kernels skip the tiles past the diagonal instead of testing each element there (H200, B4
-    H16 S4096 D128: 0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md; on the CPU
-    2x before its kernels bounded their key loops by a dense mask's span, about even since).
-    ``version`` is the
-    mask's ``_version`` when noted: a mask changed in place since then runs as the dense mask it
-    is, as does any new tensor made from it (a slice, a copy), which carries no note, and a mask
-    made under ``torch.inference_mode`` (no version counter: never noted)."""
+    key padding: its description at the positions ``q_offset`` / ``kv_offset``, which
+    ``safeattn.attention``'s rule (``ops._described_mask``) runs as ``is_causal`` and a
+    ``[B, 1, 1, KV]`` key mask. The same elements as the dense mask, but the kernels skip the
+    tiles past the diagonal instead of testing each element there (H200, B4 H16 S4096 D128:
+    0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md; on the CPU about even
+    since its kernels bound their key loops by a dense mask's span). ``version`` is the mask's
+    ``_version`` when noted: a mask changed in place since then runs as the dense mask it is, as
+    does any new tensor made from it (a slice, a copy), which carries no note, and a mask made
+    under ``torch.inference_mode`` (no version counter: never noted)."""
 
-    keys: torch.Tensor | None
-    causal: bool
+    description: MaskDescription
     q_offset: int
     kv_offset: int
     version: int
 
 
-_NOTE = "_safeattn_causal_padding"
+_NOTE = "_safeattn_description"
 
 
-def _note_causal_padding(
-    mask: torch.Tensor, described, kv_length: int, q_offset: int, kv_offset: int
+def _note_description(
+    mask: torch.Tensor, described: MaskDescription, kv_length: int, q_offset: int, kv_offset: int
 ) -> None:
     """Notes on ``mask`` (a plain attribute, eager only) what it stands for, when that is
-    causality and padding alone: no window, chunks, packed sequences or blocks. Not on a tensor
-    made under ``torch.inference_mode``: it has no version counter to tell a change in place."""
-    if mask.is_inference() or any(
-        x is not None
-        for x in (described.sliding_window, described.chunk_size, described.packed_ids, described.block_ids)
-    ):
+    causality and padding alone: no window, chunks, packed sequences or blocks (those would run
+    as this same dense mask). Not on a tensor made under ``torch.inference_mode``: it has no
+    version counter to tell a change in place. The padding is kept as bool on the mask's device,
+    as wide as the mask's positions, so that each layer's key mask is a view of it."""
+    if mask.is_inference() or not described.is_causal_and_padding():
         return
     keys = described.padding_mask
     if keys is not None:
-        keys = _padded(keys, kv_length, kv_offset)[:, kv_offset : kv_offset + kv_length]
-        keys = keys.to(device=mask.device, dtype=torch.bool)[:, None, None, :]
-    note = _CausalPadding(keys, bool(described.causal), int(q_offset), int(kv_offset), mask._version)
-    setattr(mask, _NOTE, note)
+        keys = _padded(keys, kv_length, kv_offset).to(device=mask.device, dtype=torch.bool)
+        described = dataclasses.replace(described, padding_mask=keys)
+    setattr(mask, _NOTE, _Noted(described, int(q_offset), int(kv_offset), mask._version))
 
 
-def _causal_padding(mask: torch.Tensor | None, q_length: int, kv_length: int) -> _CausalPadding | None:
+def _noted(mask: torch.Tensor | None, q_length: int, kv_length: int) -> _Noted | None:
     """The note on ``mask`` if it still holds: the same tensor, unchanged, of these lengths."""
     if mask is None or _is_tracing(mask):
         return None
@@ -435,11 +433,11 @@ def attention_forward(
         attention_mask = attention_mask[:, :, :, :kv_length]
 
     q_offset = kv_offset = 0
-    note = _causal_padding(attention_mask, q_length, kv_length)
+    note = _noted(attention_mask, q_length, kv_length)
     if note is not None:
         # A causal + padding mask built here: is_causal at its positions and a key mask.
-        attention_mask, is_causal = note.keys, note.causal
         q_offset, kv_offset = note.q_offset, note.kv_offset
+        attention_mask, is_causal = _described_mask(note.description, query, key, q_offset, kv_offset)
     else:
         # As Transformers' sdpa integration: the kwarg wins over the module; causal only for a
         # multi-token query with no mask (a single decoded token attends every cached key). The
