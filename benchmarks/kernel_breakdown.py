@@ -12,7 +12,12 @@ from safeattn._bench_attention import _prefill_cases
 
 B, H, S, CALLS = 4, 16, 4096, 5
 # The benchmark's own cases (`python -m safeattn bench attention`), so the two time the same calls.
-CASES = ("SDPA cuDNN, is_causal", "safeattn, is_causal", "safeattn, causal+padding mask")
+CASES = (
+    "SDPA cuDNN, is_causal",
+    "safeattn, is_causal",
+    "safeattn, causal+padding mask",
+    "safeattn, causal+padding described",
+)
 
 
 def kernel_times(fn, head_dim):

@@ -422,6 +422,35 @@ def test_bool_masks_sm90(name, head_dim, dtype):
     _assert_sm90_took_mask(q, k, v, mask)
 
 
+@pytest.mark.parametrize("head_dim", TENSOR_CORE_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_masks_every_path(dq_mode, head_dim, causal):
+    """A [B, 1, 1, KV] key mask (what a causal + padding MaskDescription runs as) on every
+    kernel: its tile summary is one row of key tiles read for every query tile, so a partial
+    last query tile, fully masked and fully visible key tiles, a row that keeps nothing and
+    both dQ modes are checked against the reference, forward and backward."""
+    batch, q_len, kv_len = 4, 300, 520
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, head_dim, torch.bfloat16, DEVICE, seed=head_dim + causal)
+    positions = torch.arange(kv_len)
+    keep = torch.stack(
+        [
+            positions >= 200,  # left padding over a whole key tile and part of the next
+            positions < 390,  # right padding
+            torch.zeros(kv_len, dtype=torch.bool),  # nothing: every row 0
+            (positions // 7) % 3 != 0,  # mixed tiles only
+        ]
+    )
+    mask = keep[:, None, None, :].to(DEVICE)
+    _check_against_reference(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        enable_gqa=True,
+        **_causal_kwargs("bottom_right" if causal else None, q_len, kv_len),
+    )
+
+
 def _assert_sm90_took_mask(q, k, v, mask):
     """On an sm_90 device with the sm_90a kernels built, the bool mask ran through them."""
     hopper_build = torch.cuda.get_device_capability() == (9, 0) and any(

@@ -15,7 +15,8 @@ backward as 2.5x the forward, as FlashAttention counts), all in the same run:
   SDPA cuDNN, is_causal      sdpa_kernel(CUDNN_ATTENTION)
   SDPA, causal+padding mask  a dense [B,1,S,S] bool mask, PyTorch's default backend choice
   Flex, causal+padding       compiled FlexAttention with the same mask as a block mask
-  safeattn, is_causal / causal+padding mask
+  safeattn, is_causal / causal+padding mask (the dense mask) / causal+padding described
+                             (MaskDescription(padding_mask=...): is_causal plus a key mask)
 and a decode table (Q=1, KV 4096 and 32768, B=8, GQA 32:4, D=128): microseconds and the K/V
 bytes read per second, against SDPA (enable_gqa), SDPA flash and FlexAttention where they run.
 CUDA events around each call, warm-up first, median of many calls, fresh random inputs for
@@ -244,6 +245,11 @@ def _prefill_cases(batch, heads, seq, device):
     cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
     cases["safeattn, causal+padding mask"] = (
         lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
+        True,
+    )
+    described = safeattn.MaskDescription(padding_mask=pad)  # the same mask, undrawn
+    cases["safeattn, causal+padding described"] = (
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=described)[0],
         True,
     )
     return cases

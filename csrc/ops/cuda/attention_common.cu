@@ -228,7 +228,12 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
   const int64_t batch_m = (mask.size(0) == 1 || mask.stride(0) == 0) ? 1 : mask.size(0);
   const int64_t heads_m = (mask.size(1) == 1 || mask.stride(1) == 0) ? 1 : mask.size(1);
   const int64_t q_len = mask.size(2), kv_len = mask.size(3);
-  const int64_t q_tiles = (q_len + block_q - 1) / block_q;
+  // A mask broadcast over the queries (a [B, 1, 1, KV] key mask) gives every query tile the
+  // same class: one row of tiles, read with stride 0 (make_tile_summary_view). Its tiles are
+  // never diagonal (identical rows are not one diagonal), so the full first tile's rows stand
+  // for a shorter last tile too.
+  const bool q_broadcast = q_len == 1 || mask.stride(2) == 0;
+  const int64_t q_tiles = q_broadcast ? 1 : (q_len + block_q - 1) / block_q;
   const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
   at::Tensor summary = at::empty({batch_m, heads_m, q_tiles, kv_tiles}, mask.options().dtype(at::kByte));
   const int64_t blocks = summary.numel();
@@ -268,7 +273,7 @@ TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, i
   view.diagonal = diagonals.defined() ? diagonals.data_ptr<int16_t>() : nullptr;
   view.stride_b = summary.size(0) == 1 ? 0 : summary.stride(0);
   view.stride_h = summary.size(1) == 1 ? 0 : summary.stride(1);
-  view.stride_q = summary.stride(2);
+  view.stride_q = summary.size(2) == 1 ? 0 : summary.stride(2);  // one row: a key mask, or one tile
   view.block_q = block_q;
   view.block_kv = block_kv;
   return view;
