@@ -455,6 +455,13 @@ int main(int argc, char** argv) {
   VARIANT_X(bf16, 128, 64, 128, 2, true, -1, 2);
   VARIANT_X(bf16, 64, 64, 128, 2, true, -1, 1);
 #endif
+#ifdef HOPPER_BWD_CHECK_TRY
+  // Tried for D=64's backward (-DHOPPER_BWD_CHECK_TRY): 128 query rows a step (48 bytes of
+  // spills) and 3 stages. H100, B4 H16 S4096 causal: 0.981 and 0.952-0.962 ms against the
+  // default's 0.947-0.951: neither helps (notes_attention_cuda.md, stop 29).
+  VARIANT(bf16, 64, 128, 128, 2);
+  VARIANT(bf16, 64, 64, 128, 3);
+#endif
 #undef VARIANT
 #undef VARIANT_X
   printf("\n%-24s %-7s %9s %9s\n", "variant", "mask", "ms", "TFLOP/s");

@@ -287,21 +287,39 @@ def test_patch_masks_keeps_sdpa_and_eager_models_equal():
         )
 
 
-def test_attention_runs_the_op_with_native_gqa(monkeypatch):
+def _op_spy(monkeypatch, calls, record=None):
+    """Routes the drop-in's op calls through a recorder: ``record(query, key, attn_mask,
+    is_causal, enable_gqa, kwargs)`` appended to ``calls`` (default: kv_length, is_causal, mask
+    shape, q_offset, kv_offset). Returns the real op."""
     op = st._attention_op(torch.device("cpu"))
     if op is None:
         pytest.skip("this build has no attention op")
-    calls = []
+
+    def default(query, key, attn_mask, is_causal, enable_gqa, kwargs):
+        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+        return (key.shape[2], is_causal, mask_shape, kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
+
+    record = record or default
 
     def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
-        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
-        calls.append((query.shape, key.shape, enable_gqa, is_causal, mask_shape, kwargs))
+        calls.append(record(query, key, attn_mask, is_causal, enable_gqa, kwargs))
         return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
+
+    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
+    return op
+
+
+def test_attention_runs_the_op_with_native_gqa(monkeypatch):
+    calls = []
+
+    def record(query, key, attn_mask, is_causal, enable_gqa, kwargs):
+        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
+        return (query.shape, key.shape, enable_gqa, is_causal, mask_shape, kwargs)
 
     def no_composite(*args, **kwargs):
         raise AssertionError("the composite fallback ran although the op exists")
 
-    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
+    _op_spy(monkeypatch, calls, record)
     monkeypatch.setattr(st, "_composite_attention", no_composite)
     config = make_config("gemma2")
     kwargs, _ = model_inputs("left")
@@ -325,16 +343,17 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
 def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
     # No padding: the mask is None, so the op runs is_causal (prefill) or not (decode), and a
     # static-cache prefill drops the unused cache slots as sdpa does.
-    op = st._attention_op(torch.device("cpu"))
-    if op is None:
-        pytest.skip("this build has no attention op")
     calls = []
-
-    def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
-        calls.append((query.shape[2], key.shape[2], is_causal, attn_mask is None))
-        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
-
-    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
+    _op_spy(
+        monkeypatch,
+        calls,
+        lambda query, key, attn_mask, is_causal, enable_gqa, kwargs: (
+            query.shape[2],
+            key.shape[2],
+            is_causal,
+            attn_mask is None,
+        ),
+    )
     config = make_config("llama")
     input_ids = torch.randint(3, 100, (2, 6))
     model = make_model(config, "safeattn")
@@ -361,23 +380,6 @@ def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
         ), f"static prefill: causal, no mask, keys sliced to the queries: {prefill}"
     for q_length, _, is_causal, _ in calls[config.num_hidden_layers :]:
         assert q_length == 1 and not is_causal, "decode steps are never causal"
-
-
-def _op_spy(monkeypatch, calls):
-    """Routes the drop-in's op calls through a recorder of (kv_length, is_causal, mask shape,
-    q_offset, kv_offset)."""
-    op = st._attention_op(torch.device("cpu"))
-    if op is None:
-        pytest.skip("this build has no attention op")
-
-    def spy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs):
-        mask_shape = None if attn_mask is None else tuple(attn_mask.shape)
-        calls.append(
-            (key.shape[2], is_causal, mask_shape, kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
-        )
-        return op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, **kwargs)
-
-    monkeypatch.setattr(st, "_attention_op", lambda device: spy)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

@@ -59,6 +59,13 @@ inline bool finite_in_acc(double x, at::ScalarType input) {
   return std::isfinite(x) && (input == at::kDouble || std::fabs(x) <= std::numeric_limits<float>::max());
 }
 
+// The one check of a `scale` argument (attention, masked_softmax): it multiplies the scores in
+// the type the kernels compute `input` in, so it must be finite there.
+inline void check_scale(const char* op, double scale, at::ScalarType input) {
+  TORCH_CHECK(finite_in_acc(scale, input), op, ": scale must be a finite number",
+              input == at::kDouble ? "" : " in float32", ", got ", scale);
+}
+
 // Whether a condition on sizes holds: plain for concrete sizes; for symbolic ones what
 // torch._check does (a guard on a backed size, a deferred runtime assert on an unbacked one), so
 // a Meta kernel specialises nothing beyond the condition itself. Call it once per condition and

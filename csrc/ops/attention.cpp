@@ -113,8 +113,9 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(softcap == 0.0 || (softcap > 0.0 && finite_in_acc(softcap, t_in) && positive_in_acc(softcap)), kOp,
               ": softcap must be 0 (none) or a finite positive number", acc_is_double ? "" : " in float32", ", got ",
               softcap);
-  TORCH_CHECK(!scale.has_value() || finite_in_acc(*scale, t_in), kOp, ": scale must be a finite number",
-              acc_is_double ? "" : " in float32", ", got ", scale.value_or(0.0));
+  if (scale.has_value()) {
+    check_scale(kOp, *scale, t_in);
+  }
   if (attn_mask.has_value()) {
     const at::Tensor& m = *attn_mask;
     const at::ScalarType t = m.scalar_type();

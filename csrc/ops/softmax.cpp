@@ -149,12 +149,6 @@ void check_mask(const char* op, const std::optional<at::Tensor>& mask, const cha
   common_device(op, std::nullopt, {{against_name, against}, {"mask", mask}});
 }
 
-// scale multiplies the scores in the type the kernels compute the (cast) input in.
-void check_scale(const char* op, double scale, at::ScalarType input) {
-  TORCH_CHECK(finite_in_acc(scale, input), op, ": scale must be a finite number",
-              input == at::kDouble ? "" : " in float32", ", got ", scale);
-}
-
 }  // namespace
 
 int64_t check_safe_softmax(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
