@@ -305,6 +305,8 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
             r"padding_mask must be \[B, L\] with B = 2",
         ),
         ({"padding_mask": torch.ones(8, dtype=torch.bool)}, {}, "padding_mask must be"),
+        ({"padding_mask": torch.ones(2, 8)}, {}, "padding_mask must be bool or integer"),
+        ({"padding_mask": torch.ones(2, 8), "sliding_window": 3}, {}, "padding_mask must be bool or integer"),
         ({}, {"q_offset": -1}, "q_offset and kv_offset are positions"),
         ({"sliding_window": 0}, {}, "sliding_window"),
         ({"packed_ids": torch.zeros(2, 3, dtype=torch.long)}, {}, "packed_ids"),

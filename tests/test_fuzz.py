@@ -147,6 +147,64 @@ def test_attention_fuzz(device, seed):
         _close(name, g, w, 4 * tol, seed)
 
 
+def _description(rng, gen, batch, q_len, kv_len, q_offset, kv_offset):
+    """Random sdpa_mask rules over key positions up to kv_offset + kv_len (packed and block ids
+    only where the positions are small enough to hold them as [B, L] tensors)."""
+    rules = {"causal": rng.random() < 0.7}
+    if rng.random() < 0.3:
+        rules["sliding_window"] = rng.choice([1, 3, 17, 2**63 - 1])
+    if rng.random() < 0.2:
+        rules["chunk_size"] = rng.choice([1, 4, 16])
+        if rng.random() < 0.5:
+            rules["chunk_left_padding"] = torch.randint(-2, 6, (batch,), generator=gen)
+    width = max(kv_offset + kv_len, q_offset + q_len)
+    small = width < 10_000
+    if rng.random() < 0.6:
+        kind = rng.choice(["random", "left", "right", "short"])
+        size = rng.choice([1, 10, kv_len]) if kind == "short" or not small else width
+        if kind == "random":
+            rules["padding_mask"] = torch.rand(batch, size, generator=gen) > 0.3
+        else:
+            cut = torch.randint(0, size + 1, (batch, 1), generator=gen)
+            positions = torch.arange(size)[None]
+            keep = positions >= cut if kind == "left" else positions < cut
+            rules["padding_mask"] = keep.to(rng.choice([torch.bool, torch.long]))
+    if small and rng.random() < 0.3:
+        rules["packed_ids"] = torch.sort(torch.randint(0, 3, (batch, width), generator=gen), dim=-1).values
+    if small and rng.random() < 0.15:
+        rules["block_ids"] = torch.randint(-1, 3, (batch, width + 2), generator=gen)
+    return rules
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_attention_described_fuzz(device, seed):
+    # attention(MaskDescription) against the float64 reference with the reference's mask for the
+    # same rules at the same positions: values, -inf rows, zeros and gradients.
+    rng, gen, dtype, q, k, v, kwargs = _attention_case(seed, device)
+    for name in ("attn_mask", "is_causal", "q_offset", "kv_offset"):
+        kwargs.pop(name, None)
+    batch, q_len, kv_len = q.shape[0], q.shape[2], k.shape[2]
+    q_offset, kv_offset = rng.choice([(0, 0), (max(kv_len - q_len, 0), 0), (7, 3), (2**62, 2**62 - 5)])
+    rules = _description(rng, gen, batch, q_len, kv_len, q_offset, kv_offset)
+    dense = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, **rules)
+    on_device = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in rules.items()}
+    out, lse = safeattn.attention(
+        q, k, v, safeattn.MaskDescription(**on_device), q_offset=q_offset, kv_offset=kv_offset, **kwargs
+    )
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    ref_out, ref_lse = reference.attention(q, k, v, dense.to(device), score_dtype=acc, **kwargs)
+    tol = TOL[dtype]
+    _close("out", out, ref_out, tol, seed)
+    _close("lse", lse, ref_lse, max(tol, 1e-5), seed)
+    assert torch.equal(lse.isneginf().cpu(), ref_lse.isneginf().cpu()), f"seed {seed}: -inf lse rows differ"
+    grad_out = torch.randn(out.shape, generator=gen).to(out.device, dtype)
+    got = torch.autograd.grad(out, (q, k, v), grad_out)
+    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.to(ref_out.dtype))
+    for name, g, w in zip(("grad_query", "grad_key", "grad_value"), got, want, strict=True):
+        _close(name, g, w, 4 * tol, seed)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_attention_nan_in_a_query_row_stays_there(device, seed):

@@ -168,11 +168,11 @@ class MaskDescription:
         without a padding mask."""
         if self.padding_mask is None:
             return None
-        keep = self.padding_mask.bool()
-        missing = kv_offset + kv_length - keep.shape[-1]
+        keep = self.padding_mask.bool()[:, kv_offset : kv_offset + kv_length]  # offsets up to int64's
+        missing = kv_length - keep.shape[-1]
         if missing > 0:
             keep = F.pad(keep, (0, missing))
-        return keep[:, kv_offset : kv_offset + kv_length][:, None, None, :]
+        return keep[:, None, None, :]
 
     def padding_key_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The keys the padding keeps, per batch row, as one interval: ``(start, end, exact)``.
@@ -229,10 +229,15 @@ def _described_mask(
     batch_size, q_length, kv_length = query.shape[0], query.shape[-2], key.shape[-2]
     if description.is_causal_and_padding():
         keys = description.padding_mask
+        # sdpa_mask's checks of the padding mask, for the path that does not call it.
         if keys is not None and (keys.dim() != 2 or keys.shape[0] != batch_size):
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be [B, L] with B = {batch_size} "
                 f"(the query's batch), got {tuple(keys.shape)}"
+            )
+        if keys is not None and (keys.is_floating_point() or keys.is_complex()):
+            raise ValueError(
+                f"safeattn.attention: attn_mask.padding_mask must be bool or integer, got {keys.dtype}"
             )
         keys = description.key_mask(kv_length, kv_offset)
         if keys is not None:
