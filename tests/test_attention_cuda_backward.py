@@ -298,8 +298,8 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    # D = 96 keeps the call on the mma.sync kernels on every GPU (the sm_90a kernels have D 64
-    # and 128), here in their atomic mode with a bool mask (no gradient).
+    # D = 96 keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward has D
+    # 64 and 128), here in their atomic mode with a bool mask (no gradient).
     q, k, v = _qkv(1, 4, 2, 97, 130, 96, torch.bfloat16, DEVICE)
     keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
     keep[..., :5] = False
@@ -426,7 +426,8 @@ def test_bool_masks_sm90(name, head_dim, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_key_masks_every_path(dq_mode, head_dim, causal):
     """A [B, 1, 1, KV] key mask (what a causal + padding MaskDescription runs as) on every
-    kernel: its tile summary is one row of key tiles read for every query tile, so a partial
+    kernel of the build (head dims it has no tensor-core kernels for take the generic ones; the
+    default build has 64, 96 and 128): its tile summary is one row of key tiles read for every query tile, so a partial
     last query tile, fully masked and fully visible key tiles, a row that keeps nothing and
     both dQ modes are checked against the reference, forward and backward."""
     batch, q_len, kv_len = 4, 300, 520

@@ -271,7 +271,7 @@ def main_cuda(args):
     print("| case | D | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash |")
     print("|---|---|---|---|---|---|---|")
     prefill_rows, decode_rows = [], []
-    for head_dim in (64, 128):
+    for head_dim in args.head_dim:  # 64 and 128 unless --head-dim says otherwise
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         cases = _prefill_cases(batch, heads, seq, device)
         flash_fwd = None

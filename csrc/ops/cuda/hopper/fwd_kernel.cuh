@@ -86,6 +86,10 @@ struct DefaultFwdConfig<64> {
   using type = FwdConfig<64, 128, 4, 3, true>;  // 192-row tiles: 3 consumer warpgroups
 };
 template <>
+struct DefaultFwdConfig<96> {  // 64-byte swizzled rows; 3 warpgroups spill 168 bytes and halve the speed
+  using type = FwdConfig<96, 128, 2, 2, true>;
+};
+template <>
 struct DefaultFwdConfig<128> {
   using type = FwdConfig<128, 128, 2, 2, true>;
 };
