@@ -446,6 +446,10 @@ int main(int argc, char** argv) {
   VARIANT(bf16, 64, 64, 128, 2);
   VARIANT(__half, 64, 64, 128, 2);
 #endif
+#if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 96  // not dispatched yet: the candidate
+  VARIANT(bf16, 96, 64, 128, 2);
+  VARIANT(__half, 96, 64, 128, 2);
+#endif
 #ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
   // Where the time goes: dQ by atomics instead of bulk reduce-adds, and the dQ
   // additions (skip 1) or the whole dQ (skip 2) left out.
