@@ -23,11 +23,12 @@ What the model gets, compared with ``"sdpa"``:
   a mask is built instead (same result);
 - a mask that holds causality and key padding alone (the common case: a padded batch in a causal
   model; with 5.x, whose query offset is a number) runs as the op's ``is_causal`` at the mask's
-  positions plus a ``[B, 1, 1, KV]`` key mask, the same elements as the dense mask the model
-  receives, which the sm_90a kernels run without summarising a dense mask or testing diagonal
-  tiles element by element (the CPU kernels find the same bounds in the dense mask). The dense mask
-  is still what the model sees and what any other code reads; a mask changed in place, sliced or
-  copied runs as the dense mask it is;
+  positions plus a ``[B, 1, 1, KV]`` key mask (the rule ``safeattn.attention`` applies to a
+  ``safeattn.MaskDescription``), the same elements as the dense mask the model receives, which
+  the sm_90a kernels run without summarising a dense mask or testing diagonal tiles element by
+  element (the CPU kernels find the same bounds in the dense mask). The dense mask is still what
+  the model sees and what any other code reads; a mask changed in place, sliced or copied runs as
+  the dense mask it is;
 - grouped-query attention without copying K/V, Gemma2's logit ``softcap`` and GPT-OSS's attention
   sinks (``s_aux``), both of which ``"sdpa"`` ignores.
 
