@@ -336,17 +336,27 @@ def test_described_masks_compile_fullgraph_dynamic(device):
         )
         return padded.float().square().sum() + packed.float().sum()
 
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-    for q_len, kv_len in ((9, 17), (12, 33)):
+    def inputs(q_len, kv_len):
         q, k, v = _qkv(2, 2, 2, q_len, kv_len, 32, torch.float32, device)
         keep = torch.ones(2, kv_len, dtype=torch.bool, device=device)
         keep[0, :4] = False
         ids = (torch.arange(kv_len, device=device) // 5).expand(2, kv_len).contiguous()
-        inputs = (q, k, v, keep, ids)
-        want = fn(*inputs)
-        want_grads = torch.autograd.grad(want, (q, k, v))
-        got = compiled(*inputs)
-        got_grads = torch.autograd.grad(got, (q, k, v))
+        return (q, k, v, keep, ids), (q, k, v)
+
+    _assert_compiled_matches_eager(fn, inputs)
+
+
+def _assert_compiled_matches_eager(fn, inputs):
+    """fn compiled with fullgraph=True, dynamic=True gives eager's value and gradients at two
+    sizes (the second runs the graph with symbolic sizes). ``inputs(q_len, kv_len)`` gives
+    (fn's arguments, the ones to differentiate)."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for q_len, kv_len in ((9, 17), (12, 33)):
+        args, wrt = inputs(q_len, kv_len)
+        want = fn(*args)
+        want_grads = torch.autograd.grad(want, wrt)
+        got = compiled(*args)
+        got_grads = torch.autograd.grad(got, wrt)
         torch.testing.assert_close(got, want, msg="compiled forward differs from eager")
         for g, w in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(g, w, msg="compiled backward differs from eager")
@@ -597,19 +607,14 @@ def test_compile_fullgraph_dynamic(device):
         )
         return out.transpose(1, 2).float().square().sum() + lse.sum()
 
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-    for q_len, kv_len in ((9, 17), (12, 33)):
+    def inputs(q_len, kv_len):
         q, k, v = _qkv(2, 4, 2, q_len, kv_len, 32, torch.float32, device)
         bias = torch.randn(1, 1, q_len, kv_len, device=device, requires_grad=True)
         sinks = torch.randn(4, device=device, requires_grad=True)
-        inputs = (q, k, v, bias, sinks)
-        want = fn(*inputs)
-        want_grads = torch.autograd.grad(want, inputs)
-        got = compiled(*inputs)
-        got_grads = torch.autograd.grad(got, inputs)
-        torch.testing.assert_close(got, want, msg="compiled forward differs from eager")
-        for g, w in zip(got_grads, want_grads, strict=True):
-            torch.testing.assert_close(g, w, msg="compiled backward differs from eager")
+        args = (q, k, v, bias, sinks)
+        return args, args
+
+    _assert_compiled_matches_eager(fn, inputs)
 
 
 def _bad_inputs():
