@@ -324,8 +324,6 @@ def test_described_mask_bad_inputs(description, kwargs, message):
 def test_described_masks_compile_fullgraph_dynamic(device):
     # Descriptions made inside and passed into a compiled function trace without a break, with
     # symbolic lengths and offsets, and give eager's values and gradients.
-    torch._dynamo.reset()
-
     def fn(q, k, v, keep, ids):
         q_offset = k.shape[2] - q.shape[2]
         padded, _ = safeattn.attention(
@@ -350,6 +348,7 @@ def _assert_compiled_matches_eager(fn, inputs):
     """fn compiled with fullgraph=True, dynamic=True gives eager's value and gradients at two
     sizes (the second runs the graph with symbolic sizes). ``inputs(q_len, kv_len)`` gives
     (fn's arguments, the ones to differentiate)."""
+    torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for q_len, kv_len in ((9, 17), (12, 33)):
         args, wrt = inputs(q_len, kv_len)
@@ -597,8 +596,6 @@ def test_opcheck(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.slow
 def test_compile_fullgraph_dynamic(device):
-    torch._dynamo.reset()
-
     def fn(q, k, v, bias, sinks):
         # Bottom-right causal: q_offset is a symbolic size expression under dynamic=True.
         q_offset = k.shape[2] - q.shape[2]
