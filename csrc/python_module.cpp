@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         d["cuda_archs"] = info.cuda_archs;
         d["attention_fwd_head_dims"] = info.attention_fwd_head_dims;
         d["attention_bwd_head_dims"] = info.attention_bwd_head_dims;
+        d["attention_sm90_fwd_head_dims"] = info.attention_sm90_fwd_head_dims;
+        d["attention_sm90_bwd_head_dims"] = info.attention_sm90_bwd_head_dims;
         // Read now, not at build time: the CPU, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA and
         // torch.backends.mkldnn.enabled decide it.
         const auto tiles = safeattn::attention_cpu_tiles_stub().pick();

@@ -49,8 +49,10 @@ BuildInfo build_info() {
   info.with_cuda = true;
   info.cuda_version = cuda::toolkit_version();
   info.cuda_archs = cuda::compiled_archs();
-  info.attention_fwd_head_dims = cuda::attention_head_dims(/*backward=*/false);
-  info.attention_bwd_head_dims = cuda::attention_head_dims(/*backward=*/true);
+  info.attention_fwd_head_dims = cuda::attention_head_dims(/*backward=*/false, /*sm90=*/false);
+  info.attention_bwd_head_dims = cuda::attention_head_dims(/*backward=*/true, /*sm90=*/false);
+  info.attention_sm90_fwd_head_dims = cuda::attention_head_dims(/*backward=*/false, /*sm90=*/true);
+  info.attention_sm90_bwd_head_dims = cuda::attention_head_dims(/*backward=*/true, /*sm90=*/true);
 #endif
   return info;
 }

@@ -22,6 +22,9 @@ struct BuildInfo {
   // float64, take the chunked ATen path on the GPU, ops/attention_composite.h).
   std::vector<int> attention_fwd_head_dims;
   std::vector<int> attention_bwd_head_dims;
+  // Of those, the ones with sm_90a kernels (TMA + wgmma), used on sm_90 devices.
+  std::vector<int> attention_sm90_fwd_head_dims;
+  std::vector<int> attention_sm90_bwd_head_dims;
 };
 
 BuildInfo build_info();
@@ -37,8 +40,9 @@ namespace cuda {
 // From nvcc's __CUDA_ARCH_LIST__ and CUDART_VERSION (csrc/common/cuda_info.cu).
 std::vector<std::string> compiled_archs();
 std::string toolkit_version();
-// The head dims of the tensor-core attention kernels compiled, per direction.
-std::vector<int> attention_head_dims(bool backward);
+// The head dims of the tensor-core attention kernels compiled, per direction (sm90: the sm_90a
+// kernels').
+std::vector<int> attention_head_dims(bool backward, bool sm90);
 // Streaming multiprocessors of a device (the current one by default), for grid sizes.
 int64_t multiprocessor_count(int device);
 int64_t multiprocessor_count();

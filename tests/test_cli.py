@@ -66,6 +66,8 @@ def test_info_reports_build():
     if info["with_cuda"]:
         fwd = ", ".join(map(str, info["attention_fwd_head_dims"])) or "none"
         assert f"tensor-core head dims (bf16, fp16): forward {fwd};" in out, out
+        fwd90 = ", ".join(map(str, info["attention_sm90_fwd_head_dims"])) or "none"
+        assert f"of them sm_90a (TMA + wgmma, on sm_90): forward {fwd90};" in out, out
 
 
 def test_cpu_kernels_run_on_torch_threads():

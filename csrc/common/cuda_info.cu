@@ -24,9 +24,10 @@ std::vector<std::string> compiled_archs() {
   return archs;
 }
 
-std::vector<int> attention_head_dims(bool backward) {
-  // setup.py passes the kept head dims of each direction (all multiples of 16) as bits d / 16.
-  const uint64_t bits = backward ? kBwdHeadDims : kFwdHeadDims;
+std::vector<int> attention_head_dims(bool backward, bool sm90) {
+  // setup.py passes the kept head dims of each family (all multiples of 16) as bits d / 16.
+  const uint64_t bits =
+      sm90 ? (backward ? kBwdSm90HeadDims : kFwdSm90HeadDims) : (backward ? kBwdHeadDims : kFwdHeadDims);
   std::vector<int> dims;
   for (int k = 1; k < 64; ++k) {
     if ((bits >> k) & 1u) {

@@ -41,6 +41,9 @@ def _info() -> int:
         fwd = ", ".join(map(str, info.get("attention_fwd_head_dims", []))) or "none"
         bwd = ", ".join(map(str, info.get("attention_bwd_head_dims", []))) or "none"
         print(f"attention       tensor-core head dims (bf16, fp16): forward {fwd}; backward {bwd}")
+        fwd90 = ", ".join(map(str, info.get("attention_sm90_fwd_head_dims", []))) or "none"
+        bwd90 = ", ".join(map(str, info.get("attention_sm90_bwd_head_dims", []))) or "none"
+        print(f"                of them sm_90a (TMA + wgmma, on sm_90): forward {fwd90}; backward {bwd90}")
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             print(f"GPU             {torch.cuda.get_device_name()} (sm_{major}{minor})")
