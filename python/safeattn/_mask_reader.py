@@ -11,11 +11,12 @@ lives in the closures.
 
 :func:`read_mask_function` recognises a closure by its code object (the inner function of a
 factory has one code object for every closure it makes), reads its parameters from its cells by
-free-variable name, and gives a :class:`MaskDescription`, or :class:`NotRecognised` with the
-reason in words (``MaskDescription`` is the public ``safeattn.MaskDescription``). A factory missing from this Transformers release, or whose free variables are
-named otherwise, is not recognised; tests/test_transformers_masks.py fails when a mask that a
-supported model builds is not recognised, so a release that renames what is read here shows up
-as a test failure, not as a silent fallback.
+free-variable name, and gives a :class:`MaskDescription` (the public
+``safeattn.MaskDescription``), or :class:`NotRecognised` with the reason in words. A factory
+missing from this Transformers release, or whose free variables are named otherwise, is not
+recognised; tests/test_transformers_masks.py fails when a mask that a supported model builds is
+not recognised, so a release that renames what is read here shows up as a test failure, not as a
+silent fallback.
 
 The description is the mask in the terms of the native op, ``((base AND packed) OR block) AND
 padding`` (``safeattn.sdpa_mask``'s docstring gives each rule): a causal flag, a window, a
