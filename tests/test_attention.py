@@ -186,21 +186,8 @@ def test_sdpa_mask_kinds(device, kind, mask_dtype):
 
 
 # Described masks: attention(MaskDescription) is attention with the mask sdpa_mask would build.
-_DESCRIBED_KINDS = {
-    **{
-        kind: kw
-        for kind, kw in _sdpa_mask_cases(2, 1, 1).items()
-        if kind not in ("padding", "sliding_padding", "chunked_left_padding", "packed", "blocks")
-    },
-    "padding": "padding",  # built per case below: their tensors are [B, L], L = kv_offset + KV
-    "right_padding": "right_padding",
-    "bidirectional_padding": "bidirectional_padding",
-    "sliding_padding": "sliding_padding",
-    "chunked_left_padding": "chunked_left_padding",
-    "packed": "packed",
-    "packed_padding": "packed_padding",
-    "blocks": "blocks",
-}
+# The sdpa_mask kinds above, and three more combinations of padding.
+_DESCRIBED_KINDS = [*_sdpa_mask_cases(2, 1, 1), "right_padding", "bidirectional_padding", "packed_padding"]
 
 
 def _described_kwargs(kind, batch, width):
@@ -213,7 +200,14 @@ def _described_kwargs(kind, batch, width):
         "bidirectional_padding": {"causal": False, "padding_mask": cases["padding"]["padding_mask"]},
         "packed_padding": {**cases["packed"], "padding_mask": cases["padding"]["padding_mask"]},
     }
-    return dict(extra.get(kind) or cases.get(kind) or _DESCRIBED_KINDS[kind])
+    return dict({**cases, **extra}[kind])
+
+
+def _described(kw, device):
+    """The MaskDescription of sdpa_mask's keywords `kw`, its tensors on `device`."""
+    return safeattn.MaskDescription(
+        **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -232,9 +226,7 @@ def test_described_masks_match_sdpa_mask(device, kind, q_len, kv_len, q_offset, 
     dense = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, **kw)
     drawn = description.materialise(batch, q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
     assert torch.equal(drawn, dense), f"{kind}: materialise differs from the reference mask"
-    description = safeattn.MaskDescription(
-        **{name: x.to(device) if isinstance(x, torch.Tensor) else x for name, x in kw.items()}
-    )
+    description = _described(kw, device)
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
     _check_against_reference(
         q,
@@ -255,9 +247,7 @@ def test_described_masks_low_precision(device, dtype, kind):
     batch, q_len, kv_len = 2, 130, 130  # more than one tile each way
     kw = _described_kwargs(kind, batch, kv_len)
     dense = reference.sdpa_mask(batch, q_len, kv_len, **kw)
-    description = safeattn.MaskDescription(
-        **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
-    )
+    description = _described(kw, device)
     q, k, v = _qkv(batch, 4, 4, q_len, kv_len, 64, dtype, device)
     out, lse = _check_against_reference(q, k, v, attn_mask=description, reference_mask=dense.to(device))
     dense_out, dense_lse = safeattn.attention(q, k, v, dense.to(device))

@@ -44,6 +44,11 @@ def _close(name, got, want, tol, seed):
     ), f"seed {seed} {name}: error {worst:.3g} > {tol:g} x {scale:.3g}"
 
 
+def _on(device, kwargs: dict) -> dict:
+    """kwargs with its tensors moved to device."""
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+
+
 def _strided(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
     """t itself, or the same values in a non-contiguous layout (a transposed copy viewed back,
     or a slice of a wider buffer)."""
@@ -188,9 +193,14 @@ def test_attention_described_fuzz(device, seed):
     q_offset, kv_offset = rng.choice([(0, 0), (max(kv_len - q_len, 0), 0), (7, 3), (2**62, 2**62 - 5)])
     rules = _description(rng, gen, batch, q_len, kv_len, q_offset, kv_offset)
     dense = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, **rules)
-    on_device = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in rules.items()}
     out, lse = safeattn.attention(
-        q, k, v, safeattn.MaskDescription(**on_device), q_offset=q_offset, kv_offset=kv_offset, **kwargs
+        q,
+        k,
+        v,
+        safeattn.MaskDescription(**_on(device, rules)),
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        **kwargs,
     )
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     ref_out, ref_lse = reference.attention(q, k, v, dense.to(device), score_dtype=acc, **kwargs)
@@ -350,6 +360,5 @@ def test_sdpa_mask_fuzz(device, seed):
         kwargs["dtype"] = rng.choice([torch.float32, torch.bfloat16, torch.float16])
         kwargs["use_finfo_min"] = rng.random() < 0.5
     want = reference.sdpa_mask(**kwargs)
-    on_device = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
-    got = safeattn.sdpa_mask(**on_device, device=device)
+    got = safeattn.sdpa_mask(**_on(device, kwargs), device=device)
     assert got.dtype == want.dtype and torch.equal(got.cpu(), want), f"seed {seed}: {kwargs}"
