@@ -5,7 +5,7 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        scripts/hopper_bwd_check.cu -o hopper_bwd_check
 //
-// (-DHOPPER_BWD_CHECK_D=64 or 128: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
+// (-DHOPPER_BWD_CHECK_D=64, 96 or 128: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
 // the dispatched variants alone, a shorter build.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
 // causal key-tile order, tile_order.h)]. For each
@@ -446,7 +446,7 @@ int main(int argc, char** argv) {
   VARIANT(bf16, 64, 64, 128, 2);
   VARIANT(__half, 64, 64, 128, 2);
 #endif
-#if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 96  // not dispatched yet: the candidate
+#if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 96
   VARIANT(bf16, 96, 64, 128, 2);
   VARIANT(__half, 96, 64, 128, 2);
 #endif

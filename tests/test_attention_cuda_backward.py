@@ -35,6 +35,8 @@ DEVICE = "cuda"
 # Head dims with tensor-core backward kernels (csrc/ops/cuda/attention_bwd_d<D>_<dtype>.cu); a
 # build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the generic path, still correct.
 TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
+# Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py).
+SM90_HEAD_DIMS = [64, 96, 128]
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 # (q_len, kv_len, causal): partial tiles on both sides, both causal alignments.
@@ -298,12 +300,12 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    # D = 96 keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward has D
-    # 64 and 128), here in their atomic mode with a bool mask (no gradient).
-    q, k, v = _qkv(1, 4, 2, 97, 130, 96, torch.bfloat16, DEVICE)
+    # A softcap keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward has
+    # none), here in their atomic mode with a bool mask (no gradient).
+    q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
     keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
     keep[..., :5] = False
-    names = _backward_kernels(q, k, v, attn_mask=keep, enable_gqa=True, is_causal=True)
+    names = _backward_kernels(q, k, v, attn_mask=keep, enable_gqa=True, is_causal=True, softcap=30.0)
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
     assert any("attention_bwd_dkdv_kernel" in n for n in names), f"no dK/dV kernel among {names}"
@@ -312,7 +314,7 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
     ), f"the dQ kernel ran in the atomic mode: {names}"
 
     def dq_kernel_ran(**kwargs):
-        names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
+        names = _backward_kernels(q, k, v, enable_gqa=True, is_causal=True, softcap=30.0, **kwargs)
         return any("attention_bwd_dq_kernel" in n for n in names)
 
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
@@ -394,7 +396,7 @@ def _sm90_masks(batch, heads, q_len, kv_len):
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize(
     "name",
     [
@@ -466,7 +468,7 @@ def _assert_sm90_took_mask(q, k, v, mask):
         assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize("kind", ["causal_left_padding", "packed_documents"])
 def test_bool_mask_long_walks_sm90(kind, head_dim):
     """Long runs of fully masked tiles before and between the visited ones, so that the sm_90a
@@ -492,7 +494,7 @@ def test_bool_mask_long_walks_sm90(kind, head_dim):
     _assert_sm90_took_mask(q, k, v, mask)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize("grad_layout", ["contiguous", "strided"])
 @pytest.mark.parametrize("upstream", ["finite", "nan_on_empty_rows"])
 def test_grad_out_as_given(upstream, grad_layout, head_dim):
@@ -552,7 +554,7 @@ def _padding_mask(batch, q_len, kv_len):
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize("masking", ["causal", "padding"])
 def test_atomic_dq_matches_reference(masking, head_dim, dtype):
     # GQA 4:1 (four query heads add into the same key tiles' work), Q = 97: a partial last

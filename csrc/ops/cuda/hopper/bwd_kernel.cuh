@@ -77,6 +77,10 @@ struct DefaultBwdConfig<64> {
   using type = BwdConfig<64, 64, 128, 2>;
 };
 template <>
+struct DefaultBwdConfig<96> {  // 48 bytes of spills; 348 TFLOP/s causal on an H100 (stop 30)
+  using type = BwdConfig<96, 64, 128, 2>;
+};
+template <>
 struct DefaultBwdConfig<128> {
   using type = BwdConfig<128, 64, 128, 2>;
 };
