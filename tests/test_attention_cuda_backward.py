@@ -5,7 +5,7 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64 and 128, no mask or a bool one, no softcap; the mma.sync kernels take
+call: bf16/fp16, D 64, 96 and 128, no mask or a bool one, no softcap; the mma.sync kernels take
 everything else, so the cases with float masks, softcap and other head dims test them), and the
 generic path (float32, head
 dims without an instantiation, D != Dv,
