@@ -187,7 +187,14 @@ def test_sdpa_mask_kinds(device, kind, mask_dtype):
 
 # Described masks: attention(MaskDescription) is attention with the mask sdpa_mask would build.
 # The sdpa_mask kinds above, and three more combinations of padding.
-_DESCRIBED_KINDS = [*_sdpa_mask_cases(2, 1, 1), "right_padding", "bidirectional_padding", "packed_padding"]
+_DESCRIBED_KINDS = [
+    *_sdpa_mask_cases(2, 1, 1),
+    "right_padding",
+    "bidirectional_padding",
+    "packed_padding",
+    "chunked_bidirectional",
+    "sliding_chunked_padding",
+]
 
 
 def _described_kwargs(kind, batch, width):
@@ -199,6 +206,12 @@ def _described_kwargs(kind, batch, width):
         "right_padding": {"padding_mask": right},
         "bidirectional_padding": {"causal": False, "padding_mask": cases["padding"]["padding_mask"]},
         "packed_padding": {**cases["packed"], "padding_mask": cases["padding"]["padding_mask"]},
+        "chunked_bidirectional": {**cases["chunked_left_padding"], "causal": False},
+        "sliding_chunked_padding": {
+            **cases["sliding_padding"],
+            "chunk_size": 6,
+            "chunk_left_padding": torch.tensor([0, 2])[:batch],
+        },
     }
     return dict({**cases, **extra}[kind])
 
@@ -256,33 +269,39 @@ def test_described_masks_low_precision(device, dtype, kind):
 
 
 def test_described_causal_padding_is_never_drawn(monkeypatch):
-    # Causality and key padding alone run as is_causal plus a [B, 1, 1, KV] key mask at the
-    # call's positions: sdpa_mask is never called. A window is drawn (for now).
+    # Causality, key padding, windows and chunks run as is_causal, a [B, 1, 1, KV] key mask at
+    # the call's positions and key ranges: sdpa_mask is never called. Packed ids and blocks are
+    # drawn (for now).
     batch, q_len, kv_len, kv_offset = 2, 5, 12, 3
     pad = torch.ones(batch, kv_offset + kv_len, dtype=torch.long)
     pad[0, :7] = 0
     q, k, v = _qkv(batch, 2, 2, q_len, kv_len, 16, torch.float32, "cpu")
     from safeattn import ops
 
-    mask, is_causal = ops._described_mask(safeattn.MaskDescription(padding_mask=pad), q, k, 10, kv_offset)
-    assert is_causal and mask.dtype == torch.bool and mask.shape == (batch, 1, 1, kv_len)
+    mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(padding_mask=pad), q, k, 10, kv_offset)
+    assert is_causal and mask.dtype == torch.bool and mask.shape == (batch, 1, 1, kv_len) and ranges is None
     assert torch.equal(mask[:, 0, 0], pad[:, kv_offset:].bool())
-    mask, is_causal = ops._described_mask(safeattn.MaskDescription(causal=False), q, k, 0, 0)
-    assert mask is None and not is_causal, "bidirectional without padding: no mask at all"
-    mask, is_causal = ops._described_mask(safeattn.MaskDescription(sliding_window=3), q, k, 10, kv_offset)
-    assert is_causal and mask.shape == (batch, 1, q_len, kv_len), "a window is drawn, is_causal kept"
+    mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(causal=False), q, k, 0, 0)
+    assert mask is None and not is_causal and ranges is None, "bidirectional without padding: no mask at all"
+    window = safeattn.MaskDescription(sliding_window=3, padding_mask=pad)
+    mask, is_causal, ranges = ops._described_mask(window, q, k, 10, kv_offset)
+    assert is_causal and mask.shape == (batch, 1, 1, kv_len), "a window: is_causal and the key mask"
+    assert ranges.dtype == torch.int32 and ranges.shape == (batch, q_len, 2)
+    # Query 0 is at position 10: keys at positions 8, 9, 10 (indices 5, 6, 7) are its window.
+    # (the end is the keys' end: causality is is_causal's).
+    assert ranges[0, 0].tolist() == [5, kv_len] and ranges[1, 4].tolist() == [9, kv_len]
     blocks = torch.full((batch, kv_offset + kv_len), -1)
-    mask, is_causal = ops._described_mask(safeattn.MaskDescription(block_ids=blocks), q, k, 10, kv_offset)
-    assert not is_causal, "blocks reach past the diagonal: is_causal would hide them"
+    mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(block_ids=blocks), q, k, 10, kv_offset)
+    assert not is_causal and ranges is None, "blocks reach past the diagonal: is_causal would hide them"
 
     def no_drawing(*args, **kwargs):
-        raise AssertionError("sdpa_mask called for a causal + padding description")
+        raise AssertionError("sdpa_mask called for a causal + padding + window + chunk description")
 
     monkeypatch.setattr(ops, "sdpa_mask", no_drawing)
-    out, lse = safeattn.attention(
-        q, k, v, safeattn.MaskDescription(padding_mask=pad), q_offset=10, kv_offset=kv_offset
-    )
-    assert torch.isfinite(out).all()
+    chunks = safeattn.MaskDescription(sliding_window=4, chunk_size=3, padding_mask=pad)
+    for description in (safeattn.MaskDescription(padding_mask=pad), window, chunks):
+        out, lse = safeattn.attention(q, k, v, description, q_offset=10, kv_offset=kv_offset)
+        assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize(
@@ -301,12 +320,64 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
         ({"sliding_window": 0}, {}, "sliding_window"),
         ({"packed_ids": torch.zeros(2, 3, dtype=torch.long)}, {}, "packed_ids"),
         ({"chunk_size": -2}, {}, "chunk_size"),
+        ({"chunk_size": 4, "chunk_left_padding": torch.zeros(3, dtype=torch.long)}, {}, "chunk_left_padding"),
+        ({"chunk_size": 4, "chunk_left_padding": torch.zeros(2)}, {}, "chunk_left_padding"),
+        ({"sliding_window": 3}, {"key_ranges": torch.zeros(2, 4, 2, dtype=torch.int32)}, "key_ranges must be None"),
     ],
 )
 def test_described_mask_bad_inputs(description, kwargs, message):
     q, k, v = _qkv(2, 2, 2, 4, 8, 16, torch.float32, "cpu")
     with pytest.raises((ValueError, RuntimeError), match=message):
         safeattn.attention(q, k, v, safeattn.MaskDescription(**description), **kwargs)
+
+
+def _random_key_ranges(batch, q_len, kv_len, seed=0):
+    """[B, Q, 2] int32 key ranges of every kind: empty (hi <= lo), reaching past both ends of the
+    keys, narrow and wide."""
+    gen = torch.Generator().manual_seed(seed)
+    lo = torch.randint(-6, kv_len + 6, (batch, q_len), generator=gen)
+    width = torch.randint(-4, kv_len, (batch, q_len), generator=gen)
+    return torch.stack((lo, lo + width), -1).to(torch.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_kind", ["none", "key_mask", "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_ranges_match_reference(device, mask_kind, causal):
+    # key_ranges ANDed with every kind of mask and with is_causal (bottom-right), GQA, forward
+    # and backward against the reference's drawn ranges; rows the ranges empty give 0 / -inf.
+    batch, q_len, kv_len = 2, 37, 45
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
+    ranges = _random_key_ranges(batch, q_len, kv_len).to(device)
+    gen = torch.Generator().manual_seed(3)
+    mask = {
+        "none": None,
+        "key_mask": torch.rand(batch, 1, 1, kv_len, generator=gen) > 0.2,
+        "bool": torch.rand(batch, 4, q_len, kv_len, generator=gen) > 0.3,
+        "float": torch.randn(1, 4, q_len, kv_len, generator=gen),
+    }[mask_kind]
+    mask = None if mask is None else mask.to(device)
+    out, lse = _check_against_reference(
+        q, k, v, attn_mask=mask, key_ranges=ranges, is_causal=causal, q_offset=kv_len - q_len, enable_gqa=True
+    )
+    empty = ranges[..., 1] <= ranges[..., 0]
+    assert empty.any(), "the ranges must empty some rows"
+    assert torch.all(out.detach().permute(0, 2, 1, 3)[empty] == 0) and torch.all(lse.permute(0, 2, 1)[empty].isneginf())
+
+
+@pytest.mark.parametrize(
+    ("key_ranges", "message"),
+    [
+        (torch.zeros(2, 4, 2, dtype=torch.long), "key_ranges must have dtype Int"),
+        (torch.zeros(2, 4, 3, dtype=torch.int32), r"key_ranges must be \[batch, q_length, 2\]"),
+        (torch.zeros(1, 4, 2, dtype=torch.int32), r"key_ranges must be \[batch, q_length, 2\]"),
+        (torch.zeros(2, 4, dtype=torch.int32), r"key_ranges must be \[batch, q_length, 2\]"),
+    ],
+)
+def test_key_ranges_bad_inputs(key_ranges, message):
+    q, k, v = _qkv(2, 2, 2, 4, 8, 16, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match=message):
+        safeattn.attention(q, k, v, key_ranges=key_ranges)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -322,7 +393,9 @@ def test_described_masks_compile_fullgraph_dynamic(device):
         packed, _ = safeattn.attention(
             q, k, v, safeattn.MaskDescription(packed_ids=ids, padding_mask=keep), q_offset=q_offset
         )
-        return padded.float().square().sum() + packed.float().sum()
+        window = safeattn.MaskDescription(sliding_window=5, chunk_size=7, padding_mask=keep)
+        windowed, _ = safeattn.attention(q, k, v, window, q_offset=q_offset)
+        return padded.float().square().sum() + packed.float().sum() + windowed.float().abs().sum()
 
     def inputs(q_len, kv_len):
         q, k, v = _qkv(2, 2, 2, q_len, kv_len, 32, torch.float32, device)

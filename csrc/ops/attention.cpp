@@ -70,7 +70,8 @@ at::Tensor mask_as_4d(const at::Tensor& mask) {
 
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
-                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks, const char* kOp) {
+                     bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks,
+                     const std::optional<at::Tensor>& key_ranges, const char* kOp) {
   TORCH_CHECK(query.dim() == 4, kOp, ": query must be 4-D [batch, heads, q_length, head_dim], got ", query.dim(), "-D");
   TORCH_CHECK(key.dim() == 4, kOp, ": key must be 4-D [batch, kv_heads, kv_length, head_dim], got ", key.dim(), "-D");
   TORCH_CHECK(value.dim() == 4, kOp, ": value must be 4-D [batch, kv_heads, kv_length, head_dim_v], got ", value.dim(),
@@ -82,7 +83,12 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   TORCH_CHECK(value.scalar_type() == query.scalar_type(), kOp, ": value has dtype ", dtype_name(value.scalar_type()),
               " but query has ", dtype_name(query.scalar_type()));
   common_device(kOp, std::nullopt,
-                {{"query", query}, {"key", key}, {"value", value}, {"attn_mask", attn_mask}, {"sinks", sinks}});
+                {{"query", query},
+                 {"key", key},
+                 {"value", value},
+                 {"attn_mask", attn_mask},
+                 {"sinks", sinks},
+                 {"key_ranges", key_ranges}});
   // Sizes are SymInts: symbolic in the Meta kernel under torch.compile (see holds()).
   const c10::SymInt batch = query.sym_size(0), hq = query.sym_size(1), q_len = query.sym_size(2);
   const c10::SymInt hkv = key.sym_size(1), kv_len = key.sym_size(2);
@@ -138,16 +144,25 @@ void check_attention(const at::Tensor& query, const at::Tensor& key, const at::T
     TORCH_CHECK(sinks->dim() == 1 && holds(sinks->sym_size(0).sym_eq(hq)), kOp, ": sinks must be [num_heads] = [", hq,
                 "], got ", sinks->sym_sizes());
   }
+  if (key_ranges.has_value()) {
+    TORCH_CHECK(key_ranges->scalar_type() == at::kInt, kOp, ": key_ranges must have dtype Int (int32), got ",
+                dtype_name(key_ranges->scalar_type()));
+    TORCH_CHECK(key_ranges->dim() == 3 && holds(key_ranges->sym_size(0).sym_eq(batch)) &&
+                    holds(key_ranges->sym_size(1).sym_eq(q_len)) && holds(key_ranges->sym_size(2).sym_eq(2)),
+                kOp, ": key_ranges must be [batch, q_length, 2] = [", batch, ", ", q_len, ", 2], got ",
+                key_ranges->sym_sizes());
+  }
 }
 
 void check_attention_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                               const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                               const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                               std::optional<double> scale, double softcap, const std::optional<at::Tensor>& sinks,
-                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo) {
+                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo,
+                              const std::optional<at::Tensor>& key_ranges) {
   constexpr const char* op = "_attention_backward";
   // The forward's rules (query heads a multiple of the kv heads, as the forward let through).
-  check_attention(query, key, value, attn_mask, 0.0, scale, /*enable_gqa=*/true, softcap, sinks, op);
+  check_attention(query, key, value, attn_mask, 0.0, scale, /*enable_gqa=*/true, softcap, sinks, key_ranges, op);
   common_device(op, query.device(),
                 {{"grad_out", grad_out}, {"grad_lse", grad_lse}, {"out", out}, {"lse", lse}, {"lse_lo", lse_lo}});
   const std::vector<c10::SymInt> out_shape{query.sym_size(0), query.sym_size(1), query.sym_size(2), value.sym_size(3)};
@@ -182,11 +197,57 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(query.size(3)));
 }
 
+namespace {
+
+// A mask ANDed with the key ranges ([B, Q, 2] int32): a bool mask (or none) gets the ranges as a
+// bool [B, 1, Q, KV] ANDed, a float one -inf outside them. The mask is 4-D; its broadcast dims
+// (size 1, or stride 0 in an expanded view) stay single in the result.
+at::Tensor and_key_ranges(const at::Tensor& mask, const at::Tensor& key_ranges, int64_t kv_len) {
+  const at::Tensor keys = at::arange(kv_len, key_ranges.options());
+  const at::Tensor lo = key_ranges.select(2, 0).unsqueeze(-1), hi = key_ranges.select(2, 1).unsqueeze(-1);
+  const at::Tensor keep = keys.ge(lo).logical_and_(keys.lt(hi)).unsqueeze(1);
+  if (!mask.defined()) {
+    return keep;
+  }
+  at::Tensor m = mask;
+  for (int64_t d = 0; d < m.dim(); ++d) {
+    if (m.size(d) > 1 && m.stride(d) == 0) {
+      m = m.narrow(d, 0, 1);
+    }
+  }
+  return m.scalar_type() == at::kBool ? m.logical_and(keep)
+                                      : m.masked_fill(keep.logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+template <class Args>
+Args key_ranges_drawn(const Args& args) {
+  if (!args.key_ranges.defined()) {
+    return args;
+  }
+  Args drawn = args;
+  const int64_t batch = args.query.size(0), hq = args.query.size(1), q_len = args.query.size(2);
+  const int64_t kv_len = args.key.size(2);
+  drawn.mask = and_key_ranges(args.mask, args.key_ranges, kv_len).expand({batch, hq, q_len, kv_len});
+  drawn.key_ranges = at::Tensor();
+  return drawn;
+}
+
+}  // namespace
+
+AttentionFwdArgs with_key_ranges_drawn(const AttentionFwdArgs& args) {
+  return key_ranges_drawn(args);
+}
+
+AttentionBwdArgs with_key_ranges_drawn(const AttentionBwdArgs& args) {
+  return key_ranges_drawn(args);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool with_lse_lo, AttentionFwdFn kernel) {
-  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges,
+    bool with_lse_lo, AttentionFwdFn kernel) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks, key_ranges);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t kv_len = key.size(2);
   const at::ScalarType acc = acc_type(query.scalar_type());
@@ -200,6 +261,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
   args.value = value;
   if (attn_mask.has_value()) {
     args.mask = mask_as_4d(*attn_mask).expand({batch, hq, q_len, kv_len});
+  }
+  if (key_ranges.has_value()) {
+    args.key_ranges = key_ranges->contiguous();
   }
   if (sinks.has_value()) {
     args.sinks = sinks->to(acc).contiguous();
@@ -229,9 +293,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, AttentionBwdFn kernel) {
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel) {
   check_attention_backward(grad_out_in, grad_lse_in, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
-                           grad_mask_needed, lse_lo);
+                           grad_mask_needed, lse_lo, key_ranges);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
   const int64_t hkv = key.size(1), kv_len = key.size(2);
   const at::ScalarType acc = acc_type(query.scalar_type());
@@ -298,6 +362,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     if (mask4.defined()) {
       args.mask = mask4.expand({batch, hq, q_len, kv_len});
     }
+    if (key_ranges.has_value()) {
+      args.key_ranges = key_ranges->contiguous();
+    }
     args.grad_query = grad_query;
     args.grad_key = grad_key;
     args.grad_value = grad_value;
@@ -321,28 +388,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 
 namespace {
 
+// The CPU kernels read key ranges drawn into the mask.
+void attention_fwd_cpu(const AttentionFwdArgs& args) {
+  attention_fwd_cpu_stub().pick()(with_key_ranges_drawn(args));
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                  double dropout_p, bool is_causal, std::optional<double> scale,
                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
-                                                 const std::optional<at::Tensor>& sinks) {
+                                                 const std::optional<at::Tensor>& sinks,
+                                                 const std::optional<at::Tensor>& key_ranges) {
   auto [out, lse, unused] =
       attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                     softcap, sinks, /*with_lse_lo=*/false, attention_fwd_cpu_stub().pick());
+                     softcap, sinks, key_ranges, /*with_lse_lo=*/false, &attention_fwd_cpu);
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks) {
+    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                        softcap, sinks, /*with_lse_lo=*/true, attention_fwd_cpu_stub().pick());
+                        softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cpu);
 }
 
-// The CPU kernels read grad_out with the empty rows dropped.
+// The CPU kernels read grad_out with the empty rows dropped, and key ranges drawn into the mask.
 void attention_bwd_cpu(const AttentionBwdArgs& args) {
-  AttentionBwdArgs cleaned = args;
+  AttentionBwdArgs cleaned = with_key_ranges_drawn(args);
   cleaned.grad_out = grad_out_without_empty_rows(args);
   attention_bwd_cpu_stub().pick()(cleaned);
 }
@@ -352,9 +425,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo) {
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, &attention_bwd_cpu);
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cpu);
 }
 
 // The Meta kernels: what torch.compile, torch.export and FakeTensorMode run (sizes may be
@@ -362,8 +435,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_meta(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, c10::SymInt q_offset,
-    c10::SymInt kv_offset, double softcap, const std::optional<at::Tensor>& sinks) {
-  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+    c10::SymInt kv_offset, double softcap, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& key_ranges) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks, key_ranges);
   return attention_outputs(query, value, /*with_lse_lo=*/true);
 }
 
@@ -371,8 +445,9 @@ std::tuple<at::Tensor, at::Tensor> attention_meta(const at::Tensor& query, const
                                                   const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
                                                   bool enable_gqa, c10::SymInt q_offset, c10::SymInt kv_offset,
-                                                  double softcap, const std::optional<at::Tensor>& sinks) {
-  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks);
+                                                  double softcap, const std::optional<at::Tensor>& sinks,
+                                                  const std::optional<at::Tensor>& key_ranges) {
+  check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks, key_ranges);
   auto [out, lse, unused] = attention_outputs(query, value, /*with_lse_lo=*/false);
   return {out, lse};
 }
@@ -384,9 +459,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, c10::SymInt q_offset,
     c10::SymInt kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo) {
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
   check_attention_backward(grad_out, grad_lse, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
-                           grad_mask_needed, lse_lo);
+                           grad_mask_needed, lse_lo, key_ranges);
   auto like = [](const at::Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
   auto none = [&] { return at::empty({0}, query.options()); };  // a fresh one each: outputs never alias
   return {like(query), like(key), like(value), attn_mask.has_value() && grad_mask_needed ? like(*attn_mask) : none(),
@@ -400,14 +475,17 @@ namespace {
 using AttentionSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const std::optional<at::Tensor>&, double, bool,
                                                               std::optional<double>, bool, c10::SymInt, c10::SymInt,
-                                                              double, const std::optional<at::Tensor>&);
+                                                              double, const std::optional<at::Tensor>&,
+                                                              const std::optional<at::Tensor>&);
 using AttentionForwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool,
-    std::optional<double>, bool, c10::SymInt, c10::SymInt, double, const std::optional<at::Tensor>&);
+    std::optional<double>, bool, c10::SymInt, c10::SymInt, double, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
 using AttentionBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, bool, std::optional<double>, c10::SymInt,
-    c10::SymInt, double, const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&);
+    c10::SymInt, double, const std::optional<at::Tensor>&, bool, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&);
 
 const c10::TypedOperatorHandle<AttentionSignature>& attention_op() {
   static const auto op =
@@ -446,13 +524,15 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                                 const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                                 bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                 const c10::SymInt& q_offset, const c10::SymInt& kv_offset,
-                                                double softcap, const std::optional<at::Tensor>& sinks) {
+                                                double softcap, const std::optional<at::Tensor>& sinks,
+                                                const std::optional<at::Tensor>& key_ranges) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     // _attention_forward: attention plus lse_lo, which only the backward reads.
     auto [out, lse, lse_lo] = attention_forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                          enable_gqa, q_offset, kv_offset, softcap, sinks);
+                                                          enable_gqa, q_offset, kv_offset, softcap, sinks, key_ranges);
     const at::Tensor mask = attn_mask.value_or(at::Tensor());
-    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse, lse_lo});
+    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse, lse_lo,
+                            key_ranges.value_or(at::Tensor())});
     // An unused lse gets an undefined gradient rather than a materialised zero one (a pass saved).
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_causal"] = is_causal;
@@ -463,13 +543,13 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     return {out, lse};
   }
 
-  // One gradient per forward argument (12); needs_input_grad counts the tensor arguments given
+  // One gradient per forward argument (13); needs_input_grad counts the tensor arguments given
   // (query, key, value, then attn_mask and sinks where present).
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2], &mask = saved[3], &sinks = saved[4];
-    const at::Tensor &out = saved[5], &lse = saved[6], &lse_lo = saved[7];
+    const at::Tensor &out = saved[5], &lse = saved[6], &lse_lo = saved[7], &key_ranges = saved[8];
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
     const bool grad_mask_needed = mask.defined() && ctx->needs_input_grad(3);
     const bool grad_sinks_needed = sinks.defined() && ctx->needs_input_grad(mask.defined() ? 4 : 3);
@@ -477,8 +557,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         grad_out, defined_or_none(grads[1]), query, key, value, out, lse, defined_or_none(mask),
         ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
         ctx->saved_data["q_offset"].toSymInt(), ctx->saved_data["kv_offset"].toSymInt(),
-        ctx->saved_data["softcap"].toDouble(), defined_or_none(sinks), grad_mask_needed, defined_or_none(lse_lo));
-    torch::autograd::variable_list result(12);
+        ctx->saved_data["softcap"].toDouble(), defined_or_none(sinks), grad_mask_needed, defined_or_none(lse_lo),
+        defined_or_none(key_ranges));
+    torch::autograd::variable_list result(13);
     result[0] = grad_query;
     result[1] = grad_key;
     result[2] = grad_value;
@@ -513,7 +594,8 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                                       const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                                       bool is_causal, std::optional<double> scale, bool enable_gqa,
                                                       c10::SymInt q_offset, c10::SymInt kv_offset, double softcap,
-                                                      const std::optional<at::Tensor>& sinks) {
+                                                      const std::optional<at::Tensor>& sinks,
+                                                      const std::optional<at::Tensor>& key_ranges) {
   // Under a torch.func transform (which rejects a C++ autograd::Function) or with a forward-AD
   // dual input (which it has no rule for), the ATen composite: every transform and every order
   // of derivative then work, at O(Q * KV) memory. Only such calls take it (ops.py routes the
@@ -522,7 +604,13 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
     return t.has_value() && t->defined() && t->_fw_grad(/*level=*/0).defined();
   };
   if (under_functorch_transform() || dual(query) || dual(key) || dual(value) || dual(attn_mask) || dual(sinks)) {
-    return attention_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
+    // The composite reads key ranges drawn into the mask (differentiable for a float one).
+    std::optional<at::Tensor> mask = attn_mask;
+    if (key_ranges.has_value()) {
+      check_attention(query, key, value, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks, key_ranges);
+      mask = and_key_ranges(attn_mask.has_value() ? mask_as_4d(*attn_mask) : at::Tensor(), *key_ranges, key.size(2));
+    }
+    return attention_math(query, key, value, mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                           softcap, sinks);
   }
   // Nothing to differentiate: the op itself below autograd, with no graph node and no lse_lo
@@ -534,10 +622,11 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
                                        requires_grad(attn_mask) || requires_grad(sinks))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
-                               kv_offset, softcap, sinks);
+                               kv_offset, softcap, sinks, key_ranges);
   }
-  const torch::autograd::variable_list result = AttentionFunction::apply(
-      query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset, softcap, sinks);
+  const torch::autograd::variable_list result = AttentionFunction::apply(query, key, value, attn_mask, dropout_p,
+                                                                         is_causal, scale, enable_gqa, q_offset,
+                                                                         kv_offset, softcap, sinks, key_ranges);
   return {result[0], result[1]};
 }
 
@@ -547,22 +636,23 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::
                                              const std::optional<at::Tensor>& attn_mask, double dropout_p,
                                              bool is_causal, std::optional<double> scale, bool enable_gqa,
                                              int64_t q_offset, int64_t kv_offset, double softcap,
-                                             const std::optional<at::Tensor>& sinks) {
+                                             const std::optional<at::Tensor>& sinks,
+                                             const std::optional<at::Tensor>& key_ranges) {
   return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                             softcap, sinks);
+                             softcap, sinks, key_ranges);
 }
 
 TORCH_LIBRARY_FRAGMENT(safeattn, m) {
   m.def(
       "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
       "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
-      "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+      "float softcap=0.0, Tensor? sinks=None, Tensor? key_ranges=None) -> (Tensor out, Tensor lse)");
   // Private: the forward that AttentionFunction calls, with lse's rounding error as a third
   // output (attention.h says why the backward needs it).
   m.def(
       "_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0.0, "
       "bool is_causal=False, float? scale=None, bool enable_gqa=False, *, SymInt q_offset=0, SymInt kv_offset=0, "
-      "float softcap=0.0, Tensor? sinks=None) -> (Tensor out, Tensor lse, Tensor lse_lo)");
+      "float softcap=0.0, Tensor? sinks=None, Tensor? key_ranges=None) -> (Tensor out, Tensor lse, Tensor lse_lo)");
   // Private: the backward as its own op, so it stays traceable (AttentionFunction above calls it).
   // `scale` is the forward's argument, None included (resolved here, so a traced caller does not
   // guard on the head dim). grad_mask and grad_sinks are empty when not asked for (no mask
@@ -570,7 +660,8 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
   m.def(
       "_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor lse, Tensor? attn_mask, bool is_causal, float? scale, SymInt q_offset, SymInt kv_offset, "
-      "float softcap, Tensor? sinks, bool grad_mask_needed, Tensor? lse_lo=None) -> (Tensor grad_query, "
+      "float softcap, Tensor? sinks, bool grad_mask_needed, Tensor? lse_lo=None, Tensor? key_ranges=None) -> "
+      "(Tensor grad_query, "
       "Tensor grad_key, Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
 }
 

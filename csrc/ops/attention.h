@@ -5,6 +5,10 @@
 //   attn_mask bool or float, broadcastable to [B, Hq, Q, KV] ([Q, KV], [H|1, Q, KV] or
 //             [B|1, H|1, Q|1, KV|1]); read through strides, never expanded in memory
 //   sinks     [Hq] float logits that join the softmax denominator (GPT-OSS s_aux)
+//   key_ranges [B, Q, 2] int32 (lo, hi): query i of batch b sees only keys lo <= j < hi, ANDed
+//             with attn_mask and is_causal (a described mask's window or chunk, safeattn.
+//             MaskDescription, as indices instead of a drawn [B, 1, Q, KV] mask). Any values:
+//             hi <= lo sees nothing.
 //   out       [B, Hq, Q, Dv] in query's dtype, stored as [B, Q, Hq, Dv] (a transposed view)
 //   lse       [B, Hq, Q] float32 (float64 for float64 inputs): log-sum-exp of each row,
 //             sink included
@@ -46,6 +50,9 @@ struct AttentionFwdArgs {
   at::Tensor key;     // [B, Hkv, KV, D], input dtype, any strides
   at::Tensor value;   // [B, Hkv, KV, Dv], input dtype, any strides
   at::Tensor mask;    // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  // Undefined, or [B, Q, 2] int32 with rows of 2 contiguous: the key ranges, ANDed with mask.
+  // Only the sm_90a kernels read them; every other kernel gets with_key_ranges_drawn(args).
+  at::Tensor key_ranges;
   at::Tensor sinks;   // undefined, or [Hq] acc dtype contiguous
   at::Tensor out;     // [B, Hq, Q, Dv], input dtype, strided view (written)
   at::Tensor lse;     // [B, Hq, Q], acc dtype, contiguous (written)
@@ -76,6 +83,7 @@ struct AttentionBwdArgs {
   at::Tensor lse;         // [B, Hq, Q], acc dtype
   at::Tensor lse_lo;      // [B, Hq, Q], acc dtype: lse's rounding error (zeros when not given)
   at::Tensor mask;        // as in AttentionFwdArgs
+  at::Tensor key_ranges;  // as in AttentionFwdArgs
   at::Tensor grad_query;  // [B, Hq, Q, D], input dtype, contiguous (written)
   at::Tensor grad_key;    // [B, Hkv, KV, D], input dtype, contiguous (written)
   at::Tensor grad_value;  // [B, Hkv, KV, Dv], input dtype, contiguous (written)
@@ -131,7 +139,7 @@ SAFEATTN_DECLARE_ISA_STUB(attention_cpu_tiles_stub, AttentionCpuTilesFn);
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,
                      bool enable_gqa, double softcap, const std::optional<at::Tensor>& sinks,
-                     const char* op = "attention");
+                     const std::optional<at::Tensor>& key_ranges = std::nullopt, const char* op = "attention");
 
 // Validates every argument of _attention_backward: the forward's rules, then out, grad_out,
 // lse, lse_lo and grad_lse against the shapes and dtypes they must have, so that no call (a
@@ -140,7 +148,14 @@ void check_attention_backward(const at::Tensor& grad_out, const std::optional<at
                               const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                               const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
                               std::optional<double> scale, double softcap, const std::optional<at::Tensor>& sinks,
-                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo);
+                              bool grad_mask_needed, const std::optional<at::Tensor>& lse_lo,
+                              const std::optional<at::Tensor>& key_ranges);
+
+// The arguments with the key ranges drawn into the mask (a bool [B, 1, Q, KV] ANDed with it, or
+// -inf filled into a float one) and key_ranges undefined: what every kernel but the sm_90a ones
+// runs. Unchanged without key ranges.
+AttentionFwdArgs with_key_ranges_drawn(const AttentionFwdArgs& args);
+AttentionBwdArgs with_key_ranges_drawn(const AttentionBwdArgs& args);
 
 // The scale actually used: `scale`, or 1/sqrt(head_dim).
 double attention_scale(const at::Tensor& query, std::optional<double> scale);
@@ -152,13 +167,14 @@ double attention_scale(const at::Tensor& query, std::optional<double> scale);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, bool with_lse_lo, AttentionFwdFn kernel);
+    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges,
+    bool with_lse_lo, AttentionFwdFn kernel);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_impl(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, AttentionBwdFn kernel);
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel);
 
 // grad_out with the rows whose lse is -inf (no visible key) set to 0: with p = 0 for every key,
 // a NaN or inf in such a row would still reach dQ (0 * NaN) and, through P^T dO, dV and dK of
@@ -172,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::
                                              double dropout_p = 0.0, bool is_causal = false,
                                              std::optional<double> scale = std::nullopt, bool enable_gqa = false,
                                              int64_t q_offset = 0, int64_t kv_offset = 0, double softcap = 0.0,
-                                             const std::optional<at::Tensor>& sinks = std::nullopt);
+                                             const std::optional<at::Tensor>& sinks = std::nullopt,
+                                             const std::optional<at::Tensor>& key_ranges = std::nullopt);
 
 }  // namespace safeattn

@@ -162,6 +162,48 @@ class MaskDescription:
         ``[B, 1, 1, KV]`` key mask (``key_mask``), never drawn as ``[B, 1, Q, KV]``."""
         return all(x is None for x in (self.sliding_window, self.chunk_size, self.packed_ids, self.block_ids))
 
+    def has_key_ranges(self) -> bool:
+        """True when the rules besides causality and padding are a window and/or chunks: one
+        interval of keys per query row, which ``attention`` evaluates from indices
+        (``key_ranges``) rather than drawing the mask."""
+        no_ids = self.packed_ids is None and self.block_ids is None
+        return no_ids and (self.sliding_window is not None or self.chunk_size is not None)
+
+    def key_ranges(
+        self,
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int = 0,
+        kv_offset: int = 0,
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """The window's and the chunks' keys for each query row, as ``attention``'s
+        ``key_ranges``: ``[batch_size, q_length, 2]`` int32 ``(lo, hi)``, query ``i`` (position
+        ``q_offset + i``) keeping the keys ``lo <= j < hi`` (positions ``kv_offset + j``).
+        Causality and padding are not in them (``attention`` applies those as ``is_causal`` and
+        ``key_mask``), nor packed sequences or blocks (``has_key_ranges``)."""
+        device = torch.device("cpu") if device is None else device
+        q = torch.arange(q_length, device=device, dtype=torch.long).add_(q_offset)[None, :]  # [1, Q]
+        lo = torch.full_like(q, kv_offset)
+        hi = torch.full_like(q, kv_offset + kv_length)
+        w = self.sliding_window
+        if w is not None:
+            lo = torch.maximum(lo, q - (w - 1 if self.causal else w))
+            if not self.causal:
+                hi = torch.minimum(hi, q + w + 1)
+        if self.chunk_size is not None:
+            c = self.chunk_size
+            pad = self.chunk_left_padding
+            pad = torch.zeros(1, 1, dtype=torch.long, device=device) if pad is None else pad.to(device).long()[:, None]
+            start = torch.div(q - pad, c, rounding_mode="floor") * c + pad  # [B|1, Q]
+            lo = torch.maximum(lo, start)
+            hi = torch.minimum(hi, start + c)
+        lo = (lo - kv_offset).clamp_(0, kv_length)
+        hi = (hi - kv_offset).clamp_(0, kv_length)
+        lo, hi = torch.broadcast_tensors(lo, hi)
+        return torch.stack((lo, hi), -1).to(torch.int32).expand(batch_size, q_length, 2)
+
     def key_mask(self, kv_length: int, kv_offset: int = 0) -> torch.Tensor | None:
         """The padding's keys at positions ``kv_offset ..`` as a bool ``[B, 1, 1, kv_length]``
         mask (True attends; positions past the padding mask's width are padding), None
@@ -211,15 +253,16 @@ def _and_padding(first: torch.Tensor | None, second: torch.Tensor) -> torch.Tens
 
 def _described_mask(
     description: MaskDescription, query: torch.Tensor, key: torch.Tensor, q_offset, kv_offset
-) -> tuple[torch.Tensor | None, bool]:
-    """What the op runs for a described mask: ``(attn_mask, is_causal)``.
+) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+    """What the op runs for a described mask: ``(attn_mask, is_causal, key_ranges)``.
 
-    Causality and key padding alone: ``is_causal`` and the ``[B, 1, 1, KV]`` key mask, so the
-    kernels skip the tiles past the diagonal and read KV bytes of mask per batch row. Any other
-    rule (window, chunks, packed sequences, blocks): the dense mask, built by the native
-    ``sdpa_mask`` in one pass, which the kernels summarise per tile (the GPU) or per query tile
-    (the CPU) so that fully masked tiles are skipped; ``is_causal`` is kept alongside where the
-    mask is causal anyway (no blocks), which bounds the key loops by the diagonal too.
+    Causality (or none), key padding, a window and chunks: ``is_causal``, the ``[B, 1, 1, KV]``
+    key mask and (with a window or chunks) the op's ``key_ranges``, one interval of keys per
+    query row, so the sm_90a kernels skip the tiles outside them and test their edges from
+    indices; the other kernels draw them. Packed sequences and blocks: the dense mask, built by
+    the native ``sdpa_mask`` in one pass, which the kernels summarise per tile (the GPU) or per
+    query tile (the CPU) so that fully masked tiles are skipped; ``is_causal`` is kept alongside
+    where the mask is causal anyway (no blocks), which bounds the key loops by the diagonal too.
     """
     if q_offset < 0 or kv_offset < 0:
         raise ValueError(
@@ -227,9 +270,9 @@ def _described_mask(
             f"got q_offset={q_offset}, kv_offset={kv_offset}"
         )
     batch_size, q_length, kv_length = query.shape[0], query.shape[-2], key.shape[-2]
-    if description.is_causal_and_padding():
+    if description.is_causal_and_padding() or description.has_key_ranges():
         keys = description.padding_mask
-        # sdpa_mask's checks of the padding mask, for the path that does not call it.
+        # sdpa_mask's checks of the rules, for the path that does not call it.
         if keys is not None and (keys.dim() != 2 or keys.shape[0] != batch_size):
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be [B, L] with B = {batch_size} "
@@ -239,14 +282,28 @@ def _described_mask(
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be bool or integer, got {keys.dtype}"
             )
+        if description.has_key_ranges():
+            torch.ops.safeattn._sdpa_mask_check(
+                batch_size,
+                q_length,
+                kv_length,
+                q_offset,
+                kv_offset,
+                sliding_window=description.sliding_window,
+                chunk_size=description.chunk_size,
+                chunk_left_padding=description.chunk_left_padding,
+            )
         keys = description.key_mask(kv_length, kv_offset)
         if keys is not None:
             keys = keys.to(query.device)
-        return keys, bool(description.causal)
+        ranges = None
+        if description.has_key_ranges():
+            ranges = description.key_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, query.device)
+        return keys, bool(description.causal), ranges
     mask = description.materialise(
         batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, device=query.device
     )
-    return mask, bool(description.causal) and description.block_ids is None
+    return mask, bool(description.causal) and description.block_ids is None, None
 
 
 # ---- softmax family --------------------------------------------------------------------
@@ -345,6 +402,7 @@ def attention(
     kv_offset: int = 0,
     softcap: float = 0,
     sinks: torch.Tensor | None = None,
+    key_ranges: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused scaled-dot-product attention whose fully masked rows are 0, never NaN.
 
@@ -401,9 +459,9 @@ def attention(
             to its own shape deterministically. Or a ``MaskDescription``: the mask
             ``sdpa_mask`` would build for it at positions ``q_offset`` / ``kv_offset`` (both
             ``>= 0`` then; ``is_causal`` must be False, the description's ``causal`` says it),
-            without building it when it is causality (or none) and key padding alone: that
-            runs as ``is_causal`` and a ``[B, 1, 1, KV]`` key mask. Other rules (window, chunks,
-            packed sequences, blocks) are built densely by ``sdpa_mask`` for now.
+            without building it when it is causality (or none), key padding, a window and chunks:
+            that runs as ``is_causal``, a ``[B, 1, 1, KV]`` key mask and ``key_ranges``. Packed
+            sequences and blocks are built densely by ``sdpa_mask`` for now.
         dropout_p: must be 0: dropout is not implemented (a non-zero value raises).
         is_causal: apply the causal rule above.
         scale: score scale, default ``1 / sqrt(D)``.
@@ -414,6 +472,12 @@ def attention(
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` before the mask.
         sinks: ``[Hq]`` float logits (GPT-OSS ``s_aux``): one extra logit per head in the softmax
             denominator that takes no value. Differentiable.
+        key_ranges: ``[B, Q, 2]`` int32 ``(lo, hi)``: query ``i`` of batch ``b`` sees only the keys
+            ``lo <= j < hi`` (indices into ``key``), ANDed with ``attn_mask`` and ``is_causal``;
+            ``hi <= lo`` sees none. A window's or chunk's mask as indices: the H100/H200 kernels
+            evaluate them per tile and never draw a ``[B, 1, Q, KV]`` mask (other devices draw
+            it). A ``MaskDescription`` with a window or chunks passes its own
+            (``MaskDescription.key_ranges``); None then.
 
     Returns:
         ``(out, lse)``: ``out`` ``[B, Hq, Q, Dv]`` in the query dtype, stored as ``[B, Q, Hq, Dv]``
@@ -426,7 +490,9 @@ def attention(
                 "safeattn.attention: is_causal must be False when attn_mask is a MaskDescription "
                 "(its `causal` field says whether the mask is causal)"
             )
-        attn_mask, is_causal = _described_mask(attn_mask, query, key, q_offset, kv_offset)
+        if key_ranges is not None:
+            raise ValueError("safeattn.attention: key_ranges must be None when attn_mask is a MaskDescription")
+        attn_mask, is_causal, key_ranges = _described_mask(attn_mask, query, key, q_offset, kv_offset)
     return torch.ops.safeattn.attention(
         query,
         key,
@@ -440,4 +506,5 @@ def attention(
         kv_offset=kv_offset,
         softcap=softcap,
         sinks=sinks,
+        key_ranges=key_ranges,
     )

@@ -242,6 +242,7 @@ def attention(
     kv_offset: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    key_ranges: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float64,
     score_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,6 +280,11 @@ def attention(
     s = s.to(compute_dtype)
     v = v.to(compute_dtype)
     neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype)
+    if key_ranges is not None:
+        # [B, Q, 2] (lo, hi): query i of batch b keeps the keys lo <= j < hi.
+        cols = torch.arange(kv_length, device=s.device)
+        lo, hi = key_ranges[..., :1].to(s.device).long(), key_ranges[..., 1:].to(s.device).long()
+        s = torch.where(((cols >= lo) & (cols < hi))[:, None], s, neg_inf)
     if is_causal:
         # kv_offset + j <= q_offset + i, i.e. j <= i + shift: the shift in Python's exact integers
         # (an int64 sum of the offsets can overflow), clamped to where it no longer changes anything

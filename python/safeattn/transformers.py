@@ -434,11 +434,12 @@ def attention_forward(
         attention_mask = attention_mask[:, :, :, :kv_length]
 
     q_offset = kv_offset = 0
+    key_ranges = None
     note = _noted(attention_mask, q_length, kv_length)
     if note is not None:
         # A causal + padding mask built here: is_causal at its positions and a key mask.
         q_offset, kv_offset = note.q_offset, note.kv_offset
-        attention_mask, is_causal = _described_mask(note.description, query, key, q_offset, kv_offset)
+        attention_mask, is_causal, key_ranges = _described_mask(note.description, query, key, q_offset, kv_offset)
     else:
         # As Transformers' sdpa integration: the kwarg wins over the module; causal only for a
         # multi-token query with no mask (a single decoded token attends every cached key). The
@@ -492,11 +493,16 @@ def attention_forward(
             kv_offset=kv_offset,
             softcap=softcap,
             sinks=s_aux,
+            key_ranges=key_ranges,
         )
     else:
         _log_once(
             f"no safeattn attention kernel for {query.device.type}; attention runs as composite PyTorch ops"
         )
+        if key_ranges is not None:  # drawn: [B, 1, Q, KV] ANDed with the mask
+            keys = torch.arange(key.shape[2], device=key.device)
+            keep = (keys >= key_ranges[..., :1]) & (keys < key_ranges[..., 1:])
+            attention_mask = keep[:, None] if attention_mask is None else attention_mask & keep[:, None]
         out = _composite_attention(
             query, key, value, attention_mask, scale, is_causal, softcap, s_aux, q_offset, kv_offset
         )

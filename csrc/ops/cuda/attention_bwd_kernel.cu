@@ -254,8 +254,8 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   rows.delta = at::empty({batch, hq, pitch}, f32);
   rows.row_shift = at::empty({batch, hq, pitch}, f32);
   rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
-  // Only a mask or a negative causal shift (query 0 then sees no key) can leave a row empty.
-  if (a.mask.defined() || (a.is_causal && a.q_offset - a.kv_offset < 0)) {
+  // Only a mask, key ranges or a negative causal shift (query 0 then sees no key) can leave a row empty.
+  if (a.mask.defined() || a.key_ranges.defined() || (a.is_causal && a.q_offset - a.kv_offset < 0)) {
     rows.grad_out_dirty = at::zeros({1}, a.query.options().dtype(at::kInt));
   }
   RowsArgs r;
@@ -392,6 +392,13 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
 }
 
 void attention_bwd_cuda(const AttentionBwdArgs& args) {
+  // Key ranges: the sm_90a kernel reads them (attention_bwd_tensor_core takes it, below); every
+  // other kernel, drawn into the mask.
+  if (args.key_ranges.defined() &&
+      !(tensor_core_supported(args) && use_atomic_dq(args) && attention_bwd_sm90_takes(args))) {
+    attention_bwd_cuda(with_key_ranges_drawn(args));
+    return;
+  }
   if (!tensor_core_supported(args)) {
     AttentionBwdArgs cleaned = args;
     cleaned.grad_out = grad_out_without_empty_rows(args);
@@ -410,10 +417,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo) {
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, &attention_bwd_cuda);
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda);
 }
 
 }  // namespace

@@ -89,13 +89,10 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
   p.resident_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
-  // A mask is summarised per (query tile, key tile) first: fully masked ones are skipped.
+  // A mask (and the key ranges) is summarised per (query tile, key tile) first: fully masked
+  // ones are skipped.
   at::Tensor summary, diagonals;
-  if (a.mask.defined()) {
-    summary = attn::summarize_mask_tiles(a.mask, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, &diagonals);
-    p.mask = attn::make_mask_view(a.mask);
-    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, diagonals);
-  }
+  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
                                                                : launch_for_head_dim<__half>(head_dim, p, stream);

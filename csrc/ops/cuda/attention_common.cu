@@ -1,6 +1,7 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -114,6 +115,41 @@ __device__ __forceinline__ uint32_t nonzero_bytes(uint32_t w) {
 
 constexpr int kMaxDiagonalRows = 128;
 
+// Whether a mixed tile is one diagonal d (row r sees exactly its keys c <= r + d), from each
+// row's count of visible keys and last visible key (tile-relative; -1: none): every row's visible
+// keys are a prefix [0, count), the rows seeing some but not all keys agree on d = count - 1 - r,
+// and the rows seeing none or all lie where the rule puts them. Called by every thread of the
+// CTA (it synchronises); d is 0 when it returns false. diag_min, diag_max: shared scratch.
+__device__ bool one_diagonal(int rows, int cols, const int* row_count, const int* row_last, int* diag_min,
+                             int* diag_max, int& d) {
+  if (threadIdx.x == 0) {
+    *diag_min = INT_MAX;
+    *diag_max = INT_MIN;
+  }
+  __syncthreads();
+  bool broken = false;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const int count = row_count[r];
+    broken |= row_last[r] != count - 1;
+    if (count > 0 && count < cols) {
+      atomicMin(diag_min, count - 1 - r);
+      atomicMax(diag_max, count - 1 - r);
+    }
+  }
+  broken = __syncthreads_or(broken);
+  d = *diag_min;
+  broken |= d != *diag_max;  // also when no row is partial (d = INT_MAX): not a diagonal
+  for (int r = threadIdx.x; r < rows && !broken; r += blockDim.x) {
+    const int count = row_count[r];
+    broken |= (count == 0 && r + d >= 0) || (count == cols && r + d + 1 < cols);
+  }
+  broken = __syncthreads_or(broken);
+  if (broken) {
+    d = 0;
+  }
+  return !broken;
+}
+
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
 // kv_tile. Each thread looks at a strided share of the tile's elements; the flags are ORed over
 // the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride along
@@ -140,10 +176,6 @@ __global__ void __launch_bounds__(kSummaryThreads)
     for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
       row_count[r] = 0;
       row_last[r] = -1;
-    }
-    if (threadIdx.x == 0) {
-      diag_min = INT_MAX;
-      diag_max = INT_MIN;
     }
     __syncthreads();
   }
@@ -186,35 +218,77 @@ __global__ void __launch_bounds__(kSummaryThreads)
   any_bias = __syncthreads_or(any_bias);
   uint8_t tile_class = !any_visible ? kTileMasked : (!any_masked && !any_bias ? kTileVisible : kTileMixed);
   if (rows_stats && tile_class == kTileMixed) {
-    // One diagonal d: every row's visible keys are a prefix [0, count) (its last visible key is
-    // count - 1), the rows seeing some but not all keys agree on d = count - 1 - r, and the rows
-    // seeing none or all lie where the rule puts them.
-    bool broken = false;
-    for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
-      const int count = row_count[r];
-      broken |= row_last[r] != count - 1;
-      if (count > 0 && count < cols) {
-        atomicMin(&diag_min, count - 1 - r);
-        atomicMax(&diag_max, count - 1 - r);
-      }
-    }
-    broken = __syncthreads_or(broken);
-    const int d = diag_min;
-    broken |= d != diag_max;  // also when no row is partial (d = INT_MAX): not a diagonal
-    for (int r = threadIdx.x; r < rows && !broken; r += kSummaryThreads) {
-      const int count = row_count[r];
-      broken |= (count == 0 && r + d >= 0) || (count == cols && r + d + 1 < cols);
-    }
-    broken = __syncthreads_or(broken);
-    if (!broken) {
+    int d = 0;
+    if (one_diagonal(rows, cols, row_count, row_last, &diag_min, &diag_max, d)) {
       tile_class = kTileDiagonal;
     }
     if (threadIdx.x == 0) {
-      diagonal[x] = broken ? int16_t{0} : static_cast<int16_t>(d);
+      diagonal[x] = static_cast<int16_t>(d);
     }
   }
   if (threadIdx.x == 0) {
     out[x] = tile_class;
+  }
+}
+
+// One CTA per (batch, query tile, key tile), x as above with slice = batch: the tile's class
+// under the key ranges (one interval per row, KeyRangeView), from each row's count of keys inside
+// the tile and whether they start at its first key; then, for each of the mask summary's heads,
+// that class ANDed with the mask's (mask_tiles; null ptr: no mask) into out / diagonal at
+// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile.
+__global__ void __launch_bounds__(kMaxDiagonalRows)
+    summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, int64_t q_len, int64_t kv_len,
+                                int block_q, int block_kv, int64_t heads_m, int64_t q_tiles, int64_t kv_tiles,
+                                uint8_t* out, int16_t* diagonal) {
+  __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
+  __shared__ int diag_min, diag_max;
+  const int64_t x = blockIdx.x;
+  const int64_t kv_tile = x % kv_tiles;
+  const int64_t q_tile = (x / kv_tiles) % q_tiles;
+  const int64_t b = x / (kv_tiles * q_tiles);
+  const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
+  const int rows = static_cast<int>(q_len - i0 < block_q ? q_len - i0 : block_q);
+  const int cols = static_cast<int>(kv_len - j0 < block_kv ? kv_len - j0 : block_kv);
+  bool any_visible = false, any_masked = false;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    // The row's keys inside the tile, tile-relative: [lo, hi) clamped to [0, cols).
+    const int64_t lo = std::min<int64_t>(std::max<int64_t>(int64_t{ranges.lo(b, i0 + r)} - j0, 0), cols);
+    const int64_t hi = std::min<int64_t>(std::max<int64_t>(int64_t{ranges.hi(b, i0 + r)} - j0, 0), cols);
+    const int count = hi > lo ? static_cast<int>(hi - lo) : 0;
+    any_visible |= count > 0;
+    any_masked |= count < cols;
+    row_count[r] = count;
+    row_last[r] = count > 0 ? static_cast<int>(hi) - 1 : -1;  // a prefix iff row_last == count - 1
+  }
+  any_visible = __syncthreads_or(any_visible);
+  any_masked = __syncthreads_or(any_masked);
+  uint8_t range_class = !any_visible ? kTileMasked : (!any_masked ? kTileVisible : kTileMixed);
+  int range_diagonal = 0;
+  if (range_class == kTileMixed && one_diagonal(rows, cols, row_count, row_last, &diag_min, &diag_max, range_diagonal)) {
+    range_class = kTileDiagonal;
+  }
+  for (int64_t h = threadIdx.x; h < heads_m; h += blockDim.x) {
+    uint8_t mask_class = mask_tiles.at(b, h, q_tile, kv_tile);
+    // Both rules: masked if either is; the other's class where one is visible; one diagonal if
+    // both are the same one; else mixed (the kernel tests the mask's elements and the ranges).
+    uint8_t tile_class = kTileMixed;
+    int d = 0;
+    if (range_class == kTileMasked || mask_class == kTileMasked) {
+      tile_class = kTileMasked;
+    } else if (mask_class == kTileVisible) {
+      tile_class = range_class;
+      d = range_diagonal;
+    } else if (range_class == kTileVisible) {
+      tile_class = mask_class;
+      d = mask_class == kTileDiagonal ? mask_tiles.diagonal_at(b, h, q_tile, kv_tile) : 0;
+    } else if (range_class == kTileDiagonal && mask_class == kTileDiagonal &&
+               mask_tiles.diagonal_at(b, h, q_tile, kv_tile) == range_diagonal) {
+      tile_class = kTileDiagonal;
+      d = range_diagonal;
+    }
+    const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
+    out[y] = tile_class;
+    diagonal[y] = static_cast<int16_t>(d);
   }
 }
 
@@ -259,6 +333,48 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
       view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>(), diagonal);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
+}
+
+at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
+                                int block_kv, at::Tensor* diagonals) {
+  TORCH_INTERNAL_ASSERT(key_ranges.dim() == 3 && key_ranges.size(2) == 2 && key_ranges.stride(2) == 1 &&
+                            key_ranges.stride(1) == 2 && key_ranges.scalar_type() == at::kInt && block_q > 0 &&
+                            block_q <= kMaxDiagonalRows && block_kv > 0 && diagonals != nullptr,
+                        "attention (CUDA): summarize_key_ranges takes [B, Q, 2] int32 rows and tiles of <= 128 rows");
+  const int64_t batch = key_ranges.size(0), q_len = key_ranges.size(1);
+  at::Tensor mask_summary, mask_diagonals;
+  TileSummaryView mask_tiles;  // null: no mask
+  if (mask.defined()) {
+    mask_summary = summarize_mask_tiles(mask, block_q, block_kv, &mask_diagonals);
+    mask_tiles = make_tile_summary_view(mask_summary, block_q, block_kv, mask_diagonals);
+  }
+  const int64_t heads_m = mask_summary.defined() ? mask_summary.size(1) : 1;
+  const int64_t q_tiles = (q_len + block_q - 1) / block_q;
+  const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
+  at::Tensor summary = at::empty({batch, heads_m, q_tiles, kv_tiles}, key_ranges.options().dtype(at::kByte));
+  *diagonals = at::empty(summary.sizes(), key_ranges.options().dtype(at::kShort));
+  const int64_t blocks = batch * q_tiles * kv_tiles;
+  if (blocks == 0) {
+    return summary;
+  }
+  TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the key ranges have too many tiles to summarise (", blocks,
+              ")");
+  summarize_key_ranges_kernel<<<static_cast<unsigned>(blocks), kMaxDiagonalRows, 0,
+                                c10::cuda::getCurrentCUDAStream()>>>(make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q,
+                                                                     block_kv, heads_m, q_tiles, kv_tiles,
+                                                                     summary.data_ptr<uint8_t>(),
+                                                                     diagonals->data_ptr<int16_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return summary;
+}
+
+KeyRangeView make_key_range_view(const at::Tensor& key_ranges) {
+  KeyRangeView view;
+  if (key_ranges.defined()) {
+    view.ptr = key_ranges.data_ptr<int>();
+    view.stride_b = key_ranges.stride(0);
+  }
+  return view;
 }
 
 TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,

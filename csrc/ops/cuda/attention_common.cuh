@@ -345,8 +345,39 @@ inline Causal causal_rule(const AttentionFwdArgs& a) {
 // shape); only the sm_90a kernels read that class.
 at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals = nullptr);
 
+// Host: the summary, for the sm_90a kernels, of key ranges ([B, Q, 2] int32, rows of 2
+// contiguous: AttentionFwdArgs::key_ranges) ANDed with a bool mask view (or none): uint8
+// [B, Hm, ceil(Q / block_q), ceil(KV / block_kv)] with Hm the mask summary's heads (1 without a
+// mask), and the diagonals (int16, same shape) of its kTileDiagonal tiles in *diagonals. Tiles of
+// at most 128 rows. Kernels on the current stream, no host synchronisation.
+at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
+                                int block_kv, at::Tensor* diagonals);
+// Host: the kernels' view of key_ranges (undefined: a null view).
+KeyRangeView make_key_range_view(const at::Tensor& key_ranges);
+
 // Host: the view of a summary made by summarize_mask_tiles for the same tile sizes.
 TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
                                        const at::Tensor& diagonals = at::Tensor());
+
+// Host: an sm_90a kernel's mask fields (mask, mask_tiles, key_ranges; hopper/fwd_params.h,
+// bwd_params.h) from the call's bool mask and key ranges, either or both undefined, summarised
+// for tiles of block_q x block_kv (p.kv_len set before). summary and diagonals hold the summary
+// until the launch is queued. Neither: the fields stay null (the kernel without mask code).
+template <class Params>
+void set_mask_fields(Params& p, const at::Tensor& mask, const at::Tensor& key_ranges, int block_q, int block_kv,
+                     at::Tensor& summary, at::Tensor& diagonals) {
+  if (key_ranges.defined()) {
+    summary = summarize_key_ranges(key_ranges, p.kv_len, mask, block_q, block_kv, &diagonals);
+    p.key_ranges = make_key_range_view(key_ranges);
+  } else if (mask.defined()) {
+    summary = summarize_mask_tiles(mask, block_q, block_kv, &diagonals);
+  }
+  if (mask.defined()) {
+    p.mask = make_mask_view(mask);
+  }
+  if (summary.defined()) {
+    p.mask_tiles = make_tile_summary_view(summary, block_q, block_kv, diagonals);
+  }
+}
 
 }  // namespace safeattn::cuda::attn

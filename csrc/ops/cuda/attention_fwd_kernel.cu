@@ -82,6 +82,12 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
 }
 
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
+  if (args.key_ranges.defined()) {  // the sm_90a kernels read them; the others, drawn into the mask
+    if (!attention_fwd_sm90(args)) {
+      attention_fwd_cuda(with_key_ranges_drawn(args));
+    }
+    return;
+  }
   if (attention_fwd_decode(args)) {  // at most 16 query rows per kv head
     return;
   }
@@ -101,21 +107,22 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
                                                   double dropout_p, bool is_causal, std::optional<double> scale,
                                                   bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
-                                                  const std::optional<at::Tensor>& sinks) {
+                                                  const std::optional<at::Tensor>& sinks,
+                                                  const std::optional<at::Tensor>& key_ranges) {
   const c10::cuda::CUDAGuard guard(query.device());
   auto [out, lse, unused] =
       attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                     softcap, sinks, /*with_lse_lo=*/false, &attention_fwd_cuda);
+                     softcap, sinks, key_ranges, /*with_lse_lo=*/false, &attention_fwd_cuda);
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks) {
+    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                        softcap, sinks, /*with_lse_lo=*/true, &attention_fwd_cuda);
+                        softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cuda);
 }
 
 }  // namespace

@@ -61,20 +61,16 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
   p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
-  // A mask is summarised per tile first (one kernel on the stream): the kernel skips the fully
-  // masked key tiles, tests the diagonal ones by a compare and reads the mask only in the mixed
-  // ones.
+  // A mask (and the key ranges) is summarised per tile first (kernels on the stream): the kernel
+  // skips the fully masked key tiles, tests the diagonal ones by a compare and reads the mask
+  // (computes the ranges) only in the mixed ones.
   at::Tensor summary, diagonals;
-  if (a.mask.defined()) {
-    summary = attn::summarize_mask_tiles(a.mask, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, &diagonals);
-    p.mask = attn::make_mask_view(a.mask);
-    p.mask_tiles = attn::make_tile_summary_view(summary, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, diagonals);
-  }
+  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after
   // the kernel).
   at::Tensor tile_counter;
-  if (a.is_causal || a.mask.defined()) {
+  if (a.is_causal || summary.defined()) {
     tile_counter = at::zeros({1}, query.options().dtype(at::kInt));
     p.tile_counter = tile_counter.data_ptr<int>();
   }

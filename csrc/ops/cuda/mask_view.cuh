@@ -41,6 +41,18 @@ struct MaskView {
   }
 };
 
+// Per query row, the one interval of keys [lo, hi) it may see, ANDed with the mask and causality:
+// a described mask's windows and chunks (ops/attention.h, key_ranges) evaluated from indices, not
+// drawn. int32 pairs at ptr + b * stride_b + 2 i (lo, hi; any values: hi <= lo sees none). A null
+// ptr: no interval (every key).
+struct KeyRangeView {
+  const int* ptr = nullptr;
+  int64_t stride_b = 0;
+
+  __device__ __forceinline__ int lo(int64_t b, int64_t i) const { return ptr[b * stride_b + 2 * i]; }
+  __device__ __forceinline__ int hi(int64_t b, int64_t i) const { return ptr[b * stride_b + 2 * i + 1]; }
+};
+
 // What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles
 // (kTileMasked: neither K/V nor the mask is read), read no mask (kTileVisible), or read it once
 // per element (kTileMixed). NaN counts as mixed, so it reaches the rows it belongs to.

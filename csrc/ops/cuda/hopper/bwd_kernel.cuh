@@ -266,6 +266,7 @@ struct Bwd {
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
+    attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
     int head_group;                    // BwdParams::head_group, at least 1
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
@@ -515,16 +516,29 @@ struct Bwd {
         } else if (step < steps && visit.tile_class == attn::kTileMixed) {
           static_assert(decltype(size(tSrS))::value <= 32);
           const int row0 = m_block_of(step) * kBlockM;
-          const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
-          // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
           const int last_row = p.q_len - 1 - row0;
+          if (p.mask.ptr != nullptr) {
+            const bool* mask =
+                static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
+            // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
 #pragma unroll 8
-          for (int i = 0; i < size(tSrS); ++i) {
-            const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-            const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                      int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
-            if (!visible && key < keys_in_tile && row <= last_row) {
-              keep &= ~(1u << i);
+            for (int i = 0; i < size(tSrS); ++i) {
+              const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+              const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                        int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
+              if (!visible && key < keys_in_tile && row <= last_row) {
+                keep &= ~(1u << i);
+              }
+            }
+          }
+          if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys
+#pragma unroll 8
+            for (int i = 0; i < size(tSrS); ++i) {
+              const int key = key0 + key_base + acc_row(i), row = col_base + acc_col(i);
+              const int64_t q = row0 + (row < last_row ? row : last_row);
+              if (key < p.key_ranges.lo(batch, q) || key >= p.key_ranges.hi(batch, q)) {
+                keep &= ~(1u << i);
+              }
             }
           }
         }
@@ -825,6 +839,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
+  p.key_ranges = a.key_ranges;
   p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;

@@ -63,6 +63,9 @@ struct BwdParams {
   // (query tile, key tile) pairs are skipped, mixed ones read the mask per element.
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
+  // Null, or each query row's one interval of keys, ANDed with the mask (as FwdParams::key_ranges;
+  // mask_tiles then summarises both).
+  attn::KeyRangeView key_ranges;
   // Causal (and masked) key tiles go longest first within groups of at most head_group (batch,
   // kv head)s (hopper/tile_order.h); 0: head_group_for's choice for resident_ctas CTAs at once;
   // 1: the grid's own order, head after head, each longest first.

@@ -368,6 +368,7 @@ struct Fwd {
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
+    attn::KeyRangeView key_ranges;     // null, or one interval of keys per row
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
     int head_group;                    // FwdParams::head_group, at least 1
     int batch_heads;                   // batch * heads: tiles / m_blocks
@@ -557,27 +558,46 @@ struct Fwd {
   }
 
   // The bool mask's elements of key tile n_block for this thread's accumulator elements, one bit
-  // each (set: visible), eight loads in flight; the consumers gather a tile's bits while the
-  // products of the tile before it run. Rows past q_len and keys past kv_len read nothing and keep
-  // their bit (the first are never written, the second are -inf already).
+  // each (set: visible), eight loads in flight, ANDed with the rows' key intervals where there
+  // are any; the consumers gather a tile's bits while the products of the tile before it run.
+  // Rows past q_len and keys past kv_len keep their bit (the first are never written, the second
+  // are -inf already).
   static __device__ __forceinline__ uint64_t gather_mask(const Params& p, const Tile& t, int n_block, int64_t row0,
                                                          int lane) {
     constexpr int kElems = kBlockN / 2;
     static_assert(kElems <= 64);
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
-    const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
-    // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
-    // that the unrolled loads are all in flight at once: a conditional load waits for its test,
-    // and one L2 round trip per element made a mixed tile cost about ten plain ones.
     const int64_t last_row = p.q_len - 1 - row0;
     uint64_t keep = ~uint64_t{0};
+    if (p.mask.ptr != nullptr) {
+      const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
+      // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
+      // that the unrolled loads are all in flight at once: a conditional load waits for its test,
+      // and one L2 round trip per element made a mixed tile cost about ten plain ones.
 #pragma unroll 8
-    for (int i = 0; i < kElems; ++i) {
-      const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
-      const int64_t row = 8 * r < last_row ? 8 * r : last_row;
-      const bool visible = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
-      if (!visible && 8 * r <= last_row && col < p.kv_len) {
-        keep &= ~(uint64_t{1} << i);
+      for (int i = 0; i < kElems; ++i) {
+        const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
+        const int64_t row = 8 * r < last_row ? 8 * r : last_row;
+        const bool visible = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
+        if (!visible && 8 * r <= last_row && col < p.kv_len) {
+          keep &= ~(uint64_t{1} << i);
+        }
+      }
+    }
+    if (p.key_ranges.ptr != nullptr) {
+      int lo[2], hi[2];  // the interval of this thread's two rows
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t row = row0 + (8 * r < last_row ? 8 * r : last_row);
+        lo[r] = p.key_ranges.lo(t.batch, row);
+        hi[r] = p.key_ranges.hi(t.batch, row);
+      }
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;
+        if (col < lo[r] || col >= hi[r]) {
+          keep &= ~(uint64_t{1} << i);
+        }
       }
     }
     return keep;
@@ -977,6 +997,7 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
+  p.key_ranges = a.key_ranges;
   p.tile_counter = a.tile_counter;
   p.trace = a.trace;
   p.batch_heads = a.heads * a.batch;

@@ -42,6 +42,10 @@ struct FwdParams {
   // ones read no mask, and mixed ones read it per element.
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
+  // Null, or each query row's one interval of keys (AttentionFwdArgs::key_ranges), ANDed with the
+  // mask: mask_tiles then summarises both (attn::summarize_key_ranges), and a mixed tile tests
+  // both per element (the mask's bits where there is a mask, the interval's always).
+  attn::KeyRangeView key_ranges;
   // Persistent grid: at most this many CTAs (the multiprocessor count); 0: one CTA per tile.
   int max_ctas = 0;
   // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
