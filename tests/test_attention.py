@@ -278,7 +278,9 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
     q, k, v = _qkv(batch, 2, 2, q_len, kv_len, 16, torch.float32, "cpu")
     from safeattn import ops
 
-    mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(padding_mask=pad), q, k, 10, kv_offset)
+    mask, is_causal, ranges = ops._described_mask(
+        safeattn.MaskDescription(padding_mask=pad), q, k, 10, kv_offset
+    )
     assert is_causal and mask.dtype == torch.bool and mask.shape == (batch, 1, 1, kv_len) and ranges is None
     assert torch.equal(mask[:, 0, 0], pad[:, kv_offset:].bool())
     mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(causal=False), q, k, 0, 0)
@@ -291,7 +293,9 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
     # (the end is the keys' end: causality is is_causal's).
     assert ranges[0, 0].tolist() == [5, kv_len] and ranges[1, 4].tolist() == [9, kv_len]
     blocks = torch.full((batch, kv_offset + kv_len), -1)
-    mask, is_causal, ranges = ops._described_mask(safeattn.MaskDescription(block_ids=blocks), q, k, 10, kv_offset)
+    mask, is_causal, ranges = ops._described_mask(
+        safeattn.MaskDescription(block_ids=blocks), q, k, 10, kv_offset
+    )
     assert not is_causal and ranges is None, "blocks reach past the diagonal: is_causal would hide them"
 
     def no_drawing(*args, **kwargs):
@@ -322,7 +326,11 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
         ({"chunk_size": -2}, {}, "chunk_size"),
         ({"chunk_size": 4, "chunk_left_padding": torch.zeros(3, dtype=torch.long)}, {}, "chunk_left_padding"),
         ({"chunk_size": 4, "chunk_left_padding": torch.zeros(2)}, {}, "chunk_left_padding"),
-        ({"sliding_window": 3}, {"key_ranges": torch.zeros(2, 4, 2, dtype=torch.int32)}, "key_ranges must be None"),
+        (
+            {"sliding_window": 3},
+            {"key_ranges": torch.zeros(2, 4, 2, dtype=torch.int32)},
+            "key_ranges must be None",
+        ),
     ],
 )
 def test_described_mask_bad_inputs(description, kwargs, message):
@@ -362,7 +370,9 @@ def test_key_ranges_match_reference(device, mask_kind, causal):
     )
     empty = ranges[..., 1] <= ranges[..., 0]
     assert empty.any(), "the ranges must empty some rows"
-    assert torch.all(out.detach().permute(0, 2, 1, 3)[empty] == 0) and torch.all(lse.permute(0, 2, 1)[empty].isneginf())
+    assert torch.all(out.detach().permute(0, 2, 1, 3)[empty] == 0) and torch.all(
+        lse.permute(0, 2, 1)[empty].isneginf()
+    )
 
 
 @pytest.mark.parametrize(

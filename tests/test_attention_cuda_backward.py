@@ -21,7 +21,7 @@ import pytest
 import safeattn
 import torch
 from safeattn import reference
-from test_attention import FLOOR, _check_against_reference, _compare, _qkv
+from test_attention import FLOOR, _check_against_reference, _compare, _qkv, _random_key_ranges
 from test_attention_cuda_decode import _cuda_kernel_names
 
 _OPS = ("safeattn::attention", "safeattn::_attention_backward")
@@ -454,18 +454,69 @@ def test_key_masks_every_path(dq_mode, head_dim, causal):
     )
 
 
-def _assert_sm90_took_mask(q, k, v, mask):
-    """On an sm_90 device with the sm_90a kernels built, the bool mask ran through them."""
+def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
+    """On an sm_90 device with the sm_90a kernels built, the bool mask (and kwargs: key ranges)
+    ran through them."""
     hopper_build = torch.cuda.get_device_capability() == (9, 0) and any(
         "hopper::detail::fwd_kernel" in n
         for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
     )
     if hopper_build:  # the kernels under test must be the ones that ran
-        out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        fwd = _cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True))
+        out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
+        fwd = _cuda_kernel_names(
+            lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
+        )
         bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
         assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"a bool mask must take sm_90a: {fwd}"
         assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
+
+
+def _key_range_cases(batch, q_len, kv_len):
+    """Key ranges as descriptions make them (a causal window; a window with chunks, per-batch
+    chunk padding; a bidirectional window), at the queries' bottom-right positions, and random
+    ones (empty rows, ranges past both ends)."""
+    place = (batch, q_len, kv_len, kv_len - q_len, 0)
+    pads = torch.tensor([0, 37, 5, 200])[:batch]
+    return {
+        "window": safeattn.MaskDescription(sliding_window=200).key_ranges(*place),
+        "window_chunks": safeattn.MaskDescription(
+            sliding_window=150, chunk_size=96, chunk_left_padding=pads
+        ).key_ranges(*place),
+        "bidirectional_window": safeattn.MaskDescription(causal=False, sliding_window=130).key_ranges(*place),
+        "random": _random_key_ranges(batch, q_len, kv_len, seed=5),
+    }
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+@pytest.mark.parametrize("kind", ["window", "window_chunks", "bidirectional_window", "random"])
+@pytest.mark.parametrize("key_mask", [False, True])
+def test_key_ranges_sm90(kind, key_mask, head_dim, dtype):
+    """Key ranges through the sm_90a kernels (on an H100/H200; drawn for the mma.sync kernels
+    elsewhere): their tile summary (masked, visible, diagonal and mixed tiles from the ranges,
+    ANDed with a key mask's), the mixed tiles' per-element test, GQA, partial last tiles, rows
+    that see nothing; forward, backward and lse's gradient against the reference."""
+    batch, heads, q_len, kv_len = 4, 8, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim)
+    ranges = _key_range_cases(batch, q_len, kv_len)[kind].to(DEVICE)
+    mask = None
+    if key_mask:
+        mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+        for b in range(batch):
+            mask[b, ..., : 90 * b] = False  # left padding of 0, 90, 180, 270 keys
+        mask = mask.to(DEVICE)
+    causal = kind in ("window", "window_chunks")
+    kwargs = {"key_ranges": ranges, "is_causal": causal, "q_offset": kv_len - q_len}
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True, **kwargs)
+    _assert_sm90_took_mask(q, k, v, mask, **kwargs)
+
+
+def test_key_ranges_drawn_for_mma_sync():
+    # A softcap keeps the call on the mma.sync kernels (every GPU): the ranges drawn into the mask.
+    batch, q_len, kv_len = 2, 150, 260
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, torch.bfloat16, DEVICE)
+    ranges = _key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
+    _check_against_reference(q, k, v, key_ranges=ranges, is_causal=True, softcap=20.0, enable_gqa=True)
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)

@@ -531,8 +531,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [out, lse, lse_lo] = attention_forward_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                           enable_gqa, q_offset, kv_offset, softcap, sinks, key_ranges);
     const at::Tensor mask = attn_mask.value_or(at::Tensor());
-    ctx->save_for_backward({query, key, value, mask, sinks.value_or(at::Tensor()), out, lse, lse_lo,
-                            key_ranges.value_or(at::Tensor())});
+    ctx->save_for_backward(
+        {query, key, value, mask, sinks.value_or(at::Tensor()), out, lse, lse_lo, key_ranges.value_or(at::Tensor())});
     // An unused lse gets an undefined gradient rather than a materialised zero one (a pass saved).
     ctx->set_materialize_grads(false);
     ctx->saved_data["is_causal"] = is_causal;
@@ -624,9 +624,9 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& query, c
     return attention_op().call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
                                kv_offset, softcap, sinks, key_ranges);
   }
-  const torch::autograd::variable_list result = AttentionFunction::apply(query, key, value, attn_mask, dropout_p,
-                                                                         is_causal, scale, enable_gqa, q_offset,
-                                                                         kv_offset, softcap, sinks, key_ranges);
+  const torch::autograd::variable_list result =
+      AttentionFunction::apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
+                               kv_offset, softcap, sinks, key_ranges);
   return {result[0], result[1]};
 }
 

@@ -46,10 +46,10 @@ namespace safeattn {
 // the kernel packs K^T (and V when it is not already acc with a unit inner stride) itself,
 // inside its own parallel loop, so a call opens two parallel regions in all.
 struct AttentionFwdArgs {
-  at::Tensor query;   // [B, Hq, Q, D], input dtype, any strides
-  at::Tensor key;     // [B, Hkv, KV, D], input dtype, any strides
-  at::Tensor value;   // [B, Hkv, KV, Dv], input dtype, any strides
-  at::Tensor mask;    // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  at::Tensor query;  // [B, Hq, Q, D], input dtype, any strides
+  at::Tensor key;    // [B, Hkv, KV, D], input dtype, any strides
+  at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
+  at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
   // Undefined, or [B, Q, 2] int32 with rows of 2 contiguous: the key ranges, ANDed with mask.
   // Only the sm_90a kernels read them; every other kernel gets with_key_ranges_drawn(args).
   at::Tensor key_ranges;

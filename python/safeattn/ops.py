@@ -195,7 +195,11 @@ class MaskDescription:
         if self.chunk_size is not None:
             c = self.chunk_size
             pad = self.chunk_left_padding
-            pad = torch.zeros(1, 1, dtype=torch.long, device=device) if pad is None else pad.to(device).long()[:, None]
+            pad = (
+                torch.zeros(1, 1, dtype=torch.long, device=device)
+                if pad is None
+                else pad.to(device).long()[:, None]
+            )
             start = torch.div(q - pad, c, rounding_mode="floor") * c + pad  # [B|1, Q]
             lo = torch.maximum(lo, start)
             hi = torch.minimum(hi, start + c)
@@ -298,7 +302,9 @@ def _described_mask(
             keys = keys.to(query.device)
         ranges = None
         if description.has_key_ranges():
-            ranges = description.key_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, query.device)
+            ranges = description.key_ranges(
+                batch_size, q_length, kv_length, q_offset, kv_offset, query.device
+            )
         return keys, bool(description.causal), ranges
     mask = description.materialise(
         batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, device=query.device
@@ -491,7 +497,9 @@ def attention(
                 "(its `causal` field says whether the mask is causal)"
             )
         if key_ranges is not None:
-            raise ValueError("safeattn.attention: key_ranges must be None when attn_mask is a MaskDescription")
+            raise ValueError(
+                "safeattn.attention: key_ranges must be None when attn_mask is a MaskDescription"
+            )
         attn_mask, is_causal, key_ranges = _described_mask(attn_mask, query, key, q_offset, kv_offset)
     return torch.ops.safeattn.attention(
         query,

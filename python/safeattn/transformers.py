@@ -439,7 +439,9 @@ def attention_forward(
     if note is not None:
         # A causal + padding mask built here: is_causal at its positions and a key mask.
         q_offset, kv_offset = note.q_offset, note.kv_offset
-        attention_mask, is_causal, key_ranges = _described_mask(note.description, query, key, q_offset, kv_offset)
+        attention_mask, is_causal, key_ranges = _described_mask(
+            note.description, query, key, q_offset, kv_offset
+        )
     else:
         # As Transformers' sdpa integration: the kwarg wins over the module; causal only for a
         # multi-token query with no mask (a single decoded token attends every cached key). The

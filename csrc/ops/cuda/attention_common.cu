@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(kMaxDiagonalRows)
   any_masked = __syncthreads_or(any_masked);
   uint8_t range_class = !any_visible ? kTileMasked : (!any_masked ? kTileVisible : kTileMixed);
   int range_diagonal = 0;
-  if (range_class == kTileMixed && one_diagonal(rows, cols, row_count, row_last, &diag_min, &diag_max, range_diagonal)) {
+  if (range_class == kTileMixed &&
+      one_diagonal(rows, cols, row_count, row_last, &diag_min, &diag_max, range_diagonal)) {
     range_class = kTileDiagonal;
   }
   for (int64_t h = threadIdx.x; h < heads_m; h += blockDim.x) {
@@ -360,10 +361,9 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the key ranges have too many tiles to summarise (", blocks,
               ")");
   summarize_key_ranges_kernel<<<static_cast<unsigned>(blocks), kMaxDiagonalRows, 0,
-                                c10::cuda::getCurrentCUDAStream()>>>(make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q,
-                                                                     block_kv, heads_m, q_tiles, kv_tiles,
-                                                                     summary.data_ptr<uint8_t>(),
-                                                                     diagonals->data_ptr<int16_t>());
+                                c10::cuda::getCurrentCUDAStream()>>>(
+      make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
+      summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }

@@ -49,8 +49,12 @@ struct KeyRangeView {
   const int* ptr = nullptr;
   int64_t stride_b = 0;
 
-  __device__ __forceinline__ int lo(int64_t b, int64_t i) const { return ptr[b * stride_b + 2 * i]; }
-  __device__ __forceinline__ int hi(int64_t b, int64_t i) const { return ptr[b * stride_b + 2 * i + 1]; }
+  __device__ __forceinline__ int lo(int64_t b, int64_t i) const {
+    return ptr[b * stride_b + 2 * i];
+  }
+  __device__ __forceinline__ int hi(int64_t b, int64_t i) const {
+    return ptr[b * stride_b + 2 * i + 1];
+  }
 };
 
 // What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles

@@ -93,7 +93,7 @@ def _grad_of(placement):
 
 def _keep_keyword_placements(strategies: list, keyword_specs: dict) -> list:
     """DTensor never redistributes keyword arguments (only positional ones): keep the strategies
-    whose keyword tensors (attention's `sinks`) already have the placement they ask for, so a
+    whose keyword tensors (attention's `sinks`, `key_ranges`) already have the placement they ask for, so a
     mismatch redistributes q/k/v instead of reaching the kernel with a wrong local shape."""
     return [
         (outputs, inputs)
@@ -104,7 +104,7 @@ def _keep_keyword_placements(strategies: list, keyword_specs: dict) -> list:
 
 # ---- attention ---------------------------------------------------------------------------------
 # query [B, Hq, Q, D], key/value [B, Hkv, KV, D|Dv], out [B, Hq, Q, Dv], lse [B, Hq, Q],
-# attn_mask broadcastable to [B, Hq, Q, KV] (2-D to 4-D), sinks [Hq].
+# attn_mask broadcastable to [B, Hq, Q, KV] (2-D to 4-D), sinks [Hq], key_ranges [B, Q, 2].
 
 
 def _head_shardable(query: DTensorSpec, key: DTensorSpec) -> bool:
@@ -124,7 +124,7 @@ def _head_shardable(query: DTensorSpec, key: DTensorSpec) -> bool:
 
 def _attention_strategies(a: dict, backward: bool, forward_outputs: int = 2) -> list:
     query, key = a["query"], a["key"]
-    mask, sinks = _spec(a.get("attn_mask")), _spec(a.get("sinks"))
+    mask, sinks, ranges = _spec(a.get("attn_mask")), _spec(a.get("sinks")), _spec(a.get("key_ranges"))
     batch, heads = query.shape[0], query.shape[1]
     mask_grad = backward and mask is not None and bool(a.get("grad_mask_needed", False))
 
@@ -133,15 +133,17 @@ def _attention_strategies(a: dict, backward: bool, forward_outputs: int = 2) -> 
         if dim is None:
             mask_p = None if mask is None else _R
             sinks_p = None if sinks is None else _R
+            ranges_p = None if ranges is None else _R
             shard = _R
         else:
             shard = Shard(dim)
             mask_p = _shard_if_full(mask, 4 - dim, batch if dim == 0 else heads)
             sinks_p = None if sinks is None else (Shard(0) if dim == 1 else _R)
+            ranges_p = None if ranges is None else (Shard(0) if dim == 0 else _R)
         inputs = {
             name: shard for name in ("grad_out", "grad_lse", "query", "key", "value", "out", "lse", "lse_lo")
         }
-        inputs["attn_mask"], inputs["sinks"] = mask_p, sinks_p
+        inputs["attn_mask"], inputs["sinks"], inputs["key_ranges"] = mask_p, sinks_p, ranges_p
         if not backward:
             return [shard] * forward_outputs, inputs  # out, lse (and lse_lo: _attention_forward)
         # Unused gradient outputs are empty tensors: replicated.
@@ -152,8 +154,12 @@ def _attention_strategies(a: dict, backward: bool, forward_outputs: int = 2) -> 
     strategies = [strategy(None), strategy(0)]
     if _head_shardable(query, key):
         strategies.append(strategy(1))
-    if not backward and sinks is not None:
-        strategies = _keep_keyword_placements(strategies, {"sinks": sinks})
+    # Keywords: the forward's sinks and key_ranges, the backward's key_ranges.
+    keywords = {"sinks": sinks} if not backward and sinks is not None else {}
+    if ranges is not None:
+        keywords["key_ranges"] = ranges
+    if keywords:
+        strategies = _keep_keyword_placements(strategies, keywords)
     return strategies
 
 

@@ -518,8 +518,7 @@ struct Bwd {
           const int row0 = m_block_of(step) * kBlockM;
           const int last_row = p.q_len - 1 - row0;
           if (p.mask.ptr != nullptr) {
-            const bool* mask =
-                static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
+            const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
             // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
 #pragma unroll 8
             for (int i = 0; i < size(tSrS); ++i) {
