@@ -202,15 +202,20 @@ def _has_cuda_backward():
     return torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::_attention_backward", "CUDA")
 
 
-def _prefill_cases(batch, heads, seq, device):
-    """name -> (callable(q, k, v), needs_backward_kernel_of_safeattn)."""
+def _prefill_cases(batch, heads, seq, device, window=0):
+    """name -> (callable(q, k, v), needs_backward_kernel_of_safeattn). window > 0: the masked
+    rows' mask is a causal sliding window of that many keys (with the padding) instead of
+    causality, and the is_causal rows are left out."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pad = torch.ones(batch, seq, dtype=torch.bool, device=device)
     for b in range(batch):
         pad[b, : b * seq // 8] = False  # left padding: 0, S/8, 2S/8, ... per batch
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    if window:
+        causal &= torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1 - window)
     dense = causal[None, None] & pad[:, None, None, :]  # [B, 1, S, S]
+    rule = f"window {window}+padding" if window else "causal+padding"
 
     def sdpa_with(backend):
         def run(q, k, v):
@@ -219,40 +224,54 @@ def _prefill_cases(batch, heads, seq, device):
 
         return run
 
-    cases = {
-        "SDPA flash, is_causal": (sdpa_with(SDPBackend.FLASH_ATTENTION), False),
-        "SDPA cuDNN, is_causal": (sdpa_with(SDPBackend.CUDNN_ATTENTION), False),
-        "SDPA, causal+padding mask": (
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-            False,
-        ),
-    }
+    cases = {}
+    if not window:
+        cases["SDPA flash, is_causal"] = (sdpa_with(SDPBackend.FLASH_ATTENTION), False)
+        cases["SDPA cuDNN, is_causal"] = (sdpa_with(SDPBackend.CUDNN_ATTENTION), False)
+    cases[f"SDPA, {rule} mask"] = (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+        False,
+    )
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & pad[b, kv_idx]
+            keep = (kv_idx <= q_idx) & pad[b, kv_idx]
+            return keep & (q_idx - kv_idx < window) if window else keep
 
         block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
         flex = torch.compile(flex_attention, dynamic=False)
-        cases["Flex (compiled), causal+padding"] = (
+        cases[f"Flex (compiled), {rule}"] = (
             lambda q, k, v: flex(q, k, v, block_mask=block_mask),
             False,
         )
     except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
-    cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
-    cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
-    cases["safeattn, causal+padding mask"] = (
+    if not window:
+        cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
+        cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
+    cases[f"safeattn, {rule} mask"] = (
         lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
         True,
     )
-    described = safeattn.MaskDescription(padding_mask=pad)  # the same mask, undrawn
-    cases["safeattn, causal+padding described"] = (
+    # The same mask, undrawn: is_causal, a key mask and (a window) key ranges.
+    described = safeattn.MaskDescription(padding_mask=pad, sliding_window=window or None)
+    cases[f"safeattn, {rule} described"] = (
         lambda q, k, v: safeattn.attention(q, k, v, attn_mask=described)[0],
         True,
     )
     return cases
+
+
+def _window_pairs(batch, seq, window):
+    """The (query, key) pairs a causal window of `window` keys leaves visible under the left
+    padding _prefill_cases uses, summed over the batch."""
+    total = 0
+    for b in range(batch):
+        n = seq - b * seq // 8  # the row's tokens after its padding
+        w = min(window, n)
+        total += w * (w + 1) // 2 + (n - w) * w
+    return total
 
 
 def main_cuda(args):
@@ -266,14 +285,21 @@ def main_cuda(args):
     if not has_bwd:
         print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
     print()
-    print(f"### Prefill: B={batch} H={heads} S={seq}, causal work counted as half")
+    work = (
+        f"a causal window of {args.window} keys: its visible pairs"
+        if args.window
+        else "causal work counted as half"
+    )
+    print(f"### Prefill: B={batch} H={heads} S={seq}, {work}")
     print()
     print("| case | D | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash |")
     print("|---|---|---|---|---|---|---|")
     prefill_rows, decode_rows = [], []
     for head_dim in args.head_dim:  # 64 and 128 unless --head-dim says otherwise
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
-        cases = _prefill_cases(batch, heads, seq, device)
+        if args.window:  # the window's own work: its visible (query, key) pairs, padding out
+            flops_fwd = 4 * heads * head_dim * _window_pairs(batch, seq, args.window)
+        cases = _prefill_cases(batch, heads, seq, device, args.window)
         flash_fwd = None
         for name, (fn, is_ours) in cases.items():
             results = []
@@ -511,6 +537,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="--device cuda: few calls per case (a smoke run)"
     )
     parser.add_argument("--overhead", action="store_true", help="only the call-overhead table")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="--device cuda: the masked rows with a causal sliding window of this many keys (and "
+        "the padding) instead of causality; TFLOP/s count the window's visible pairs",
+    )
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
 
 
