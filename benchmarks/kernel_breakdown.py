@@ -2,8 +2,10 @@
 mean of 5): SDPA cuDNN is_causal, safeattn is_causal and safeattn with the bench's causal + padding
 dense mask ([B, 1, S, S] bool, row b left-padded by b S/8), B=4 H=16 S=4096 bf16, D 128 and 64.
 The benchmarks' TFLOP/s include the host and every small kernel; this names them. On the GPU
-host, after a build: `python benchmarks/kernel_breakdown.py`."""
+host, after a build: `python benchmarks/kernel_breakdown.py [--window W]` (W > 0: the masked cases
+with a causal sliding window of W keys and the padding, as `bench attention --window W`)."""
 
+import argparse
 import collections
 import sys
 
@@ -15,8 +17,8 @@ B, H, S, CALLS = 4, 16, 4096, 5
 CASES = (
     "SDPA cuDNN, is_causal",
     "safeattn, is_causal",
-    "safeattn, causal+padding mask",
-    "safeattn, causal+padding described",
+    "safeattn, {rule} mask",
+    "safeattn, {rule} described",
 )
 
 
@@ -42,10 +44,16 @@ def kernel_times(fn, head_dim):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--window", type=int, default=0)
+    window = parser.parse_args().window
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    cases = _prefill_cases(B, H, S, "cuda")
+    cases = _prefill_cases(B, H, S, "cuda", window)
+    rule = f"window {window}+padding" if window else "causal+padding"
     for head_dim in (128, 64):
-        for name in CASES:
+        for name in (c.format(rule=rule) for c in CASES):
+            if name not in cases:  # the is_causal rows: not with a window
+                continue
             times = kernel_times(cases[name][0], head_dim)
             print(f"== D={head_dim} {name}: total {sum(times.values()):.0f} us")
             for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:7]:
