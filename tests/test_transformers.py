@@ -332,10 +332,16 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
         assert enable_gqa, "grouped-query attention is native (enable_gqa)"
         batch, _, q_length, _ = q_shape
         kv_length = k_shape[2]
-        if layer_type == "full_attention" and not IS_TF4:  # causal + left padding: is_causal, key mask
+        ranges = extra.get("key_ranges")
+        if not IS_TF4:  # causal + left padding (and a window): is_causal, key mask (and key ranges)
             # (4.57 gives the query positions as a tensor: its masks stay dense.)
             assert is_causal and mask_shape == (batch, 1, 1, kv_length), (layer_type, is_causal, mask_shape)
-        else:  # a sliding window: the dense mask
+            sliding = layer_type != "full_attention"
+            assert (ranges is not None) == sliding, (layer_type, ranges)
+            if sliding:  # query i keeps the keys i - window < j (is_causal bounds the other end)
+                lo = (torch.arange(q_length) - config.sliding_window + 1).clamp(0, kv_length)
+                assert torch.equal(ranges[:, :, 0].cpu(), lo.to(torch.int32).expand(batch, -1)), layer_type
+        else:
             assert not is_causal and mask_shape == (batch, 1, q_length, kv_length), (layer_type, mask_shape)
         assert extra["softcap"] == config.attn_logit_softcapping, "Gemma2's softcap reaches the op"
 

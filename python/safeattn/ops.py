@@ -184,29 +184,28 @@ class MaskDescription:
         Causality and padding are not in them (``attention`` applies those as ``is_causal`` and
         ``key_mask``), nor packed sequences or blocks (``has_key_ranges``)."""
         device = torch.device("cpu") if device is None else device
-        q = torch.arange(q_length, device=device, dtype=torch.long).add_(q_offset)[None, :]  # [1, Q]
-        lo = torch.full_like(q, kv_offset)
-        hi = torch.full_like(q, kv_offset + kv_length)
+        # Each query's position as a key index (q_offset + i - kv_offset); few ops, since a model
+        # makes these once per layer and call.
+        shift = q_offset - kv_offset
+        q = torch.arange(shift, shift + q_length, device=device)  # int64 [Q]
+        lo = hi = None
         w = self.sliding_window
         if w is not None:
-            lo = torch.maximum(lo, q - (w - 1 if self.causal else w))
+            lo = q - (w - 1 if self.causal else w)
             if not self.causal:
-                hi = torch.minimum(hi, q + w + 1)
+                hi = q + (w + 1)
         if self.chunk_size is not None:
             c = self.chunk_size
             pad = self.chunk_left_padding
-            pad = (
-                torch.zeros(1, 1, dtype=torch.long, device=device)
-                if pad is None
-                else pad.to(device).long()[:, None]
-            )
-            start = torch.div(q - pad, c, rounding_mode="floor") * c + pad  # [B|1, Q]
-            lo = torch.maximum(lo, start)
-            hi = torch.minimum(hi, start + c)
-        lo = (lo - kv_offset).clamp_(0, kv_length)
-        hi = (hi - kv_offset).clamp_(0, kv_length)
-        lo, hi = torch.broadcast_tensors(lo, hi)
-        return torch.stack((lo, hi), -1).to(torch.int32).expand(batch_size, q_length, 2)
+            # The chunk's first key index: positions p + k c are chunk starts; p as a key index.
+            p = -kv_offset if pad is None else pad.to(device=device, dtype=torch.long)[:, None] - kv_offset
+            start = torch.div(q - p, c, rounding_mode="floor").mul_(c).add_(p)  # [B|1, Q]
+            lo = start if lo is None else torch.maximum(lo, start)
+            hi = start + c if hi is None else torch.minimum(hi, start + c)
+        lo = torch.zeros_like(q) if lo is None else lo
+        hi = torch.full_like(q, kv_length) if hi is None else hi
+        ranges = torch.stack(torch.broadcast_tensors(lo, hi), -1).clamp_(0, kv_length).to(torch.int32)
+        return ranges.expand(batch_size, q_length, 2)
 
     def key_mask(self, kv_length: int, kv_offset: int = 0) -> torch.Tensor | None:
         """The padding's keys at positions ``kv_offset ..`` as a bool ``[B, 1, 1, kv_length]``

@@ -202,10 +202,10 @@ def _build_mask(kwargs: dict, *, float_dtype, skip_causal: bool, allow_bidirecti
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Noted:
-    """What a bool mask built here stands for when it holds no more than causality (or none) and
-    key padding: its description at the positions ``q_offset`` / ``kv_offset``, which
-    ``safeattn.attention``'s rule (``ops._described_mask``) runs as ``is_causal`` and a
-    ``[B, 1, 1, KV]`` key mask. The same elements as the dense mask, but the kernels skip the
+    """What a bool mask built here stands for when it holds no more than causality (or none), key
+    padding, a window and chunks: its description at the positions ``q_offset`` / ``kv_offset``,
+    which ``safeattn.attention``'s rule (``ops._described_mask``) runs as ``is_causal``, a
+    ``[B, 1, 1, KV]`` key mask and the key ranges of the window and chunks. The same elements as the dense mask, but the kernels skip the
     tiles past the diagonal instead of testing each element there (H200, B4 H16 S4096 D128:
     0.511 against 0.646 ms forward, benchmarks/notes_attention_cuda.md; on the CPU about even
     since its kernels bound their key loops by a dense mask's span). ``version`` is the mask's
@@ -226,11 +226,11 @@ def _note_description(
     mask: torch.Tensor, described: MaskDescription, kv_length: int, q_offset: int, kv_offset: int
 ) -> None:
     """Notes on ``mask`` (a plain attribute, eager only) what it stands for, when that is
-    causality and padding alone: no window, chunks, packed sequences or blocks (those would run
-    as this same dense mask). Not on a tensor made under ``torch.inference_mode``: it has no
+    causality, padding, a window and chunks: no packed sequences or blocks (those would run as
+    this same dense mask). Not on a tensor made under ``torch.inference_mode``: it has no
     version counter to tell a change in place. The padding is kept as bool on the mask's device,
     as wide as the mask's positions, so that each layer's key mask is a view of it."""
-    if mask.is_inference() or not described.is_causal_and_padding():
+    if mask.is_inference() or not (described.is_causal_and_padding() or described.has_key_ranges()):
         return
     keys = described.padding_mask
     if keys is not None:
@@ -437,7 +437,7 @@ def attention_forward(
     key_ranges = None
     note = _noted(attention_mask, q_length, kv_length)
     if note is not None:
-        # A causal + padding mask built here: is_causal at its positions and a key mask.
+        # A mask built here: is_causal at its positions, a key mask and (windows, chunks) key ranges.
         q_offset, kv_offset = note.q_offset, note.kv_offset
         attention_mask, is_causal, key_ranges = _described_mask(
             note.description, query, key, q_offset, kv_offset
