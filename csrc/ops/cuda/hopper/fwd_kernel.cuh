@@ -407,34 +407,30 @@ struct Fwd {
     return t;
   }
 
+  // The mask summary's class of key tile n for the tile's rows (the summary's tiles are the
+  // kernel's), and its diagonal when it is kTileDiagonal.
+  static __device__ __forceinline__ uint8_t key_tile_class(const Params& p, const Tile& t, int n, int& diagonal) {
+    const uint8_t tile_class = p.mask_tiles.at(t.batch, t.head, t.m_block, n);
+    if (tile_class == attn::kTileDiagonal) {
+      diagonal = p.mask_tiles.diagonal_at(t.batch, t.head, t.m_block, n);
+    }
+    return tile_class;
+  }
+
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
   // rule out (position -1: none), with its class and diagonal. The walk of a tile starts from
-  // visit_after(n_blocks); only the producer walks a mask's summary, kWalkLoads bytes per round
-  // trip (independent loads: a run of masked tiles, as below a window or in the padding, costs
-  // one L2 latency per kWalkLoads tiles instead of one per tile).
-  static constexpr int kWalkLoads = 8;
+  // visit_after(n_blocks); only the producer walks a mask's summary.
   static __device__ __forceinline__ TileVisit visit_after(const Params& p, const Tile& t, int n) {
+    TileVisit v{n - 1, attn::kTileVisible, 0};
     if constexpr (kMasked) {
-      for (int top = n - 1; top >= 0; top -= kWalkLoads) {
-        uint8_t tile_class[kWalkLoads];
-#pragma unroll
-        for (int j = 0; j < kWalkLoads; ++j) {
-          tile_class[j] = top - j >= 0 ? p.mask_tiles.at(t.batch, t.head, t.m_block, top - j)
-                                       : static_cast<uint8_t>(attn::kTileMasked);
-        }
-#pragma unroll
-        for (int j = 0; j < kWalkLoads; ++j) {
-          if (tile_class[j] != attn::kTileMasked) {
-            const int diagonal = tile_class[j] == attn::kTileDiagonal
-                                     ? p.mask_tiles.diagonal_at(t.batch, t.head, t.m_block, top - j)
-                                     : 0;
-            return TileVisit{top - j, tile_class[j], diagonal};
-          }
+      for (; v.position >= 0; --v.position) {
+        v.tile_class = key_tile_class(p, t, v.position, v.diagonal);
+        if (v.tile_class != attn::kTileMasked) {
+          break;
         }
       }
-      return TileVisit{-1, attn::kTileMasked, 0};
     }
-    return TileVisit{n - 1, attn::kTileVisible, 0};
+    return v;
   }
 
   // ---- producer ------------------------------------------------------------------------------
