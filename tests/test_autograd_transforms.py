@@ -483,10 +483,26 @@ def _attention_case(name, dtype=F64, seed=7):
     elif name == "sinks":
         kwargs["sinks"] = rand(hq)
         kwargs.update(is_causal=True, kv_offset=1)  # row 0 sees no key, only the sink
+    elif name == "key_ranges_bias":
+        # Key ranges (drawn into the mask for the composite) with a bias that takes a gradient:
+        # row 1 of batch 0 keeps no key, the others windows and ranges past the ends.
+        ranges = torch.tensor([[[0, 2], [3, 3], [1, 9]], [[-2, 4], [2, 5], [0, 5]]], dtype=torch.int32)
+        kwargs.update(key_ranges=ranges, attn_mask=rand(1, hq, q_len, kv_len))
     return q, k, v, kwargs
 
 
-ATTENTION_CASES = ["plain", "gqa", "bool_mask", "bias", "causal_offsets", "softcap_scale", "sinks"]
+ATTENTION_CASES = [
+    "plain",
+    "gqa",
+    "bool_mask",
+    "bias",
+    "causal_offsets",
+    "softcap_scale",
+    "sinks",
+    "key_ranges_bias",
+]
+# The composite op itself takes no key ranges (attention draws them into the mask before it).
+MATH_CASES = [name for name in ATTENTION_CASES if name != "key_ranges_bias"]
 
 
 def _differentiable(kwargs):
@@ -594,7 +610,7 @@ def test_attention_vmap_matches_loop(name):
     _assert_close(per_example, torch.stack(loop_grads), f"{name}: vmap of grad", atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ATTENTION_CASES)
+@pytest.mark.parametrize("name", MATH_CASES)
 def test_attention_composite_gradcheck_and_gradgradcheck(name):
     q, k, v, kwargs = _attention_case(name)
     q, k, v = q[:1], k[:1], v[:1]  # one batch: finite differences of second order are costly
@@ -648,7 +664,7 @@ def test_attention_fully_masked_rows_are_zero_under_transforms():
 
 
 def test_attention_composite_matches_fused_in_low_precision():
-    for name in ATTENTION_CASES:
+    for name in MATH_CASES:
         q, k, v, kwargs = _attention_case(name, dtype=torch.bfloat16)
         kwargs = {
             n: (t.to(torch.float32) if n == "attn_mask" and t.is_floating_point() else t)

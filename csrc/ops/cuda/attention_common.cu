@@ -150,6 +150,26 @@ __device__ bool one_diagonal(int rows, int cols, const int* row_count, const int
   return !broken;
 }
 
+// A summary CTA's tile: x = ((slice * q_tiles) + q_tile) * kv_tiles + kv_tile, its first query
+// row i0 and key j0, and its rows and columns inside [q_len, kv_len).
+struct SummaryTile {
+  int64_t slice, q_tile, kv_tile, i0, j0;
+  int rows, cols;
+};
+
+__device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, int64_t kv_tiles, int block_q,
+                                                    int block_kv, int64_t q_len, int64_t kv_len) {
+  SummaryTile t;
+  t.kv_tile = x % kv_tiles;
+  t.q_tile = (x / kv_tiles) % q_tiles;
+  t.slice = x / (kv_tiles * q_tiles);
+  t.i0 = t.q_tile * block_q;
+  t.j0 = t.kv_tile * block_kv;
+  t.rows = static_cast<int>(q_len - t.i0 < block_q ? q_len - t.i0 : block_q);
+  t.cols = static_cast<int>(kv_len - t.j0 < block_kv ? kv_len - t.j0 : block_kv);
+  return t;
+}
+
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
 // kv_tile. Each thread looks at a strided share of the tile's elements; the flags are ORed over
 // the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride along
@@ -164,13 +184,10 @@ __global__ void __launch_bounds__(kSummaryThreads)
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
-  const int64_t kv_tile = x % kv_tiles;
-  const int64_t q_tile = (x / kv_tiles) % q_tiles;
-  const int64_t slice = x / (kv_tiles * q_tiles);
-  const int64_t b = slice / heads_m, h = slice % heads_m;
-  const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
-  const int rows = static_cast<int>(q_len - i0 < block_q ? q_len - i0 : block_q);
-  const int cols = static_cast<int>(kv_len - j0 < block_kv ? kv_len - j0 : block_kv);
+  const SummaryTile tile = summary_tile(x, q_tiles, kv_tiles, block_q, block_kv, q_len, kv_len);
+  const int64_t b = tile.slice / heads_m, h = tile.slice % heads_m;
+  const int64_t i0 = tile.i0, j0 = tile.j0;
+  const int rows = tile.rows, cols = tile.cols;
   const bool rows_stats = diagonal != nullptr;  // vec16 and block_q <= 128: the host checked
   if (rows_stats) {
     for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
@@ -242,13 +259,10 @@ __global__ void __launch_bounds__(kMaxDiagonalRows)
                                 uint8_t* out, int16_t* diagonal) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
-  const int64_t x = blockIdx.x;
-  const int64_t kv_tile = x % kv_tiles;
-  const int64_t q_tile = (x / kv_tiles) % q_tiles;
-  const int64_t b = x / (kv_tiles * q_tiles);
-  const int64_t i0 = q_tile * block_q, j0 = kv_tile * block_kv;
-  const int rows = static_cast<int>(q_len - i0 < block_q ? q_len - i0 : block_q);
-  const int cols = static_cast<int>(kv_len - j0 < block_kv ? kv_len - j0 : block_kv);
+  const SummaryTile tile = summary_tile(blockIdx.x, q_tiles, kv_tiles, block_q, block_kv, q_len, kv_len);
+  const int64_t b = tile.slice, q_tile = tile.q_tile, kv_tile = tile.kv_tile;
+  const int64_t i0 = tile.i0, j0 = tile.j0;
+  const int rows = tile.rows, cols = tile.cols;
   bool any_visible = false, any_masked = false;
   for (int r = threadIdx.x; r < rows; r += blockDim.x) {
     // The row's keys inside the tile, tile-relative: [lo, hi) clamped to [0, cols).
