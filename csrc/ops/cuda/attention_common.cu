@@ -9,6 +9,7 @@
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
@@ -177,10 +178,12 @@ __device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, 
 // (a tile has at most block_q * block_kv elements). diagonal (vec16 only, block_q <= 128): each
 // row's count of visible keys and last visible key tell whether a mixed tile is one diagonal
 // (row r sees keys c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x].
+// first_visible (or null): per row of tiles x / kv_tiles, the lowest key tile not masked
+// (atomicMin over the row's CTAs; filled with kv_tiles before).
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
                                 int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out,
-                                int16_t* diagonal) {
+                                int16_t* diagonal, int* first_visible) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
@@ -245,6 +248,9 @@ __global__ void __launch_bounds__(kSummaryThreads)
   }
   if (threadIdx.x == 0) {
     out[x] = tile_class;
+    if (first_visible != nullptr && tile_class != kTileMasked) {
+      atomicMin(&first_visible[x / kv_tiles], static_cast<int>(tile.kv_tile));
+    }
   }
 }
 
@@ -252,11 +258,11 @@ __global__ void __launch_bounds__(kSummaryThreads)
 // under the key ranges (one interval per row, KeyRangeView), from each row's count of keys inside
 // the tile and whether they start at its first key; then, for each of the mask summary's heads,
 // that class ANDed with the mask's (mask_tiles; null ptr: no mask) into out / diagonal at
-// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile.
+// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (first_visible as above).
 __global__ void __launch_bounds__(kMaxDiagonalRows)
     summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, int64_t q_len, int64_t kv_len,
                                 int block_q, int block_kv, int64_t heads_m, int64_t q_tiles, int64_t kv_tiles,
-                                uint8_t* out, int16_t* diagonal) {
+                                uint8_t* out, int16_t* diagonal, int* first_visible) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const SummaryTile tile = summary_tile(blockIdx.x, q_tiles, kv_tiles, block_q, block_kv, q_len, kv_len);
@@ -304,12 +310,31 @@ __global__ void __launch_bounds__(kMaxDiagonalRows)
     const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
     out[y] = tile_class;
     diagonal[y] = static_cast<int16_t>(d);
+    if (first_visible != nullptr && tile_class != kTileMasked) {
+      atomicMin(&first_visible[y / kv_tiles], static_cast<int>(kv_tile));
+    }
   }
 }
 
 }  // namespace
 
-at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals) {
+namespace {
+
+// *first_visible (when asked for): one int per row of the summary's tiles, kv_tiles until the
+// summary kernel lowers it; null otherwise.
+int* first_visible_rows(const at::Tensor& summary, at::Tensor* first_visible) {
+  if (first_visible == nullptr) {
+    return nullptr;
+  }
+  const int64_t rows = summary.size(0) * summary.size(1) * summary.size(2);
+  *first_visible = at::full({rows}, summary.size(3), summary.options().dtype(at::kInt));
+  return first_visible->data_ptr<int>();
+}
+
+}  // namespace
+
+at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals,
+                                at::Tensor* first_visible) {
   TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
                         "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
   const MaskView view = make_mask_view(mask);
@@ -325,6 +350,7 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
   const int64_t q_tiles = q_broadcast ? 1 : (q_len + block_q - 1) / block_q;
   const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
   at::Tensor summary = at::empty({batch_m, heads_m, q_tiles, kv_tiles}, mask.options().dtype(at::kByte));
+  int* first = first_visible_rows(summary, first_visible);
   const int64_t blocks = summary.numel();
   if (blocks == 0) {
     return summary;
@@ -345,13 +371,14 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     diagonal = diagonals->data_ptr<int16_t>();
   }
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>(), diagonal);
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>(), diagonal,
+      first);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
 
 at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
-                                int block_kv, at::Tensor* diagonals) {
+                                int block_kv, at::Tensor* diagonals, at::Tensor* first_visible) {
   TORCH_INTERNAL_ASSERT(key_ranges.dim() == 3 && key_ranges.size(2) == 2 && key_ranges.stride(2) == 1 &&
                             key_ranges.stride(1) == 2 && key_ranges.scalar_type() == at::kInt && block_q > 0 &&
                             block_q <= kMaxDiagonalRows && block_kv > 0 && diagonals != nullptr,
@@ -368,6 +395,7 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
   at::Tensor summary = at::empty({batch, heads_m, q_tiles, kv_tiles}, key_ranges.options().dtype(at::kByte));
   *diagonals = at::empty(summary.sizes(), key_ranges.options().dtype(at::kShort));
+  int* first = first_visible_rows(summary, first_visible);
   const int64_t blocks = batch * q_tiles * kv_tiles;
   if (blocks == 0) {
     return summary;
@@ -377,7 +405,7 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   summarize_key_ranges_kernel<<<static_cast<unsigned>(blocks), kMaxDiagonalRows, 0,
                                 c10::cuda::getCurrentCUDAStream()>>>(
       make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
-      summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>());
+      summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>(), first);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
@@ -392,7 +420,7 @@ KeyRangeView make_key_range_view(const at::Tensor& key_ranges) {
 }
 
 TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
-                                       const at::Tensor& diagonals) {
+                                       const at::Tensor& diagonals, const at::Tensor& first_visible) {
   TileSummaryView view;
   if (!summary.defined()) {
     return view;
@@ -401,6 +429,8 @@ TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, i
                         "attention (CUDA): the tile summary must be a contiguous 4-D uint8 tensor");
   view.ptr = summary.data_ptr<uint8_t>();
   view.diagonal = diagonals.defined() ? diagonals.data_ptr<int16_t>() : nullptr;
+  view.first_visible = first_visible.defined() ? first_visible.data_ptr<int>() : nullptr;
+  view.kv_tiles = std::max<int64_t>(summary.size(3), 1);
   view.stride_b = summary.size(0) == 1 ? 0 : summary.stride(0);
   view.stride_h = summary.size(1) == 1 ? 0 : summary.stride(1);
   view.stride_q = summary.size(2) == 1 ? 0 : summary.stride(2);  // one row: a key mask, or one tile

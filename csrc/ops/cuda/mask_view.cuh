@@ -72,6 +72,11 @@ enum TileClass : uint8_t { kTileMasked = 0, kTileVisible = 1, kTileMixed = 2, kT
 struct TileSummaryView {
   const uint8_t* ptr = nullptr;
   const int16_t* diagonal = nullptr;  // same layout: the diagonal of each kTileDiagonal tile, or null
+  // Null, or per row of tiles (b, h, q_tile) the lowest key tile that is not kTileMasked (the
+  // row's key tiles when none), at index(b, h, q_tile, 0) / kv_tiles: where a walk down the
+  // row's key tiles may stop.
+  const int* first_visible = nullptr;
+  int64_t kv_tiles = 1;
   int64_t stride_b = 0, stride_h = 0, stride_q = 0;
   int block_q = 0, block_kv = 0;  // the tile sizes it was computed for
 
@@ -83,6 +88,10 @@ struct TileSummaryView {
   }
   __device__ __forceinline__ int diagonal_at(int64_t b, int64_t h, int64_t q_tile, int64_t kv_tile) const {
     return diagonal[index(b, h, q_tile, kv_tile)];
+  }
+  // The lowest key tile of the row (b, h, q_tile) not masked; 0 without the record.
+  __device__ __forceinline__ int first_visible_at(int64_t b, int64_t h, int64_t q_tile) const {
+    return first_visible == nullptr ? 0 : first_visible[index(b, h, q_tile, 0) / kv_tiles];
   }
 };
 

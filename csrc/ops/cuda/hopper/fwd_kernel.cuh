@@ -419,16 +419,19 @@ struct Fwd {
 
   // The key tile visited after tile n: the nearest one below n that the mask summary does not
   // rule out (position -1: none), with its class and diagonal. The walk of a tile starts from
-  // visit_after(n_blocks); only the producer walks a mask's summary.
-  static __device__ __forceinline__ TileVisit visit_after(const Params& p, const Tile& t, int n) {
+  // visit_after(n_blocks) and stops at `lowest`, the row's lowest visible key tile (the summary's
+  // first_visible: below a window or behind padding nothing is visited, and a walk down to 0
+  // held up the last K load); only the producer walks a mask's summary.
+  static __device__ __forceinline__ TileVisit visit_after(const Params& p, const Tile& t, int n, int lowest) {
     TileVisit v{n - 1, attn::kTileVisible, 0};
     if constexpr (kMasked) {
-      for (; v.position >= 0; --v.position) {
+      for (; v.position >= lowest; --v.position) {
         v.tile_class = key_tile_class(p, t, v.position, v.diagonal);
         if (v.tile_class != attn::kTileMasked) {
-          break;
+          return v;
         }
       }
+      v.position = -1;
     }
     return v;
   }
@@ -456,7 +459,8 @@ struct Fwd {
         break;
       }
       const Tile t = tile_at(p, index);
-      const TileVisit first = visit_after(p, t, t.n_blocks);
+      const int lowest = kMasked ? p.mask_tiles.first_visible_at(t.batch, t.head, t.m_block) : 0;
+      const TileVisit first = visit_after(p, t, t.n_blocks, lowest);
       publish_tile(smem, slot, index, first);
       int n = first.position;
       if (n < 0) {  // no key visible to any row: the consumers write the empty rows alone
@@ -504,10 +508,10 @@ struct Fwd {
       copy(p.tma_q.with(reinterpret_cast<uint64_t&>(q_full), 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
-      TileVisit after = visit_after(p, t, n);
+      TileVisit after = visit_after(p, t, n, lowest);
       load_k(n, after);
       for (int m = after.position; m >= 0; n = m, m = after.position) {
-        after = visit_after(p, t, m);
+        after = visit_after(p, t, m, lowest);
         load_k(m, after);
         load_v(n);
       }
