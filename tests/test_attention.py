@@ -194,7 +194,12 @@ _DESCRIBED_KINDS = [
     "packed_padding",
     "chunked_bidirectional",
     "sliding_chunked_padding",
+    "packed_runs",
+    "sliding_packed_runs_padding",
 ]
+# Kinds whose description promises packed ids in runs (they are: arange // 11), so that attention
+# runs them as key ranges.
+_RUNS_KINDS = ("packed_runs", "sliding_packed_runs_padding")
 
 
 def _described_kwargs(kind, batch, width):
@@ -212,14 +217,18 @@ def _described_kwargs(kind, batch, width):
             "chunk_size": 6,
             "chunk_left_padding": torch.tensor([0, 2])[:batch],
         },
+        "packed_runs": cases["packed"],
+        "sliding_packed_runs_padding": {**cases["packed"], **cases["sliding_padding"]},
     }
     return dict({**cases, **extra}[kind])
 
 
-def _described(kw, device):
-    """The MaskDescription of sdpa_mask's keywords `kw`, its tensors on `device`."""
+def _described(kw, device, runs=False):
+    """The MaskDescription of sdpa_mask's keywords `kw`, its tensors on `device` (runs: packed ids
+    promised in runs)."""
     return safeattn.MaskDescription(
-        **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+        **{n: x.to(device) if isinstance(x, torch.Tensor) else x for n, x in kw.items()},
+        packed_ids_are_runs=runs,
     )
 
 
@@ -239,7 +248,8 @@ def test_described_masks_match_sdpa_mask(device, kind, q_len, kv_len, q_offset, 
     dense = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, **kw)
     drawn = description.materialise(batch, q_len, kv_len, q_offset=q_offset, kv_offset=kv_offset)
     assert torch.equal(drawn, dense), f"{kind}: materialise differs from the reference mask"
-    description = _described(kw, device)
+    description = _described(kw, device, runs=kind in _RUNS_KINDS)
+    assert description.has_key_ranges() == (kind in _RUNS_KINDS or kind.startswith(("sliding", "chunked")))
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, torch.float32, device)
     _check_against_reference(
         q,
@@ -303,7 +313,9 @@ def test_described_causal_padding_is_never_drawn(monkeypatch):
 
     monkeypatch.setattr(ops, "sdpa_mask", no_drawing)
     chunks = safeattn.MaskDescription(sliding_window=4, chunk_size=3, padding_mask=pad)
-    for description in (safeattn.MaskDescription(padding_mask=pad), window, chunks):
+    ids = torch.arange(kv_offset + kv_len).div(4, rounding_mode="floor").expand(batch, -1)
+    runs = safeattn.MaskDescription(packed_ids=ids, packed_ids_are_runs=True, padding_mask=pad)
+    for description in (safeattn.MaskDescription(padding_mask=pad), window, chunks, runs):
         out, lse = safeattn.attention(q, k, v, description, q_offset=10, kv_offset=kv_offset)
         assert torch.isfinite(out).all()
 

@@ -346,6 +346,33 @@ def test_attention_runs_the_op_with_native_gqa(monkeypatch):
         assert extra["softcap"] == config.attn_logit_softcapping, "Gemma2's softcap reaches the op"
 
 
+@pytest.mark.skipif(IS_TF4, reason="4.57 gives the query positions as a tensor: its masks stay dense")
+def test_packed_sequences_run_as_key_ranges(monkeypatch):
+    # Transformers' packed ids (one run per sequence) reach the op as is_causal and key ranges,
+    # no [B, 1, Q, KV] mask; the logits are the sdpa model's (the model tests above).
+    calls = []
+    _op_spy(
+        monkeypatch,
+        calls,
+        lambda query, key, attn_mask, is_causal, enable_gqa, kwargs: (
+            is_causal,
+            None if attn_mask is None else tuple(attn_mask.shape),
+            kwargs.get("key_ranges"),
+        ),
+    )
+    config = make_config("llama")
+    kwargs, _ = model_inputs("packed")
+    logits(make_model(config, "safeattn"), kwargs)
+    assert calls, "the op ran"
+    for is_causal, mask_shape, ranges in calls:
+        assert is_causal and mask_shape is None and ranges is not None, (is_causal, mask_shape)
+        for b, positions in enumerate(kwargs["position_ids"]):
+            starts = torch.nonzero(positions == 0).flatten().tolist() + [positions.numel()]
+            for begin, end in zip(starts[:-1], starts[1:], strict=True):  # each sequence sees itself
+                rows = ranges[b, begin:end]
+                assert torch.all(rows[:, 0] == begin) and torch.all(rows[:, 1] == end), (b, begin, end, rows)
+
+
 def test_causal_without_mask_and_static_prefill_slicing(monkeypatch):
     # No padding: the mask is None, so the op runs is_causal (prefill) or not (decode), and a
     # static-cache prefill drops the unused cache slots as sdpa does.

@@ -368,6 +368,8 @@ def _describe(form: _Form) -> MaskDescription | NotRecognised:
         padding_mask=padding_mask,
         packed_ids=form.packed,
         block_ids=form.block,
+        # Transformers' packed ids are a cumulative sum over position_ids resets: one run each.
+        packed_ids_are_runs=form.packed is not None,
     )
 
 

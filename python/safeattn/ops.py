@@ -128,6 +128,12 @@ class MaskDescription:
         packed_ids: ``[B, L]`` sequence ids, ANDed: ``ids[b, q] == ids[b, kv]``.
         block_ids: ``[B, L]`` block ids, ORed onto base and packed: ``ids[b, q] == ids[b, kv]
             and ids[b, q] >= 0``.
+        packed_ids_are_runs: a promise that each id of ``packed_ids`` covers one run of
+            consecutive positions per row (as the ids Transformers derives from
+            ``position_ids``, a cumulative sum; its drop-in sets it): ``attention`` then runs
+            the packing as key ranges instead of drawing the mask. Not checked (that would
+            take a host synchronisation): an id that comes back after another would see the
+            keys of its own run only. Not a rule of ``sdpa_mask``.
     """
 
     causal: bool = True
@@ -137,6 +143,7 @@ class MaskDescription:
     padding_mask: torch.Tensor | None = None
     packed_ids: torch.Tensor | None = None
     block_ids: torch.Tensor | None = None
+    packed_ids_are_runs: bool = False
 
     def with_padding(self, padding_mask: torch.Tensor | None) -> MaskDescription:
         """This mask ANDed with one more ``[B, L]`` key padding mask (None: unchanged)."""
@@ -146,7 +153,8 @@ class MaskDescription:
 
     def sdpa_mask_kwargs(self) -> dict:
         """The keywords of ``safeattn.sdpa_mask`` that build this mask."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        fields = (field.name for field in dataclasses.fields(self) if field.name != "packed_ids_are_runs")
+        return {name: getattr(self, name) for name in fields}
 
     def materialise(self, batch_size: int, q_length: int, kv_length: int, **call) -> torch.Tensor:
         """The dense ``[batch_size, 1, q_length, kv_length]`` mask, by ``safeattn.sdpa_mask``.
@@ -163,11 +171,13 @@ class MaskDescription:
         return all(x is None for x in (self.sliding_window, self.chunk_size, self.packed_ids, self.block_ids))
 
     def has_key_ranges(self) -> bool:
-        """True when the rules besides causality and padding are a window and/or chunks: one
-        interval of keys per query row, which ``attention`` evaluates from indices
-        (``key_ranges``) rather than drawing the mask."""
-        no_ids = self.packed_ids is None and self.block_ids is None
-        return no_ids and (self.sliding_window is not None or self.chunk_size is not None)
+        """True when the rules besides causality and padding are a window, chunks and packed ids
+        that are runs (``packed_ids_are_runs``): one interval of keys per query row, which
+        ``attention`` evaluates from indices (``key_ranges``) rather than drawing the mask."""
+        packed = self.packed_ids is not None
+        if self.block_ids is not None or (packed and not self.packed_ids_are_runs):
+            return False
+        return packed or self.sliding_window is not None or self.chunk_size is not None
 
     def key_ranges(
         self,
@@ -178,11 +188,11 @@ class MaskDescription:
         kv_offset: int = 0,
         device: torch.device | None = None,
     ) -> torch.Tensor:
-        """The window's and the chunks' keys for each query row, as ``attention``'s
-        ``key_ranges``: ``[batch_size, q_length, 2]`` int32 ``(lo, hi)``, query ``i`` (position
-        ``q_offset + i``) keeping the keys ``lo <= j < hi`` (positions ``kv_offset + j``).
-        Causality and padding are not in them (``attention`` applies those as ``is_causal`` and
-        ``key_mask``), nor packed sequences or blocks (``has_key_ranges``)."""
+        """The window's, the chunks' and (``packed_ids_are_runs``) the packed sequence's keys for
+        each query row, as ``attention``'s ``key_ranges``: ``[batch_size, q_length, 2]`` int32
+        ``(lo, hi)``, query ``i`` (position ``q_offset + i``) keeping the keys ``lo <= j < hi``
+        (positions ``kv_offset + j``). Causality and padding are not in them (``attention``
+        applies those as ``is_causal`` and ``key_mask``), nor blocks (``has_key_ranges``)."""
         device = torch.device("cpu") if device is None else device
         # Each query's position as a key index (q_offset + i - kv_offset); few ops, since a model
         # makes these once per layer and call.
@@ -202,6 +212,21 @@ class MaskDescription:
             start = torch.div(q - p, c, rounding_mode="floor").mul_(c).add_(p)  # [B|1, Q]
             lo = start if lo is None else torch.maximum(lo, start)
             hi = start + c if hi is None else torch.minimum(hi, start + c)
+        if self.packed_ids is not None and self.packed_ids_are_runs:
+            # Each query's run of equal ids: [its start, its end) in positions, as key indices.
+            ids = self.packed_ids.to(device)
+            width = ids.shape[-1]
+            pos = torch.arange(width, device=device)
+            first = torch.ones_like(ids[:, :1], dtype=torch.bool)
+            begins = torch.cat((first, ids[:, 1:] != ids[:, :-1]), -1)  # a run starts at t
+            ends = torch.cat((begins[:, 1:], first), -1)  # a run ends after t
+            run_start = torch.where(begins, pos, 0).cummax(-1).values
+            run_end = torch.where(ends, pos + 1, width).flip(-1).cummin(-1).values.flip(-1)
+            at = (q + kv_offset).clamp(0, width - 1).expand(ids.shape[0], q_length)  # query positions
+            lo_run = run_start.gather(-1, at) - kv_offset
+            hi_run = run_end.gather(-1, at) - kv_offset
+            lo = lo_run if lo is None else torch.maximum(lo, lo_run)
+            hi = hi_run if hi is None else torch.minimum(hi, hi_run)
         lo = torch.zeros_like(q) if lo is None else lo
         hi = torch.full_like(q, kv_length) if hi is None else hi
         ranges = torch.stack(torch.broadcast_tensors(lo, hi), -1).clamp_(0, kv_length).to(torch.int32)
@@ -295,6 +320,7 @@ def _described_mask(
                 sliding_window=description.sliding_window,
                 chunk_size=description.chunk_size,
                 chunk_left_padding=description.chunk_left_padding,
+                packed_ids=description.packed_ids,
             )
         keys = description.key_mask(kv_length, kv_offset)
         if keys is not None:
