@@ -173,8 +173,8 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   p.dv_sb = dvs[0], p.dv_sh = dvs[1], p.dv_si = dvs[2];
   p.batch = cs.batch, p.heads = cs.heads, p.kv_heads = cs.kv_heads;
   p.q_len = cs.q_len, p.kv_len = cs.kv_len;
-  p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.score.natural_scale = static_cast<float>(scale);
+  p.score.scale = static_cast<float>(scale * 1.4426950408889634);
   p.causal = cs.causal;
   p.head_group = g_head_group;
   p.resident_ctas = resident_ctas();

@@ -84,7 +84,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   p.o_sb = os[0], p.o_sh = os[1], p.o_si = os[2];
   p.batch = cs.batch, p.heads = cs.heads, p.kv_heads = cs.kv_heads;
   p.q_len = cs.q_len, p.kv_len = cs.kv_len;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.score.scale = static_cast<float>(scale * 1.4426950408889634);
   p.causal = cs.causal;
   p.head_group = g_head_group;
   p.causal_shift = std::min<int64_t>(std::max<int64_t>(cs.shift, -int64_t{cs.q_len} - 1), cs.kv_len);
@@ -304,7 +304,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     p.q_si = p.k_si = p.v_si = p.o_si = int64_t{H} * D;
     p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = S, p.kv_len = KV;
     p.causal_shift = KV - S;  // bottom-right aligned when KV < S (rows before S - KV see no key)
-    p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
+    p.score.scale = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
     p.causal = causal;
     p.head_group = g_head_group;
     p.max_ctas = persistent ? sms : 0;

@@ -5,8 +5,8 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64, 96 and 128, no mask or a bool one, no softcap; the mma.sync kernels take
-everything else, so the cases with float masks, softcap and other head dims test them), and the
+call: bf16/fp16, D 64, 96 and 128, no mask or a bool one, key ranges, softcap, sinks; the mma.sync
+kernels take everything else, so the cases with float masks and other head dims test them), and the
 generic path (float32, head
 dims without an instantiation, D != Dv,
 unaligned views).
@@ -300,11 +300,11 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    # A softcap keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward has
-    # none), here in their atomic mode with a bool mask (no gradient).
+    # A float mask keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward
+    # reads bool masks only), here in their atomic mode when the mask needs no gradient.
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
-    keep = torch.ones(1, 1, 97, 130, dtype=torch.bool, device=DEVICE)
-    keep[..., :5] = False
+    keep = torch.zeros(1, 1, 97, 130, device=DEVICE)
+    keep[..., :5] = float("-inf")
     names = _backward_kernels(q, k, v, attn_mask=keep, enable_gqa=True, is_causal=True, softcap=30.0)
     if not names:
         pytest.skip("the profiler recorded no CUDA kernel")
@@ -454,14 +454,18 @@ def test_key_masks_every_path(dq_mode, head_dim, causal):
     )
 
 
-def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
-    """On an sm_90 device with the sm_90a kernels built, the bool mask (and kwargs: key ranges)
-    ran through them."""
-    hopper_build = torch.cuda.get_device_capability() == (9, 0) and any(
+def _hopper_build(q, k, v):
+    """An sm_90 device and a build with the sm_90a kernels: a plain call of q, k, v took them."""
+    return torch.cuda.get_device_capability() == (9, 0) and any(
         "hopper::detail::fwd_kernel" in n
         for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
     )
-    if hopper_build:  # the kernels under test must be the ones that ran
+
+
+def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
+    """On an sm_90 device with the sm_90a kernels built, the bool mask (and kwargs: key ranges)
+    ran through them."""
+    if _hopper_build(q, k, v):  # the kernels under test must be the ones that ran
         out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
         fwd = _cuda_kernel_names(
             lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
@@ -512,11 +516,55 @@ def test_key_ranges_sm90(kind, key_mask, head_dim, dtype):
 
 
 def test_key_ranges_drawn_for_mma_sync():
-    # A softcap keeps the call on the mma.sync kernels (every GPU): the ranges drawn into the mask.
+    # A float mask keeps the call on the mma.sync kernels (every GPU): the ranges drawn into it.
     batch, q_len, kv_len = 2, 150, 260
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, torch.bfloat16, DEVICE)
     ranges = _key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
-    _check_against_reference(q, k, v, key_ranges=ranges, is_causal=True, softcap=20.0, enable_gqa=True)
+    bias = torch.randn(batch, 1, q_len, kv_len, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    _check_against_reference(
+        q, k, v, attn_mask=bias, key_ranges=ranges, is_causal=True, softcap=20.0, enable_gqa=True
+    )
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+@pytest.mark.parametrize("extra", ["sinks", "softcap", "sinks_softcap"])
+def test_sinks_and_softcap_sm90(extra, head_dim, dtype):
+    """Sinks (GPT-OSS) and a softcap (Gemma 2) in the sm_90a kernels (on an H100/H200; the
+    mma.sync ones elsewhere), with what they meet in those models: a causal sliding window as
+    key ranges, left padding as a key mask, GQA, several query and key tiles with partial last
+    ones, rows that see nothing (out 0, lse the sink logit), a sink of -inf (no sink) and one far
+    above every score (the row's weight goes to it). Forward, backward (sinks: the sm_90a
+    backward, the softcap's chain rule from p) and lse's and the sinks' gradients against the
+    reference."""
+    batch, heads, q_len, kv_len = 3, 4, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 11)
+    kwargs = {"enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
+    extra_grad_inputs = ()
+    if "softcap" in extra:
+        with torch.no_grad():
+            q.mul_(4)  # large scores, so that the cap matters
+        kwargs["softcap"] = 7.0
+    if "sinks" in extra:
+        sinks = torch.tensor([-float("inf"), 40.0, 0.5, -1.0], device=DEVICE, requires_grad=True)
+        kwargs["sinks"] = sinks
+        extra_grad_inputs = (sinks,)
+    place = (batch, q_len, kv_len, kv_len - q_len, 0)
+    kwargs["key_ranges"] = safeattn.MaskDescription(sliding_window=200).key_ranges(*place).to(DEVICE)
+    mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+    mask[1, ..., :300] = False  # left padding: row 1's first queries see no key
+    mask[2] = False  # nothing visible
+    mask = mask.to(DEVICE)
+    out, lse = _check_against_reference(
+        q, k, v, attn_mask=mask, check_lse_grad=True, extra_grad_inputs=extra_grad_inputs, **kwargs
+    )
+    assert torch.all(out[2] == 0), "rows that see nothing must be 0"
+    if "sinks" in extra:
+        want = kwargs["sinks"].detach()[:, None].expand(heads, q_len)
+        torch.testing.assert_close(lse[2], want, msg="an empty row's lse is its head's sink logit")
+    else:
+        assert torch.all(lse[2].isneginf()), "an empty row's lse is -inf"
+    _assert_sm90_took_mask(q, k, v, mask, **{name: x for name, x in kwargs.items() if name != "enable_gqa"})
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
@@ -633,8 +681,13 @@ def test_deterministic_mode_reproducible_and_atomic_close(deterministic_algorith
     q, k, v = _qkv(2, 8, 2, 300, 520, 128, dtype, DEVICE)
     grad_out = torch.randn(2, 8, 300, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
 
+    # A float mask (no gradient) keeps both modes on the mma.sync kernels on every GPU.
+    bias = torch.randn(1, 1, 300, 520, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
     def grads():
-        out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, q_offset=220, softcap=30.0)
+        out, _ = safeattn.attention(
+            q, k, v, bias, enable_gqa=True, is_causal=True, q_offset=220, softcap=30.0
+        )
         return torch.autograd.grad(out, (q, k, v), grad_out)
 
     def runs(count):

@@ -330,6 +330,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     if (lse_lo.has_value()) {
       sink_prob = at::exp((sinks->to(acc).view({1, hq, 1}) - lse.to(acc)) - lse_lo->to(acc));
     }
+    // A row with lse -inf (no visible key and a sink of -inf) gives the sink no weight, not
+    // exp(-inf + inf) = NaN.
+    sink_prob = sink_prob.masked_fill(lse.isneginf(), 0.0);
     grad_sinks =
         (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
   }

@@ -38,6 +38,7 @@
 #include <c10/macros/Macros.h>
 
 #include "common/isa_dispatch.h"
+#include "ops/two_sum.h"
 
 namespace safeattn {
 
@@ -111,15 +112,6 @@ inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, 
     shift = q_offset > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
   }
   return shift < -q_len ? -q_len : (shift > kv_len ? kv_len : shift);
-}
-
-// sum + err == a + b exactly (Knuth's TwoSum; no multiplication, so FMA contraction cannot
-// change it). The forward kernels use it for lse and lse_lo.
-template <typename T>
-C10_HOST_DEVICE inline void two_sum(T a, T b, T& sum, T& err) {
-  sum = a + b;
-  const T b_part = sum - a;
-  err = (a - (sum - b_part)) + (b - b_part);
 }
 
 // A backend's kernels: they get the arguments prepared (and the outputs allocated) by the

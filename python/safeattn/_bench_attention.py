@@ -202,10 +202,14 @@ def _has_cuda_backward():
     return torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::_attention_backward", "CUDA")
 
 
-def _prefill_cases(batch, heads, seq, device, window=0):
+def _prefill_cases(batch, heads, seq, device, window=0, softcap=0.0, sinks=False):
     """name -> (callable(q, k, v), needs_backward_kernel_of_safeattn). window > 0: the masked
     rows' mask is a causal sliding window of that many keys (with the padding) instead of
-    causality, and the is_causal rows are left out."""
+    causality, and the is_causal rows are left out. softcap > 0 / sinks: every safeattn row
+    with that softcap (Gemma 2) / per-head sink logits (GPT-OSS); SDPA has neither and is left
+    out, Flex takes the softcap as a score_mod (no sinks: then it is left out too), and a row
+    with the same mask as a float one shows the mma.sync kernels (what such calls took before
+    the sm_90a kernels had softcaps and sinks)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pad = torch.ones(batch, seq, dtype=torch.bool, device=device)
@@ -224,40 +228,62 @@ def _prefill_cases(batch, heads, seq, device, window=0):
 
         return run
 
+    extra = {}
+    if softcap > 0:
+        extra["softcap"] = softcap
+    if sinks:
+        extra["sinks"] = torch.randn(heads, device=device)
     cases = {}
-    if not window:
+    if not window and not extra:  # SDPA has no softcap or sinks
         cases["SDPA flash, is_causal"] = (sdpa_with(SDPBackend.FLASH_ATTENTION), False)
         cases["SDPA cuDNN, is_causal"] = (sdpa_with(SDPBackend.CUDNN_ATTENTION), False)
-    cases[f"SDPA, {rule} mask"] = (
-        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
-        False,
-    )
+    if not extra:
+        cases[f"SDPA, {rule} mask"] = (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense),
+            False,
+        )
     try:
+        if sinks:
+            raise RuntimeError("no sinks in flex_attention")
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         def mask_mod(b, h, q_idx, kv_idx):
             keep = (kv_idx <= q_idx) & pad[b, kv_idx]
             return keep & (q_idx - kv_idx < window) if window else keep
 
+        def capped(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
         block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
         flex = torch.compile(flex_attention, dynamic=False)
+        score_mod = capped if softcap > 0 else None
         cases[f"Flex (compiled), {rule}"] = (
-            lambda q, k, v: flex(q, k, v, block_mask=block_mask),
+            lambda q, k, v: flex(q, k, v, block_mask=block_mask, score_mod=score_mod),
             False,
         )
     except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
         print(f"  (FlexAttention n/a: {err})")
     if not window:
-        cases["safeattn, is_causal"] = (lambda q, k, v: safeattn.attention(q, k, v, is_causal=True)[0], True)
-        cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
+        cases["safeattn, is_causal"] = (
+            lambda q, k, v: safeattn.attention(q, k, v, is_causal=True, **extra)[0],
+            True,
+        )
+        if not extra:
+            cases[DETERMINISTIC_CASE] = cases["safeattn, is_causal"]  # timed with deterministic algorithms on
     cases[f"safeattn, {rule} mask"] = (
-        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense)[0],
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=dense, **extra)[0],
         True,
     )
+    if extra:
+        float_mask = torch.zeros(dense.shape, device=device).masked_fill_(~dense, float("-inf"))
+        cases[f"safeattn, {rule} float mask (mma.sync)"] = (
+            lambda q, k, v: safeattn.attention(q, k, v, attn_mask=float_mask, **extra)[0],
+            True,
+        )
     # The same mask, undrawn: is_causal, a key mask and (a window) key ranges.
     described = safeattn.MaskDescription(padding_mask=pad, sliding_window=window or None)
     cases[f"safeattn, {rule} described"] = (
-        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=described)[0],
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=described, **extra)[0],
         True,
     )
     return cases
@@ -299,7 +325,7 @@ def main_cuda(args):
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         if args.window:  # the window's own work: its visible (query, key) pairs, padding out
             flops_fwd = 4 * heads * head_dim * _window_pairs(batch, seq, args.window)
-        cases = _prefill_cases(batch, heads, seq, device, args.window)
+        cases = _prefill_cases(batch, heads, seq, device, args.window, args.softcap, args.sinks)
         flash_fwd = None
         for name, (fn, is_ours) in cases.items():
             results = []
@@ -543,6 +569,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="--device cuda: the masked rows with a causal sliding window of this many keys (and "
         "the padding) instead of causality; TFLOP/s count the window's visible pairs",
+    )
+    parser.add_argument(
+        "--softcap",
+        type=float,
+        default=0.0,
+        help="--device cuda: every safeattn row with this softcap (Flex: the same as a score_mod)",
+    )
+    parser.add_argument(
+        "--sinks", action="store_true", help="--device cuda: every safeattn row with per-head sink logits"
     )
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
 

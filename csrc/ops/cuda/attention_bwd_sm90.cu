@@ -34,8 +34,8 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
   // A bool mask is read in place (float masks and biases: the mma.sync kernels).
   const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
-  if (!mask_ok || a.softcap > 0.0 || a.grad_mask_partial.defined() || !a.grad_query.defined() ||
-      !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
+  if (!mask_ok || a.grad_mask_partial.defined() || !a.grad_query.defined() || !a.grad_key.defined() ||
+      !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
   if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {
@@ -83,8 +83,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.kv_heads = static_cast<int>(key.size(1));
   p.q_len = static_cast<int>(q_len);
   p.kv_len = static_cast<int>(key.size(2));
-  p.scale = static_cast<float>(a.scale);
-  p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false);
   p.causal = a.is_causal;
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;

@@ -11,14 +11,11 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "ops/attention.h"  // two_sum
+#include "ops/attention.h"
 #include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/score_rule.cuh"  // kLog2e, ScoreRule, finish_row
 
 namespace safeattn::cuda::attn {
-
-// Scores go to the log2 domain (exp2 is one instruction) and lse back to the natural one.
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
 
@@ -116,50 +113,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ float log2_add_exp2(float a, float b) {
   const float top = (a != a || a > b) ? a : b;
   return top == -INFINITY ? top : top + log2f(exp2f(a - top) + exp2f(b - top));
-}
-
-// ---- score units ------------------------------------------------------------------------------
-
-// The kernels hold scores in log2 units (score * log2(e): exp is one ex2 and log2(e) folds into
-// the scale), except with a floating mask: a bias of finfo.min (Transformers' eager masks) times
-// log2(e) overflows float32 to -inf and would turn a row of finfo.min, whose softmax is uniform,
-// into an empty one. With a floating mask scores stay natural, the bias is added to them, and
-// exponents are taken as ex2((s - m) * log2(e)) after the subtraction.
-__device__ __forceinline__ float exp_of(float x, bool natural) {
-  return exp2f(natural ? x * kLog2e : x);
-}
-
-// The end of a row's online softmax: its max m and sum l (of exp(s - m)), both in the kernel's
-// units, and an optional sink logit (same units) that joins the denominator only. lse (natural
-// log) and lse_lo (what float32 drops from it, two_sum of ops/attention.h) are written by the
-// caller; `factor` normalises the row's accumulator (0 for a row with no visible key).
-struct RowEnd {
-  float lse, lse_lo, factor;
-};
-__device__ __forceinline__ RowEnd finish_row(float m, float l, bool has_sink, float sink, bool natural) {
-  const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
-  const float row_top = empty ? -INFINITY : m;
-  float top = row_top;
-  if (has_sink && !(row_top != row_top) && !(row_top >= sink)) {
-    top = sink;  // NaN-keeping max
-  }
-  if (top == -INFINITY) {
-    return {-INFINITY, 0.0f, 0.0f};
-  }
-  const float weight = empty ? 0.0f : exp_of(row_top - top, natural);
-  const float total = l * weight + (has_sink ? exp_of(sink - top, natural) : 0.0f);
-  RowEnd end;
-  if (natural) {
-    two_sum(top, logf(total), end.lse, end.lse_lo);
-  } else {
-    // lse = (top + log2(total)) ln 2: the sum's error from two_sum, the product's from an FMA.
-    float lse2, err2;
-    two_sum(top, log2f(total), lse2, err2);
-    end.lse = lse2 * kLn2;
-    end.lse_lo = fmaf(lse2, kLn2, -end.lse) + err2 * kLn2;
-  }
-  end.factor = weight / total;
-  return end;
 }
 
 // Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
@@ -268,59 +221,6 @@ struct Causal {
 };
 
 // ---- the score rule --------------------------------------------------------------------------
-
-// What every mma.sync kernel (forward, decode, backward) makes of a raw dot product q.k, in its
-// score units (exp_of: log2, or natural with a floating mask): s = scale * dot, then softcap *
-// tanh(s / softcap) when softcap > 0; then a mask value m added (in natural units, scaled by
-// mask_unit), a -inf one hiding the score, NaN included. Built on the host by score_rule().
-struct ScoreRule {
-  float scale = 0.0f;          // scale in the score units (no softcap)
-  float softcap_pre = 0.0f;    // scale / softcap
-  float softcap_post = 0.0f;   // softcap in the score units; 0: no softcap
-  float mask_unit = 1.0f;      // log2(e) for a floating mask in log2 units (decode), else 1
-  float natural_scale = 0.0f;  // scale in natural units: d score / d dot without softcap
-  bool natural = false;
-
-  __device__ __forceinline__ float score(float dot) const {
-    if (softcap_post > 0.0f) {
-      return softcap_post * tanhf(dot * softcap_pre);
-    }
-    // Natural units: rounded on its own (never fused with the mask add), alike in every kernel.
-    return natural ? __fmul_rn(dot, scale) : dot * scale;
-  }
-  // score() over n values, the branch taken once (keeps tanhf off the plain path).
-  template <int n>
-  __device__ __forceinline__ void score_all(float* s) const {
-    if (softcap_post > 0.0f) {
-#pragma unroll
-      for (int k = 0; k < n; ++k) {
-        s[k] = softcap_post * tanhf(s[k] * softcap_pre);
-      }
-    } else if (natural) {
-#pragma unroll
-      for (int k = 0; k < n; ++k) {
-        s[k] = __fmul_rn(s[k], scale);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < n; ++k) {
-        s[k] *= scale;
-      }
-    }
-  }
-  // The score with the mask value m (0 or -inf for a bool mask) applied.
-  __device__ __forceinline__ float masked(float score, float m) const {
-    return m == -INFINITY ? -INFINITY : score + m * mask_unit;
-  }
-  // d score / d dot from the score (the backward's chain rule): scale (1 - tanh^2) with softcap.
-  __device__ __forceinline__ float derivative(float score) const {
-    if (softcap_post > 0.0f) {
-      const float t = score / softcap_post;
-      return natural_scale * (1.0f - t * t);
-    }
-    return natural_scale;
-  }
-};
 
 // Host: the rule for `scale` and `softcap` (0: none) in natural units when `natural` (a floating
 // mask), else log2 units, with a floating mask's values converted to them when `log2_mask`.

@@ -32,7 +32,7 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
 bool takes(const AttentionFwdArgs& a) {
   // A bool mask is read in place (float masks and biases: the mma.sync kernels).
   const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
-  if (!mask_ok || a.sinks.defined() || a.softcap > 0.0 || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
+  if (!mask_ok || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
   // out is written with 4-byte stores through its strides.
@@ -56,7 +56,8 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   p.kv_heads = static_cast<int>(key.size(1));
   p.q_len = static_cast<int>(query.size(2));
   p.kv_len = static_cast<int>(key.size(2));
-  p.scale_log2 = static_cast<float>(a.scale * 1.4426950408889634);
+  p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false);
+  p.sinks = a.sinks.defined() ? a.sinks.const_data_ptr<float>() : nullptr;
   p.causal = a.is_causal;
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;

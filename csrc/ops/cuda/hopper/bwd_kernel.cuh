@@ -5,7 +5,10 @@
 //
 // With s the raw dot products q.k, p = exp2(s * scale log2(e) - row_shift) (the forward's
 // probabilities, lse and lse_lo folded into row_shift), dP = dO V^T and
-// dS = scale * p * (dP - delta):  dV = P^T dO,  dK = dS^T Q,  dQ = dS K.
+// dS = scale * p * (dP - delta):  dV = P^T dO,  dK = dS^T Q,  dQ = dS K. With a softcap (the
+// score rule, attn::ScoreRule) s is softcap * tanh(scale * q.k / softcap) in log2 units and dS
+// takes the chain rule's (1 - tanh^2), tanh recovered from p itself (log2 p + row_shift = s), so
+// no second fragment of scores is kept.
 //
 // One CTA per (key tile of kBlockN keys, kv head, batch) = 1 producer warpgroup + 2 consumer
 // warpgroups; consumer warpgroup w owns keys [64w, 64w + 64) of the tile.
@@ -261,7 +264,7 @@ struct Bwd {
     Element* grad_v;
     int64_t dk_sb, dk_sh, dk_si, dv_sb, dv_sh, dv_si;
     int heads, group, q_len, q_pad, kv_len, m_blocks;
-    float scale, scale_log2;
+    attn::ScoreRule score;  // log2 units; a softcap when score.softcap_post > 0
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
@@ -578,6 +581,10 @@ struct Bwd {
       }
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
+    // With a softcap the scores are softcapped in log2 units before the masks (the score rule of
+    // every kernel, attn::ScoreRule); without, the exponent scales the raw dot products itself.
+    // (Read from the parameters at each use rather than held in registers.)
+    auto capped = [&] { return p.score.softcap_post > 0.0f; };
     TileVisit next{0, attn::kTileVisible, 0};
     if constexpr (kMasked) {
       if (steps > 0) {
@@ -602,6 +609,9 @@ struct Bwd {
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
       warpgroup_wait<1>();  // S^T done, dP^T may still run
+      if (capped()) {       // the score rule before the masks (a masked score is -inf, not -softcap)
+        p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
+      }
 
       // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the
       // largest visible (key - row) offset within the tile, clamped to int range.
@@ -628,16 +638,29 @@ struct Bwd {
       const float* row_shift = smem.row_shift[read_q.index()];
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) = exp2_approx(fmaf(tSrS(i), p.scale_log2, -row_shift[col_base + acc_col(i)]));
+        tSrS(i) = exp2_approx(fmaf(tSrS(i), capped() ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
       }
       convert_fragment<Element>(tSrS, tdVrP);
       wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
       warpgroup_wait<1>();  // dP^T done, dV may still run
 
       const float* delta = smem.delta[read_do.index()];
+      if (capped()) {
+        // d score / d dot = scale (1 - t^2), t = score / softcap_post, the score recovered from
+        // p: log2 p + row_shift (p = 0 contributes nothing, whatever its score).
+        const float inv_cap = 1.0f / p.score.softcap_post;
 #pragma unroll
-      for (int i = 0; i < size(tdPrdP); ++i) {
-        tdPrdP(i) = p.scale * tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          const float prob = tSrS(i), shift = row_shift[col_base + acc_col(i)];
+          const float t = (log2_approx(prob) + shift) * inv_cap;
+          const float dscore = prob > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
+          tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          tdPrdP(i) = p.score.natural_scale * tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+        }
       }
       convert_fragment<Element>(tdPrdP, tdKrdS);
 
@@ -832,8 +855,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.q_pad = (a.q_len + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
   p.kv_len = a.kv_len;
   p.m_blocks = (a.q_len + Config::kBlockM - 1) / Config::kBlockM;
-  p.scale = a.scale;
-  p.scale_log2 = a.scale_log2;
+  p.score = a.score;
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;

@@ -52,8 +52,9 @@ struct BwdParams {
   int64_t dv_sb = 0, dv_sh = 0, dv_si = 0;
   int batch = 1, heads = 1, kv_heads = 1;  // query head h reads kv head h / (heads / kv_heads)
   int q_len = 0, kv_len = 0;
-  float scale = 0.0f;       // > 0
-  float scale_log2 = 0.0f;  // scale * log2(e)
+  // score.scale = scale * log2(e) (log2 units), score.natural_scale = scale > 0; a softcap when
+  // score.softcap_post > 0 (attn::score_rule(scale, softcap, false), as the forward's).
+  attn::ScoreRule score;
   bool causal = false;
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.

@@ -27,7 +27,10 @@
 //             consumers through shared memory with its K load; fully visible tiles read no mask,
 //             diagonal ones are a compare, mixed ones gather their mask bits one tile ahead.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
-//             lse_lo (the rounding error of lse, from a double-precision sum) per row.
+//             lse_lo (the rounding error of lse) per row, the sink logit added to the
+//             denominator where there are sinks (attn::finish_row, as in every kernel).
+//   softcap   when given, each tile's scores go through the shared score rule (attn::ScoreRule:
+//             softcap * tanh(scale * dot / softcap), log2 units) before the mask.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
 //
 // Numerics: a row's running max starts at -inf and its exponent offset is 0 while the max is
@@ -131,6 +134,11 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf -> 0, NaN -> NaN
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float log2_approx(float x) {  // lg2.approx.ftz: 0 -> -inf
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -362,8 +370,9 @@ struct Fwd {
     float* lse;
     float* lse_lo;
     int heads, group, q_len, kv_len, m_blocks, tiles;
-    int* tile_counter;  // zeroed before the launch: dynamic schedule; null: static
-    float scale_log2;
+    int* tile_counter;      // zeroed before the launch: dynamic schedule; null: static
+    attn::ScoreRule score;  // log2 units; a softcap when score.softcap_post > 0
+    const float* sinks;     // [Hq] or null
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool or none
@@ -626,11 +635,12 @@ struct Fwd {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
   }
 
-  // Online softmax over one tile of scores (raw dot products in s, overwritten by p). Returns the
-  // factors that rescale the rows' earlier sums and outputs.
+  // Online softmax over one tile of scores (in s, overwritten by p; `unit` takes them to log2
+  // units: the scale for raw dot products, 1 for softcapped scores). Returns the factors that
+  // rescale the rows' earlier sums and outputs.
   template <class FragS>
   static __device__ __forceinline__ void softmax_step(FragS& s, float (&row_max)[2], float (&row_sum)[2],
-                                                      float (&correction)[2], float scale_log2) {
+                                                      float (&correction)[2], float unit) {
     constexpr int kCols = kBlockN / 8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -641,8 +651,8 @@ struct Fwd {
       }
       m = quad_max(m);
       // While the max is -inf (nothing visible yet) the offset is 0: p = exp2(-inf) = 0, never NaN.
-      const float offset = m == -INFINITY ? 0.0f : m * scale_log2;
-      correction[r] = exp2_approx(row_max[r] * scale_log2 - offset);  // 0 while row_max is -inf
+      const float offset = m == -INFINITY ? 0.0f : m * unit;
+      correction[r] = exp2_approx(row_max[r] * unit - offset);  // 0 while row_max is -inf
       row_max[r] = m;
       float sum = 0.0f;
 #pragma unroll
@@ -650,7 +660,7 @@ struct Fwd {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = e + 2 * r + 4 * c;
-          const float x = fmaf(s(i), scale_log2, -offset);
+          const float x = fmaf(s(i), unit, -offset);
           s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
           sum += s(i);
         }
@@ -698,6 +708,12 @@ struct Fwd {
 
     PipelineState read_k, read_v;
     int q_loads = 0, k_reads = 0;
+    // With a softcap the scores are softcapped in log2 units before the mask (the score rule of
+    // every kernel, attn::ScoreRule); without, the softmax scales the raw dot products itself.
+    // (Read from the parameters at each use rather than held in registers: the D = 64 consumers
+    // have none to spare.)
+    auto capped = [&] { return p.score.softcap_post > 0.0f; };
+    auto unit = [&] { return capped() ? 1.0f : p.score.scale; };
     TileTrace trace;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
@@ -749,7 +765,7 @@ struct Fwd {
         const int64_t causal_last = p.causal ? row0 + 8 * r + p.causal_shift : int64_t{p.kv_len};
         last_key[r] = static_cast<int>(std::max<int64_t>(std::min<int64_t>(causal_last, p.kv_len - 1), -1));
       }
-      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_max[2] = {-INFINITY, -INFINITY};  // in the units of the scores in tSrS
       float row_sum[2] = {0.0f, 0.0f};
       float correction[2];
       clear(tOrO);
@@ -783,6 +799,9 @@ struct Fwd {
         return ~uint64_t{0};
       };
       auto mask_scores = [&](int n, uint64_t keep) {
+        if (capped()) {
+          p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
+        }
         if (needs_mask(n)) {
           mask_tile(tSrS, n, last_key, lane);
         }
@@ -817,7 +836,7 @@ struct Fwd {
           q_empty.arrive();
         }
         mask_scores(n, keep);
-        softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
+        softmax_step(tSrS, row_max, row_sum, correction, unit());
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
         while (m >= 0) {
@@ -837,7 +856,7 @@ struct Fwd {
             q_empty.arrive();  // the tile's last read of Q
           }
           mask_scores(m, keep_m);
-          softmax_step(tSrS, row_max, row_sum, correction, p.scale_log2);
+          softmax_step(tSrS, row_max, row_sum, correction, unit());
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
@@ -856,17 +875,17 @@ struct Fwd {
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
-      store_tile(p, t, tOrO, row_max, row_sum, row0, lane);
+      store_tile(p, t, tOrO, row_max, row_sum, unit(), row0, lane);
       trace.end();
     }
   }
 
   template <class FragO>
   static __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, FragO& o, const float (&row_max)[2],
-                                                    float (&row_sum)[2], int64_t row0, int lane) {
-    constexpr double kLn2 = 0.69314718055994530942;
+                                                    float (&row_sum)[2], float unit, int64_t row0, int lane) {
     const int64_t bh = int64_t{t.batch} * p.heads + t.head;
     Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
+    const float sink = p.sinks != nullptr ? p.sinks[t.head] * attn::kLog2e : 0.0f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[r]);
@@ -874,32 +893,25 @@ struct Fwd {
       if (row >= p.q_len) {
         continue;
       }
-      // An empty row (sum 0) is exactly 0 even if a masked V held NaN (0 * NaN in P V).
+      // The row's max in log2 units is the exponent offset softmax_step used (the same product);
+      // finish_row adds the sink and gives lse, lse_lo and the normaliser (0 for an empty row).
       const bool empty = sum == 0.0f;
-      const float inv = empty ? 0.0f : 1.0f / sum;
+      const attn::RowEnd end = attn::finish_row(row_max[r] * unit, sum, p.sinks != nullptr, sink, false);
       Element* out_row = out + row * p.o_si + 2 * (lane % 4);
 #pragma unroll
       for (int c = 0; c < kHeadDim / 8; ++c) {
-        const float lo = empty ? 0.0f : o(2 * r + 4 * c) * inv;
-        const float hi = empty ? 0.0f : o(1 + 2 * r + 4 * c) * inv;
+        // An empty row is exactly 0 even if a masked V held NaN (0 * NaN in P V).
+        const float lo = empty ? 0.0f : o(2 * r + 4 * c) * end.factor;
+        const float hi = empty ? 0.0f : o(1 + 2 * r + 4 * c) * end.factor;
         cutlass::AlignedArray<Element, 2> pair;  // one 4-byte store
         pair[0] = Element(lo);
         pair[1] = Element(hi);
         *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(out_row + 8 * c) = pair;
       }
       if (lane % 4 == 0) {
-        float lse = -INFINITY, lse_lo = 0.0f;
-        if (!empty) {
-          // lse = ln 2 * (offset + log2 sum) with offset = max * scale_log2 (float, as the
-          // exponents used it); summed in double so that a huge offset keeps log(sum) in lse_lo.
-          const float offset = row_max[r] == -INFINITY ? 0.0f : row_max[r] * p.scale_log2;
-          const double exact = static_cast<double>(offset) * kLn2 + log(static_cast<double>(sum));
-          lse = static_cast<float>(exact);
-          lse_lo = (lse == lse && fabsf(lse) != INFINITY) ? static_cast<float>(exact - static_cast<double>(lse)) : 0.0f;
-        }
-        p.lse[bh * p.q_len + row] = lse;
+        p.lse[bh * p.q_len + row] = end.lse;
         if (p.lse_lo != nullptr) {
-          p.lse_lo[bh * p.q_len + row] = lse_lo;
+          p.lse_lo[bh * p.q_len + row] = end.lse_lo;
         }
       }
     }
@@ -996,7 +1008,8 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   p.tiles = static_cast<int>(tiles);
-  p.scale_log2 = a.scale_log2;
+  p.score = a.score;
+  p.sinks = a.sinks;
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/score_rule.cuh"
 
 namespace safeattn::cuda::hopper {
 
@@ -32,7 +33,10 @@ struct FwdParams {
   int64_t o_sb = 0, o_sh = 0, o_si = 0;
   int batch = 1, heads = 1, kv_heads = 1;  // query head h reads kv head h / (heads / kv_heads)
   int q_len = 0, kv_len = 0;
-  float scale_log2 = 0.0f;  // scale * log2(e)
+  // Scores in log2 units: score.scale = scale * log2(e); with a softcap (score.softcap_post > 0)
+  // each score is score.score() of its dot product (attn::score_rule(scale, softcap, false)).
+  attn::ScoreRule score;
+  const float* sinks = nullptr;  // [Hq] or null: logits (natural units) in the denominator only
   bool causal = false;
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
