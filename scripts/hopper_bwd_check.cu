@@ -341,8 +341,8 @@ static void time_variant(const char* name, bool causal) {
   p.q_sh = p.k_sh = p.v_sh = p.do_sh = p.dq_sh = p.dk_sh = p.dv_sh = D;
   p.q_si = p.k_si = p.v_si = p.do_si = p.dq_si = p.dk_si = p.dv_si = int64_t{H} * D;
   p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = S, p.kv_len = S;
-  p.scale = static_cast<float>(1.0 / std::sqrt(double(D)));
-  p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
+  p.score.natural_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  p.score.scale = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
   p.causal = causal;
   p.head_group = g_head_group;
   p.resident_ctas = resident_ctas();

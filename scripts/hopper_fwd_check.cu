@@ -163,9 +163,10 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
           lse_err = INFINITY;
         if (!(lse2_err == lse2_err))
           lse2_err = INFINITY;
-        // lse_lo is a rounding remainder: at most half an ulp of lse.
+        // lse_lo is a rounding remainder (attn::finish_row: the rounding of lse2 ln 2 and the
+        // two_sum error of lse2, scaled by ln 2): under 1.2 ulps of lse.
         const float ulp = std::nextafter(std::fabs(hlse[r]), INFINITY) - std::fabs(hlse[r]);
-        bad_lo += !(std::fabs(hlo[r]) <= 0.5001f * ulp);
+        bad_lo += !(std::fabs(hlo[r]) <= 1.2f * ulp);
       }
       err2 += row_err2;
       ref2 += row_ref2;

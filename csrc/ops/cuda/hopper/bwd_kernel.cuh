@@ -118,11 +118,13 @@ __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
 }
 
 // kMasked: the variant that reads a bool mask and its summary; the other has none of that code
-// (the mask's gathers cost the unmasked kernel registers it cannot spare).
-template <typename Element_, class Config, bool kMasked_ = false>
+// (the mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant
+// with a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200).
+template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false>
 struct Bwd {
   using Element = Element_;
   static constexpr bool kMasked = kMasked_;
+  static constexpr bool kSoftcap = kSoftcap_;
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -583,8 +585,6 @@ struct Bwd {
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     // With a softcap the scores are softcapped in log2 units before the masks (the score rule of
     // every kernel, attn::ScoreRule); without, the exponent scales the raw dot products itself.
-    // (Read from the parameters at each use rather than held in registers.)
-    auto capped = [&] { return p.score.softcap_post > 0.0f; };
     TileVisit next{0, attn::kTileVisible, 0};
     if constexpr (kMasked) {
       if (steps > 0) {
@@ -608,8 +608,8 @@ struct Bwd {
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
-      warpgroup_wait<1>();  // S^T done, dP^T may still run
-      if (capped()) {       // the score rule before the masks (a masked score is -inf, not -softcap)
+      warpgroup_wait<1>();       // S^T done, dP^T may still run
+      if constexpr (kSoftcap) {  // the score rule before the masks (a masked score is -inf, not -softcap)
         p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
       }
 
@@ -638,14 +638,14 @@ struct Bwd {
       const float* row_shift = smem.row_shift[read_q.index()];
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) = exp2_approx(fmaf(tSrS(i), capped() ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
+        tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
       }
       convert_fragment<Element>(tSrS, tdVrP);
       wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
       warpgroup_wait<1>();  // dP^T done, dV may still run
 
       const float* delta = smem.delta[read_do.index()];
-      if (capped()) {
+      if constexpr (kSoftcap) {
         // d score / d dot = scale (1 - t^2), t = score / softcap_post, the score recovered from
         // p: log2 p + row_shift (p = 0 contributes nothing, whatever its score).
         const float inv_cap = 1.0f / p.score.softcap_post;
@@ -800,11 +800,11 @@ __global__ void __launch_bounds__(256)
 
 // Host: builds the TMA descriptors and runs the kernel and the dQ conversion (dq_accum arrives
 // zeroed).
-template <typename T, class Config, bool kMasked>
+template <typename T, class Config, bool kMasked, bool kSoftcap>
 cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Bwd<Element, Config, kMasked>;
+  using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap>;
   constexpr int D = Config::kHeadDim;
   if (a.q_len == 0 || a.kv_len == 0 || a.batch == 0 || a.heads == 0) {
     return cudaErrorInvalidValue;  // the caller handles empty inputs
@@ -884,16 +884,22 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The variant with the mask's code when a.mask_tiles holds a summary.
-template <typename T, class Config>
-cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+// The variant with the mask's code when a.mask_tiles holds a summary, with the softcap's when
+// there is one.
+template <typename T, class Config, bool kSoftcap>
+cudaError_t launch_bwd_masking(const BwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
-    return launch_bwd_variant<T, Config, false>(a, stream);
+    return launch_bwd_variant<T, Config, false, kSoftcap>(a, stream);
   }
   if constexpr (Config::kBlockM == kBwdMaskTileRows && Config::kBlockN == kMaskTileKeys) {
-    return launch_bwd_variant<T, Config, true>(a, stream);
+    return launch_bwd_variant<T, Config, true, kSoftcap>(a, stream);
   }
   return cudaErrorInvalidValue;
+}
+template <typename T, class Config>
+cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+  return a.score.softcap_post > 0.0f ? launch_bwd_masking<T, Config, true>(a, stream)
+                                     : launch_bwd_masking<T, Config, false>(a, stream);
 }
 
 template <typename T, int kHeadDim>
