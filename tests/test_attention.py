@@ -541,6 +541,26 @@ def test_sinks(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_sink_of_minus_inf_on_empty_rows(device):
+    # A sink of -inf is no sink: a row with no visible key then has lse -inf, and every
+    # gradient, the sinks' included, is finite and 0 there (exp(sink - lse) is not NaN).
+    q, k, v = _qkv(2, 4, 2, 30, 90, 64, torch.bfloat16, device)
+    sinks = torch.tensor([-float("inf"), 1.0, -float("inf"), 3.0], device=device, requires_grad=True)
+    mask = torch.ones(2, 1, 30, 90, dtype=torch.bool, device=device)
+    mask[1, 0, :5] = False  # fully masked rows
+    out, lse = safeattn.attention(q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True)
+    assert torch.all(lse[1, [0, 2], :5].isneginf()), "no key and a sink of -inf: lse -inf"
+    grad_sinks = torch.autograd.grad(out.float().sum() + torch.where(lse.isfinite(), lse, 0.0).sum(), sinks)[
+        0
+    ]
+    assert grad_sinks.isfinite().all(), f"grad_sinks not finite: {grad_sinks}"
+    assert torch.all(grad_sinks[[0, 2]] == 0), "a sink of -inf gets no gradient"
+    _check_against_reference(
+        q, k, v, attn_mask=mask, sinks=sinks, enable_gqa=True, check_lse_grad=True, extra_grad_inputs=(sinks,)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_lse_gradient(device):
     q, k, v = _qkv(1, 2, 2, 20, 45, 32, torch.float32, device)
     _check_against_reference(q, k, v, is_causal=True, check_lse_grad=True)
