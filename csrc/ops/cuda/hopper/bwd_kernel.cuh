@@ -583,8 +583,6 @@ struct Bwd {
       }
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
-    // With a softcap the scores are softcapped in log2 units before the masks (the score rule of
-    // every kernel, attn::ScoreRule); without, the exponent scales the raw dot products itself.
     TileVisit next{0, attn::kTileVisible, 0};
     if constexpr (kMasked) {
       if (steps > 0) {
