@@ -70,13 +70,17 @@ inline Vectorized<acc_t> load_acc(const T* p) {
   }
 }
 
-// The first `count` lanes from p, the others 0.
+// The first `count` lanes from p, the others 0. The 16-bit types go through a zeroed buffer:
+// Vectorized<Half / BFloat16>::loadu(p, count) of older torch (2.6, AVX2) leaves the other
+// lanes undefined, and a NaN there reached the backward's row sums.
 template <typename T, typename acc_t>
 inline Vectorized<acc_t> load_acc(const T* p, int64_t count) {
   if constexpr (std::is_same_v<T, acc_t>) {
     return Vectorized<acc_t>::loadu(p, count);
   } else {
-    auto halves = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p, count));
+    __at_align__ T tail[Vectorized<T>::size()] = {};
+    std::memcpy(tail, p, count * sizeof(T));
+    auto halves = at::vec::convert_to_float<T>(Vectorized<T>::loadu(tail));
     return std::get<0>(halves);
   }
 }
