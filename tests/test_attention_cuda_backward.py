@@ -5,8 +5,9 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64, 96 and 128, no mask or a bool one, key ranges, softcap, sinks; the mma.sync
-kernels take everything else, so the cases with float masks and other head dims test them), and the
+call: bf16/fp16, D 64, 96 and 128, no mask, a bool or a float one (its gradient when the mask has a
+head dim, not with a softcap), key ranges, softcap, sinks; the mma.sync kernels take everything
+else, so the cases with softcapped or broadcast learnable biases and other head dims test them), and the
 generic path (float32, head
 dims without an instantiation, D != Dv,
 unaligned views).
@@ -300,8 +301,9 @@ def deterministic_algorithms():
 
 
 def test_atomic_dq_mode_selection(deterministic_algorithms):
-    # A float mask keeps the backward on the mma.sync kernels on every GPU (the sm_90a backward
-    # reads bool masks only), here in their atomic mode when the mask needs no gradient.
+    # A float mask with a softcap keeps the backward on the mma.sync kernels on every GPU (the
+    # sm_90a backward takes no bias with a softcap), here in their atomic mode when the mask needs
+    # no gradient.
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
     keep = torch.zeros(1, 1, 97, 130, device=DEVICE)
     keep[..., :5] = float("-inf")
@@ -325,8 +327,9 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
 
 def test_sm90_selection(deterministic_algorithms):
     """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
-    takes the sm_90a kernel in the atomic mode, with or without a bool mask, and the mma.sync
-    kernels when deterministic or with a float bias that needs its gradient."""
+    takes the sm_90a kernel in the atomic mode, with or without a mask, and with a learnable
+    per-head bias (its gradient written per element), and the mma.sync kernels when deterministic
+    or with a broadcast bias that needs its gradient (summed over the heads)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernels run on sm_90 devices only")
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
@@ -349,9 +352,12 @@ def test_sm90_selection(deterministic_algorithms):
     assert any("hopper::detail::bwd_kernel" in n for n in names), f"a bool mask must take sm_90a: {names}"
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"a per-head bias must take sm_90a: {names}"
+    bias = torch.randn(1, 1, 97, 130, device=DEVICE, requires_grad=True)
+    names = kernels(attn_mask=bias)
     assert any(
         "attention_bwd_dkdv_kernel" in n for n in names
-    ), f"a learnable bias must take mma.sync: {names}"
+    ), f"a learnable broadcast bias must take mma.sync: {names}"
     deterministic_algorithms(True)
     names = kernels()
     assert not any(
@@ -463,7 +469,7 @@ def _hopper_build(q, k, v):
 
 
 def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
-    """On an sm_90 device with the sm_90a kernels built, the bool mask (and kwargs: key ranges)
+    """On an sm_90 device with the sm_90a kernels built, the mask (and kwargs: key ranges)
     ran through them."""
     if _hopper_build(q, k, v):  # the kernels under test must be the ones that ran
         out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
@@ -471,8 +477,8 @@ def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
             lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
         )
         bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
-        assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"a bool mask must take sm_90a: {fwd}"
-        assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"a bool mask must take sm_90a: {bwd}"
+        assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"the mask must take sm_90a: {fwd}"
+        assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"the mask must take sm_90a: {bwd}"
 
 
 def _key_range_cases(batch, q_len, kv_len):
@@ -516,7 +522,8 @@ def test_key_ranges_sm90(kind, key_mask, head_dim, dtype):
 
 
 def test_key_ranges_drawn_for_mma_sync():
-    # A float mask keeps the call on the mma.sync kernels (every GPU): the ranges drawn into it.
+    # A float mask with a softcap keeps the backward on the mma.sync kernels (every GPU): the
+    # ranges drawn into the mask (the sm_90a forward reads them as they are).
     batch, q_len, kv_len = 2, 150, 260
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 64, torch.bfloat16, DEVICE)
     ranges = _key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
@@ -564,6 +571,66 @@ def test_sinks_and_softcap_sm90(extra, head_dim, dtype):
         torch.testing.assert_close(lse[2], want, msg="an empty row's lse is its head's sink logit")
     else:
         assert torch.all(lse[2].isneginf()), "an empty row's lse is -inf"
+    _assert_sm90_took_mask(q, k, v, mask, **{name: x for name, x in kwargs.items() if name != "enable_gqa"})
+
+
+def _float_mask_cases(batch, heads, q_len, kv_len):
+    """Float masks (additive biases) of the shapes models give, by name: a learnable per-head
+    bias (ALiBi / T5-like, [1, H, Q, KV] float32), a [B, 1, Q, KV] mask of -inf and bias values
+    (causal, left padding, a batch row that sees nothing) in the inputs' 16-bit dtype, and a
+    [B, H, Q, KV] float16 bias with -inf tiles, zero (fully visible) tiles and NaN-free values.
+    Each: (mask, whether it takes a gradient)."""
+    gen = torch.Generator().manual_seed(9)
+    positions = torch.arange(kv_len)
+    rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    causal = positions[None, :] <= rows
+    alibi = (
+        -(rows - positions[None, :]).abs().float()
+        * torch.tensor([0.5, 0.25, 0.125, 0.0625])[:heads, None, None]
+    )
+    padded = torch.randn(batch, 1, q_len, kv_len, generator=gen) * 2
+    padded = padded.masked_fill(~causal, float("-inf"))
+    padded[1, ..., :300] = float("-inf")  # left padding: row 1's first queries see no key
+    padded[2] = float("-inf")  # nothing visible
+    tiles = torch.randn(batch, heads, q_len, kv_len, generator=gen)
+    tiles[0, :, :, 256:384] = 0.0  # fully visible tiles (no bias read)
+    tiles[1, 1:3, :, :128] = float("-inf")  # fully masked tiles, skipped
+    tiles[2, 0, :64] = float("-inf")  # a whole query tile of empty rows
+    return {
+        "learnable_per_head": (alibi[None], True),
+        "padding_causal_16bit": (padded, False),
+        "per_batch_head_fp16": (tiles.half(), True),
+    }
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+@pytest.mark.parametrize(
+    "kind", ["learnable_per_head", "padding_causal_16bit", "per_batch_head_fp16", "with_ranges"]
+)
+def test_float_mask_sm90(kind, head_dim, dtype):
+    """Float masks (biases) read in place by the sm_90a kernels (on an H100/H200; the mma.sync
+    ones elsewhere): the bias added in mixed tiles, zero tiles read as visible, -inf tiles skipped,
+    rows that see nothing (out 0, lse -inf), GQA, partial last tiles; forward, backward, lse's
+    gradient and the mask's own gradient (written per element by the sm_90a backward when the
+    mask has a head dim) against the reference."""
+    batch, heads, q_len, kv_len = 3, 4, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 23)
+    cases = _float_mask_cases(batch, heads, q_len, kv_len)
+    kwargs = {"enable_gqa": True}
+    if kind == "with_ranges":  # a described window ANDed with a learnable bias
+        mask, grad = cases["learnable_per_head"]
+        place = (batch, q_len, kv_len, kv_len - q_len, 0)
+        kwargs["key_ranges"] = safeattn.MaskDescription(sliding_window=200).key_ranges(*place).to(DEVICE)
+        kwargs.update(is_causal=True, q_offset=kv_len - q_len)
+    else:
+        mask, grad = cases[kind]
+    mask = mask.to(DEVICE, dtype if kind == "padding_causal_16bit" else mask.dtype).requires_grad_(grad)
+    out, lse = _check_against_reference(
+        q, k, v, attn_mask=mask, check_lse_grad=True, extra_grad_inputs=(mask,) if grad else (), **kwargs
+    )
+    if kind == "padding_causal_16bit":
+        assert torch.all(out[2] == 0) and torch.all(lse[2].isneginf()), "rows that see nothing: 0 and -inf"
     _assert_sm90_took_mask(q, k, v, mask, **{name: x for name, x in kwargs.items() if name != "enable_gqa"})
 
 
@@ -681,7 +748,7 @@ def test_deterministic_mode_reproducible_and_atomic_close(deterministic_algorith
     q, k, v = _qkv(2, 8, 2, 300, 520, 128, dtype, DEVICE)
     grad_out = torch.randn(2, 8, 300, 128, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
 
-    # A float mask (no gradient) keeps both modes on the mma.sync kernels on every GPU.
+    # A float mask with a softcap (no gradient) keeps both modes on the mma.sync kernels on every GPU.
     bias = torch.randn(1, 1, 300, 520, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 
     def grads():

@@ -17,8 +17,9 @@ backward as 2.5x the forward, as FlashAttention counts), all in the same run:
   Flex, causal+padding       compiled FlexAttention with the same mask as a block mask
   safeattn, is_causal / causal+padding mask (the dense mask) / causal+padding described
                              (MaskDescription(padding_mask=...): is_causal plus a key mask)
-and a decode table (Q=1, KV 4096 and 32768, B=8, GQA 32:4, D=128): microseconds and the K/V
-bytes read per second, against SDPA (enable_gqa), SDPA flash and FlexAttention where they run.
+(--bias: float masks and a learnable bias instead, _bias_cases), and a decode table (Q=1, KV
+4096 and 32768, B=8, GQA 32:4, D=128): microseconds and the K/V bytes read per second, against
+SDPA (enable_gqa), SDPA flash and FlexAttention where they run.
 CUDA events around each call, warm-up first, median of many calls, fresh random inputs for
 every call. Rows a peer cannot run (or safeattn's forward+backward before the CUDA backward
 exists) print n/a.
@@ -289,6 +290,69 @@ def _prefill_cases(batch, heads, seq, device, window=0, softcap=0.0, sinks=False
     return cases
 
 
+def _bias_cases(batch, heads, seq, device):
+    """name -> (callable(q, k, v), needs_backward_kernel_of_safeattn) for float masks (--bias):
+    the causal+padding mask as a [B, 1, S, S] bf16 mask of 0 / -inf (what Transformers' eager
+    and sdpa paths build; no gradient), and a learnable per-head bias [1, H, S, S] (ALiBi / T5
+    style, bf16, requires grad) under causality, against SDPA with the same masks (its
+    memory-efficient kernel) and compiled Flex with the bias as a score_mod over the causal
+    block mask."""
+    pad = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    for b in range(batch):
+        pad[b, : b * seq // 8] = False
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    dense = causal[None, None] & pad[:, None, None, :]
+    float_mask = torch.zeros(dense.shape, device=device, dtype=torch.bfloat16).masked_fill_(
+        ~dense, float("-inf")
+    )
+    bias = (torch.randn(1, heads, seq, seq, device=device) * 0.5).to(torch.bfloat16).requires_grad_()
+    causal_bias = bias.masked_fill(~causal, float("-inf"))  # SDPA: no is_causal with a mask
+    cases = {
+        "SDPA, causal+padding float mask": (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask),
+            False,
+        ),
+        "SDPA, causal + learnable bias": (
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=causal_bias),
+            False,
+        ),
+    }
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        def padded_causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & pad[b, kv_idx]
+
+        def plain_causal(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + bias[0, h, q_idx, kv_idx]
+
+        flex = torch.compile(flex_attention, dynamic=False)
+        padded_blocks = create_block_mask(padded_causal, batch, None, seq, seq, device=device)
+        causal_blocks = create_block_mask(plain_causal, None, None, seq, seq, device=device)
+        cases["Flex (compiled), causal+padding block mask"] = (
+            lambda q, k, v: flex(q, k, v, block_mask=padded_blocks),
+            False,
+        )
+        cases["Flex (compiled), causal + learnable bias"] = (
+            lambda q, k, v: flex(q, k, v, block_mask=causal_blocks, score_mod=add_bias),
+            False,
+        )
+    except Exception as err:  # noqa: BLE001 - older torch, or no block-mask support here
+        print(f"  (FlexAttention n/a: {err})")
+    cases["safeattn, causal+padding float mask"] = (
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=float_mask)[0],
+        True,
+    )
+    cases["safeattn, causal + learnable bias"] = (
+        lambda q, k, v: safeattn.attention(q, k, v, attn_mask=bias, is_causal=True)[0],
+        True,
+    )
+    return cases
+
+
 def _window_pairs(batch, seq, window):
     """The (query, key) pairs a causal window of `window` keys leaves visible under the left
     padding _prefill_cases uses, summed over the batch."""
@@ -325,7 +389,10 @@ def main_cuda(args):
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         if args.window:  # the window's own work: its visible (query, key) pairs, padding out
             flops_fwd = 4 * heads * head_dim * _window_pairs(batch, seq, args.window)
-        cases = _prefill_cases(batch, heads, seq, device, args.window, args.softcap, args.sinks)
+        if args.bias:
+            cases = _bias_cases(batch, heads, seq, device)
+        else:
+            cases = _prefill_cases(batch, heads, seq, device, args.window, args.softcap, args.sinks)
         flash_fwd = None
         for name, (fn, is_ours) in cases.items():
             results = []
@@ -578,6 +645,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sinks", action="store_true", help="--device cuda: every safeattn row with per-head sink logits"
+    )
+    parser.add_argument(
+        "--bias",
+        action="store_true",
+        help="--device cuda: float masks instead (a [B,1,S,S] causal+padding one, a learnable [1,H,S,S] bias)",
     )
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
 

@@ -3,7 +3,7 @@
 // attention_backward_impl (ops/attention.cpp) validates, allocates the gradients and computes
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
 // gradient's partial sums:
-//   - on an H100/H200, with atomics allowed (use_atomic_dq), the sm_90a TMA + wgmma kernels
+//   - on an H100/H200, with atomics allowed (use_hopper), the sm_90a TMA + wgmma kernels
 //     (attention_bwd_sm90.h) after the rows pre-pass, for what they cover: the pre-pass writes
 //     their padded row arrays, zeroes dq_accum and reads grad_out as given (no cleaned copy of
 //     it unless an empty row holds a non-finite value: Sm90BwdRows);
@@ -240,6 +240,12 @@ bool use_atomic_dq(const AttentionBwdArgs& a) {
   return !at::globalContext().deterministicAlgorithms() && !a.grad_mask_partial.defined() && a.grad_query.defined();
 }
 
+// The Hopper kernels (attention_bwd_sm90.h) where they cover the call: they sum dQ with atomics,
+// so only where those are allowed; they write a mask gradient of one slot per element themselves.
+bool use_hopper(const AttentionBwdArgs& a) {
+  return tensor_core_supported(a) && !at::globalContext().deterministicAlgorithms() && attention_bwd_sm90_takes(a);
+}
+
 // The Hopper backward (attention_bwd_sm90.h) after its rows pre-pass: rows padded, dq_accum
 // zeroed, and grad_out read as given (Sm90BwdRows: how an empty row's dO is kept out).
 template <typename T>
@@ -248,7 +254,6 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   const int64_t head_dim = a.query.size(3);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
-  TORCH_INTERNAL_ASSERT(!attn::natural_units(a.mask), "attention backward (CUDA): the sm90 kernels take no float mask");
   const int64_t pitch = attention_bwd_sm90_row_pitch(q_len);
   Sm90BwdRows rows;
   rows.delta = at::empty({batch, hq, pitch}, f32);
@@ -284,7 +289,7 @@ template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   // Hopper: the TMA + wgmma kernels where they cover the call. Their dQ is summed with atomics,
   // so only where the atomic mode is allowed (deterministic algorithms keep the dQ kernel).
-  if (use_atomic_dq(args) && attention_bwd_sm90_takes(args)) {
+  if (use_hopper(args)) {
     attention_bwd_hopper<T>(args);
     return;
   }
@@ -394,8 +399,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
 void attention_bwd_cuda(const AttentionBwdArgs& args) {
   // Key ranges: the sm_90a kernel reads them (attention_bwd_tensor_core takes it, below); every
   // other kernel, drawn into the mask.
-  if (args.key_ranges.defined() &&
-      !(tensor_core_supported(args) && use_atomic_dq(args) && attention_bwd_sm90_takes(args))) {
+  if (args.key_ranges.defined() && !use_hopper(args)) {
     attention_bwd_cuda(with_key_ranges_drawn(args));
     return;
   }

@@ -32,9 +32,13 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 }  // namespace
 
 bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
-  // A bool mask is read in place (float masks and biases: the mma.sync kernels).
-  const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
-  if (!mask_ok || a.grad_mask_partial.defined() || !a.grad_query.defined() || !a.grad_key.defined() ||
+  // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
+  // capped score from p, which the bias has moved). The mask's gradient is stored per element
+  // where each has one slot (grad_mask_assign: [B, Hq, Q, KV]); broadcast masks' gradients are
+  // summed by the mma.sync kernels.
+  const bool bias = a.mask.defined() && a.mask.is_floating_point();
+  const bool grad_mask_ok = !a.grad_mask_partial.defined() || a.grad_mask_assign;
+  if ((bias && a.softcap > 0.0) || !grad_mask_ok || !a.grad_query.defined() || !a.grad_key.defined() ||
       !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
@@ -92,6 +96,14 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // ones are skipped.
   at::Tensor summary, diagonals;
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
+  if (a.grad_mask_partial.defined()) {
+    // [B, Hq, Q, KV] float32 (grad_mask_assign): the kernel writes the visited tiles' elements,
+    // the skipped ones stay 0.
+    TORCH_INTERNAL_ASSERT(a.grad_mask_assign && a.grad_mask_partial.is_contiguous() &&
+                          a.grad_mask_partial.scalar_type() == at::kFloat);
+    a.grad_mask_partial.zero_();
+    p.grad_mask = a.grad_mask_partial.data_ptr<float>();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
                                                                : launch_for_head_dim<__half>(head_dim, p, stream);

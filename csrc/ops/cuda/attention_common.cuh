@@ -127,14 +127,7 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// 16-bit values to float by intrinsic: torch builds CUDA code with __CUDA_NO_HALF_CONVERSIONS__
-// and __CUDA_NO_BFLOAT16_CONVERSIONS__ (setup.py too), so a static_cast would not compile.
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-__device__ __forceinline__ float to_float(__half x) {
-  return __half2float(x);
-}
+// to_float (16-bit values to float): mask_view.cuh.
 
 // ---- the mask --------------------------------------------------------------------------------
 

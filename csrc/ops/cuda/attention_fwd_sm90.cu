@@ -30,9 +30,8 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
 }
 
 bool takes(const AttentionFwdArgs& a) {
-  // A bool mask is read in place (float masks and biases: the mma.sync kernels).
-  const bool mask_ok = !a.mask.defined() || a.mask.scalar_type() == at::kBool;
-  if (!mask_ok || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
+  // Masks (bool, or float: a bias) are read in place.
+  if (!has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
   // out is written with 4-byte stores through its strides.

@@ -24,6 +24,26 @@ struct MaskView {
   __device__ __forceinline__ int64_t offset(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return b * stride_b + h * stride_h + i * stride_q + j * stride_kv;
   }
+  // A float mask: an additive bias (any values) rather than visible / masked bits.
+  __host__ __device__ __forceinline__ bool is_bias() const {
+    return kind == MaskKind::kFloat || kind == MaskKind::kHalf || kind == MaskKind::kBFloat16;
+  }
+  // A float mask's elements read with their own type: f(ptr) with ptr a const float*, __half* or
+  // __nv_bfloat16* (one branch for a whole tile's reads, not one per element). Float kinds only.
+  template <class F>
+  __device__ __forceinline__ void with_values(F&& f) const {
+    switch (kind) {
+      case MaskKind::kHalf:
+        f(static_cast<const __half*>(ptr));
+        break;
+      case MaskKind::kBFloat16:
+        f(static_cast<const __nv_bfloat16*>(ptr));
+        break;
+      default:
+        f(static_cast<const float*>(ptr));
+        break;
+    }
+  }
   // The additive value of one element: 0 / -inf for bool (True = attend), the value otherwise.
   __device__ __forceinline__ float additive(int64_t off) const {
     switch (kind) {
@@ -40,6 +60,19 @@ struct MaskView {
     }
   }
 };
+
+// Mask elements and 16-bit values to float by intrinsic: torch builds CUDA code with
+// __CUDA_NO_HALF_CONVERSIONS__ and __CUDA_NO_BFLOAT16_CONVERSIONS__ (setup.py too), so a
+// static_cast would not compile.
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__half x) {
+  return __half2float(x);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 // Per query row, the one interval of keys [lo, hi) it may see, ANDed with the mask and causality:
 // a described mask's windows and chunks (ops/attention.h, key_ranges) evaluated from indices, not

@@ -33,10 +33,11 @@
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 //
-// Mask: a bool attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
+// Mask: an attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
 // proves fully masked: the producer walks it and hands each visited step (position, class, diagonal)
 // to the consumers with the Q load before it (the first with K and V); diagonal steps are a
-// compare, mixed ones read the mask per element.
+// compare, mixed ones read the mask per element (a bool mask's bits, or a float mask's values
+// added to the scores; its gradient p (dP - delta) is stored per element when asked for).
 //
 // Numerics: masked elements (causality, keys past kv_len, the mask) get s = -inf, so p = 0 whatever the
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
@@ -117,7 +118,7 @@ __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
 }
 
-// kMasked: the variant that reads a bool mask and its summary; the other has none of that code
+// kMasked: the variant that reads a mask (bool or float) and its summary; the other has none of that code
 // (the mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant
 // with a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200).
 template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false>
@@ -269,9 +270,10 @@ struct Bwd {
     attn::ScoreRule score;  // log2 units; a softcap when score.softcap_post > 0
     bool causal;
     int64_t causal_shift;
-    attn::MaskView mask;               // bool or none
+    attn::MaskView mask;               // bool, float (a bias), or none
     attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
+    float* grad_mask;                  // BwdParams::grad_mask (kMasked only)
     int head_group;                    // BwdParams::head_group, at least 1
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
@@ -522,7 +524,7 @@ struct Bwd {
           static_assert(decltype(size(tSrS))::value <= 32);
           const int row0 = m_block_of(step) * kBlockM;
           const int last_row = p.q_len - 1 - row0;
-          if (p.mask.ptr != nullptr) {
+          if (p.mask.ptr != nullptr && !p.mask.is_bias()) {
             const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
             // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
 #pragma unroll 8
@@ -589,11 +591,31 @@ struct Bwd {
         next = read_visit(smem.first_visit);  // kv_full has been waited for
       }
     }
+    // A float mask's values of a mixed step added to its scores, which go to log2 units (the
+    // exponent below then takes them with unit 1). Loads as in mask_bits: clamped, unconditional.
+    auto add_bias = [&](int step) {
+      const int row0 = m_block_of(step) * kBlockM;
+      const int last_row = p.q_len - 1 - row0;
+      const float unit = kSoftcap ? 1.0f : p.score.scale;
+      p.mask.with_values([&](const auto* mask) {
+        mask += p.mask.offset(batch, head_of(step), row0, key0);
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          const float bias =
+              attn::to_float(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                  int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
+          tSrS(i) = fmaf(tSrS(i), unit, bias * attn::kLog2e);
+        }
+      });
+    };
     uint32_t keep = mask_bits(next);
+    uint8_t step_class = next.tile_class;
     // A step's class arrives with the Q load of the step before; its mask bits (a mixed step's
     // gather) are found at the end of the step before, once the products are done: gathering
     // during them spilled the dK / dV accumulators at D = 128.
-    for (int step = next.position; step < steps; step = next.position, keep = mask_bits(next)) {
+    for (int step = next.position; step < steps;
+         step = next.position, keep = mask_bits(next), step_class = next.tile_class) {
       const int head = head_of(step);
       const int m_block = m_block_of(step);
       const int visit = visited++;
@@ -609,6 +631,11 @@ struct Bwd {
       warpgroup_wait<1>();       // S^T done, dP^T may still run
       if constexpr (kSoftcap) {  // the score rule before the masks (a masked score is -inf, not -softcap)
         p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
+      }
+      // A mixed step of a float mask: the bias, after the softcap, before the masks.
+      const bool bias_step = kMasked && !kSoftcap && step_class == attn::kTileMixed && p.mask.is_bias();
+      if (bias_step) {
+        add_bias(step);
       }
 
       // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the
@@ -636,7 +663,8 @@ struct Bwd {
       const float* row_shift = smem.row_shift[read_q.index()];
 #pragma unroll
       for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
+        tSrS(i) =
+            exp2_approx(fmaf(tSrS(i), kSoftcap || bias_step ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
       }
       convert_fragment<Element>(tSrS, tdVrP);
       wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
@@ -653,6 +681,20 @@ struct Bwd {
           const float t = (log2_approx(prob) + shift) * inv_cap;
           const float dscore = prob > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
           tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+        }
+      } else if (kMasked && p.grad_mask != nullptr) {
+        // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len).
+        const int row0 = m_block_of(step) * kBlockM;
+        const int last_row = p.q_len - 1 - row0;
+        float* grad = p.grad_mask + ((int64_t{batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
+#pragma unroll
+        for (int i = 0; i < size(tdPrdP); ++i) {
+          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          const float ds = tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+          if (key < keys_in_tile && row <= last_row) {
+            grad[int64_t{row} * p.kv_len + key] = ds;
+          }
+          tdPrdP(i) = p.score.natural_scale * ds;
         }
       } else {
 #pragma unroll
@@ -859,6 +901,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
   p.key_ranges = a.key_ranges;
+  p.grad_mask = a.grad_mask;
   p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;

@@ -59,11 +59,17 @@ struct BwdParams {
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
-  // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
-  // tiles of kBwdMaskTileRows x kMaskTileKeys (the kernel's query and key tiles): fully masked
-  // (query tile, key tile) pairs are skipped, mixed ones read the mask per element.
+  // An attn_mask as a [B, Hq, Q, KV] view (kind kBool, a float kind: a bias added to the scores;
+  // kNone: no mask) and its summary for tiles of kBwdMaskTileRows x kMaskTileKeys (the kernel's
+  // query and key tiles): fully masked (query tile, key tile) pairs are skipped, mixed ones read
+  // the mask per element. A float mask with a softcap is not taken (the softcap's dS recovers the
+  // capped score from p).
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
+  // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
+  // [B, Hq, Q, KV] contiguous float32 at each visited (query tile, key tile); the caller zeroes
+  // it (skipped tiles are not written). Only with a float mask.
+  float* grad_mask = nullptr;
   // Null, or each query row's one interval of keys, ANDed with the mask (as FwdParams::key_ranges;
   // mask_tiles then summarises both).
   attn::KeyRangeView key_ranges;

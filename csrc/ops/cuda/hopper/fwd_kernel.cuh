@@ -22,10 +22,11 @@
 //             cores run while the softmax of the previous tile is computed; with kPingPong the
 //             warpgroups also take turns issuing (named barriers), so one's softmax overlaps the
 //             other's products.
-//   mask      (the kMasked variant) a bool mask's tile summary: the producer walks it, skipping
+//   mask      (the kMasked variant) a mask's tile summary: the producer walks it, skipping
 //             fully masked key tiles, and hands each visited tile (position, class, diagonal) to the
 //             consumers through shared memory with its K load; fully visible tiles read no mask,
-//             diagonal ones are a compare, mixed ones gather their mask bits one tile ahead.
+//             diagonal ones are a compare, mixed ones gather a bool mask's bits one tile ahead or
+//             add a float mask's values (a bias, log2 units) once their scores are in.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
 //             lse_lo (the rounding error of lse) per row, the sink logit added to the
 //             denominator where there are sinks (attn::finish_row, as in every kernel).
@@ -271,7 +272,7 @@ auto mn_major_atom() {
   }
 }
 
-// kMasked: the variant that reads a bool mask and its summary; the other has none of that code
+// kMasked: the variant that reads a mask (bool or float) and its summary; the other has none of that code
 // (the mask's gathers cost the unmasked kernel registers it cannot spare).
 template <typename Element_, class Config, bool kMasked_ = false>
 struct Fwd {
@@ -375,7 +376,7 @@ struct Fwd {
     const float* sinks;     // [Hq] or null
     bool causal;
     int64_t causal_shift;
-    attn::MaskView mask;               // bool or none
+    attn::MaskView mask;               // bool, float (a bias), or none
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per row
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
@@ -582,7 +583,7 @@ struct Fwd {
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
     const int64_t last_row = p.q_len - 1 - row0;
     uint64_t keep = ~uint64_t{0};
-    if (p.mask.ptr != nullptr) {
+    if (p.mask.ptr != nullptr && !p.mask.is_bias()) {
       const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
       // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
       // that the unrolled loads are all in flight at once: a conditional load waits for its test,
@@ -614,6 +615,30 @@ struct Fwd {
       }
     }
     return keep;
+  }
+
+  // A float mask's values of key tile n_block added to this thread's scores (log2 units), for the
+  // mixed tiles of a float mask. Loads as in gather_mask: clamped indices, unconditional, then
+  // added; rows past q_len and keys past kv_len read an element inside the mask (their scores are
+  // never written, or are -inf after mask_tile).
+  template <class FragS>
+  static __device__ __forceinline__ void add_bias(FragS& s, const Params& p, const Tile& t, int n_block, int64_t row0,
+                                                  int lane) {
+    constexpr int kElems = kBlockN / 2;
+    const int col0 = n_block * kBlockN + 2 * (lane % 4);
+    const int64_t last_row = p.q_len - 1 - row0;
+    const int64_t base = p.mask.offset(t.batch, t.head, row0, 0);
+    p.mask.with_values([&](const auto* mask) {
+      mask += base;
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) {
+        const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
+        const int64_t row = 8 * r < last_row ? 8 * r : last_row;
+        const float bias =
+            attn::to_float(mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv]);
+        s(i) = fmaf(bias, attn::kLog2e, s(i));
+      }
+    });
   }
 
   template <class FragS>
@@ -712,8 +737,11 @@ struct Fwd {
     // every kernel, attn::ScoreRule); without, the softmax scales the raw dot products itself.
     // (Read from the parameters at each use rather than held in registers: the D = 64 consumers
     // have none to spare.)
+    // A float mask (kMasked) is a bias added in log2 units after the softcap: its scores, like a
+    // softcap's, are taken to log2 units before the masks and the softmax runs with unit 1.
     auto capped = [&] { return p.score.softcap_post > 0.0f; };
-    auto unit = [&] { return capped() ? 1.0f : p.score.scale; };
+    auto biased = [&] { return kMasked && p.mask.is_bias(); };
+    auto unit = [&] { return capped() || biased() ? 1.0f : p.score.scale; };
     TileTrace trace;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
@@ -798,9 +826,22 @@ struct Fwd {
         }
         return ~uint64_t{0};
       };
-      auto mask_scores = [&](int n, uint64_t keep) {
+      auto mask_scores = [&](int n, uint64_t keep, uint8_t tile_class) {
         if (capped()) {
           p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
+        }
+        if constexpr (kMasked) {
+          if (biased()) {
+            if (!capped()) {
+#pragma unroll
+              for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
+                tSrS(i) *= p.score.scale;
+              }
+            }
+            if (tile_class == attn::kTileMixed) {
+              add_bias(tSrS, p, t, n, row0, lane);
+            }
+          }
         }
         if (needs_mask(n)) {
           mask_tile(tSrS, n, last_key, lane);
@@ -827,6 +868,7 @@ struct Fwd {
         pass_turn();
         int m = after.position;
         uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
+        uint8_t class_m = after.tile_class;
         warpgroup_wait<0>();
         trace.stamp(kTraceFirstS);
         trace.visit();
@@ -835,7 +877,7 @@ struct Fwd {
         if (m < 0) {
           q_empty.arrive();
         }
-        mask_scores(n, keep);
+        mask_scores(n, keep, first.tile_class);
         softmax_step(tSrS, row_max, row_sum, correction, unit());
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
@@ -849,13 +891,14 @@ struct Fwd {
           pass_turn();
           const int next = after.position;
           const uint64_t keep_next = next >= 0 ? mask_bits(next, after.tile_class, after.diagonal) : ~uint64_t{0};
+          const uint8_t class_next = after.tile_class;
           warpgroup_wait<1>();  // S done, P V may still run
           pipe_k.consumer_release(read_k);
           ++read_k;
           if (next < 0) {
             q_empty.arrive();  // the tile's last read of Q
           }
-          mask_scores(m, keep_m);
+          mask_scores(m, keep_m, class_m);
           softmax_step(tSrS, row_max, row_sum, correction, unit());
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
@@ -864,6 +907,7 @@ struct Fwd {
           convert_p(tSrS, tOrP);
           m = next;
           keep_m = keep_next;
+          class_m = class_next;
           trace.visit();
         }
         take_turn();
