@@ -341,7 +341,9 @@ def test_sm90_selection(deterministic_algorithms):
 
     def kernels(**kwargs):
         out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
-        return _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+        mask = kwargs.get("attn_mask")
+        inputs = (q, k, v, *([mask] if mask is not None and mask.requires_grad else []))
+        return _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
 
     names = kernels()
     assert any("hopper::detail::bwd_kernel" in n for n in names), f"no sm_90a backward kernel among {names}"
@@ -353,6 +355,7 @@ def test_sm90_selection(deterministic_algorithms):
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
     assert any("hopper::detail::bwd_kernel" in n for n in names), f"a per-head bias must take sm_90a: {names}"
+    assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
     bias = torch.randn(1, 1, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
     assert any(
@@ -577,9 +580,10 @@ def test_sinks_and_softcap_sm90(extra, head_dim, dtype):
 def _float_mask_cases(batch, heads, q_len, kv_len):
     """Float masks (additive biases) of the shapes models give, by name: a learnable per-head
     bias (ALiBi / T5-like, [1, H, Q, KV] float32), a [B, 1, Q, KV] mask of -inf and bias values
-    (causal, left padding, a batch row that sees nothing) in the inputs' 16-bit dtype, and a
-    [B, H, Q, KV] float16 bias with -inf tiles, zero (fully visible) tiles and NaN-free values.
-    Each: (mask, whether it takes a gradient)."""
+    (causal, left padding, a batch row that sees nothing), and a learnable [B, H, Q, KV] bias
+    with -inf tiles, zero (fully visible) tiles and a query tile of empty rows; the last two in
+    the inputs' 16-bit dtype (a mask is bool, float32 or the query's dtype). Each: (mask,
+    whether it takes a gradient)."""
     gen = torch.Generator().manual_seed(9)
     positions = torch.arange(kv_len)
     rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
@@ -599,14 +603,14 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
     return {
         "learnable_per_head": (alibi[None], True),
         "padding_causal_16bit": (padded, False),
-        "per_batch_head_fp16": (tiles.half(), True),
+        "per_batch_head_16bit": (tiles, True),
     }
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize(
-    "kind", ["learnable_per_head", "padding_causal_16bit", "per_batch_head_fp16", "with_ranges"]
+    "kind", ["learnable_per_head", "padding_causal_16bit", "per_batch_head_16bit", "with_ranges"]
 )
 def test_float_mask_sm90(kind, head_dim, dtype):
     """Float masks (biases) read in place by the sm_90a kernels (on an H100/H200; the mma.sync
@@ -625,7 +629,7 @@ def test_float_mask_sm90(kind, head_dim, dtype):
         kwargs.update(is_causal=True, q_offset=kv_len - q_len)
     else:
         mask, grad = cases[kind]
-    mask = mask.to(DEVICE, dtype if kind == "padding_causal_16bit" else mask.dtype).requires_grad_(grad)
+    mask = mask.to(DEVICE, dtype if kind.endswith("16bit") else mask.dtype).requires_grad_(grad)
     out, lse = _check_against_reference(
         q, k, v, attn_mask=mask, check_lse_grad=True, extra_grad_inputs=(mask,) if grad else (), **kwargs
     )
