@@ -605,7 +605,7 @@ struct Bwd {
           const float bias =
               attn::to_float(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
                                   int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
-          tSrS(i) = fmaf(tSrS(i), unit, bias * attn::kLog2e);
+          tSrS(i) = bias == -INFINITY ? -INFINITY : fmaf(tSrS(i), unit, bias * attn::kLog2e);  // masked: no leak
         }
       });
     };

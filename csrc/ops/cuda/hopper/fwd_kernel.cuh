@@ -636,7 +636,7 @@ struct Fwd {
         const int64_t row = 8 * r < last_row ? 8 * r : last_row;
         const float bias =
             attn::to_float(mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv]);
-        s(i) = fmaf(bias, attn::kLog2e, s(i));
+        s(i) = bias == -INFINITY ? -INFINITY : fmaf(bias, attn::kLog2e, s(i));  // masked: nothing behind leaks
       }
     });
   }
