@@ -5,8 +5,8 @@ batch / heads, bool masks with fully masked rows, structured masks whose tiles a
 fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64, 96 and 128, no mask, a bool one (a float one with SAFEATTN_SM90_FLOAT_MASKS=1:
-its gradient when the mask has a head dim, not with a softcap), key ranges, softcap, sinks; the mma.sync kernels take everything
+call: bf16/fp16, D 64, 96 and 128, no mask, a bool or a float one (its gradient when the mask has a
+head dim, not with a softcap), key ranges, softcap, sinks; the mma.sync kernels take everything
 else, so the cases with softcapped or broadcast learnable biases and other head dims test them), and the
 generic path (float32, head
 dims without an instantiation, D != Dv,
@@ -17,8 +17,6 @@ for gradients), through its helper.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import safeattn
@@ -40,9 +38,6 @@ DEVICE = "cuda"
 TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
 # Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py).
 SM90_HEAD_DIMS = [64, 96, 128]
-# The sm_90a kernels take float masks only with SAFEATTN_SM90_FLOAT_MASKS=1 (attention_common.cuh,
-# sm90_float_masks_enabled); otherwise the float-mask cases test the mma.sync kernels.
-SM90_FLOAT_MASKS = os.environ.get("SAFEATTN_SM90_FLOAT_MASKS") == "1"
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 # (q_len, kv_len, causal): partial tiles on both sides, both causal alignments.
@@ -359,17 +354,8 @@ def test_sm90_selection(deterministic_algorithms):
     assert any("hopper::detail::bwd_kernel" in n for n in names), f"a bool mask must take sm_90a: {names}"
     bias = torch.randn(1, 4, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
-    if SM90_FLOAT_MASKS:
-        assert any(
-            "hopper::detail::bwd_kernel" in n for n in names
-        ), f"a per-head bias must take sm_90a: {names}"
-        assert not any(
-            "attention_bwd_dkdv_kernel" in n for n in names
-        ), f"the mma.sync kernel ran too: {names}"
-    else:
-        assert any(
-            "attention_bwd_dkdv_kernel" in n for n in names
-        ), f"a float mask must take mma.sync: {names}"
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"a per-head bias must take sm_90a: {names}"
+    assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
     bias = torch.randn(1, 1, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
     assert any(
@@ -614,9 +600,15 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
     tiles[0, :, :, 256:384] = 0.0  # fully visible tiles (no bias read)
     tiles[1, 1:3, :, :128] = float("-inf")  # fully masked tiles, skipped
     tiles[2, 0, :64] = float("-inf")  # a whole query tile of empty rows
+    # Transformers' eager masks: finfo.min (of the model's dtype) instead of -inf, so a row that
+    # sees nothing attends uniformly over its keys (PyTorch's rule) rather than being empty.
+    hf_min = torch.zeros(batch, 1, q_len, kv_len).masked_fill(~causal, float("-inf"))
+    hf_min[1, ..., :300] = float("-inf")
+    hf_min[2] = float("-inf")
     return {
         "learnable_per_head": (alibi[None], True),
         "padding_causal_16bit": (padded, False),
+        "finfo_min_16bit": (hf_min, False),
         "per_batch_head_16bit": (tiles, True),
     }
 
@@ -624,11 +616,12 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize(
-    "kind", ["learnable_per_head", "padding_causal_16bit", "per_batch_head_16bit", "with_ranges"]
+    "kind",
+    ["learnable_per_head", "padding_causal_16bit", "per_batch_head_16bit", "finfo_min_16bit", "with_ranges"],
 )
 def test_float_mask_sm90(kind, head_dim, dtype):
-    """Float masks (biases) read in place by the sm_90a kernels (on an H100/H200 with
-    SAFEATTN_SM90_FLOAT_MASKS=1; the mma.sync ones otherwise): the bias added in mixed tiles, zero tiles read as visible, -inf tiles skipped,
+    """Float masks (biases) read in place by the sm_90a kernels (on an H100/H200; the mma.sync
+    ones elsewhere): the bias added in mixed tiles, zero tiles read as visible, -inf tiles skipped,
     rows that see nothing (out 0, lse -inf), GQA, partial last tiles; forward, backward, lse's
     gradient and the mask's own gradient (written per element by the sm_90a backward when the
     mask has a head dim) against the reference."""
@@ -643,16 +636,19 @@ def test_float_mask_sm90(kind, head_dim, dtype):
         kwargs.update(is_causal=True, q_offset=kv_len - q_len)
     else:
         mask, grad = cases[kind]
-    mask = mask.to(DEVICE, dtype if kind.endswith("16bit") else mask.dtype).requires_grad_(grad)
+    mask = mask.to(DEVICE, dtype if kind.endswith("16bit") else mask.dtype)
+    if kind == "finfo_min_16bit":
+        mask = mask.clamp(min=torch.finfo(dtype).min)
+    mask.requires_grad_(grad)
     out, lse = _check_against_reference(
         q, k, v, attn_mask=mask, check_lse_grad=True, extra_grad_inputs=(mask,) if grad else (), **kwargs
     )
     if kind == "padding_causal_16bit":
         assert torch.all(out[2] == 0) and torch.all(lse[2].isneginf()), "rows that see nothing: 0 and -inf"
-    if SM90_FLOAT_MASKS:
-        _assert_sm90_took_mask(
-            q, k, v, mask, **{name: x for name, x in kwargs.items() if name != "enable_gqa"}
-        )
+    if kind == "finfo_min_16bit":  # batch row 2: every bias finfo.min, a uniform softmax
+        uniform = v.detach()[2].double().mean(dim=1, keepdim=True).repeat_interleave(2, dim=0)
+        assert (out[2].double() - uniform).abs().max().item() < 3e-2, "a row of finfo.min is not uniform"
+    _assert_sm90_took_mask(q, k, v, mask, **{name: x for name, x in kwargs.items() if name != "enable_gqa"})
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)

@@ -62,7 +62,7 @@ struct RowsArgs {
   bool natural = false;             // row_shift in natural units (then row_lo too)
   float* delta = nullptr;           // [B, Hq, pitch]
   float* row_shift = nullptr;       // [B, Hq, pitch]
-  float* row_lo = nullptr;          // [B, Hq, pitch], natural only
+  float* row_lo = nullptr;          // [B, Hq, pitch]: natural, or null, or 0 in log2 units
   float* dq_zero = nullptr;         // null, or [B, Hq, pitch, dq_cols] float32: set to 0
   int* grad_out_dirty = nullptr;    // null, or set to 1 when an empty row's dO is not finite
   int64_t hq = 0, q_len = 0, pitch = 0, dv = 0, dq_cols = 0, rows = 0;  // rows = B * Hq * pitch
@@ -139,6 +139,9 @@ __global__ void __launch_bounds__(kRowsThreads) attention_bwd_rows_kernel(const 
       a.row_lo[row] = empty ? 0.0f : a.lse_lo[r] * kLog2e;
     } else {
       a.row_shift[row] = empty ? INFINITY : fmaf(l, kLog2e, a.lse_lo[r] * kLog2e);
+      if (a.row_lo != nullptr) {
+        a.row_lo[row] = 0.0f;
+      }
     }
     if (empty && !finite && a.grad_out_dirty != nullptr) {
       *a.grad_out_dirty = 1;
@@ -258,6 +261,12 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   Sm90BwdRows rows;
   rows.delta = at::empty({batch, hq, pitch}, f32);
   rows.row_shift = at::empty({batch, hq, pitch}, f32);
+  // The masked kernel reads row_lo; a float mask's rows are in natural units, so that a huge bias
+  // (finfo.min) keeps lse_lo apart.
+  const bool natural = attn::natural_units(a.mask);
+  if (a.mask.defined() || a.key_ranges.defined()) {
+    rows.row_lo = at::empty({batch, hq, pitch}, f32);
+  }
   rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
   // Only a mask, key ranges or a negative causal shift (query 0 then sees no key) can leave a row empty.
   if (a.mask.defined() || a.key_ranges.defined() || (a.is_causal && a.q_offset - a.kv_offset < 0)) {
@@ -266,6 +275,8 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   RowsArgs r;
   r.delta = rows.delta.data_ptr<float>();
   r.row_shift = rows.row_shift.data_ptr<float>();
+  r.natural = natural;
+  r.row_lo = rows.row_lo.defined() ? rows.row_lo.data_ptr<float>() : nullptr;
   r.dq_zero = rows.dq_accum.data_ptr<float>();
   r.dq_cols = head_dim;
   r.grad_out_dirty = rows.grad_out_dirty.defined() ? rows.grad_out_dirty.data_ptr<int>() : nullptr;

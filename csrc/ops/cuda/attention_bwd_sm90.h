@@ -28,8 +28,11 @@ inline int64_t attention_bwd_sm90_row_pitch(int64_t q_len) {
 // and when such a row holds a non-finite dO (which P^T dO and dO V^T would still spread) the
 // pre-pass sets grad_out_dirty and the kernel reads grad_out_clean instead.
 struct Sm90BwdRows {
-  at::Tensor delta;           // [B, Hq, pitch] float32: rowsum(dO * O) - grad_lse; 0 for empty rows and padding
-  at::Tensor row_shift;       // [B, Hq, pitch] float32: (lse + lse_lo) log2(e); +inf for empty rows and padding
+  at::Tensor delta;      // [B, Hq, pitch] float32: rowsum(dO * O) - grad_lse; 0 for empty rows and padding
+  at::Tensor row_shift;  // [B, Hq, pitch] float32: (lse + lse_lo) log2(e); +inf for empty rows and padding
+  // With a mask or key ranges, [B, Hq, pitch] float32 (hopper::BwdParams::row_lo): with a float
+  // mask (natural units) row_shift = lse and row_lo = lse_lo log2(e); else 0. Undefined otherwise.
+  at::Tensor row_lo;
   at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed
   at::Tensor grad_out_dirty;  // undefined when no row can be empty, else int32 [1]
   at::Tensor grad_out_clean;  // defined with grad_out_dirty: grad_out's shape, contiguous, empty rows 0

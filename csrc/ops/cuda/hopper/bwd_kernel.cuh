@@ -47,6 +47,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ops/cuda/hopper/bwd_params.h"
 #include "ops/cuda/hopper/fwd_kernel.cuh"
@@ -242,9 +243,10 @@ struct Bwd {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> d_o;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(16) float row_shift[kStages][kBlockM];  // arrives with Q
-    alignas(16) float delta[kStages][kBlockM];      // arrives with dO
-    alignas(128) float dq_stage[kdQStageElems];     // [buffer][warpgroup][kdQTileElems]
+    alignas(16) float row_shift[kStages][kBlockM];             // arrives with Q
+    alignas(16) float row_lo[kMasked ? kStages : 1][kBlockM];  // arrives with Q, with a float mask
+    alignas(16) float delta[kStages][kBlockM];                 // arrives with dO
+    alignas(128) float dq_stage[kdQStageElems];                // [buffer][warpgroup][kdQTileElems]
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
@@ -262,6 +264,7 @@ struct Bwd {
     ShapeQKV shape_q, shape_k;
     const float* row_shift;  // [B, Hq, q_pad]
     const float* delta;      // [B, Hq, q_pad]
+    const float* row_lo;     // [B, Hq, q_pad]: BwdParams::row_lo (kMasked only)
     float* dq_accum;         // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
     Element* grad_k;
     Element* grad_v;
@@ -397,6 +400,9 @@ struct Bwd {
       copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_q.partition_S(gQ)),
            tQsQ(_, write_q.index()));
       SM90_BULK_COPY_G2S::copy(p.row_shift + row_offset, q_bar, smem.row_shift[write_q.index()], kBytesRows);
+      if constexpr (kMasked) {
+        SM90_BULK_COPY_G2S::copy(p.row_lo + row_offset, q_bar, smem.row_lo[write_q.index()], kBytesRows);
+      }
       ++write_q;
 
       pipe_do.producer_acquire(write_do);
@@ -524,18 +530,30 @@ struct Bwd {
           static_assert(decltype(size(tSrS))::value <= 32);
           const int row0 = m_block_of(step) * kBlockM;
           const int last_row = p.q_len - 1 - row0;
-          if (p.mask.ptr != nullptr && !p.mask.is_bias()) {
-            const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(batch, head_of(step), row0, key0);
-            // Unconditional loads (indices clamped, bounds applied after), all in flight at once.
+          // Unconditional loads (indices clamped, bounds applied after), all in flight at once. A
+          // float mask's bits are its elements that are not -inf (add_bias adds the values).
+          auto gather = [&](const auto* mask) {
+            mask += p.mask.offset(batch, head_of(step), row0, key0);
 #pragma unroll 8
             for (int i = 0; i < size(tSrS); ++i) {
               const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-              const bool visible = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                        int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
+              const auto value = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                      int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
+              bool visible;
+              if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+                visible = value;
+              } else {
+                visible = attn::to_float(value) != -INFINITY;
+              }
               if (!visible && key < keys_in_tile && row <= last_row) {
                 keep &= ~(1u << i);
               }
             }
+          };
+          if (p.mask.is_bias()) {
+            p.mask.with_values(gather);
+          } else if (p.mask.ptr != nullptr) {
+            gather(static_cast<const bool*>(p.mask.ptr));
           }
           if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys
 #pragma unroll 8
@@ -591,12 +609,12 @@ struct Bwd {
         next = read_visit(smem.first_visit);  // kv_full has been waited for
       }
     }
-    // A float mask's values of a mixed step added to its scores, which go to log2 units (the
-    // exponent below then takes them with unit 1). Loads as in mask_bits: clamped, unconditional.
+    // A float mask's values of a mixed step added to its scores, which go to natural units (the
+    // exponent below then takes them with unit 1); its -inf elements are masked after, by
+    // mask_bits (NaN behind them does not leak). Loads as in mask_bits: clamped, unconditional.
     auto add_bias = [&](int step) {
       const int row0 = m_block_of(step) * kBlockM;
       const int last_row = p.q_len - 1 - row0;
-      const float unit = kSoftcap ? 1.0f : p.score.scale;
       p.mask.with_values([&](const auto* mask) {
         mask += p.mask.offset(batch, head_of(step), row0, key0);
 #pragma unroll
@@ -605,7 +623,7 @@ struct Bwd {
           const float bias =
               attn::to_float(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
                                   int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
-          tSrS(i) = bias == -INFINITY ? -INFINITY : fmaf(tSrS(i), unit, bias * attn::kLog2e);  // masked: no leak
+          tSrS(i) = fmaf(tSrS(i), p.score.natural_scale, bias);
         }
       });
     };
@@ -661,10 +679,24 @@ struct Bwd {
         }
       }
       const float* row_shift = smem.row_shift[read_q.index()];
+      if constexpr (kMasked && !kSoftcap) {
+        // The shift subtracted before the change of base, then row_lo (BwdParams::row_lo): with a
+        // float mask in natural units (a row of huge biases cancels exactly and keeps lse_lo),
+        // else in log2 units with row_lo 0.
+        const float* row_lo = smem.row_lo[read_q.index()];
+        const bool natural = p.mask.is_bias();
+        const float unit = bias_step ? 1.0f : (natural ? p.score.natural_scale : p.score.scale);
+        const float base = natural ? attn::kLog2e : 1.0f;
 #pragma unroll
-      for (int i = 0; i < size(tSrS); ++i) {
-        tSrS(i) =
-            exp2_approx(fmaf(tSrS(i), kSoftcap || bias_step ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
+        for (int i = 0; i < size(tSrS); ++i) {
+          const int c = col_base + acc_col(i);
+          tSrS(i) = exp2_approx(fmaf(fmaf(tSrS(i), unit, -row_shift[c]), base, -row_lo[c]));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < size(tSrS); ++i) {
+          tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
+        }
       }
       convert_fragment<Element>(tSrS, tdVrP);
       wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
@@ -780,8 +812,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   pipe_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = Kernel::kMmaThreads;
+  typename Pipeline::Params pipe_q_params = pipe_params;
+  if constexpr (Kernel::kMasked) {
+    pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
+  }
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
-  Pipeline pipe_q(smem.pipe_q, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_q(smem.pipe_q, pipe_q_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_do(smem.pipe_do, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   __syncthreads();
 
@@ -884,6 +920,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
                           typename Kernel::SmemLayoutK{}, tile_k, _1{});
   p.row_shift = a.row_shift;
   p.delta = a.delta;
+  p.row_lo = a.row_lo;
   p.dq_accum = a.dq_accum;
   p.grad_k = static_cast<Element*>(a.grad_k);
   p.grad_v = static_cast<Element*>(a.grad_v);

@@ -26,7 +26,7 @@
 //             fully masked key tiles, and hands each visited tile (position, class, diagonal) to the
 //             consumers through shared memory with its K load; fully visible tiles read no mask,
 //             diagonal ones are a compare, mixed ones gather a bool mask's bits one tile ahead or
-//             add a float mask's values (a bias, log2 units) once their scores are in.
+//             add a float mask's values (a bias, natural units) once their scores are in.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
 //             lse_lo (the rounding error of lse) per row, the sink logit added to the
 //             denominator where there are sinks (attn::finish_row, as in every kernel).
@@ -43,6 +43,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -583,20 +584,32 @@ struct Fwd {
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
     const int64_t last_row = p.q_len - 1 - row0;
     uint64_t keep = ~uint64_t{0};
-    if (p.mask.ptr != nullptr && !p.mask.is_bias()) {
-      const bool* mask = static_cast<const bool*>(p.mask.ptr) + p.mask.offset(t.batch, t.head, row0, 0);
-      // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
-      // that the unrolled loads are all in flight at once: a conditional load waits for its test,
-      // and one L2 round trip per element made a mixed tile cost about ten plain ones.
+    // Every load is unconditional (indices clamped into the mask, the bounds applied after), so
+    // that the unrolled loads are all in flight at once: a conditional load waits for its test,
+    // and one L2 round trip per element made a mixed tile cost about ten plain ones. A float
+    // mask's bits are its elements that are not -inf (add_bias adds the values).
+    auto gather = [&](const auto* mask) {
+      mask += p.mask.offset(t.batch, t.head, row0, 0);
 #pragma unroll 8
       for (int i = 0; i < kElems; ++i) {
         const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
         const int64_t row = 8 * r < last_row ? 8 * r : last_row;
-        const bool visible = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
+        const auto value = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
+        bool visible;
+        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+          visible = value;
+        } else {
+          visible = attn::to_float(value) != -INFINITY;
+        }
         if (!visible && 8 * r <= last_row && col < p.kv_len) {
           keep &= ~(uint64_t{1} << i);
         }
       }
+    };
+    if (p.mask.is_bias()) {
+      p.mask.with_values(gather);
+    } else if (p.mask.ptr != nullptr) {
+      gather(static_cast<const bool*>(p.mask.ptr));
     }
     if (p.key_ranges.ptr != nullptr) {
       int lo[2], hi[2];  // the interval of this thread's two rows
@@ -617,10 +630,11 @@ struct Fwd {
     return keep;
   }
 
-  // A float mask's values of key tile n_block added to this thread's scores (log2 units), for the
-  // mixed tiles of a float mask. Loads as in gather_mask: clamped indices, unconditional, then
-  // added; rows past q_len and keys past kv_len read an element inside the mask (their scores are
-  // never written, or are -inf after mask_tile).
+  // A float mask's values of key tile n_block added to this thread's scores (natural units), for
+  // the mixed tiles of a float mask (its -inf elements are masked after, by gather_mask's bits: a
+  // select per add here spilled 270 bytes at D = 128). Loads as in gather_mask: clamped
+  // indices, unconditional, then added; rows past q_len and keys past kv_len read an element inside the mask (their
+  // scores are never written, or are -inf after mask_tile).
   template <class FragS>
   static __device__ __forceinline__ void add_bias(FragS& s, const Params& p, const Tile& t, int n_block, int64_t row0,
                                                   int lane) {
@@ -636,7 +650,7 @@ struct Fwd {
         const int64_t row = 8 * r < last_row ? 8 * r : last_row;
         const float bias =
             attn::to_float(mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv]);
-        s(i) = bias == -INFINITY ? -INFINITY : fmaf(bias, attn::kLog2e, s(i));  // masked: nothing behind leaks
+        s(i) += bias;
       }
     });
   }
@@ -676,8 +690,11 @@ struct Fwd {
       }
       m = quad_max(m);
       // While the max is -inf (nothing visible yet) the offset is 0: p = exp2(-inf) = 0, never NaN.
-      const float offset = m == -INFINITY ? 0.0f : m * unit;
-      correction[r] = exp2_approx(row_max[r] * unit - offset);  // 0 while row_max is -inf
+      // kMasked: the max subtracted before the change of base (exact for a row of huge float-mask
+      // values, whose scores are in natural units, unit log2(e)); one FMA otherwise.
+      const float offset = m == -INFINITY ? 0.0f : (kMasked ? m : m * unit);
+      correction[r] =
+          exp2_approx(kMasked ? (row_max[r] - offset) * unit : row_max[r] * unit - offset);  // 0 while row_max is -inf
       row_max[r] = m;
       float sum = 0.0f;
 #pragma unroll
@@ -685,7 +702,7 @@ struct Fwd {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int i = e + 2 * r + 4 * c;
-          const float x = fmaf(s(i), unit, -offset);
+          const float x = kMasked ? (s(i) - offset) * unit : fmaf(s(i), unit, -offset);
           s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
           sum += s(i);
         }
@@ -737,11 +754,13 @@ struct Fwd {
     // every kernel, attn::ScoreRule); without, the softmax scales the raw dot products itself.
     // (Read from the parameters at each use rather than held in registers: the D = 64 consumers
     // have none to spare.)
-    // A float mask (kMasked) is a bias added in log2 units after the softcap: its scores, like a
-    // softcap's, are taken to log2 units before the masks and the softmax runs with unit 1.
+    // A float mask (kMasked) is a bias added after the softcap, in natural units: its scores are
+    // taken to natural units before the masks and the softmax subtracts the row max before the
+    // change of base (natural), so that a row of huge biases (finfo.min) cancels exactly.
     auto capped = [&] { return p.score.softcap_post > 0.0f; };
     auto biased = [&] { return kMasked && p.mask.is_bias(); };
-    auto unit = [&] { return capped() || biased() ? 1.0f : p.score.scale; };
+    // The softmax's unit: the scale taking tSrS to log2 units.
+    auto unit = [&] { return biased() ? attn::kLog2e : (capped() ? 1.0f : p.score.scale); };
     TileTrace trace;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
@@ -832,11 +851,10 @@ struct Fwd {
         }
         if constexpr (kMasked) {
           if (biased()) {
-            if (!capped()) {
+            const float to_natural = capped() ? attn::kLn2 : p.score.natural_scale;
 #pragma unroll
-              for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
-                tSrS(i) *= p.score.scale;
-              }
+            for (int i = 0; i < decltype(size(tSrS))::value; ++i) {
+              tSrS(i) *= to_natural;
             }
             if (tile_class == attn::kTileMixed) {
               add_bias(tSrS, p, t, n, row0, lane);
@@ -919,17 +937,18 @@ struct Fwd {
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
-      store_tile(p, t, tOrO, row_max, row_sum, unit(), row0, lane);
+      store_tile(p, t, tOrO, row_max, row_sum, unit(), biased(), row0, lane);
       trace.end();
     }
   }
 
   template <class FragO>
   static __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, FragO& o, const float (&row_max)[2],
-                                                    float (&row_sum)[2], float unit, int64_t row0, int lane) {
+                                                    float (&row_sum)[2], float unit, bool natural, int64_t row0,
+                                                    int lane) {
     const int64_t bh = int64_t{t.batch} * p.heads + t.head;
     Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
-    const float sink = p.sinks != nullptr ? p.sinks[t.head] * attn::kLog2e : 0.0f;
+    const float sink = p.sinks != nullptr ? p.sinks[t.head] * (natural ? 1.0f : attn::kLog2e) : 0.0f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[r]);
@@ -937,10 +956,12 @@ struct Fwd {
       if (row >= p.q_len) {
         continue;
       }
-      // The row's max in log2 units is the exponent offset softmax_step used (the same product);
+      // The row's max in log2 units (natural units with a float mask) is the exponent offset
+      // softmax_step used (the same product);
       // finish_row adds the sink and gives lse, lse_lo and the normaliser (0 for an empty row).
       const bool empty = sum == 0.0f;
-      const attn::RowEnd end = attn::finish_row(row_max[r] * unit, sum, p.sinks != nullptr, sink, false);
+      const attn::RowEnd end =
+          attn::finish_row(natural ? row_max[r] : row_max[r] * unit, sum, p.sinks != nullptr, sink, natural);
       Element* out_row = out + row * p.o_si + 2 * (lane % 4);
 #pragma unroll
       for (int c = 0; c < kHeadDim / 8; ++c) {
