@@ -679,18 +679,15 @@ struct Bwd {
         }
       }
       const float* row_shift = smem.row_shift[read_q.index()];
-      if constexpr (kMasked && !kSoftcap) {
-        // The shift subtracted before the change of base, then row_lo (BwdParams::row_lo): with a
-        // float mask in natural units (a row of huge biases cancels exactly and keeps lse_lo),
-        // else in log2 units with row_lo 0.
-        const float* row_lo = smem.row_lo[read_q.index()];
-        const bool natural = p.mask.is_bias();
-        const float unit = bias_step ? 1.0f : (natural ? p.score.natural_scale : p.score.scale);
-        const float base = natural ? attn::kLog2e : 1.0f;
+      if (kMasked && !kSoftcap && p.mask.is_bias()) {
+        // A float mask: natural units, the shift subtracted before the change of base, then
+        // row_lo (BwdParams::row_lo; a row of huge biases cancels exactly and keeps lse_lo).
+        const float* row_lo = smem.row_lo[kMasked ? read_q.index() : 0];
+        const float unit = bias_step ? 1.0f : p.score.natural_scale;
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
           const int c = col_base + acc_col(i);
-          tSrS(i) = exp2_approx(fmaf(fmaf(tSrS(i), unit, -row_shift[c]), base, -row_lo[c]));
+          tSrS(i) = exp2_approx(fmaf(fmaf(tSrS(i), unit, -row_shift[c]), attn::kLog2e, -row_lo[c]));
         }
       } else {
 #pragma unroll

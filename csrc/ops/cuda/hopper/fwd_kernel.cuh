@@ -679,7 +679,7 @@ struct Fwd {
   // rescale the rows' earlier sums and outputs.
   template <class FragS>
   static __device__ __forceinline__ void softmax_step(FragS& s, float (&row_max)[2], float (&row_sum)[2],
-                                                      float (&correction)[2], float unit) {
+                                                      float (&correction)[2], float unit, bool natural = false) {
     constexpr int kCols = kBlockN / 8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -690,21 +690,33 @@ struct Fwd {
       }
       m = quad_max(m);
       // While the max is -inf (nothing visible yet) the offset is 0: p = exp2(-inf) = 0, never NaN.
-      // kMasked: the max subtracted before the change of base (exact for a row of huge float-mask
-      // values, whose scores are in natural units, unit log2(e)); one FMA otherwise.
-      const float offset = m == -INFINITY ? 0.0f : (kMasked ? m : m * unit);
+      // natural (a float mask; its scores in natural units, unit log2(e)): the max subtracted
+      // before the change of base, exact for a row of huge values; one FMA otherwise.
+      const float offset = m == -INFINITY ? 0.0f : (natural ? m : m * unit);
       correction[r] =
-          exp2_approx(kMasked ? (row_max[r] - offset) * unit : row_max[r] * unit - offset);  // 0 while row_max is -inf
+          exp2_approx(natural ? (row_max[r] - offset) * unit : row_max[r] * unit - offset);  // 0 while row_max is -inf
       row_max[r] = m;
       float sum = 0.0f;
+      if (natural) {  // a branch per row, not a select per element
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
+        for (int c = 0; c < kCols; ++c) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = e + 2 * r + 4 * c;
-          const float x = kMasked ? (s(i) - offset) * unit : fmaf(s(i), unit, -offset);
-          s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
-          sum += s(i);
+          for (int e = 0; e < 2; ++e) {
+            const int i = e + 2 * r + 4 * c;
+            s(i) = exp2_approx((s(i) - offset) * unit);
+            sum += s(i);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int i = e + 2 * r + 4 * c;
+            const float x = fmaf(s(i), unit, -offset);
+            s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
+            sum += s(i);
+          }
         }
       }
       row_sum[r] = row_sum[r] * correction[r] + sum;  // this thread's columns only, until the end
@@ -896,7 +908,7 @@ struct Fwd {
           q_empty.arrive();
         }
         mask_scores(n, keep, first.tile_class);
-        softmax_step(tSrS, row_max, row_sum, correction, unit());
+        softmax_step(tSrS, row_max, row_sum, correction, unit(), biased());
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
         while (m >= 0) {
@@ -917,7 +929,7 @@ struct Fwd {
             q_empty.arrive();  // the tile's last read of Q
           }
           mask_scores(m, keep_m, class_m);
-          softmax_step(tSrS, row_max, row_sum, correction, unit());
+          softmax_step(tSrS, row_max, row_sum, correction, unit(), biased());
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
