@@ -306,7 +306,9 @@ def _bias_cases(batch, heads, seq, device):
         ~dense, float("-inf")
     )
     bias = (torch.randn(1, heads, seq, seq, device=device) * 0.5).to(torch.bfloat16).requires_grad_()
-    causal_bias = bias.masked_fill(~causal, float("-inf"))  # SDPA: no is_causal with a mask
+    # SDPA takes no is_causal with a mask: its own leaf with causality drawn in (a view of `bias`
+    # would be freed by the first timed backward).
+    causal_bias = bias.detach().masked_fill(~causal, float("-inf")).requires_grad_()
     cases = {
         "SDPA, causal+padding float mask": (
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=float_mask),
