@@ -632,9 +632,9 @@ struct Fwd {
 
   // A float mask's values of key tile n_block added to this thread's scores (natural units), for
   // the mixed tiles of a float mask (its -inf elements are masked after, by gather_mask's bits: a
-  // select per add here spilled 270 bytes at D = 128). Loads as in gather_mask: clamped
-  // indices, unconditional, then added; rows past q_len and keys past kv_len read an element inside the mask (their
-  // scores are never written, or are -inf after mask_tile).
+  // select per add here spilled 270 bytes at D = 128). Loads as in gather_mask: clamped indices,
+  // unconditional, then added; rows past q_len and keys past kv_len read an element inside the
+  // mask (their scores are never written, or are -inf after mask_tile).
   template <class FragS>
   static __device__ __forceinline__ void add_bias(FragS& s, const Params& p, const Tile& t, int n_block, int64_t row0,
                                                   int lane) {
