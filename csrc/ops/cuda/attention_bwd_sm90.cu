@@ -32,13 +32,12 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 }  // namespace
 
 bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
-  // Masks are read in place: a float one as a bias where enabled, but not with a softcap (its dS recovers the
+  // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
   // where each has one slot (grad_mask_assign: [B, Hq, Q, KV]); broadcast masks' gradients are
   // summed by the mma.sync kernels.
-  const bool bias = a.mask.defined() && a.mask.is_floating_point();
   const bool grad_mask_ok = !a.grad_mask_partial.defined() || a.grad_mask_assign;
-  if ((bias && (a.softcap > 0.0 || !attn::sm90_float_masks_enabled())) || !grad_mask_ok || !a.grad_query.defined() ||
+  if ((attn::natural_units(a.mask) && a.softcap > 0.0) || !grad_mask_ok || !a.grad_query.defined() ||
       !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }

@@ -83,14 +83,6 @@ bool sizes_fit_int32(const at::Tensor& t) {
   return true;
 }
 
-bool sm90_float_masks_enabled() {
-  static const bool enabled = [] {
-    const char* flag = std::getenv("SAFEATTN_SM90_FLOAT_MASKS");
-    return flag != nullptr && std::string(flag) == "1";
-  }();
-  return enabled;
-}
-
 bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
   const at::ScalarType dtype = query.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) {

@@ -145,12 +145,6 @@ inline bool natural_units(const at::Tensor& mask) {
 // dims are never stepped over, so their strides do not matter.
 bool rows_aligned_16(const at::Tensor& t);
 
-// Host: whether the sm_90a kernels take a float mask (a bias): only with SAFEATTN_SM90_FLOAT_MASKS=1
-// (read once) until their final form has run on a GPU (issue 17, stop 32's note: its session's
-// GPU time ran out after the natural-units form was measured, before this one was); float masks
-// take the mma.sync kernels otherwise.
-bool sm90_float_masks_enabled();
-
 // Host: what both sm_90a kernels (attention_fwd_sm90.cu, attention_bwd_sm90.cu) need of a call,
 // their head dims aside: bf16 / fp16, D == Dv, no empty input, sizes below 2^31, an sm_90 device,
 // and scale > 0 with a scale * log2(e) that neither rounds to 0 nor overflows in float32 (they

@@ -30,9 +30,8 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
 }
 
 bool takes(const AttentionFwdArgs& a) {
-  // Masks are read in place: bool ones, and float ones (a bias) where enabled.
-  const bool bias = a.mask.defined() && a.mask.is_floating_point();
-  if ((bias && !attn::sm90_float_masks_enabled()) || !has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
+  // Masks are read in place, bool ones and float ones (a bias) alike.
+  if (!has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return false;
   }
   // out is written with 4-byte stores through its strides.

@@ -44,6 +44,15 @@ struct MaskView {
         break;
     }
   }
+  // Any mask's elements read with their own type: f(ptr) as with_values, or with a const bool*.
+  template <class F>
+  __device__ __forceinline__ void with_elements(F&& f) const {
+    if (kind == MaskKind::kBool) {
+      f(static_cast<const bool*>(ptr));
+    } else {
+      with_values(f);
+    }
+  }
   // The additive value of one element: 0 / -inf for bool (True = attend), the value otherwise.
   __device__ __forceinline__ float additive(int64_t off) const {
     switch (kind) {
@@ -72,6 +81,16 @@ __device__ __forceinline__ float to_float(__half x) {
 }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) {
   return __bfloat162float(x);
+}
+
+// Whether a mask element lets its key be seen: True for bool, anything but -inf for a float mask
+// (whose values the kernels add).
+__device__ __forceinline__ bool visible(bool x) {
+  return x;
+}
+template <class T>
+__device__ __forceinline__ bool visible(T x) {
+  return to_float(x) != -INFINITY;
 }
 
 // Per query row, the one interval of keys [lo, hi) it may see, ANDed with the mask and causality:

@@ -537,23 +537,16 @@ struct Bwd {
 #pragma unroll 8
             for (int i = 0; i < size(tSrS); ++i) {
               const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-              const auto value = mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                      int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv];
-              bool visible;
-              if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
-                visible = value;
-              } else {
-                visible = attn::to_float(value) != -INFINITY;
-              }
+              const bool visible =
+                  attn::visible(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
+                                     int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
               if (!visible && key < keys_in_tile && row <= last_row) {
                 keep &= ~(1u << i);
               }
             }
           };
-          if (p.mask.is_bias()) {
-            p.mask.with_values(gather);
-          } else if (p.mask.ptr != nullptr) {
-            gather(static_cast<const bool*>(p.mask.ptr));
+          if (p.mask.ptr != nullptr) {
+            p.mask.with_elements(gather);
           }
           if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys
 #pragma unroll 8

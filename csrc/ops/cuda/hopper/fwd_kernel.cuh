@@ -594,22 +594,15 @@ struct Fwd {
       for (int i = 0; i < kElems; ++i) {
         const int r = (i / 2) % 2, col = col0 + 8 * (i / 4) + i % 2;  // element e + 2 r + 4 c
         const int64_t row = 8 * r < last_row ? 8 * r : last_row;
-        const auto value = mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv];
-        bool visible;
-        if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
-          visible = value;
-        } else {
-          visible = attn::to_float(value) != -INFINITY;
-        }
+        const bool visible =
+            attn::visible(mask[row * p.mask.stride_q + (col < p.kv_len ? col : p.kv_len - 1) * p.mask.stride_kv]);
         if (!visible && 8 * r <= last_row && col < p.kv_len) {
           keep &= ~(uint64_t{1} << i);
         }
       }
     };
-    if (p.mask.is_bias()) {
-      p.mask.with_values(gather);
-    } else if (p.mask.ptr != nullptr) {
-      gather(static_cast<const bool*>(p.mask.ptr));
+    if (p.mask.ptr != nullptr) {
+      p.mask.with_elements(gather);
     }
     if (p.key_ranges.ptr != nullptr) {
       int lo[2], hi[2];  // the interval of this thread's two rows
