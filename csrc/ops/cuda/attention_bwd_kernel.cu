@@ -62,7 +62,7 @@ struct RowsArgs {
   bool natural = false;             // row_shift in natural units (then row_lo too)
   float* delta = nullptr;           // [B, Hq, pitch]
   float* row_shift = nullptr;       // [B, Hq, pitch]
-  float* row_lo = nullptr;          // [B, Hq, pitch]: natural, or null, or 0 in log2 units
+  float* row_lo = nullptr;          // [B, Hq, pitch] when natural, else null
   float* dq_zero = nullptr;         // null, or [B, Hq, pitch, dq_cols] float32: set to 0
   int* grad_out_dirty = nullptr;    // null, or set to 1 when an empty row's dO is not finite
   int64_t hq = 0, q_len = 0, pitch = 0, dv = 0, dq_cols = 0, rows = 0;  // rows = B * Hq * pitch
@@ -139,9 +139,6 @@ __global__ void __launch_bounds__(kRowsThreads) attention_bwd_rows_kernel(const 
       a.row_lo[row] = empty ? 0.0f : a.lse_lo[r] * kLog2e;
     } else {
       a.row_shift[row] = empty ? INFINITY : fmaf(l, kLog2e, a.lse_lo[r] * kLog2e);
-      if (a.row_lo != nullptr) {
-        a.row_lo[row] = 0.0f;
-      }
     }
     if (empty && !finite && a.grad_out_dirty != nullptr) {
       *a.grad_out_dirty = 1;
@@ -261,10 +258,10 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   Sm90BwdRows rows;
   rows.delta = at::empty({batch, hq, pitch}, f32);
   rows.row_shift = at::empty({batch, hq, pitch}, f32);
-  // The masked kernel reads row_lo; a float mask's rows are in natural units, so that a huge bias
-  // (finfo.min) keeps lse_lo apart.
+  // A float mask's rows are in natural units, with row_lo, so that a huge bias (finfo.min) keeps
+  // lse_lo apart; only its kernel variant (kBias) reads row_lo.
   const bool natural = attn::natural_units(a.mask);
-  if (a.mask.defined() || a.key_ranges.defined()) {
+  if (natural) {
     rows.row_lo = at::empty({batch, hq, pitch}, f32);
   }
   rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);

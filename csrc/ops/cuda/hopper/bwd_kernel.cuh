@@ -119,14 +119,18 @@ __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
       convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
 }
 
-// kMasked: the variant that reads a mask (bool or float) and its summary; the other has none of that code
-// (the mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant
-// with a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200).
-template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false>
+// kMasked: the variant that reads a mask and its summary; the other has none of that code (the
+// mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant with
+// a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200). kBias: the mask is a
+// float one (natural units, row_lo, its gradient); not with a softcap (whose dS recovers the
+// capped score from p, which the bias moves), and a bool mask's kernel has none of its code.
+template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false, bool kBias_ = false>
 struct Bwd {
   using Element = Element_;
   static constexpr bool kMasked = kMasked_;
   static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr bool kBias = kBias_;
+  static_assert(!kBias || (kMasked && !kSoftcap), "a bias is a mask, without a softcap");
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -243,10 +247,10 @@ struct Bwd {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> d_o;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(16) float row_shift[kStages][kBlockM];             // arrives with Q
-    alignas(16) float row_lo[kMasked ? kStages : 1][kBlockM];  // arrives with Q, with a float mask
-    alignas(16) float delta[kStages][kBlockM];                 // arrives with dO
-    alignas(128) float dq_stage[kdQStageElems];                // [buffer][warpgroup][kdQTileElems]
+    alignas(16) float row_shift[kStages][kBlockM];           // arrives with Q
+    alignas(16) float row_lo[kBias ? kStages : 1][kBlockM];  // arrives with Q (kBias)
+    alignas(16) float delta[kStages][kBlockM];               // arrives with dO
+    alignas(128) float dq_stage[kdQStageElems];              // [buffer][warpgroup][kdQTileElems]
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
@@ -264,7 +268,7 @@ struct Bwd {
     ShapeQKV shape_q, shape_k;
     const float* row_shift;  // [B, Hq, q_pad]
     const float* delta;      // [B, Hq, q_pad]
-    const float* row_lo;     // [B, Hq, q_pad]: BwdParams::row_lo (kMasked only)
+    const float* row_lo;     // [B, Hq, q_pad]: BwdParams::row_lo (kBias only)
     float* dq_accum;         // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
     Element* grad_k;
     Element* grad_v;
@@ -276,7 +280,7 @@ struct Bwd {
     attn::MaskView mask;               // bool, float (a bias), or none
     attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
-    float* grad_mask;                  // BwdParams::grad_mask (kMasked only)
+    float* grad_mask;                  // BwdParams::grad_mask (kBias only)
     int head_group;                    // BwdParams::head_group, at least 1
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
@@ -400,7 +404,7 @@ struct Bwd {
       copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_q.partition_S(gQ)),
            tQsQ(_, write_q.index()));
       SM90_BULK_COPY_G2S::copy(p.row_shift + row_offset, q_bar, smem.row_shift[write_q.index()], kBytesRows);
-      if constexpr (kMasked) {
+      if constexpr (kBias) {
         SM90_BULK_COPY_G2S::copy(p.row_lo + row_offset, q_bar, smem.row_lo[write_q.index()], kBytesRows);
       }
       ++write_q;
@@ -644,7 +648,7 @@ struct Bwd {
         p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
       }
       // A mixed step of a float mask: the bias, after the softcap, before the masks.
-      const bool bias_step = kMasked && !kSoftcap && step_class == attn::kTileMixed && p.mask.is_bias();
+      const bool bias_step = kBias && step_class == attn::kTileMixed;
       if (bias_step) {
         add_bias(step);
       }
@@ -672,10 +676,10 @@ struct Bwd {
         }
       }
       const float* row_shift = smem.row_shift[read_q.index()];
-      if (kMasked && !kSoftcap && p.mask.is_bias()) {
+      if constexpr (kBias) {
         // A float mask: natural units, the shift subtracted before the change of base, then
         // row_lo (BwdParams::row_lo; a row of huge biases cancels exactly and keeps lse_lo).
-        const float* row_lo = smem.row_lo[kMasked ? read_q.index() : 0];
+        const float* row_lo = smem.row_lo[read_q.index()];
         const float unit = bias_step ? 1.0f : p.score.natural_scale;
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
@@ -704,7 +708,7 @@ struct Bwd {
           const float dscore = prob > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
           tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[col_base + acc_col(i)]);
         }
-      } else if (kMasked && p.grad_mask != nullptr) {
+      } else if (kBias && p.grad_mask != nullptr) {
         // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len).
         const int row0 = m_block_of(step) * kBlockM;
         const int last_row = p.q_len - 1 - row0;
@@ -803,7 +807,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   pipe_params.is_leader = threadIdx.x == 0;
   pipe_params.num_consumers = Kernel::kMmaThreads;
   typename Pipeline::Params pipe_q_params = pipe_params;
-  if constexpr (Kernel::kMasked) {
+  if constexpr (Kernel::kBias) {
     pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
   }
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
@@ -866,11 +870,11 @@ __global__ void __launch_bounds__(256)
 
 // Host: builds the TMA descriptors and runs the kernel and the dQ conversion (dq_accum arrives
 // zeroed).
-template <typename T, class Config, bool kMasked, bool kSoftcap>
+template <typename T, class Config, bool kMasked, bool kSoftcap, bool kBias = false>
 cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap>;
+  using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap, kBias>;
   constexpr int D = Config::kHeadDim;
   if (a.q_len == 0 || a.kv_len == 0 || a.batch == 0 || a.heads == 0) {
     return cudaErrorInvalidValue;  // the caller handles empty inputs
@@ -952,15 +956,21 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// The variant with the mask's code when a.mask_tiles holds a summary, with the softcap's when
-// there is one.
+// The variant with the mask's code when a.mask_tiles holds a summary (a float mask's: kBias), with
+// the softcap's when there is one (cudaErrorInvalidValue for a float mask with a softcap, and for
+// a tile shape that does not match the summary's tiles: only the standalone check has those).
 template <typename T, class Config, bool kSoftcap>
 cudaError_t launch_bwd_masking(const BwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_bwd_variant<T, Config, false, kSoftcap>(a, stream);
   }
   if constexpr (Config::kBlockM == kBwdMaskTileRows && Config::kBlockN == kMaskTileKeys) {
-    return launch_bwd_variant<T, Config, true, kSoftcap>(a, stream);
+    if (!a.mask.is_bias()) {
+      return launch_bwd_variant<T, Config, true, kSoftcap>(a, stream);
+    }
+    if constexpr (!kSoftcap) {
+      return launch_bwd_variant<T, Config, true, false, true>(a, stream);
+    }
   }
   return cudaErrorInvalidValue;
 }

@@ -36,10 +36,10 @@ struct BwdParams {
   // the padding.
   const float* row_shift = nullptr;
   const float* delta = nullptr;
-  // With a mask or key ranges (the masked kernel; null otherwise), [B, Hq, q_pad] float32: with a
-  // float mask (rows in natural units, so that a row of huge biases keeps lse_lo) row_shift = lse,
-  // row_lo = lse_lo log2(e), and p = exp2((s - row_shift) log2(e) - row_lo) with s = scale q.k +
-  // mask in natural units (+inf / 0 for empty rows and the padding, as above); else row_lo = 0.
+  // With a float mask (null otherwise), [B, Hq, q_pad] float32 (rows in natural units, so that a
+  // row of huge biases keeps lse_lo): row_shift = lse, row_lo = lse_lo log2(e), and
+  // p = exp2((s - row_shift) log2(e) - row_lo) with s = scale q.k + mask in natural units
+  // (+inf / 0 for empty rows and the padding, as above).
   const float* row_lo = nullptr;
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
   // tile of rows is the kernel's own), zeroed by the caller, added into with atomics or bulk
