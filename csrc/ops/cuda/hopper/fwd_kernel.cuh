@@ -677,7 +677,7 @@ struct Fwd {
   // rescale the rows' earlier sums and outputs.
   template <class FragS>
   static __device__ __forceinline__ void softmax_step(FragS& s, float (&row_max)[2], float (&row_sum)[2],
-                                                      float (&correction)[2], float unit, bool natural = false) {
+                                                      float (&correction)[2], float unit) {
     constexpr int kCols = kBlockN / 8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -688,14 +688,14 @@ struct Fwd {
       }
       m = quad_max(m);
       // While the max is -inf (nothing visible yet) the offset is 0: p = exp2(-inf) = 0, never NaN.
-      // natural (a float mask; its scores in natural units, unit log2(e)): the max subtracted
+      // kBias (a float mask; its scores in natural units, unit log2(e)): the max subtracted
       // before the change of base, exact for a row of huge values; one FMA otherwise.
-      const float offset = m == -INFINITY ? 0.0f : (natural ? m : m * unit);
+      const float offset = m == -INFINITY ? 0.0f : (kBias ? m : m * unit);
       correction[r] =
-          exp2_approx(natural ? (row_max[r] - offset) * unit : row_max[r] * unit - offset);  // 0 while row_max is -inf
+          exp2_approx(kBias ? (row_max[r] - offset) * unit : row_max[r] * unit - offset);  // 0 while row_max is -inf
       row_max[r] = m;
       float sum = 0.0f;
-      if (natural) {  // a branch per row, not a select per element
+      if constexpr (kBias) {
 #pragma unroll
         for (int c = 0; c < kCols; ++c) {
 #pragma unroll
@@ -766,7 +766,7 @@ struct Fwd {
     // have none to spare.)
     // A float mask (kBias) is a bias added after the softcap, in natural units: its scores are
     // taken to natural units before the masks and the softmax subtracts the row max before the
-    // change of base (natural), so that a row of huge biases (finfo.min) cancels exactly.
+    // change of base, so that a row of huge biases (finfo.min) cancels exactly.
     auto capped = [&] { return p.score.softcap_post > 0.0f; };
     // The softmax's unit: the scale taking tSrS to log2 units.
     auto unit = [&] { return kBias ? attn::kLog2e : (capped() ? 1.0f : p.score.scale); };
@@ -903,7 +903,7 @@ struct Fwd {
           q_empty.arrive();
         }
         mask_scores(n, keep, first.tile_class);
-        softmax_step(tSrS, row_max, row_sum, correction, unit(), kBias);
+        softmax_step(tSrS, row_max, row_sum, correction, unit());
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
         while (m >= 0) {
@@ -924,7 +924,7 @@ struct Fwd {
             q_empty.arrive();  // the tile's last read of Q
           }
           mask_scores(m, keep_m, class_m);
-          softmax_step(tSrS, row_max, row_sum, correction, unit(), kBias);
+          softmax_step(tSrS, row_max, row_sum, correction, unit());
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
           ++read_v;
@@ -944,18 +944,17 @@ struct Fwd {
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
-      store_tile(p, t, tOrO, row_max, row_sum, unit(), kBias, row0, lane);
+      store_tile(p, t, tOrO, row_max, row_sum, unit(), row0, lane);
       trace.end();
     }
   }
 
   template <class FragO>
   static __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, FragO& o, const float (&row_max)[2],
-                                                    float (&row_sum)[2], float unit, bool natural, int64_t row0,
-                                                    int lane) {
+                                                    float (&row_sum)[2], float unit, int64_t row0, int lane) {
     const int64_t bh = int64_t{t.batch} * p.heads + t.head;
     Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
-    const float sink = p.sinks != nullptr ? p.sinks[t.head] * (natural ? 1.0f : attn::kLog2e) : 0.0f;
+    const float sink = p.sinks != nullptr ? p.sinks[t.head] * (kBias ? 1.0f : attn::kLog2e) : 0.0f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[r]);
@@ -968,7 +967,7 @@ struct Fwd {
       // finish_row adds the sink and gives lse, lse_lo and the normaliser (0 for an empty row).
       const bool empty = sum == 0.0f;
       const attn::RowEnd end =
-          attn::finish_row(natural ? row_max[r] : row_max[r] * unit, sum, p.sinks != nullptr, sink, natural);
+          attn::finish_row(kBias ? row_max[r] : row_max[r] * unit, sum, p.sinks != nullptr, sink, kBias);
       Element* out_row = out + row * p.o_si + 2 * (lane % 4);
 #pragma unroll
       for (int c = 0; c < kHeadDim / 8; ++c) {
