@@ -615,23 +615,38 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 @pytest.mark.parametrize(
     "kind",
-    ["learnable_per_head", "padding_causal_16bit", "per_batch_head_16bit", "finfo_min_16bit", "with_ranges"],
+    [
+        "learnable_per_head",
+        "padding_causal_16bit",
+        "per_batch_head_16bit",
+        "finfo_min_16bit",
+        "with_ranges",
+        "with_ranges_16bit",
+        "row_stride_unaligned_16bit",
+    ],
 )
 def test_float_mask_sm90(kind, head_dim, dtype):
     """Float masks (biases) read in place by the sm_90a kernels (on an H100/H200; the mma.sync
     ones elsewhere): the bias added in mixed tiles, zero tiles read as visible, -inf tiles skipped,
     rows that see nothing (out 0, lse -inf), rows of finfo.min (uniform in bf16), GQA, partial
     last tiles; forward, backward, lse's gradient and the mask's own gradient (written per element
-    by the sm_90a backward when the mask has a head dim) against the reference."""
+    by the sm_90a backward when the mask has a head dim) against the reference. A 16-bit mask
+    with 16-byte aligned rows comes to the forward as TMA tiles, a float32 one or one whose row
+    stride (523 elements here) is not a multiple of 16 bytes is gathered: both are here."""
     batch, heads, q_len, kv_len = 3, 4, 300, 520
     q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 23)
     cases = _float_mask_cases(batch, heads, q_len, kv_len)
     kwargs = {"enable_gqa": True}
-    if kind == "with_ranges":  # a described window ANDed with a learnable bias
-        mask, grad = cases["learnable_per_head"]
+    if kind.startswith("with_ranges"):  # a described window ANDed with a learnable bias
+        mask, grad = cases["per_batch_head_16bit" if kind.endswith("16bit") else "learnable_per_head"]
         place = (batch, q_len, kv_len, kv_len - q_len, 0)
         kwargs["key_ranges"] = safeattn.MaskDescription(sliding_window=200).key_ranges(*place).to(DEVICE)
         kwargs.update(is_causal=True, q_offset=kv_len - q_len)
+    elif kind == "row_stride_unaligned_16bit":
+        mask, grad = cases["padding_causal_16bit"]
+        wide = torch.zeros(*mask.shape[:3], kv_len + 3, device=DEVICE, dtype=dtype)
+        wide[..., :kv_len] = mask.to(DEVICE, dtype)
+        mask = wide[..., :kv_len]  # rows 523 elements apart
     else:
         mask, grad = cases[kind]
     mask = mask.to(DEVICE, dtype if kind.endswith("16bit") else mask.dtype)
@@ -641,7 +656,7 @@ def test_float_mask_sm90(kind, head_dim, dtype):
     out, lse = _check_against_reference(
         q, k, v, attn_mask=mask, check_lse_grad=True, extra_grad_inputs=(mask,) if grad else (), **kwargs
     )
-    if kind == "padding_causal_16bit":
+    if kind in ("padding_causal_16bit", "row_stride_unaligned_16bit"):
         assert torch.all(out[2] == 0) and torch.all(lse[2].isneginf()), "rows that see nothing: 0 and -inf"
     if kind == "finfo_min_16bit" and dtype == torch.bfloat16:
         # Batch row 2: every bias bf16's finfo.min (-3.4e38), which swallows the scores in float32,

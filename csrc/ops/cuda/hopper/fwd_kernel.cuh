@@ -109,6 +109,16 @@ template <>
 struct MaskedFwdConfig<64> {
   using type = FwdConfig<64, 128, 4, 2, true>;
 };
+// With a bias read through shared memory (the kBiasTile variant: a 128 x 128 16-bit tile per K
+// stage, 32 KB each): two K/V stages, and at D = 128 one Q buffer, to stay within 227 KB.
+template <int kHeadDim>
+struct BiasFwdConfig {
+  using type = FwdConfig<kHeadDim, 128, 2, 2, true>;
+};
+template <>
+struct BiasFwdConfig<128> {
+  using type = FwdConfig<128, 128, 2, 2, true, 1>;
+};
 
 template <typename T>
 struct CutlassElement;
@@ -277,13 +287,17 @@ auto mn_major_atom() {
 // kMasked: the variant that reads a mask and its summary; the other has none of that code (the
 // mask's gathers cost the unmasked kernel registers it cannot spare). kBias: the mask is a float
 // one, whose values are added in natural units; a bool mask's kernel has none of that code (as a
-// runtime branch it cost the bool rows 7%: H100, D = 128, 0.453 against 0.423 ms).
-template <typename Element_, class Config, bool kMasked_ = false, bool kBias_ = false>
+// runtime branch it cost the bool rows 7%: H100, D = 128, 0.453 against 0.423 ms). kBiasTile: the
+// float mask has the kernel's element type and TMA's layout (bias_tile_fits), and its mixed tiles
+// arrive by TMA with K, into shared memory, instead of being gathered from global memory.
+template <typename Element_, class Config, bool kMasked_ = false, bool kBias_ = false, bool kBiasTile_ = false>
 struct Fwd {
   using Element = Element_;
   static constexpr bool kMasked = kMasked_;
   static constexpr bool kBias = kBias_;
+  static constexpr bool kBiasTile = kBiasTile_;
   static_assert(kMasked || !kBias, "a bias is a mask");
+  static_assert(kBias || !kBiasTile, "a bias tile is a bias");
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -337,8 +351,16 @@ struct Fwd {
   using TmaV = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  // kBiasTile: the bias's (rows, keys) tile of each K stage, 128-byte swizzled rows (a thread's
+  // reads of its accumulator elements then meet no bank conflict).
+  using SmemLayoutBias =
+      decltype(tile_to_shape(k_major_atom<Element, kBlockN>(), Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+  using TmaBias = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutBias{}), Shape<Int<kBlockM>, Int<kBlockN>>{}, _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -354,6 +376,7 @@ struct Fwd {
     alignas(1024) cute::array_aligned<Element, kQStages * cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    alignas(1024) cute::array_aligned<Element, kBiasTile ? cosize_v<SmemLayoutBias> : 8> bias;
     typename Pipeline::SharedStorage pipe_k;
     typename Pipeline::SharedStorage pipe_v;
     // Per Q buffer: Q landed (TMA transaction count); every consumer thread is done reading it;
@@ -383,6 +406,8 @@ struct Fwd {
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool, float (a bias), or none
+    TmaBias tma_bias;                  // kBiasTile: the mask as (rows, keys, head, batch)
+    ShapeQKV shape_bias;               // its head and batch extents are 1 where it broadcasts
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per row
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
@@ -502,15 +527,36 @@ struct Fwd {
       Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gVt));  // (TMA, n)
       Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stage)
 
-      // K of key tile n, with `after`, the visit that follows it.
-      auto load_k = [&](int n, const TileVisit& after) {
+      // The bias's tiles of this tile's rows (kBiasTile; its head and batch where it has them).
+      Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
+      auto cta_bias = p.tma_bias.get_slice(_0{});
+      Tensor tBsB = group_modes<0, 3>(cta_bias.partition_D(sBias));  // (TMA, stage)
+      auto bias_tile = [&](int n) {
+        Tensor mBias = p.tma_bias.get_tma_tensor(p.shape_bias)(_, _, get<2>(p.shape_bias) == 1 ? 0 : t.head,
+                                                               get<3>(p.shape_bias) == 1 ? 0 : t.batch);
+        Tensor gBias = local_tile(mBias, Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(t.m_block, n));
+        return group_modes<0, 3>(cta_bias.partition_S(gBias));
+      };
+
+      // K of key tile `visit`, with `after`, the visit that follows it; a mixed tile's bias tile
+      // (kBiasTile) rides K's stage and mbarrier (its bytes expected before either copy starts).
+      auto load_k = [&](const TileVisit& visit, const TileVisit& after) {
         if constexpr (kMasked) {
           write_visit(smem.next_visit[k_loads % kVisitSlots], after);
           ++k_loads;
         }
         pipe_k.producer_acquire(write_k);
-        copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n),
+        auto* barrier = pipe_k.producer_get_barrier(write_k);
+        const bool with_bias = kBiasTile && visit.tile_class == attn::kTileMixed;
+        if (with_bias) {
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(barrier, kBytesBias);
+        }
+        copy(p.tma_k.with(*barrier, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, visit.position),
              tKsK(_, write_k.index()));
+        if (with_bias) {
+          copy(p.tma_bias.with(*barrier, 0, TMA::CacheHintSm90::EVICT_FIRST), bias_tile(visit.position),
+               tBsB(_, write_k.index()));
+        }
         ++write_k;
       };
       auto load_v = [&](int n) {
@@ -525,10 +571,11 @@ struct Fwd {
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
       TileVisit after = visit_after(p, t, n, lowest);
-      load_k(n, after);
+      load_k(first, after);
       for (int m = after.position; m >= 0; n = m, m = after.position) {
+        const TileVisit visit = after;
         after = visit_after(p, t, m, lowest);
-        load_k(m, after);
+        load_k(visit, after);
         load_v(n);
       }
       load_v(n);
@@ -606,7 +653,7 @@ struct Fwd {
         }
       }
     };
-    if (p.mask.ptr != nullptr) {
+    if (!kBiasTile && p.mask.ptr != nullptr) {  // kBiasTile: add_bias_tile masks the -inf elements
       p.mask.with_elements(gather);
     }
     if (p.key_ranges.ptr != nullptr) {
@@ -651,6 +698,30 @@ struct Fwd {
         s(i) += bias;
       }
     });
+  }
+
+  // kBiasTile: a mixed tile's bias values (in shared memory, in K's stage) added to this thread's
+  // scores (natural units), two adjacent keys per 4-byte read. A -inf element masks its score (set,
+  // not added to: a NaN or inf score behind it does not leak). Rows past q_len and keys past
+  // kv_len were zero-filled by TMA (their scores are never written, or are -inf after mask_tile).
+  template <class FragS>
+  static __device__ __forceinline__ void add_bias_tile(FragS& s, const SharedStorage& smem, int stage, int row_in_tile,
+                                                       int lane) {
+    Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int c = 0; c < kBlockN / 8; ++c) {
+        const auto pair = *reinterpret_cast<const cutlass::AlignedArray<Element, 2>*>(
+            &sBias(row_in_tile + 8 * r, 8 * c + 2 * (lane % 4), stage));
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float bias = static_cast<float>(pair[e]);
+          const int i = e + 2 * r + 4 * c;  // element e + 2 r + 4 c: column 8 c + 2 (lane % 4) + e
+          s(i) = bias == -INFINITY ? -INFINITY : s(i) + bias;
+        }
+      }
+    }
   }
 
   template <class FragS>
@@ -854,7 +925,7 @@ struct Fwd {
         }
         return ~uint64_t{0};
       };
-      auto mask_scores = [&](int n, uint64_t keep, uint8_t tile_class) {
+      auto mask_scores = [&](int n, uint64_t keep, uint8_t tile_class, int k_stage) {
         if (capped()) {
           p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
         }
@@ -865,7 +936,11 @@ struct Fwd {
             tSrS(i) *= to_natural;
           }
           if (tile_class == attn::kTileMixed) {
-            add_bias(tSrS, p, t, n, row0, lane);
+            if constexpr (kBiasTile) {
+              add_bias_tile(tSrS, smem, k_stage, row_in_tile, lane);
+            } else {
+              add_bias(tSrS, p, t, n, row0, lane);
+            }
           }
         }
         if (needs_mask(n)) {
@@ -897,12 +972,18 @@ struct Fwd {
         warpgroup_wait<0>();
         trace.stamp(kTraceFirstS);
         trace.visit();
-        pipe_k.consumer_release(read_k);
+        PipelineState held_k = read_k;  // kBiasTile: the stage holds the bias until mask_scores
         ++read_k;
+        if constexpr (!kBiasTile) {
+          pipe_k.consumer_release(held_k);
+        }
         if (m < 0) {
           q_empty.arrive();
         }
-        mask_scores(n, keep, first.tile_class);
+        mask_scores(n, keep, first.tile_class, held_k.index());
+        if constexpr (kBiasTile) {
+          pipe_k.consumer_release(held_k);
+        }
         softmax_step(tSrS, row_max, row_sum, correction, unit());
         convert_p(tSrS, tOrP);
         // Each further tile m: S of tile m is issued before P V of tile n, the one before it.
@@ -918,12 +999,18 @@ struct Fwd {
           const uint64_t keep_next = next >= 0 ? mask_bits(next, after.tile_class, after.diagonal) : ~uint64_t{0};
           const uint8_t class_next = after.tile_class;
           warpgroup_wait<1>();  // S done, P V may still run
-          pipe_k.consumer_release(read_k);
+          held_k = read_k;
           ++read_k;
+          if constexpr (!kBiasTile) {
+            pipe_k.consumer_release(held_k);
+          }
           if (next < 0) {
             q_empty.arrive();  // the tile's last read of Q
           }
-          mask_scores(m, keep_m, class_m);
+          mask_scores(m, keep_m, class_m, held_k.index());
+          if constexpr (kBiasTile) {
+            pipe_k.consumer_release(held_k);
+          }
           softmax_step(tSrS, row_max, row_sum, correction, unit());
           warpgroup_wait<0>();
           pipe_v.consumer_release(read_v);
@@ -1003,6 +1090,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Kernel::kBiasTile) {
+      cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
+    }
     for (int s = 0; s < Kernel::kQStages; ++s) {
       smem.q_full[s].init(1);
       smem.q_empty[s].init(Kernel::kMmaThreads);
@@ -1033,11 +1123,11 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
 }  // namespace detail
 
 // Host: builds the TMA descriptors and launches one variant. Returns the launch error.
-template <typename T, class Config, bool kMasked, bool kBias = false>
+template <typename T, class Config, bool kMasked, bool kBias = false, bool kBiasTile = false>
 cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Fwd<Element, Config, kMasked, kBias>;
+  using Kernel = detail::Fwd<Element, Config, kMasked, kBias, kBiasTile>;
   constexpr int D = Config::kHeadDim;
   typename Kernel::Params p;
   // A size-1 dim is never stepped over; TMA still wants its stride to be a multiple of 16 bytes.
@@ -1084,6 +1174,17 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
+  if constexpr (kBiasTile) {  // the mask as TMA reads it (bias_tile_fits), broadcast dims of extent 1
+    const attn::MaskView& m = a.mask;
+    const int64_t plane = int64_t{a.q_len} * m.stride_q;
+    const int32_t heads = m.stride_h == 0 ? 1 : a.heads, batch = m.stride_b == 0 ? 1 : a.batch;
+    p.shape_bias = make_shape(int32_t{a.q_len}, int32_t{a.kv_len}, heads, batch);
+    Tensor mBias = make_tensor(make_gmem_ptr(static_cast<Element const*>(m.ptr)), p.shape_bias,
+                               make_stride(m.stride_q, _1{}, dim_stride(heads, m.stride_h, plane),
+                                           dim_stride(batch, m.stride_b, plane * heads)));
+    p.tma_bias = make_tma_copy(SM90_TMA_LOAD{}, mBias, take<0, 2>(typename Kernel::SmemLayoutBias{}),
+                               Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>{}, _1{});
+  }
   p.mask_tiles = a.mask_tiles;
   p.key_ranges = a.key_ranges;
   p.tile_counter = a.tile_counter;
@@ -1121,11 +1222,26 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+// Whether a float mask can come as TMA tiles (the kBiasTile variant): T's element type, keys
+// contiguous, a row stride (no broadcast over the rows) and the other strides multiples of 16
+// bytes, a 16-byte aligned start.
+template <typename T>
+bool bias_tile_fits(const attn::MaskView& m) {
+  constexpr attn::MaskKind kind = std::is_same_v<T, __half> ? attn::MaskKind::kHalf : attn::MaskKind::kBFloat16;
+  constexpr int64_t kAlign = 16 / sizeof(T);
+  return m.kind == kind && m.stride_kv == 1 && m.stride_q != 0 && m.stride_q % kAlign == 0 &&
+         m.stride_h % kAlign == 0 && m.stride_b % kAlign == 0 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0;
+}
+
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_fwd_sm90(const FwdParams& params, cudaStream_t stream) {
-  return params.mask_tiles.ptr != nullptr
-             ? launch_fwd_masked<T, typename MaskedFwdConfig<kHeadDim>::type>(params, stream)
-             : launch_fwd_variant<T, typename DefaultFwdConfig<kHeadDim>::type, false>(params, stream);
+  if (params.mask_tiles.ptr == nullptr) {
+    return launch_fwd_variant<T, typename DefaultFwdConfig<kHeadDim>::type, false>(params, stream);
+  }
+  if (params.mask.is_bias() && bias_tile_fits<T>(params.mask)) {
+    return launch_fwd_variant<T, typename BiasFwdConfig<kHeadDim>::type, true, true, true>(params, stream);
+  }
+  return launch_fwd_masked<T, typename MaskedFwdConfig<kHeadDim>::type>(params, stream);
 }
 
 }  // namespace safeattn::cuda::hopper
