@@ -577,11 +577,11 @@ def test_sinks_and_softcap_sm90(extra, head_dim, dtype):
 
 def _float_mask_cases(batch, heads, q_len, kv_len):
     """Float masks (additive biases) of the shapes models give, by name: a learnable per-head
-    bias (ALiBi / T5-like, [1, H, Q, KV] float32), a [B, 1, Q, KV] mask of -inf and bias values
-    (causal, left padding, a batch row that sees nothing), and a learnable [B, H, Q, KV] bias
-    with -inf tiles, zero (fully visible) tiles and a query tile of empty rows; the last two in
-    the inputs' 16-bit dtype (a mask is bool, float32 or the query's dtype). Each: (mask,
-    whether it takes a gradient)."""
+    bias (ALiBi / T5-like, [1, H, Q, KV]), a [B, 1, Q, KV] mask of -inf and bias values (causal,
+    left padding, a batch row that sees nothing), and a learnable [B, H, Q, KV] bias with -inf
+    tiles, zero (fully visible) tiles and a query tile of empty rows. The test takes a name
+    ending in "16bit" in the inputs' 16-bit dtype, the others in float32 (a mask is bool,
+    float32 or the query's dtype). Each: (mask, whether it takes a gradient)."""
     gen = torch.Generator().manual_seed(9)
     positions = torch.arange(kv_len)
     rows = torch.arange(q_len)[:, None] + (kv_len - q_len)
@@ -605,6 +605,7 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
     hf_min[2] = float("-inf")
     return {
         "learnable_per_head": (alibi[None], True),
+        "learnable_per_head_16bit": (alibi[None], True),
         "padding_causal_16bit": (padded, False),
         "finfo_min_16bit": (hf_min, False),
         "per_batch_head_16bit": (tiles, True),
@@ -617,6 +618,7 @@ def _float_mask_cases(batch, heads, q_len, kv_len):
     "kind",
     [
         "learnable_per_head",
+        "learnable_per_head_16bit",
         "padding_causal_16bit",
         "per_batch_head_16bit",
         "finfo_min_16bit",
