@@ -986,16 +986,20 @@ def test_cuda_mask_tile_summary(mask_dtype, causal):
 @cuda_only
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.bfloat16])
 def test_cuda_nan_behind_masked_keys_never_leaks(mask_dtype):
-    # NaN keys inside mixed tiles, masked for some rows (False or -inf) and by causality. (On
-    # sm_90a a float32 mask is gathered from global memory, a bf16 one comes as TMA tiles.)
-    q, k, v = _qkv(1, 2, 2, 70, 304, 64, torch.bfloat16, "cuda")
+    # NaN keys inside mixed tiles, masked for some rows (False or -inf) and by causality. The mask
+    # is a view of 300 keys in rows of 304 (16-byte aligned: the tile summary reads 16 bytes at a
+    # time, and the last tile's 44 keys end in a partial load; on sm_90a a bf16 mask comes as TMA
+    # tiles, zero-filled past key 300, a float32 one is gathered from global memory).
+    q, k, v = _qkv(1, 2, 2, 70, 300, 64, torch.bfloat16, "cuda")
     keys = torch.tensor([3, 100, 250])
     with torch.no_grad():
         k[:, :, keys] = float("nan")
-    visible = torch.ones(70, 304, dtype=torch.bool)
+    visible = torch.ones(70, 300, dtype=torch.bool)
     visible[:, keys] = False
-    mask = visible if mask_dtype == torch.bool else torch.zeros(70, 304).masked_fill(~visible, float("-inf"))
-    out, lse = safeattn.attention(q, k, v, attn_mask=mask.to("cuda", mask_dtype))
+    mask = visible if mask_dtype == torch.bool else torch.zeros(70, 300).masked_fill(~visible, float("-inf"))
+    wide = torch.zeros(70, 304, dtype=mask_dtype, device="cuda")
+    wide[:, :300] = mask.to("cuda", mask_dtype)
+    out, lse = safeattn.attention(q, k, v, attn_mask=wide[:, :300])
     assert not out.isnan().any() and not lse.isnan().any(), "a NaN key behind a mask leaked"
     # Causal: key 100 (NaN) is visible from row 50 on (key j <= row i + 50).
     k2 = k.detach().clone()

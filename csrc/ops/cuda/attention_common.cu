@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -175,13 +176,15 @@ __device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, 
 
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
 // kv_tile. Each thread looks at a strided share of the tile's elements; the flags are ORed over
-// the CTA. vec16: a bool mask whose rows the host found 16-byte aligned with unit stride along
-// the keys (and block_kv a multiple of 16), read 16 keys per load; the index arithmetic is 32-bit
-// (a tile has at most block_q * block_kv elements). diagonal (vec16 only, block_q <= 128): each
-// row's count of visible keys and last visible key tell whether a mixed tile is one diagonal
-// (row r sees keys c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x].
-// first_visible (or null): per row of tiles x / kv_tiles, the lowest key tile not masked
-// (atomicMin over the row's CTAs; filled with kv_tiles before).
+// the CTA. vec16: a mask whose rows the host found 16-byte aligned with unit stride along the
+// keys (and block_kv a multiple of 16), read 16 bytes per load: 16 keys of a bool mask, 8 16-bit
+// or 4 float32 values of a float one (element by element, a [1, H, S, S] bias took half the
+// time of the forward it served); the index arithmetic is 32-bit (a tile has at most block_q *
+// block_kv elements). diagonal (a bool vec16 mask only, block_q <= 128): each row's count of
+// visible keys and last visible key tell whether a mixed tile is one diagonal (row r sees keys
+// c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x]. first_visible (or
+// null): per row of tiles x / kv_tiles, the lowest key tile not masked (atomicMin over the row's
+// CTAs; filled with kv_tiles before).
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
                                 int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out,
@@ -202,7 +205,39 @@ __global__ void __launch_bounds__(kSummaryThreads)
     __syncthreads();
   }
   bool any_visible = false, any_masked = false, any_bias = false;
-  if (vec16) {
+  auto note_value = [&](float v) {
+    const bool masked = v == -INFINITY;
+    any_masked |= masked;
+    any_visible |= !masked;    // NaN included: it must reach its row
+    any_bias |= !(v == 0.0f);  // NaN included
+  };
+  if (vec16 && mask.is_bias()) {
+    mask.with_values([&](const auto* values) {
+      using T = std::remove_cv_t<std::remove_pointer_t<decltype(values)>>;
+      constexpr int kPerLoad = 16 / sizeof(T);
+      const T* tile = values + mask.offset(b, h, i0, j0);
+      const int chunks = (cols + kPerLoad - 1) / kPerLoad;
+      for (int e = threadIdx.x; e < rows * chunks; e += kSummaryThreads) {
+        const int r = e / chunks, c = kPerLoad * (e % chunks);
+        const T* row = tile + r * mask.stride_q + c;
+        const int n = cols - c < kPerLoad ? cols - c : kPerLoad;
+        alignas(16) T chunk[kPerLoad];
+        if (n == kPerLoad) {
+          *reinterpret_cast<uint4*>(chunk) = *reinterpret_cast<const uint4*>(row);
+        } else {
+          for (int k = 0; k < n; ++k) {
+            chunk[k] = row[k];
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < kPerLoad; ++k) {
+          if (k < n) {
+            note_value(to_float(chunk[k]));
+          }
+        }
+      }
+    });
+  } else if (vec16) {
     const uint8_t* tile = static_cast<const uint8_t*>(mask.ptr) + mask.offset(b, h, i0, j0);
     const int chunks = (cols + 15) / 16;
     for (int e = threadIdx.x; e < rows * chunks; e += kSummaryThreads) {
@@ -228,11 +263,7 @@ __global__ void __launch_bounds__(kSummaryThreads)
   } else {
     for (int e = threadIdx.x; e < rows * cols; e += kSummaryThreads) {
       const int r = e / cols, c = e % cols;
-      const float v = mask.additive(mask.offset(b, h, i0 + r, j0 + c));
-      const bool masked = v == -INFINITY;
-      any_masked |= masked;
-      any_visible |= !masked;    // NaN included: it must reach its row
-      any_bias |= !(v == 0.0f);  // NaN included
+      note_value(mask.additive(mask.offset(b, h, i0 + r, j0 + c)));
     }
   }
   any_visible = __syncthreads_or(any_visible);
@@ -358,16 +389,16 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     return summary;
   }
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the mask has too many tiles to summarise (", blocks, ")");
-  // 16 keys per load: a bool mask with unit stride along the keys, every row of every slice on a
-  // 16-byte boundary, tiles starting on one.
+  // 16 bytes per load: unit stride along the keys, every row of every slice on a 16-byte
+  // boundary, tiles starting on one.
   // A size-1 dim is never stepped over: its stride does not matter.
-  auto aligned16 = [&](int dim) { return mask.size(dim) == 1 || mask.stride(dim) % 16 == 0; };
-  const bool vec16 = mask.scalar_type() == at::kBool && (kv_len == 1 || mask.stride(3) == 1) &&
-                     reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0 && block_kv % 16 == 0 && aligned16(0) &&
-                     aligned16(1) && aligned16(2);
+  const int64_t element_size = mask.element_size();
+  auto aligned16 = [&](int dim) { return mask.size(dim) == 1 || mask.stride(dim) * element_size % 16 == 0; };
+  const bool vec16 = (kv_len == 1 || mask.stride(3) == 1) && reinterpret_cast<uintptr_t>(mask.data_ptr()) % 16 == 0 &&
+                     block_kv % 16 == 0 && aligned16(0) && aligned16(1) && aligned16(2);
   // Diagonal tiles: asked for, and read from aligned bool rows; otherwise no tile is one.
   int16_t* diagonal = nullptr;
-  if (diagonals != nullptr && vec16) {
+  if (diagonals != nullptr && vec16 && mask.scalar_type() == at::kBool) {
     TORCH_INTERNAL_ASSERT(block_q <= kMaxDiagonalRows, "attention (CUDA): diagonal tiles of at most 128 rows");
     *diagonals = at::empty(summary.sizes(), mask.options().dtype(at::kShort));
     diagonal = diagonals->data_ptr<int16_t>();
