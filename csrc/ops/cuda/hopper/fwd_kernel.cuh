@@ -413,9 +413,6 @@ struct Fwd {
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
     int head_group;                    // FwdParams::head_group, at least 1
     int batch_heads;                   // batch * heads: tiles / m_blocks
-    // kBiasTile with a bias shared by the batch: (head, batch)-major tiles, so that the batch's
-    // tiles of a head run together and read each bias tile from L2 after the first.
-    bool batch_inner;
   };
   static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
                 "a masked tile is one of the mask summary's tiles");
@@ -440,14 +437,8 @@ struct Fwd {
       bh = index / p.m_blocks;
       t.m_block = index - bh * p.m_blocks;
     }
-    if (kBiasTile && p.batch_inner) {
-      const int batch = p.batch_heads / p.heads;
-      t.batch = bh % batch;
-      t.head = bh / batch;
-    } else {
-      t.head = bh % p.heads;
-      t.batch = bh / p.heads;
-    }
+    t.head = bh % p.heads;
+    t.batch = bh / p.heads;
     int64_t kv_end = p.kv_len;
     if (p.causal) {
       const int64_t q_end = std::min<int64_t>(int64_t{t.m_block + 1} * kBlockM, p.q_len);
@@ -540,22 +531,11 @@ struct Fwd {
       Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
       auto cta_bias = p.tma_bias.get_slice(_0{});
       Tensor tBsB = group_modes<0, 3>(cta_bias.partition_D(sBias));  // (TMA, stage)
-      // Read once (EVICT_FIRST), or by each batch's tile in turn (batch_inner).
-      const auto bias_hint = p.batch_inner ? TMA::CacheHintSm90::EVICT_NORMAL : TMA::CacheHintSm90::EVICT_FIRST;
       auto bias_tile = [&](int n) {
         Tensor mBias = p.tma_bias.get_tma_tensor(p.shape_bias)(_, _, get<2>(p.shape_bias) == 1 ? 0 : t.head,
                                                                get<3>(p.shape_bias) == 1 ? 0 : t.batch);
         Tensor gBias = local_tile(mBias, Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(t.m_block, n));
         return group_modes<0, 3>(cta_bias.partition_S(gBias));
-      };
-
-      // A mixed tile's bias tile fetched into L2 ahead of its load (kBiasTile): the producer
-      // waits for a K stage a key tile's time before it loads the next, which was less than the
-      // load's latency from HBM.
-      auto prefetch_bias = [&](const TileVisit& visit) {
-        if (kBiasTile && visit.position >= 0 && visit.tile_class == attn::kTileMixed) {
-          prefetch(p.tma_bias, bias_tile(visit.position));
-        }
       };
 
       // K of key tile `visit`, with `after`, the visit that follows it; a mixed tile's bias tile
@@ -565,7 +545,6 @@ struct Fwd {
           write_visit(smem.next_visit[k_loads % kVisitSlots], after);
           ++k_loads;
         }
-        prefetch_bias(after);
         pipe_k.producer_acquire(write_k);
         auto* barrier = pipe_k.producer_get_barrier(write_k);
         const bool with_bias = kBiasTile && visit.tile_class == attn::kTileMixed;
@@ -575,7 +554,8 @@ struct Fwd {
         copy(p.tma_k.with(*barrier, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, visit.position),
              tKsK(_, write_k.index()));
         if (with_bias) {
-          copy(p.tma_bias.with(*barrier, 0, bias_hint), bias_tile(visit.position), tBsB(_, write_k.index()));
+          copy(p.tma_bias.with(*barrier, 0, TMA::CacheHintSm90::EVICT_FIRST), bias_tile(visit.position),
+               tBsB(_, write_k.index()));
         }
         ++write_k;
       };
@@ -591,7 +571,6 @@ struct Fwd {
       const int next = next_tile(p, index);  // the atomic's latency hides behind the K/V loads
       // The consumers' order over the visited tiles n > m > ...: K(n), then K(m), V(n); ...; V(last).
       TileVisit after = visit_after(p, t, n, lowest);
-      prefetch_bias(first);
       load_k(first, after);
       for (int m = after.position; m >= 0; n = m, m = after.position) {
         const TileVisit visit = after;
@@ -1195,7 +1174,6 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.causal = a.causal;
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
-  p.batch_inner = kBiasTile && a.mask.stride_b == 0 && a.batch > 1;
   if constexpr (kBiasTile) {  // the mask as TMA reads it (bias_tile_fits), broadcast dims of extent 1
     const attn::MaskView& m = a.mask;
     const int64_t plane = int64_t{a.q_len} * m.stride_q;
