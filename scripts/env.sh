@@ -1,7 +1,10 @@
 # Sourced by scripts/test.sh, scripts/demo.sh and the CI scripts: creates (once) and activates a
 # virtual environment outside the clone, keyed by the pinned requirements, then builds safeattn
-# into it. Override the location with SAFEATTN_CACHE; choose requirements with
-# SAFEATTN_REQUIREMENTS; SAFEATTN_ENV_ONLY=1 stops after activating (no build, no import).
+# into it, unless the environment's build stamp says it holds this clone's build of these sources
+# with these build settings (so demo.sh after test.sh does not spend the build again: about 19
+# minutes with the CUDA kernels on 2 cores). Override the location with SAFEATTN_CACHE; choose
+# requirements with SAFEATTN_REQUIREMENTS; SAFEATTN_ENV_ONLY=1 stops after activating (no build,
+# no import).
 set -euo pipefail
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _reqs="${SAFEATTN_REQUIREMENTS:-$_root/requirements-dev.txt}"
@@ -25,8 +28,25 @@ elif [ "${SAFEATTN_SKIP_BUILD:-0}" = "1" ]; then
   # A second environment with the same torch reuses the in-place build (python/safeattn/_C*.so).
   export PYTHONPATH="$_root/python${PYTHONPATH:+:$PYTHONPATH}"
 else
-  echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
-  _log="$(mktemp)"
-  (cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
+  # The stamp: this clone, torch, the build settings (SAFEATTN_* but the environment's own
+  # switches, CUDA_HOME, the nvcc on PATH) and every file the build reads. Python files are not
+  # in it: the editable install imports them from the clone.
+  _stamp="$(cd "$_root" && {
+    echo "$_root"
+    python -c 'import torch; print(torch.__version__)'
+    env | grep '^SAFEATTN_' | grep -Ev '^SAFEATTN_(CACHE|REQUIREMENTS|ENV_ONLY|SKIP_BUILD)=' | LC_ALL=C sort
+    echo "${CUDA_HOME:-} $(command -v nvcc || true)"
+    find csrc setup.py pyproject.toml -type f | LC_ALL=C sort | xargs sha256sum
+  } | sha256sum | cut -c1-32)"
+  if [ "$(cat "$SAFEATTN_VENV/.build-stamp" 2>/dev/null)" = "$_stamp" ] &&
+    compgen -G "$_root/python/safeattn/_C*.so" >/dev/null; then
+    echo "== safeattn already built from these sources (stamp $_stamp)"
+  else
+    echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
+    rm -f "$SAFEATTN_VENV/.build-stamp"
+    _log="$(mktemp)"
+    (cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
+    python -c "import safeattn" && echo "$_stamp" >"$SAFEATTN_VENV/.build-stamp"
+  fi
 fi
 python -c "import safeattn" || { echo "safeattn failed to build or import" >&2; exit 1; }

@@ -3,6 +3,7 @@
 // cpu/attention_fwd_kernel.cpp and cpu/attention_bwd_kernel.cpp.
 #include "ops/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -293,7 +294,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel) {
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
+    int64_t mask_grad_budget) {
   check_attention_backward(grad_out_in, grad_lse_in, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
                            grad_mask_needed, lse_lo, key_ranges);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
@@ -337,56 +339,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
         (-(sink_prob * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());  // C++17: an init list is ambiguous
   }
 
+  // The mask's gradient: the kernel writes per-batch partial sums [b, Hm, Qm, KVm] (acc dtype),
+  // reduced here to the mask's shape. A mask shared by the batch (a learnable [1, H, Q, KV] bias)
+  // would need the batch times its own size for them, so the batch runs in chunks whose partial
+  // sums fit in mask_grad_budget (mask_grad_batch_chunk), each chunk's reduction added to the
+  // ones before it in batch order: deterministic, like the one-chunk reduction.
   at::Tensor mask4;
-  at::Tensor partial;
+  std::vector<int64_t> partial_sizes;
   bool grad_mask_assign = false;
+  int64_t chunk = std::max<int64_t>(batch, 1);
   if (attn_mask.has_value()) {
     mask4 = mask_as_4d(*attn_mask);
     if (grad_mask_needed) {
       const int64_t mask_heads = mask4.size(1) == hq ? hq : hkv;
       grad_mask_assign = mask_heads == hq && mask4.size(2) == q_len && mask4.size(3) == kv_len && !empty;
-      const std::vector<int64_t> sizes{batch, mask_heads, mask4.size(2), mask4.size(3)};
-      partial = grad_mask_assign ? at::empty(sizes, query.options().dtype(acc))
-                                 : at::zeros(sizes, query.options().dtype(acc));
+      partial_sizes = {batch, mask_heads, mask4.size(2), mask4.size(3)};
+      if (mask4.size(0) == 1) {
+        const int64_t row_bytes = mask_heads * mask4.size(2) * mask4.size(3) * c10::elementSize(acc);
+        chunk = mask_grad_batch_chunk(batch, row_bytes, mask_grad_budget);
+      }
     }
   }
-  if (!empty) {
-    AttentionBwdArgs args;
-    args.grad_out = grad_out_in;
-    if (grad_lse.has_value()) {
-      args.grad_lse = *grad_lse;
+  at::Tensor mask_grad_sum;  // acc dtype, reduced over the mask's broadcast dims
+  for (int64_t b0 = 0; b0 == 0 || b0 < batch; b0 += chunk) {
+    const int64_t rows = std::min(chunk, batch - b0);
+    auto rows_of = [&](const at::Tensor& t) { return t.narrow(0, b0, rows); };
+    at::Tensor partial;
+    if (!partial_sizes.empty()) {
+      partial_sizes[0] = rows;
+      partial = grad_mask_assign ? at::empty(partial_sizes, query.options().dtype(acc))
+                                 : at::zeros(partial_sizes, query.options().dtype(acc));
     }
-    args.query = query;
-    args.key = key;
-    args.value = value;
-    args.out = out;
-    args.lse = lse.to(acc).contiguous();
-    args.lse_lo = lse_lo.has_value() ? lse_lo->to(acc).contiguous() : at::zeros_like(args.lse);
-    if (mask4.defined()) {
-      args.mask = mask4.expand({batch, hq, q_len, kv_len});
+    if (!empty) {
+      AttentionBwdArgs args;
+      args.grad_out = rows_of(grad_out_in);
+      if (grad_lse.has_value()) {
+        args.grad_lse = rows_of(*grad_lse);
+      }
+      args.query = rows_of(query);
+      args.key = rows_of(key);
+      args.value = rows_of(value);
+      args.out = rows_of(out);
+      args.lse = rows_of(lse).to(acc).contiguous();
+      args.lse_lo = lse_lo.has_value() ? rows_of(*lse_lo).to(acc).contiguous() : at::zeros_like(args.lse);
+      if (mask4.defined()) {
+        args.mask = (mask4.size(0) == 1 ? mask4 : rows_of(mask4)).expand({rows, hq, q_len, kv_len});
+      }
+      if (key_ranges.has_value()) {
+        args.key_ranges = rows_of(*key_ranges).contiguous();
+      }
+      args.grad_query = rows_of(grad_query);
+      args.grad_key = rows_of(grad_key);
+      args.grad_value = rows_of(grad_value);
+      args.grad_mask_partial = partial;
+      args.grad_mask_assign = grad_mask_assign;
+      set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
+      kernel(args);
     }
-    if (key_ranges.has_value()) {
-      args.key_ranges = key_ranges->contiguous();
+    if (partial.defined()) {
+      // Deterministic reduction of the per-task partial sums to the mask's own shape.
+      if (mask4.size(0) == 1 && rows != 1) {
+        partial = partial.sum(0, /*keepdim=*/true);
+      }
+      if (mask4.size(1) == 1 && partial.size(1) != 1) {
+        partial = partial.sum(1, /*keepdim=*/true);
+      }
+      mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
     }
-    args.grad_query = grad_query;
-    args.grad_key = grad_key;
-    args.grad_value = grad_value;
-    args.grad_mask_partial = partial;
-    args.grad_mask_assign = grad_mask_assign;
-    set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
-    kernel(args);
   }
-  if (partial.defined()) {
-    // Deterministic reduction of the per-task partial sums to the mask's own shape.
-    if (mask4.size(0) == 1 && batch != 1) {
-      partial = partial.sum(0, /*keepdim=*/true);
-    }
-    if (mask4.size(1) == 1 && partial.size(1) != 1) {
-      partial = partial.sum(1, /*keepdim=*/true);
-    }
-    grad_mask = partial.reshape(attn_mask->sizes()).to(attn_mask->scalar_type());
+  if (mask_grad_sum.defined()) {
+    grad_mask = mask_grad_sum.reshape(attn_mask->sizes()).to(attn_mask->scalar_type());
   }
   return {grad_query, grad_key, grad_value, grad_mask, grad_sinks};
+}
+
+int64_t mask_grad_batch_chunk(int64_t batch, int64_t row_bytes, int64_t budget_bytes) {
+  if (batch <= 1 || row_bytes <= 0) {
+    return std::max<int64_t>(batch, 1);
+  }
+  return std::clamp<int64_t>(budget_bytes / row_bytes, 1, batch);
 }
 
 namespace {

@@ -152,6 +152,15 @@ AttentionBwdArgs with_key_ranges_drawn(const AttentionBwdArgs& args);
 // The scale actually used: `scale`, or 1/sqrt(head_dim).
 double attention_scale(const at::Tensor& query, std::optional<double> scale);
 
+// The bytes of mask-gradient partial sums (acc dtype, one [Hm, Qm, KVm] row per batch row) the
+// backward holds at once for a mask shared by the batch: past them it runs the batch in chunks.
+// 4 GiB: a learnable [1, 16, 4096, 4096] bias at batch 4 is one chunk; at [1, 32, 8192, 8192]
+// and batch 8 the one-chunk partial sums would be 64 GiB, where the bias is 4 GiB in bf16.
+constexpr int64_t kMaskGradBudgetBytes = int64_t{4} << 30;
+// The batch rows per chunk: budget_bytes / row_bytes, at least 1 and at most batch (all of them
+// when batch <= 1).
+int64_t mask_grad_batch_chunk(int64_t batch, int64_t row_bytes, int64_t budget_bytes);
+
 // The backend-independent bodies of the attention and _attention_backward kernels
 // (validation, output allocation, sinks and mask-gradient reductions); each backend's
 // registration passes its kernel.
@@ -166,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel);
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
+    int64_t mask_grad_budget = kMaskGradBudgetBytes);
 
 // grad_out with the rows whose lse is -inf (no visible key) set to 0: with p = 0 for every key,
 // a NaN or inf in such a row would still reach dQ (0 * NaN) and, through P^T dO, dV and dK of

@@ -12,14 +12,18 @@
 #include <torch/autograd.h>
 
 #include "ops/attention.h"
+#include "ops/attention_composite.h"
 
 namespace {
 
 // softmax(q k^T / sqrt(D), masked) v with ATen's own safe softmax (a row with no visible key
-// gives 0), q: [B, H, Q, D], mask: [Q, KV] bool (True attends).
+// gives 0), q: [B, H, Q, D], mask: [Q, KV] bool (True attends) or a float bias broadcastable to
+// the scores.
 at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
   const at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  const at::Tensor masked = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+  const at::Tensor masked = mask.scalar_type() == at::kBool
+                                ? scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity())
+                                : scores + mask;
   return at::matmul(at::_safe_softmax(masked, -1), v);
 }
 
@@ -56,4 +60,42 @@ CATCH_TEST_CASE("attention without a gradient builds no graph") {
   const auto [out, lse] = safeattn::attention(q, q, q);
   CATCH_CHECK_FALSE(out.requires_grad());
   CATCH_CHECK_FALSE(lse.requires_grad());
+}
+
+CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks") {
+  // 4 GiB of partial sums per chunk by default; one or two batch rows per chunk here. Each result
+  // against the float64 reference (the bias's gradient summed over the batch and, for the
+  // [1, 1, Q, KV] bias, the heads), through the composite backward (the chunking is the
+  // backend-independent attention_backward_impl's).
+  CATCH_CHECK(safeattn::mask_grad_batch_chunk(4, int64_t{1} << 30, safeattn::kMaskGradBudgetBytes) == 4);
+  CATCH_CHECK(safeattn::mask_grad_batch_chunk(8, int64_t{8} << 30, safeattn::kMaskGradBudgetBytes) == 1);
+  CATCH_CHECK(safeattn::mask_grad_batch_chunk(5, 3, 10) == 3);
+  CATCH_CHECK(safeattn::mask_grad_batch_chunk(0, 3, 10) == 1);
+  at::manual_seed(2);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q = at::randn({5, 2, 6, 8}, f64).requires_grad_();
+  const at::Tensor k = at::randn({5, 2, 9, 8}, f64).requires_grad_();
+  const at::Tensor v = at::randn({5, 2, 9, 8}, f64).requires_grad_();
+  const at::Tensor grad_out = at::randn({5, 2, 6, 8}, f64);
+  for (const int64_t heads : {2, 1}) {
+    at::Tensor bias = at::randn({1, heads, 6, 9}, f64);
+    bias.select(2, 1).select(2, 4).fill_(-std::numeric_limits<double>::infinity());  // masked keys
+    bias.requires_grad_();
+    const at::Tensor expected = reference_attention(q, k, v, bias);
+    const torch::autograd::variable_list want = torch::autograd::grad({(expected * grad_out).sum()}, {q, k, v, bias});
+    const auto [out, lse] = safeattn::attention(q.detach(), k.detach(), v.detach(), bias.detach());
+    const int64_t row_bytes = heads * 6 * 9 * 8;
+    for (const int64_t budget : {safeattn::kMaskGradBudgetBytes, row_bytes, 2 * row_bytes}) {
+      CATCH_INFO("bias heads " << heads << ", partial-sum budget " << budget << " bytes");
+      const auto got = safeattn::attention_backward_impl(grad_out, std::nullopt, q.detach(), k.detach(), v.detach(),
+                                                         out, lse, bias.detach(), false, std::nullopt, 0, 0, 0.0,
+                                                         std::nullopt, /*grad_mask_needed=*/true, std::nullopt,
+                                                         std::nullopt, &safeattn::attention_backward_chunked, budget);
+      CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
+      CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
+      CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));
+      CATCH_REQUIRE(std::get<3>(got).sizes() == bias.sizes());
+      CATCH_CHECK(at::allclose(std::get<3>(got), want[3], 1e-10, 1e-10));
+    }
+  }
 }

@@ -27,7 +27,8 @@
 //             consumers through shared memory with its K load; fully visible tiles read no mask,
 //             diagonal ones are a compare, mixed ones gather a bool mask's bits one tile ahead or
 //             add a float mask's values (a bias, natural units; the kBias variant) once their
-//             scores are in.
+//             scores are in: by TMA with K into shared memory where the mask has the inputs' 16-bit
+//             type and aligned rows (kBiasTile), else gathered from global memory.
 //   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
 //             lse_lo (the rounding error of lse) per row, the sink logit added to the
 //             denominator where there are sinks (attn::finish_row, as in every kernel).

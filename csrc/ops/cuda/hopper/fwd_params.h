@@ -41,9 +41,10 @@ struct FwdParams {
   // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
-  // A bool attn_mask as a [B, Hq, Q, KV] view (kind kBool; kNone: no mask) and its summary for
-  // tiles of kFwdMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully visible
-  // ones read no mask, and mixed ones read it per element.
+  // attn_mask as a [B, Hq, Q, KV] view (bool, or float: a bias; kNone: no mask) and its summary
+  // for tiles of kFwdMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully
+  // visible ones read no mask, and mixed ones read it per element (a 16-bit float mask with
+  // aligned rows as TMA tiles: launch_attention_fwd_sm90).
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
   // Null, or each query row's one interval of keys (AttentionFwdArgs::key_ranges), ANDed with the
