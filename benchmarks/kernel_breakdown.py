@@ -2,15 +2,17 @@
 mean of 5): SDPA cuDNN is_causal, safeattn is_causal and safeattn with the bench's causal + padding
 dense mask ([B, 1, S, S] bool, row b left-padded by b S/8), B=4 H=16 S=4096 bf16, D 128 and 64.
 The benchmarks' TFLOP/s include the host and every small kernel; this names them. On the GPU
-host, after a build: `python benchmarks/kernel_breakdown.py [--window W]` (W > 0: the masked cases
-with a causal sliding window of W keys and the padding, as `bench attention --window W`)."""
+host, after a build: `python benchmarks/kernel_breakdown.py [--window W] [--bias]` (W > 0: the
+masked cases with a causal sliding window of W keys and the padding, as `bench attention --window
+W`; --bias: safeattn's float-mask cases of `bench attention --bias` instead, the causal + padding
+[B, 1, S, S] bf16 mask and the learnable [1, H, S, S] bias)."""
 
 import argparse
 import collections
 import sys
 
 import torch
-from safeattn._bench_attention import _prefill_cases
+from safeattn._bench_attention import _bias_cases, _prefill_cases
 
 B, H, S, CALLS = 4, 16, 4096, 5
 # The benchmark's own cases (`python -m safeattn bench attention`), so the two time the same calls.
@@ -46,17 +48,23 @@ def kernel_times(fn, head_dim):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--window", type=int, default=0)
-    window = parser.parse_args().window
+    parser.add_argument("--bias", action="store_true")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    cases = _prefill_cases(B, H, S, "cuda", window)
-    rule = f"window {window}+padding" if window else "causal+padding"
+    if args.bias:
+        cases = _bias_cases(B, H, S, "cuda")
+        names = [name for name in cases if name.startswith("safeattn")]
+    else:
+        cases = _prefill_cases(B, H, S, "cuda", args.window)
+        rule = f"window {args.window}+padding" if args.window else "causal+padding"
+        names = [c.format(rule=rule) for c in CASES]
     for head_dim in (128, 64):
-        for name in (c.format(rule=rule) for c in CASES):
+        for name in names:
             if name not in cases:  # the is_causal rows: not with a window
                 continue
             times = kernel_times(cases[name][0], head_dim)
             print(f"== D={head_dim} {name}: total {sum(times.values()):.0f} us")
-            for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:7]:
+            for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:10]:
                 print(f"   {t:8.1f}  {kernel[:110]}")
             sys.stdout.flush()
 

@@ -295,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
-    int64_t mask_grad_budget) {
+    int64_t mask_grad_budget, AttentionBwdSumsBatchFn sums_batch) {
   check_attention_backward(grad_out_in, grad_lse_in, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
                            grad_mask_needed, lse_lo, key_ranges);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
@@ -343,11 +343,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   // reduced here to the mask's shape. A mask shared by the batch (a learnable [1, H, Q, KV] bias)
   // would need the batch times its own size for them, so the batch runs in chunks whose partial
   // sums fit in mask_grad_budget (mask_grad_batch_chunk), each chunk's reduction added to the
-  // ones before it in batch order: deterministic, like the one-chunk reduction.
+  // ones before it in batch order: deterministic, like the one-chunk reduction. A backend that
+  // sums the batch itself (sums_batch; the CUDA one with atomics, so not under deterministic
+  // algorithms) gets one zeroed [1, Hq, Q, KV] buffer instead.
   at::Tensor mask4;
   std::vector<int64_t> partial_sizes;
   bool grad_mask_assign = false;
   int64_t chunk = std::max<int64_t>(batch, 1);
+  bool batch_done = false;  // the batch-summed gradient below ran the whole batch
   if (attn_mask.has_value()) {
     mask4 = mask_as_4d(*attn_mask);
     if (grad_mask_needed) {
@@ -360,10 +363,59 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
       }
     }
   }
-  at::Tensor mask_grad_sum;  // acc dtype, reduced over the mask's broadcast dims
-  for (int64_t b0 = 0; b0 == 0 || b0 < batch; b0 += chunk) {
-    const int64_t rows = std::min(chunk, batch - b0);
+  // The kernel's arguments for batch rows [b0, b0 + rows), with `partial` as the mask gradient's.
+  auto args_for = [&](int64_t b0, int64_t rows, const at::Tensor& partial) {
     auto rows_of = [&](const at::Tensor& t) { return t.narrow(0, b0, rows); };
+    AttentionBwdArgs args;
+    args.grad_out = rows_of(grad_out_in);
+    if (grad_lse.has_value()) {
+      args.grad_lse = rows_of(*grad_lse);
+    }
+    args.query = rows_of(query);
+    args.key = rows_of(key);
+    args.value = rows_of(value);
+    args.out = rows_of(out);
+    args.lse = rows_of(lse).to(acc).contiguous();
+    args.lse_lo = lse_lo.has_value() ? rows_of(*lse_lo).to(acc).contiguous() : at::zeros_like(args.lse);
+    if (mask4.defined()) {
+      args.mask = (mask4.size(0) == 1 ? mask4 : rows_of(mask4)).expand({rows, hq, q_len, kv_len});
+    }
+    if (key_ranges.has_value()) {
+      args.key_ranges = rows_of(*key_ranges).contiguous();
+    }
+    args.grad_query = rows_of(grad_query);
+    args.grad_key = rows_of(grad_key);
+    args.grad_value = rows_of(grad_value);
+    args.grad_mask_partial = partial;
+    args.grad_mask_assign = grad_mask_assign;
+    set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
+    return args;
+  };
+  at::Tensor mask_grad_sum;  // acc dtype, reduced over the mask's broadcast dims
+  // Deterministic reduction of `rows` batch rows' partial sums to the mask's own shape, added to
+  // the ones before.
+  auto add_to_sum = [&](at::Tensor partial, int64_t rows) {
+    if (mask4.size(0) == 1 && rows != 1) {
+      partial = partial.sum(0, /*keepdim=*/true);
+    }
+    if (mask4.size(1) == 1 && partial.size(1) != 1) {
+      partial = partial.sum(1, /*keepdim=*/true);
+    }
+    mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
+  };
+  if (grad_mask_assign && mask4.size(0) == 1 && batch > 1 && sums_batch != nullptr) {
+    AttentionBwdArgs args = args_for(0, batch, at::empty({1, hq, q_len, kv_len}, query.options().dtype(acc)));
+    args.grad_mask_assign = false;
+    args.grad_mask_sums_batch = true;
+    if (sums_batch(args)) {
+      args.grad_mask_partial.zero_();
+      kernel(args);
+      add_to_sum(args.grad_mask_partial, 1);
+      batch_done = true;
+    }
+  }
+  for (int64_t b0 = 0; !batch_done && (b0 == 0 || b0 < batch); b0 += chunk) {
+    const int64_t rows = std::min(chunk, batch - b0);
     at::Tensor partial;
     if (!partial_sizes.empty()) {
       partial_sizes[0] = rows;
@@ -371,40 +423,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
                                  : at::zeros(partial_sizes, query.options().dtype(acc));
     }
     if (!empty) {
-      AttentionBwdArgs args;
-      args.grad_out = rows_of(grad_out_in);
-      if (grad_lse.has_value()) {
-        args.grad_lse = rows_of(*grad_lse);
-      }
-      args.query = rows_of(query);
-      args.key = rows_of(key);
-      args.value = rows_of(value);
-      args.out = rows_of(out);
-      args.lse = rows_of(lse).to(acc).contiguous();
-      args.lse_lo = lse_lo.has_value() ? rows_of(*lse_lo).to(acc).contiguous() : at::zeros_like(args.lse);
-      if (mask4.defined()) {
-        args.mask = (mask4.size(0) == 1 ? mask4 : rows_of(mask4)).expand({rows, hq, q_len, kv_len});
-      }
-      if (key_ranges.has_value()) {
-        args.key_ranges = rows_of(*key_ranges).contiguous();
-      }
-      args.grad_query = rows_of(grad_query);
-      args.grad_key = rows_of(grad_key);
-      args.grad_value = rows_of(grad_value);
-      args.grad_mask_partial = partial;
-      args.grad_mask_assign = grad_mask_assign;
-      set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
-      kernel(args);
+      kernel(args_for(b0, rows, partial));
     }
     if (partial.defined()) {
-      // Deterministic reduction of the per-task partial sums to the mask's own shape.
-      if (mask4.size(0) == 1 && rows != 1) {
-        partial = partial.sum(0, /*keepdim=*/true);
-      }
-      if (mask4.size(1) == 1 && partial.size(1) != 1) {
-        partial = partial.sum(1, /*keepdim=*/true);
-      }
-      mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
+      add_to_sum(partial, rows);
     }
   }
   if (mask_grad_sum.defined()) {

@@ -96,6 +96,10 @@ struct AttentionBwdArgs {
   // head per slot, full Q and KV dims): the kernel assigns instead of accumulating, so the
   // buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is the gradient itself.
   bool grad_mask_assign = false;
+  // True when the mask is shared by the batch (size 1 in dim 0) and grad_mask_partial is
+  // [1, Hq, Q, KV] zero-initialised: the kernel adds every batch's contribution into it, in any
+  // order (only backends that say they can are given this: AttentionBwdSumsBatchFn).
+  bool grad_mask_sums_batch = false;
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;
@@ -118,6 +122,9 @@ inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, 
 // shared entry points below, so CPU and CUDA differ only in these two functions.
 using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
 using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
+// Whether the backend's kernel takes these arguments with grad_mask_sums_batch (the partial not
+// yet zeroed): one [1, Hq, Q, KV] buffer instead of the batch's partial sums and their reduction.
+using AttentionBwdSumsBatchFn = bool (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 // What the CPU kernels multiply the tiles of a bf16 / fp16 input in now, and why not in that
@@ -176,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
-    int64_t mask_grad_budget = kMaskGradBudgetBytes);
+    int64_t mask_grad_budget = kMaskGradBudgetBytes, AttentionBwdSumsBatchFn sums_batch = nullptr);
 
 // grad_out with the rows whose lse is -inf (no visible key) set to 0: with p = 0 for every key,
 // a NaN or inf in such a row would still reach dQ (0 * NaN) and, through P^T dO, dV and dK of

@@ -27,6 +27,41 @@ at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const a
   return at::matmul(at::_safe_softmax(masked, -1), v);
 }
 
+// A backend that sums a batch-shared mask's gradient itself (AttentionBwdSumsBatchFn): the
+// composite kernel run per batch row, each row's gradient added into the one [1, Hq, Q, KV]
+// buffer. takes_sums_batch says yes when sums_batch_allowed; sums_batch_calls counts the calls
+// that got the buffer.
+bool sums_batch_allowed = false;
+int sums_batch_calls = 0;
+
+bool takes_sums_batch(const safeattn::AttentionBwdArgs& /*args*/) {
+  return sums_batch_allowed;
+}
+
+void backward_summing_batch(const safeattn::AttentionBwdArgs& args) {
+  if (!args.grad_mask_sums_batch) {
+    safeattn::attention_backward_chunked(args);
+    return;
+  }
+  ++sums_batch_calls;
+  const at::Tensor& sum = args.grad_mask_partial;
+  CATCH_REQUIRE(sum.size(0) == 1);
+  CATCH_REQUIRE(sum.eq(0).all().item<bool>());  // zeroed by the caller
+  for (int64_t b = 0; b < args.query.size(0); ++b) {
+    auto row = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, b, 1) : t; };
+    safeattn::AttentionBwdArgs one = args;
+    for (at::Tensor* t : {&one.grad_out, &one.grad_lse, &one.query, &one.key, &one.value, &one.out, &one.lse,
+                          &one.lse_lo, &one.mask, &one.key_ranges, &one.grad_query, &one.grad_key, &one.grad_value}) {
+      *t = row(*t);
+    }
+    one.grad_mask_sums_batch = false;
+    one.grad_mask_assign = true;
+    one.grad_mask_partial = at::empty_like(sum);
+    safeattn::attention_backward_chunked(one);
+    sum.add_(one.grad_mask_partial);
+  }
+}
+
 }  // namespace
 
 CATCH_TEST_CASE("attention differentiates from C++, fully masked row 0") {
@@ -91,6 +126,42 @@ CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks") 
                                                          out, lse, bias.detach(), false, std::nullopt, 0, 0, 0.0,
                                                          std::nullopt, /*grad_mask_needed=*/true, std::nullopt,
                                                          std::nullopt, &safeattn::attention_backward_chunked, budget);
+      CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
+      CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
+      CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));
+      CATCH_REQUIRE(std::get<3>(got).sizes() == bias.sizes());
+      CATCH_CHECK(at::allclose(std::get<3>(got), want[3], 1e-10, 1e-10));
+    }
+  }
+}
+
+CATCH_TEST_CASE("a backend that sums the batch gets one buffer for a batch-shared mask's gradient") {
+  // A [1, H, Q, KV] bias at batch 3: the backend that says it sums the batch gets a zeroed
+  // [1, H, Q, KV] buffer (one call), one that says no gets the partial sums as before; both
+  // against the float64 reference. A [1, 1, Q, KV] bias gets [1, H, Q, KV] too (one query head
+  // per kv head), summed over the heads after.
+  at::manual_seed(3);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor q = at::randn({3, 2, 5, 8}, f64).requires_grad_();
+  const at::Tensor k = at::randn({3, 2, 7, 8}, f64).requires_grad_();
+  const at::Tensor v = at::randn({3, 2, 7, 8}, f64).requires_grad_();
+  const at::Tensor grad_out = at::randn({3, 2, 5, 8}, f64);
+  for (const int64_t heads : {2, 1}) {
+    at::Tensor bias = at::randn({1, heads, 5, 7}, f64);
+    bias.select(2, 2).select(2, 6).fill_(-std::numeric_limits<double>::infinity());
+    bias.requires_grad_();
+    const at::Tensor expected = reference_attention(q, k, v, bias);
+    const torch::autograd::variable_list want = torch::autograd::grad({(expected * grad_out).sum()}, {q, k, v, bias});
+    const auto [out, lse] = safeattn::attention(q.detach(), k.detach(), v.detach(), bias.detach());
+    for (const bool allowed : {true, false}) {
+      CATCH_INFO("bias heads " << heads << ", backend sums the batch: " << allowed);
+      sums_batch_allowed = allowed;
+      sums_batch_calls = 0;
+      const auto got = safeattn::attention_backward_impl(
+          grad_out, std::nullopt, q.detach(), k.detach(), v.detach(), out, lse, bias.detach(), false, std::nullopt, 0,
+          0, 0.0, std::nullopt, /*grad_mask_needed=*/true, std::nullopt, std::nullopt, &backward_summing_batch,
+          safeattn::kMaskGradBudgetBytes, &takes_sums_batch);
+      CATCH_CHECK(sums_batch_calls == (allowed ? 1 : 0));
       CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
       CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
       CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));

@@ -301,6 +301,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     attention_bwd_hopper<T>(args);
     return;
   }
+  TORCH_INTERNAL_ASSERT(!args.grad_mask_sums_batch,
+                        "attention backward (CUDA): a batch-summed mask gradient is only "
+                        "given to the Hopper kernels (attention_bwd_cuda_sums_batch)");
   AttentionBwdArgs a = args;
   a.grad_out = grad_out_without_empty_rows(args);
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -424,6 +427,12 @@ void attention_bwd_cuda(const AttentionBwdArgs& args) {
   }
 }
 
+// The Hopper kernels add a mask shared by the batch's gradient into one buffer (with atomics,
+// as their dQ: so only where use_hopper allows those).
+bool attention_bwd_cuda_sums_batch(const AttentionBwdArgs& args) {
+  return tensor_core_supported(args) && use_hopper(args);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
@@ -432,7 +441,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
   const c10::cuda::CUDAGuard guard(query.device());
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda);
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda,
+                                 kMaskGradBudgetBytes, &attention_bwd_cuda_sums_batch);
 }
 
 }  // namespace

@@ -184,11 +184,12 @@ __device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, 
 // visible keys and last visible key tell whether a mixed tile is one diagonal (row r sees keys
 // c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x]. first_visible (or
 // null): per row of tiles x / kv_tiles, the lowest key tile not masked (atomicMin over the row's
-// CTAs; filled with kv_tiles before).
+// CTAs; filled with kv_tiles before). causal (enabled only where every reader applies the same
+// rule): a tile whose keys no row of it sees is masked without being read.
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
-                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, uint8_t* out,
-                                int16_t* diagonal, int* first_visible) {
+                                int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, Causal causal,
+                                uint8_t* out, int16_t* diagonal, int* first_visible) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
@@ -196,6 +197,12 @@ __global__ void __launch_bounds__(kSummaryThreads)
   const int64_t b = tile.slice / heads_m, h = tile.slice % heads_m;
   const int64_t i0 = tile.i0, j0 = tile.j0;
   const int rows = tile.rows, cols = tile.cols;
+  if (causal.kv_end(i0 + rows, kv_len) <= j0) {
+    if (threadIdx.x == 0) {
+      out[x] = kTileMasked;
+    }
+    return;
+  }
   const bool rows_stats = diagonal != nullptr;  // vec16 and block_q <= 128: the host checked
   if (rows_stats) {
     for (int r = threadIdx.x; r < rows; r += kSummaryThreads) {
@@ -367,7 +374,7 @@ int* first_visible_rows(const at::Tensor& summary, at::Tensor* first_visible) {
 }  // namespace
 
 at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals,
-                                at::Tensor* first_visible) {
+                                at::Tensor* first_visible, Causal causal) {
   TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
                         "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
   const MaskView view = make_mask_view(mask);
@@ -382,6 +389,9 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
   const bool q_broadcast = q_len == 1 || mask.stride(2) == 0;
   const int64_t q_tiles = q_broadcast ? 1 : (q_len + block_q - 1) / block_q;
   const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
+  if (q_broadcast) {
+    causal.enabled = false;  // one row of tiles stands for every query tile
+  }
   at::Tensor summary = at::empty({batch_m, heads_m, q_tiles, kv_tiles}, mask.options().dtype(at::kByte));
   int* first = first_visible_rows(summary, first_visible);
   const int64_t blocks = summary.numel();
@@ -404,14 +414,14 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     diagonal = diagonals->data_ptr<int16_t>();
   }
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, summary.data_ptr<uint8_t>(), diagonal,
-      first);
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, causal, summary.data_ptr<uint8_t>(),
+      diagonal, first);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
 
 at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
-                                int block_kv, at::Tensor* diagonals, at::Tensor* first_visible) {
+                                int block_kv, at::Tensor* diagonals, at::Tensor* first_visible, Causal causal) {
   TORCH_INTERNAL_ASSERT(key_ranges.dim() == 3 && key_ranges.size(2) == 2 && key_ranges.stride(2) == 1 &&
                             key_ranges.stride(1) == 2 && key_ranges.scalar_type() == at::kInt && block_q > 0 &&
                             block_q <= kMaxDiagonalRows && block_kv > 0 && diagonals != nullptr,
@@ -420,7 +430,7 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   at::Tensor mask_summary, mask_diagonals;
   TileSummaryView mask_tiles;  // null: no mask
   if (mask.defined()) {
-    mask_summary = summarize_mask_tiles(mask, block_q, block_kv, &mask_diagonals);
+    mask_summary = summarize_mask_tiles(mask, block_q, block_kv, &mask_diagonals, nullptr, causal);
     mask_tiles = make_tile_summary_view(mask_summary, block_q, block_kv, mask_diagonals);
   }
   const int64_t heads_m = mask_summary.defined() ? mask_summary.size(1) : 1;

@@ -281,6 +281,7 @@ struct Bwd {
     attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
     float* grad_mask;                  // BwdParams::grad_mask (kBias only)
+    bool grad_mask_sums_batch;         // BwdParams::grad_mask_sums_batch
     int head_group;                    // BwdParams::head_group, at least 1
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
@@ -709,16 +710,23 @@ struct Bwd {
           tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[col_base + acc_col(i)]);
         }
       } else if (kBias && p.grad_mask != nullptr) {
-        // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len).
+        // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len):
+        // stored, or added to the other batches' (a mask shared by the batch).
         const int row0 = m_block_of(step) * kBlockM;
         const int last_row = p.q_len - 1 - row0;
-        float* grad = p.grad_mask + ((int64_t{batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
+        const bool add = p.grad_mask_sums_batch;
+        float* grad = p.grad_mask + ((int64_t{add ? 0 : batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
 #pragma unroll
         for (int i = 0; i < size(tdPrdP); ++i) {
           const int key = key_base + acc_row(i), row = col_base + acc_col(i);
           const float ds = tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
           if (key < keys_in_tile && row <= last_row) {
-            grad[int64_t{row} * p.kv_len + key] = ds;
+            float* slot = grad + int64_t{row} * p.kv_len + key;
+            if (add) {
+              atomicAdd(slot, ds);
+            } else {
+              *slot = ds;
+            }
           }
           tdPrdP(i) = p.score.natural_scale * ds;
         }
@@ -933,6 +941,7 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   p.mask_tiles = a.mask_tiles;
   p.key_ranges = a.key_ranges;
   p.grad_mask = a.grad_mask;
+  p.grad_mask_sums_batch = a.grad_mask_sums_batch;
   p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;

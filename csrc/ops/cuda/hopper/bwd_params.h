@@ -73,8 +73,10 @@ struct BwdParams {
   attn::TileSummaryView mask_tiles;
   // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
   // [B, Hq, Q, KV] contiguous float32 at each visited (query tile, key tile); the caller zeroes
-  // it (skipped tiles are not written). Only with a float mask.
+  // it (skipped tiles are not written). Only with a float mask. With grad_mask_sums_batch,
+  // [1, Hq, Q, KV] instead: every batch's elements added into it (atomics, any order).
   float* grad_mask = nullptr;
+  bool grad_mask_sums_batch = false;
   // Null, or each query row's one interval of keys, ANDed with the mask (as FwdParams::key_ranges;
   // mask_tiles then summarises both).
   attn::KeyRangeView key_ranges;
