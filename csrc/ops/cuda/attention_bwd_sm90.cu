@@ -97,6 +97,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // ones are skipped.
   at::Tensor summary, diagonals;
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
+  p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
   if (a.grad_mask_partial.defined()) {
     // [B, Hq, Q, KV] float32 (grad_mask_assign): the kernel writes the visited tiles' elements,
     // the skipped ones stay 0. [1, Hq, Q, KV] zeroed by the caller (grad_mask_sums_batch): it

@@ -77,6 +77,11 @@ struct BwdParams {
   // [1, Hq, Q, KV] instead: every batch's elements added into it (atomics, any order).
   float* grad_mask = nullptr;
   bool grad_mask_sums_batch = false;
+  // The CTAs of one (key tile, kv head) for every batch row run side by side (the grid's batch
+  // varies fastest in its order): set for a float mask shared by the batch, whose tiles are then
+  // read from memory once for the batch and whose summed gradient's atomics meet in L2 (a
+  // learnable [1, 16, 4096, 4096] bias at B = 4, D = 128, H100: the kernel 1.0 ms faster).
+  bool batch_inner = false;
   // Null, or each query row's one interval of keys, ANDed with the mask (as FwdParams::key_ranges;
   // mask_tiles then summarises both).
   attn::KeyRangeView key_ranges;
