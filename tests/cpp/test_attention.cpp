@@ -97,11 +97,13 @@ CATCH_TEST_CASE("attention without a gradient builds no graph") {
   CATCH_CHECK_FALSE(lse.requires_grad());
 }
 
-CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks") {
+CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks, or summed by the backend") {
   // 4 GiB of partial sums per chunk by default; one or two batch rows per chunk here. Each result
   // against the float64 reference (the bias's gradient summed over the batch and, for the
   // [1, 1, Q, KV] bias, the heads), through the composite backward (the chunking is the
-  // backend-independent attention_backward_impl's).
+  // backend-independent attention_backward_impl's). A backend that says it sums the batch itself
+  // gets one zeroed [1, H, Q, KV] buffer instead, in one call, whatever the budget (a
+  // [1, 1, Q, KV] bias too: one query head per kv head here, summed over the heads after).
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(4, int64_t{1} << 30, safeattn::kMaskGradBudgetBytes) == 4);
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(8, int64_t{8} << 30, safeattn::kMaskGradBudgetBytes) == 1);
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(5, 3, 10) == 3);
@@ -120,53 +122,22 @@ CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks") 
     const torch::autograd::variable_list want = torch::autograd::grad({(expected * grad_out).sum()}, {q, k, v, bias});
     const auto [out, lse] = safeattn::attention(q.detach(), k.detach(), v.detach(), bias.detach());
     const int64_t row_bytes = heads * 6 * 9 * 8;
-    for (const int64_t budget : {safeattn::kMaskGradBudgetBytes, row_bytes, 2 * row_bytes}) {
-      CATCH_INFO("bias heads " << heads << ", partial-sum budget " << budget << " bytes");
-      const auto got = safeattn::attention_backward_impl(grad_out, std::nullopt, q.detach(), k.detach(), v.detach(),
-                                                         out, lse, bias.detach(), false, std::nullopt, 0, 0, 0.0,
-                                                         std::nullopt, /*grad_mask_needed=*/true, std::nullopt,
-                                                         std::nullopt, &safeattn::attention_backward_chunked, budget);
-      CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
-      CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
-      CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));
-      CATCH_REQUIRE(std::get<3>(got).sizes() == bias.sizes());
-      CATCH_CHECK(at::allclose(std::get<3>(got), want[3], 1e-10, 1e-10));
-    }
-  }
-}
-
-CATCH_TEST_CASE("a backend that sums the batch gets one buffer for a batch-shared mask's gradient") {
-  // A [1, H, Q, KV] bias at batch 3: the backend that says it sums the batch gets a zeroed
-  // [1, H, Q, KV] buffer (one call), one that says no gets the partial sums as before; both
-  // against the float64 reference. A [1, 1, Q, KV] bias gets [1, H, Q, KV] too (one query head
-  // per kv head), summed over the heads after.
-  at::manual_seed(3);
-  const auto f64 = at::TensorOptions().dtype(at::kDouble);
-  const at::Tensor q = at::randn({3, 2, 5, 8}, f64).requires_grad_();
-  const at::Tensor k = at::randn({3, 2, 7, 8}, f64).requires_grad_();
-  const at::Tensor v = at::randn({3, 2, 7, 8}, f64).requires_grad_();
-  const at::Tensor grad_out = at::randn({3, 2, 5, 8}, f64);
-  for (const int64_t heads : {2, 1}) {
-    at::Tensor bias = at::randn({1, heads, 5, 7}, f64);
-    bias.select(2, 2).select(2, 6).fill_(-std::numeric_limits<double>::infinity());
-    bias.requires_grad_();
-    const at::Tensor expected = reference_attention(q, k, v, bias);
-    const torch::autograd::variable_list want = torch::autograd::grad({(expected * grad_out).sum()}, {q, k, v, bias});
-    const auto [out, lse] = safeattn::attention(q.detach(), k.detach(), v.detach(), bias.detach());
-    for (const bool allowed : {true, false}) {
-      CATCH_INFO("bias heads " << heads << ", backend sums the batch: " << allowed);
-      sums_batch_allowed = allowed;
-      sums_batch_calls = 0;
-      const auto got = safeattn::attention_backward_impl(
-          grad_out, std::nullopt, q.detach(), k.detach(), v.detach(), out, lse, bias.detach(), false, std::nullopt, 0,
-          0, 0.0, std::nullopt, /*grad_mask_needed=*/true, std::nullopt, std::nullopt, &backward_summing_batch,
-          safeattn::kMaskGradBudgetBytes, &takes_sums_batch);
-      CATCH_CHECK(sums_batch_calls == (allowed ? 1 : 0));
-      CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
-      CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
-      CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));
-      CATCH_REQUIRE(std::get<3>(got).sizes() == bias.sizes());
-      CATCH_CHECK(at::allclose(std::get<3>(got), want[3], 1e-10, 1e-10));
+    for (const bool sums : {false, true}) {
+      for (const int64_t budget : {safeattn::kMaskGradBudgetBytes, row_bytes, 2 * row_bytes}) {
+        CATCH_INFO("bias heads " << heads << ", partial-sum budget " << budget << " bytes, backend sums: " << sums);
+        sums_batch_allowed = sums;
+        sums_batch_calls = 0;
+        const auto got = safeattn::attention_backward_impl(
+            grad_out, std::nullopt, q.detach(), k.detach(), v.detach(), out, lse, bias.detach(), false, std::nullopt, 0,
+            0, 0.0, std::nullopt, /*grad_mask_needed=*/true, std::nullopt, std::nullopt, &backward_summing_batch,
+            budget, &takes_sums_batch);
+        CATCH_CHECK(sums_batch_calls == (sums ? 1 : 0));
+        CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
+        CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
+        CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));
+        CATCH_REQUIRE(std::get<3>(got).sizes() == bias.sizes());
+        CATCH_CHECK(at::allclose(std::get<3>(got), want[3], 1e-10, 1e-10));
+      }
     }
   }
 }
