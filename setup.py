@@ -147,7 +147,7 @@ def op_filter(paths):
 
 
 # Generated instantiations exist for head dims 32, 64, 80, 96, 128 and 256 (forward), 32, 64,
-# 96, 128 (backward), 64, 96, 128 (sm_90a forward) and 64, 128 (sm_90a backward). The default
+# 96, 128 (backward), 64, 96, 128, 256 (sm_90a forward) and 64, 96, 128 (sm_90a backward). The default
 # builds the common head dims (96: Phi-3) with tensor-core kernels; the others take the generic
 # CUDA kernels unless SAFEATTN_ATTN_HEAD_DIMS=all (more compile time).
 DEFAULT_ATTN_HEAD_DIMS = "64,96,128"

@@ -52,7 +52,7 @@ DIRECTIONS = {
         "launch_attention_fwd_sm90",
         "const FwdParams&, cudaStream_t",
         "",
-        (64, 96, 128),
+        (64, 96, 128, 256),
     ),
     "bwd_sm90": (
         "sm_90a backward",

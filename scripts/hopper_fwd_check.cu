@@ -5,6 +5,7 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        scripts/hopper_fwd_check.cu -o hopper_fwd_check
 //
+// (-DHOPPER_CHECK_D96 or -DHOPPER_CHECK_D256: that head dim's candidates alone.)
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
 // [--profile (two causal launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
 // tile_order.h)] [--trace (built with -DSAFEATTN_FWD_TRACE: the causal defaults' per-tile timeline, where a launch's
@@ -442,18 +443,24 @@ int main(int argc, char** argv) {
   // name, dtype, config (head dim, key tile, stages, consumer warpgroups, ping-pong)
 #define VARIANT(T, D, N, S, W, PP) \
   failed += check_variant<T, FwdConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
-#ifdef HOPPER_CHECK_D96  // head dim 96 alone (64-byte swizzled rows): its candidates
+#if defined(HOPPER_CHECK_D96)  // head dim 96 alone (64-byte swizzled rows): its candidates
   VARIANT(bf16, 96, 128, 2, 2, true);
   VARIANT(__half, 96, 128, 2, 2, true);
   VARIANT(bf16, 96, 128, 3, 2, true);
   VARIANT(bf16, 96, 128, 3, 3, true);
+#elif defined(HOPPER_CHECK_D256)  // head dim 256 alone (one Q buffer: 64 KB): its candidates
+  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, true, 1>>("bf16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<__half, FwdConfig<256, 64, 2, 2, true, 1>>("fp16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdConfig<256, 80, 2, 2, true, 1>>("bf16 d256 n80 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdConfig<256, 48, 3, 2, true, 1>>("bf16 d256 n48 s3 q1", quick, timing);
+  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, false, 1>>("bf16 d256 n64 s2 q1 no-pp", quick, timing);
 #else
   VARIANT(bf16, 128, 128, 2, 2, true);
   VARIANT(__half, 128, 128, 2, 2, true);
   VARIANT(bf16, 64, 128, 4, 3, true);
   VARIANT(__half, 64, 128, 4, 3, true);
 #endif
-#if !defined(HOPPER_CHECK_DEFAULTS_ONLY) && !defined(HOPPER_CHECK_D96)
+#if !defined(HOPPER_CHECK_DEFAULTS_ONLY) && !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
   failed += check_variant<bf16, FwdConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
   failed += check_variant<__half, FwdConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
   VARIANT(bf16, 64, 128, 5, 3, true);
@@ -464,7 +471,7 @@ int main(int argc, char** argv) {
   failed += check_variant<bf16, FwdConfig<128, 128, 2, 2, true, 2, 4>>("bf16 d128 exp-poly 1/4", quick, timing);
 #endif
 #undef VARIANT
-#ifndef HOPPER_CHECK_D96
+#if !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
   if (timing && (g_only < 0 || g_only == 99)) {  // the static schedule under causality
     time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
     time_variant<bf16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);

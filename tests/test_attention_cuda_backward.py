@@ -34,7 +34,8 @@ DEVICE = "cuda"
 # Head dims with tensor-core backward kernels (csrc/ops/cuda/attention_bwd_d<D>_<dtype>.cu); a
 # build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the generic path, still correct.
 TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
-# Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py).
+# Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py); 256 has the
+# forward only (its own test below).
 SM90_HEAD_DIMS = [64, 96, 128]
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
@@ -693,6 +694,60 @@ def test_bool_mask_long_walks_sm90(kind, head_dim):
     mask = mask[:, None].to(DEVICE)
     _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
     _assert_sm90_took_mask(q, k, v, mask)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "plain",
+        "causal",
+        "causal_left_padding",
+        "per_head_random",
+        "everything_masked_in_batch_0",
+        "sliced_from_wider",
+        "staircase_sliced",
+        "padding_causal_16bit",
+        "learnable_per_head",
+        "per_batch_head_16bit",
+        "window_chunks_key_mask",
+        "softcap_sinks",
+    ],
+)
+def test_head_dim_256_forward_sm90(kind, dtype):
+    """Head dim 256 (Gemma) in the sm_90a forward (on an H100/H200 of a build with it:
+    SAFEATTN_ATTN_HEAD_DIMS naming 256), whose key tile is 64 keys, not 128: so are its mask
+    summary's tiles. Every kind of mask it reads (bool ones with skipped, visible, diagonal and
+    mixed tiles; float ones as TMA tiles or gathered; key ranges with a key mask), a softcap and
+    sinks, GQA, partial last tiles, rows that see nothing; the output and lse against the
+    reference, and the gradients (of the backward that D = 256 has: the generic one) for the
+    plain and causal calls."""
+    batch, heads, q_len, kv_len = 4, 4, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, 256, dtype, DEVICE, seed=256)
+    kwargs, mask = {"enable_gqa": True}, None
+    bool_masks = _sm90_masks(batch, heads, q_len, kv_len)
+    float_masks = _float_mask_cases(batch, heads, q_len, kv_len)
+    if kind == "causal":
+        kwargs.update(is_causal=True, q_offset=kv_len - q_len)
+    elif kind in bool_masks:
+        mask = bool_masks[kind].to(DEVICE)
+    elif kind in float_masks:
+        mask = float_masks[kind][0].to(DEVICE, dtype if kind.endswith("16bit") else torch.float32)
+    elif kind == "window_chunks_key_mask":
+        kwargs.update(is_causal=True, q_offset=kv_len - q_len)
+        kwargs["key_ranges"] = _key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
+        mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+        mask[3, ..., :270] = False
+        mask = mask.to(DEVICE)
+    elif kind == "softcap_sinks":
+        with torch.no_grad():
+            q.mul_(4)
+        kwargs.update(is_causal=True, q_offset=kv_len - q_len, softcap=7.0)
+        kwargs["sinks"] = torch.tensor([-float("inf"), 40.0, 0.5, -1.0], device=DEVICE)
+    _check_against_reference(q, k, v, attn_mask=mask, grads=kind in ("plain", "causal"), **kwargs)
+    if _hopper_build(q, k, v):
+        names = _cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, **kwargs))
+        assert any("hopper::detail::fwd_kernel" in n for n in names), f"D=256 must take sm_90a: {names}"
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)

@@ -65,8 +65,8 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   // skips the fully masked key tiles, tests the diagonal ones by a compare and reads the mask
   // (computes the ranges) only in the mixed ones.
   at::Tensor summary, diagonals, first_visible;
-  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kFwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals,
-                        &first_visible);
+  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kFwdMaskTileRows,
+                        hopper::fwd_key_tile(static_cast<int>(query.size(3))), summary, diagonals, &first_visible);
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after
   // the kernel).

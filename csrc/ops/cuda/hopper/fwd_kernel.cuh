@@ -100,6 +100,12 @@ template <>
 struct DefaultFwdConfig<128> {
   using type = FwdConfig<128, 128, 2, 2, true>;
 };
+// Q (128 x 256, 64 KB) has one buffer and K and V two stages of 64 keys (64 KB each): 192 KB,
+// 224 with the bias tiles; registers per consumer thread: O 128, S 32, P 16.
+template <>
+struct DefaultFwdConfig<256> {
+  using type = FwdConfig<256, fwd_key_tile(256), 2, 2, true, 1>;
+};
 // With a mask (the kMasked variant): at D = 64, two consumer warpgroups of 232 registers, since
 // the mask's bits and addresses do not fit beside three warpgroups' 160 (168 bytes of spills).
 template <int kHeadDim>
@@ -110,8 +116,9 @@ template <>
 struct MaskedFwdConfig<64> {
   using type = FwdConfig<64, 128, 4, 2, true>;
 };
-// With a bias read through shared memory (the kBiasTile variant: a 128 x 128 16-bit tile per K
-// stage, 32 KB each): two K/V stages, and at D = 128 one Q buffer, to stay within 227 KB.
+// With a bias read through shared memory (the kBiasTile variant: a 128 x key tile 16-bit tile per
+// K stage, 32 KB each for 128 keys): two K/V stages, and at D = 128 one Q buffer, to stay within
+// 227 KB (D = 256 has one already).
 template <int kHeadDim>
 struct BiasFwdConfig {
   using type = FwdConfig<kHeadDim, 128, 2, 2, true>;
@@ -119,6 +126,10 @@ struct BiasFwdConfig {
 template <>
 struct BiasFwdConfig<128> {
   using type = FwdConfig<128, 128, 2, 2, true, 1>;
+};
+template <>
+struct BiasFwdConfig<256> {
+  using type = DefaultFwdConfig<256>::type;
 };
 
 template <typename T>
@@ -409,13 +420,13 @@ struct Fwd {
     attn::MaskView mask;               // bool, float (a bias), or none
     TmaBias tma_bias;                  // kBiasTile: the mask as (rows, keys, head, batch)
     ShapeQKV shape_bias;               // its head and batch extents are 1 where it broadcasts
-    attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x kMaskTileKeys
+    attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x fwd_key_tile(kHeadDim)
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per row
     unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
     int head_group;                    // FwdParams::head_group, at least 1
     int batch_heads;                   // batch * heads: tiles / m_blocks
   };
-  static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == kMaskTileKeys),
+  static_assert(!kMasked || (kBlockM == kFwdMaskTileRows && kBlockN == fwd_key_tile(kHeadDim)),
                 "a masked tile is one of the mask summary's tiles");
 
   // ---- the tile schedule ---------------------------------------------------------------------
@@ -1217,7 +1228,7 @@ cudaError_t launch_fwd_config(const FwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_fwd_variant<T, Config, false>(a, stream);
   }
-  if constexpr (Config::kBlockN == kMaskTileKeys && Config::kBlockM == kFwdMaskTileRows) {
+  if constexpr (Config::kBlockN == fwd_key_tile(Config::kHeadDim) && Config::kBlockM == kFwdMaskTileRows) {
     return launch_fwd_masked<T, Config>(a, stream);
   }
   return cudaErrorInvalidValue;

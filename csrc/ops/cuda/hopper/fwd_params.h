@@ -13,10 +13,17 @@
 namespace safeattn::cuda::hopper {
 
 // The tiles of the mask summary the sm_90a kernels read (attn::summarize_mask_tiles), each kernel's
-// own: 128 keys (both kernels' key tile) x kFwdMaskTileRows query rows (the masked forward's tile;
-// hopper/bwd_params.h has the backward's), so that a tile's class is one byte of the summary.
+// own, so that a tile's class is one byte of the summary: the forward's kFwdMaskTileRows query
+// rows x fwd_key_tile(D) keys (its tile), the backward's kBwdMaskTileRows (hopper/bwd_params.h) x
+// kMaskTileKeys.
 constexpr int kMaskTileKeys = 128;
 constexpr int kFwdMaskTileRows = 128;
+// The forward's key tile for head dim D: 128 keys, but 64 past D = 128, where O's D / 2
+// accumulators per thread leave no registers for 128 keys' scores (and K and V stages of 128 keys
+// no shared memory beside Q).
+constexpr int fwd_key_tile(int head_dim) {
+  return head_dim > 128 ? 64 : 128;
+}
 
 struct FwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
@@ -42,7 +49,7 @@ struct FwdParams {
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
   // attn_mask as a [B, Hq, Q, KV] view (bool, or float: a bias; kNone: no mask) and its summary
-  // for tiles of kFwdMaskTileRows x kMaskTileKeys: fully masked key tiles are skipped, fully
+  // for tiles of kFwdMaskTileRows x fwd_key_tile(D): fully masked key tiles are skipped, fully
   // visible ones read no mask, and mixed ones read it per element (a 16-bit float mask with
   // aligned rows as TMA tiles: launch_attention_fwd_sm90).
   attn::MaskView mask;
