@@ -10,10 +10,10 @@ Environment switches:
   SAFEATTN_CUDA_ARCHS="90"      semicolon or comma separated compute capabilities (default sm_90)
   SAFEATTN_CPU_ISAS="DEFAULT;AVX2;AVX512"  restrict the CPU variants (x86 only; faster dev builds)
   SAFEATTN_OPS="sdpa_mask,..."  compile only these ops' kernels (dev builds; schemas always built)
-  SAFEATTN_ATTN_HEAD_DIMS="64,96,128"  the head dims whose CUDA attention instantiations are
+  SAFEATTN_ATTN_HEAD_DIMS="64,96,128,256"  the head dims whose CUDA attention instantiations are
                                 compiled (files attention_{fwd,bwd,fwd_sm90,bwd_sm90}_d<D>_<dtype>.cu;
                                 "all" for every file); the others take the generic path. Default:
-                                64,96,128, the common head dims, tested on a GPU
+                                64,96,128,256, the common head dims, tested on a GPU
   SAFEATTN_CUTLASS_INCLUDE=dir  the CUTLASS / CuTe headers (default: the nvidia-cutlass package's
                                 cutlass_library/source/include); with them and sm_90 among the
                                 archs, the Hopper kernels (csrc/ops/cuda/hopper/*.cu) are built for
@@ -147,10 +147,11 @@ def op_filter(paths):
 
 
 # Generated instantiations exist for head dims 32, 64, 80, 96, 128 and 256 (forward), 32, 64,
-# 96, 128 (backward), 64, 96, 128, 256 (sm_90a forward) and 64, 96, 128 (sm_90a backward). The default
-# builds the common head dims (96: Phi-3) with tensor-core kernels; the others take the generic
-# CUDA kernels unless SAFEATTN_ATTN_HEAD_DIMS=all (more compile time).
-DEFAULT_ATTN_HEAD_DIMS = "64,96,128"
+# 96, 128 (backward), 64, 96, 128, 256 (sm_90a forward) and 64, 96, 128 (sm_90a backward). The
+# default builds the common head dims (96: Phi-3; 256: Gemma, forward only, its backward generic)
+# with tensor-core kernels; the others take the generic CUDA kernels unless
+# SAFEATTN_ATTN_HEAD_DIMS=all (more compile time). 256 costs about 150 s of compile (2 cores).
+DEFAULT_ATTN_HEAD_DIMS = "64,96,128,256"
 
 
 def head_dim_filter(paths):

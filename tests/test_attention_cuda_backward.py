@@ -6,7 +6,8 @@ fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV
 default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
 mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
 call: bf16/fp16, D 64, 96 and 128, no mask, a bool or a float one (its gradient when the mask has
-a head dim, not with a softcap), key ranges, softcap, sinks; the mma.sync kernels take everything
+a head dim, not with a softcap), key ranges, softcap, sinks (and its forward at D 256, whose
+backward is the generic one); the mma.sync kernels take everything
 else, so the cases with softcapped or broadcast learnable biases and other head dims test them),
 and the generic path (float32, head dims without an instantiation, D != Dv, unaligned views).
 
