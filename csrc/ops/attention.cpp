@@ -348,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   // algorithms) gets one zeroed [1, Hq, Q, KV] buffer instead.
   at::Tensor mask4;
   std::vector<int64_t> partial_sizes;
-  bool grad_mask_assign = false;
+  bool grad_mask_assign = false;  // GradMaskWrite::kAssign
   int64_t chunk = std::max<int64_t>(batch, 1);
   bool batch_done = false;  // the batch-summed gradient below ran the whole batch
   if (attn_mask.has_value()) {
@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     args.grad_key = rows_of(grad_key);
     args.grad_value = rows_of(grad_value);
     args.grad_mask_partial = partial;
-    args.grad_mask_assign = grad_mask_assign;
+    args.grad_mask_write = grad_mask_assign ? GradMaskWrite::kAssign : GradMaskWrite::kAccumulate;
     set_score_rule(args, query, scale, softcap, is_causal, q_offset, kv_offset, q_len, kv_len);
     return args;
   };
@@ -404,11 +404,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
   };
   if (grad_mask_assign && mask4.size(0) == 1 && batch > 1 && sums_batch != nullptr) {
-    AttentionBwdArgs args = args_for(0, batch, at::empty({1, hq, q_len, kv_len}, query.options().dtype(acc)));
-    args.grad_mask_assign = false;
-    args.grad_mask_sums_batch = true;
+    AttentionBwdArgs args = args_for(0, batch, at::Tensor());
+    args.grad_mask_write = GradMaskWrite::kSumBatch;
     if (sums_batch(args)) {
-      args.grad_mask_partial.zero_();
+      args.grad_mask_partial = at::zeros({1, hq, q_len, kv_len}, query.options().dtype(acc));
       kernel(args);
       add_to_sum(args.grad_mask_partial, 1);
       batch_done = true;

@@ -67,6 +67,20 @@ struct AttentionFwdArgs {
   int64_t kv_offset = 0;
 };
 
+// How a backward kernel writes AttentionBwdArgs::grad_mask_partial.
+enum class GradMaskWrite : uint8_t {
+  // Zero-initialised by the caller; contributions added (a group's query heads, broadcast dims).
+  kAccumulate,
+  // Every element gets exactly one contribution (one query head per slot, full Q and KV dims):
+  // assigned, so the buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is
+  // the gradient itself.
+  kAssign,
+  // The mask is shared by the batch (size 1 in dim 0) and the partial is [1, Hq, Q, KV]
+  // zero-initialised: every batch row's contribution added into it, in any order (only for a
+  // backend that says it can: AttentionBwdSumsBatchFn).
+  kSumBatch,
+};
+
 // What the backward kernel reads and writes. It parallelises over (batch x kv-heads): each
 // task packs what it reads (in the acc dtype) and writes dK, dV of its kv-head and dQ of the
 // query heads of its group, so no element is written by two tasks: no atomics, and results
@@ -92,14 +106,8 @@ struct AttentionBwdArgs {
   // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
   // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
   at::Tensor grad_mask_partial;
-  // True when every element of grad_mask_partial gets exactly one contribution (one query
-  // head per slot, full Q and KV dims): the kernel assigns instead of accumulating, so the
-  // buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is the gradient itself.
-  bool grad_mask_assign = false;
-  // True when the mask is shared by the batch (size 1 in dim 0) and grad_mask_partial is
-  // [1, Hq, Q, KV] zero-initialised: the kernel adds every batch's contribution into it, in any
-  // order (only backends that say they can are given this: AttentionBwdSumsBatchFn).
-  bool grad_mask_sums_batch = false;
+  // How the kernel writes grad_mask_partial (GradMaskWrite).
+  GradMaskWrite grad_mask_write = GradMaskWrite::kAccumulate;
   double scale = 1.0;
   double softcap = 0.0;
   bool is_causal = false;
@@ -122,8 +130,9 @@ inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, 
 // shared entry points below, so CPU and CUDA differ only in these two functions.
 using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
 using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
-// Whether the backend's kernel takes these arguments with grad_mask_sums_batch (the partial not
-// yet zeroed): one [1, Hq, Q, KV] buffer instead of the batch's partial sums and their reduction.
+// Whether the backend's kernel takes these arguments with GradMaskWrite::kSumBatch (the partial
+// not yet allocated): one [1, Hq, Q, KV] buffer instead of the batch's partial sums and their
+// reduction.
 using AttentionBwdSumsBatchFn = bool (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);

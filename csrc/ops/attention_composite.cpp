@@ -223,7 +223,7 @@ void attention_backward_chunked(const AttentionBwdArgs& a) {
   const bool mask_grad = partial.defined();
   const bool partial_by_group = mask_grad && partial.size(1) != hq;  // [B, Hkv, ...]: sum the group
   // Full query dim: each chunk assigns its rows (the buffer may be uninitialised, see
-  // grad_mask_assign); a size-1 query dim accumulates every chunk's row sum, in chunk order.
+  // GradMaskWrite::kAssign); a size-1 query dim accumulates every chunk's row sum, in chunk order.
   const bool partial_q = mask_grad && partial.size(2) == q_len;
   const bool partial_kv = mask_grad && partial.size(3) == kv_len;
 

@@ -39,7 +39,7 @@ bool takes_sums_batch(const safeattn::AttentionBwdArgs& /*args*/) {
 }
 
 void backward_summing_batch(const safeattn::AttentionBwdArgs& args) {
-  if (!args.grad_mask_sums_batch) {
+  if (args.grad_mask_write != safeattn::GradMaskWrite::kSumBatch) {
     safeattn::attention_backward_chunked(args);
     return;
   }
@@ -54,8 +54,7 @@ void backward_summing_batch(const safeattn::AttentionBwdArgs& args) {
                           &one.lse_lo, &one.mask, &one.key_ranges, &one.grad_query, &one.grad_key, &one.grad_value}) {
       *t = row(*t);
     }
-    one.grad_mask_sums_batch = false;
-    one.grad_mask_assign = true;
+    one.grad_mask_write = safeattn::GradMaskWrite::kAssign;
     one.grad_mask_partial = at::empty_like(sum);
     safeattn::attention_backward_chunked(one);
     sum.add_(one.grad_mask_partial);

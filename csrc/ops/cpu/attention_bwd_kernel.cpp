@@ -221,6 +221,9 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
   const int64_t gm_heads = gm ? a.grad_mask_partial.size(1) : 0;
   const int64_t gm_q = gm ? a.grad_mask_partial.size(2) : 0;
   const int64_t gm_kv = gm ? a.grad_mask_partial.size(3) : 0;
+  TORCH_INTERNAL_ASSERT(a.grad_mask_write != GradMaskWrite::kSumBatch,
+                        "attention backward (CPU): the batch is summed by the caller here");
+  const bool assign_mask_grad = a.grad_mask_write == GradMaskWrite::kAssign;
 
   const acc_t scale = static_cast<acc_t>(a.scale);
   const acc_t softcap = static_cast<acc_t>(a.softcap);
@@ -279,7 +282,7 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
           const int64_t h = hk * group + g;
           acc_t* dqc = dq_cols.data() + g * head_dim * q_pad;
           const int64_t i_start = first_i / kQBlock * kQBlock;
-          if (gm != nullptr && a.grad_mask_assign) {
+          if (gm != nullptr && assign_mask_grad) {
             // Assigned, not accumulated: the rows no tile visits must still be written.
             acc_t* gm_head = gm + (b * gm_heads + h) * gm_q * gm_kv;
             for (int64_t i = 0; i < i_start; ++i) {
@@ -337,8 +340,8 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
                     sum += dpt[r * ld + c];
                   }
                   // Assigned when this is the only key (KV == 1: one tile, one contribution).
-                  gm_row[0] = a.grad_mask_assign ? sum : gm_row[0] + sum;
-                } else if (a.grad_mask_assign) {
+                  gm_row[0] = assign_mask_grad ? sum : gm_row[0] + sum;
+                } else if (assign_mask_grad) {
                   for (int64_t r = 0; r < n; ++r) {
                     gm_row[j0 + r] = dpt[r * ld + c];
                   }

@@ -301,7 +301,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     attention_bwd_hopper<T>(args);
     return;
   }
-  TORCH_INTERNAL_ASSERT(!args.grad_mask_sums_batch,
+  TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBatch,
                         "attention backward (CUDA): a batch-summed mask gradient is only "
                         "given to the Hopper kernels (attention_bwd_cuda_sums_batch)");
   AttentionBwdArgs a = args;
@@ -385,8 +385,8 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     a.grad_query.copy_(dq_accum);
     return;
   }
-  if (!partial.defined() || a.grad_mask_assign) {
-    // grad_mask_assign: the partial is [B, Hq, Q, KV] float32 contiguous, written in full.
+  if (!partial.defined() || a.grad_mask_write == GradMaskWrite::kAssign) {
+    // kAssign: the partial is [B, Hq, Q, KV] float32 contiguous, written in full.
     p.grad_mask = partial.defined() ? partial.data_ptr<float>() : nullptr;
     launch(/*dkdv=*/true, /*dq=*/true, batch);
     return;

@@ -34,10 +34,11 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
   // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
-  // where each has one slot (grad_mask_assign: [B, Hq, Q, KV]) or added into one buffer for the
-  // batch (grad_mask_sums_batch: [1, Hq, Q, KV]); masks broadcast over heads, queries or keys have
-  // their gradients summed by the mma.sync kernels.
-  const bool grad_mask_ok = !a.grad_mask_partial.defined() || a.grad_mask_assign || a.grad_mask_sums_batch;
+  // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer for
+  // the batch (kSumBatch: [1, Hq, Q, KV]); masks broadcast over heads, queries or keys have their
+  // gradients summed by the mma.sync kernels. (AttentionBwdSumsBatchFn asks with kSumBatch and
+  // no buffer yet.)
+  const bool grad_mask_ok = !a.grad_mask_partial.defined() || a.grad_mask_write != GradMaskWrite::kAccumulate;
   if ((attn::natural_units(a.mask) && a.softcap > 0.0) || !grad_mask_ok || !a.grad_query.defined() ||
       !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
     return false;
@@ -99,18 +100,18 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
   if (a.grad_mask_partial.defined()) {
-    // [B, Hq, Q, KV] float32 (grad_mask_assign): the kernel writes the visited tiles' elements,
-    // the skipped ones stay 0. [1, Hq, Q, KV] zeroed by the caller (grad_mask_sums_batch): it
-    // adds every batch's elements into it.
+    // [B, Hq, Q, KV] float32 (kAssign): the kernel writes the visited tiles' elements, the
+    // skipped ones stay 0. [1, Hq, Q, KV] zeroed by the caller (kSumBatch): it adds every
+    // batch's elements into it.
     const at::Tensor& partial = a.grad_mask_partial;
-    TORCH_INTERNAL_ASSERT((a.grad_mask_assign || a.grad_mask_sums_batch) && partial.is_contiguous() &&
-                          partial.scalar_type() == at::kFloat &&
-                          partial.size(0) == (a.grad_mask_sums_batch ? 1 : batch));
-    if (a.grad_mask_assign) {
+    const bool sums_batch = a.grad_mask_write == GradMaskWrite::kSumBatch;
+    TORCH_INTERNAL_ASSERT(a.grad_mask_write != GradMaskWrite::kAccumulate && partial.is_contiguous() &&
+                          partial.scalar_type() == at::kFloat && partial.size(0) == (sums_batch ? 1 : batch));
+    if (!sums_batch) {
       partial.zero_();
     }
     p.grad_mask = partial.data_ptr<float>();
-    p.grad_mask_sums_batch = a.grad_mask_sums_batch;
+    p.grad_mask_sums_batch = sums_batch;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
