@@ -59,7 +59,7 @@ DIRECTIONS = {
         "launch_attention_bwd_sm90",
         "const BwdParams&, cudaStream_t",
         "",
-        (64, 96, 128),
+        (64, 96, 128, 256),
     ),
 }
 

@@ -5,7 +5,7 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        scripts/hopper_bwd_check.cu -o hopper_bwd_check
 //
-// (-DHOPPER_BWD_CHECK_D=64, 96 or 128: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
+// (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
 // the dispatched variants alone, a shorter build.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
 // causal key-tile order, tile_order.h)]. For each
@@ -449,6 +449,14 @@ int main(int argc, char** argv) {
 #if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 96
   VARIANT(bf16, 96, 64, 128, 2);
   VARIANT(__half, 96, 64, 128, 2);
+#endif
+#if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 256
+  // 64 keys shared by both consumer warpgroups, dQ by atomics (DefaultBwdConfig<256>).
+  VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 0);
+  VARIANT_X(__half, 256, 64, 64, 2, false, -1, 0);
+#ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
+  VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 1);  // where the time goes: the dQ atomics left out
+#endif
 #endif
 #ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
   // Where the time goes: dQ by atomics instead of bulk reduce-adds, and the dQ

@@ -35,9 +35,9 @@ DEVICE = "cuda"
 # Head dims with tensor-core backward kernels (csrc/ops/cuda/attention_bwd_d<D>_<dtype>.cu); a
 # build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the generic path, still correct.
 TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
-# Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py); 256 has the
-# forward only (its own test below).
-SM90_HEAD_DIMS = [64, 96, 128]
+# Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py); 256's tiles
+# are 64 keys (its own forward test below).
+SM90_HEAD_DIMS = [64, 96, 128, 256]
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 # (q_len, kv_len, causal): partial tiles on both sides, both causal alignments.
@@ -721,8 +721,8 @@ def test_head_dim_256_forward_sm90(kind, dtype):
     summary's tiles. Every kind of mask it reads (bool ones with skipped, visible, diagonal and
     mixed tiles; float ones as TMA tiles or gathered; key ranges with a key mask), a softcap and
     sinks, GQA, partial last tiles, rows that see nothing; the output and lse against the
-    reference, and the gradients (of the backward that D = 256 has: the generic one) for the
-    plain and causal calls."""
+    reference, and the gradients (the sm_90a backward's, also 64-key tiles) for the plain and
+    causal calls."""
     batch, heads, q_len, kv_len = 4, 4, 300, 520
     q, k, v = _qkv(batch, heads, 2, q_len, kv_len, 256, dtype, DEVICE, seed=256)
     kwargs, mask = {"enable_gqa": True}, None
@@ -749,6 +749,10 @@ def test_head_dim_256_forward_sm90(kind, dtype):
     if _hopper_build(q, k, v):
         names = _cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, **kwargs))
         assert any("hopper::detail::fwd_kernel" in n for n in names), f"D=256 must take sm_90a: {names}"
+        if kind in ("plain", "causal"):
+            out, _ = safeattn.attention(q, k, v, attn_mask=mask, **kwargs)
+            bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+            assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"D=256 must take sm_90a: {bwd}"
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)

@@ -201,6 +201,7 @@ void launch_for_head_dim(int64_t head_dim, const BwdParams& params, const attn::
   TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
 }
 
+// The mma.sync kernels (attention_bwd.cuh) cover the call.
 bool tensor_core_supported(const AttentionBwdArgs& a) {
   const at::ScalarType t = a.query.scalar_type();
   if (t != at::kHalf && t != at::kBFloat16) {
@@ -240,10 +241,11 @@ bool use_atomic_dq(const AttentionBwdArgs& a) {
   return !at::globalContext().deterministicAlgorithms() && !a.grad_mask_partial.defined() && a.grad_query.defined();
 }
 
-// The Hopper kernels (attention_bwd_sm90.h) where they cover the call: they sum dQ with atomics,
-// so only where those are allowed; they write a mask gradient of one slot per element themselves.
+// The Hopper kernels (attention_bwd_sm90.h) where they cover the call (their own head dims: 256
+// has no mma.sync backward): they sum dQ with atomics, so only where those are allowed; they
+// write a mask gradient of one slot per element themselves.
 bool use_hopper(const AttentionBwdArgs& a) {
-  return tensor_core_supported(a) && !at::globalContext().deterministicAlgorithms() && attention_bwd_sm90_takes(a);
+  return !at::globalContext().deterministicAlgorithms() && attention_bwd_sm90_takes(a);
 }
 
 // The Hopper backward (attention_bwd_sm90.h) after its rows pre-pass: rows padded, dq_accum
@@ -295,12 +297,6 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
 
 template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
-  // Hopper: the TMA + wgmma kernels where they cover the call. Their dQ is summed with atomics,
-  // so only where the atomic mode is allowed (deterministic algorithms keep the dQ kernel).
-  if (use_hopper(args)) {
-    attention_bwd_hopper<T>(args);
-    return;
-  }
   TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBatch,
                         "attention backward (CUDA): a batch-summed mask gradient is only "
                         "given to the Hopper kernels (attention_bwd_cuda_sums_batch)");
@@ -414,6 +410,16 @@ void attention_bwd_cuda(const AttentionBwdArgs& args) {
     attention_bwd_cuda(with_key_ranges_drawn(args));
     return;
   }
+  // Hopper: the TMA + wgmma kernels where they cover the call (deterministic algorithms keep the
+  // mma.sync kernels' dQ kernel).
+  if (use_hopper(args)) {
+    if (args.query.scalar_type() == at::kBFloat16) {
+      attention_bwd_hopper<__nv_bfloat16>(args);
+    } else {
+      attention_bwd_hopper<__half>(args);
+    }
+    return;
+  }
   if (!tensor_core_supported(args)) {
     AttentionBwdArgs cleaned = args;
     cleaned.grad_out = grad_out_without_empty_rows(args);
@@ -430,7 +436,7 @@ void attention_bwd_cuda(const AttentionBwdArgs& args) {
 // The Hopper kernels add a mask shared by the batch's gradient into one buffer (with atomics,
 // as their dQ: so only where use_hopper allows those).
 bool attention_bwd_cuda_sums_batch(const AttentionBwdArgs& args) {
-  return tensor_core_supported(args) && use_hopper(args);
+  return use_hopper(args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(

@@ -97,7 +97,8 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // A mask (and the key ranges) is summarised per (query tile, key tile) first: fully masked
   // ones are skipped.
   at::Tensor summary, diagonals;
-  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows, hopper::kMaskTileKeys, summary, diagonals);
+  attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows,
+                        hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals);
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
   if (a.grad_mask_partial.defined()) {
     // [B, Hq, Q, KV] float32 (kAssign): the kernel writes the visited tiles' elements, the

@@ -11,7 +11,10 @@
 // no second fragment of scores is kept.
 //
 // One CTA per (key tile of kBlockN keys, kv head, batch) = 1 producer warpgroup + 2 consumer
-// warpgroups; consumer warpgroup w owns keys [64w, 64w + 64) of the tile.
+// warpgroups; consumer warpgroup w owns keys [64w, 64w + 64) of the tile (past head dim 128 the
+// tile is 64 keys that both share, Bwd::kSharedKeys: below, each warpgroup then computes S^T and
+// dP^T for half the query rows, stores P^T to shared memory too, and dV and dK for half the head
+// dim, with P^T and dS^T read from shared memory).
 //   producer  one thread loads K and V once (TMA, one mbarrier), then streams the query tiles the
 //             key tile sees (kBlockM rows, every query head of the kv head's group in turn: GQA
 //             sums dK and dV inside the CTA) through two kStages-deep pipelines: Q with the
@@ -89,6 +92,12 @@ template <>
 struct DefaultBwdConfig<128> {
   using type = BwdConfig<128, 64, 128, 2>;
 };
+// 64 keys shared by the two consumer warpgroups (Bwd::kSharedKeys); dQ by atomics: Q, dO, K, V,
+// P and dS fill the shared memory, no room is left for a dQ stage.
+template <>
+struct DefaultBwdConfig<256> {
+  using type = BwdConfig<256, 64, bwd_key_tile(256), 2, false>;
+};
 
 // How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
 //   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
@@ -143,7 +152,15 @@ struct Bwd {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
-  static_assert(kBlockN == 64 * kMmaWGs, "each consumer warpgroup owns 64 keys");
+  // kSharedKeys, a tile of 64 keys (bwd_key_tile: head dims past 128): both consumer warpgroups
+  // work on the same keys, each on half the step's query rows for S^T and dP^T and on half the
+  // head dim for dK and dV (D / 2 accumulators each for dK and dV would leave no registers for S
+  // and dP); P^T then goes through shared memory as dS^T does, and the dK / dV products read
+  // both from there. Otherwise each consumer warpgroup owns 64 of the tile's keys.
+  static constexpr bool kSharedKeys = kBlockN == 64;
+  static_assert(kBlockN == (kSharedKeys ? 64 : 64 * kMmaWGs));
+  static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;   // S^T's query rows per warpgroup
+  static constexpr int kdKVCols = kSharedKeys ? kHeadDim / kMmaWGs : kHeadDim;  // dK's, dV's head dim per warpgroup
   static_assert(kBlockM == 64 || kBlockM == 128);
   // The dQ product's sharing (DqMode): split where the tile allows it, else alternate (at D = 64
   // on an H200 fwd+bwd 335 -> 359 TFLOP/s against own keys: half the reduce-adds per step).
@@ -161,6 +178,7 @@ struct Bwd {
   // w did, with kdQOwnKeys); 3 + w: warpgroup w staged its dQ.
   static constexpr int kDsBarrier = 1;
   static constexpr int kdQStagedBarrier = 3;
+  static constexpr int kPBarrier = 5;  // kSharedKeys: both consumer warpgroups wrote their P^T
   // dQ through shared memory: each warpgroup's 64-row product (kdQTileElems floats) is staged in
   // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
   // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
@@ -184,16 +202,22 @@ struct Bwd {
     }
   }
 
-  // S^T = K Q^T and dP^T = V dO^T: M = keys (64 per warpgroup), N = query rows, K = head dim.
-  using TiledMmaSdP =
-      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
-                              Layout<Shape<Int<kMmaWGs>, _1, _1>>{}));
-  // dV += P^T dO and dK += dS^T Q: A from registers, B (N = head dim, K = query rows) is a
-  // transposed view of dO / Q, head dim contiguous: MN-major.
-  using TiledMmadKV =
-      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
-                                                   GMMA::Major::K, GMMA::Major::MN>(),
-                              Layout<Shape<Int<kMmaWGs>, _1, _1>>{}));
+  // How the warpgroups split S^T, dP^T, dK and dV: by keys (M), or with kSharedKeys by query
+  // rows for S^T / dP^T and by head dim for dK / dV (N).
+  using WarpgroupLayout = Layout<Shape<Int<kSharedKeys ? 1 : kMmaWGs>, Int<kSharedKeys ? kMmaWGs : 1>, _1>>;
+  // S^T = K Q^T and dP^T = V dO^T: M = keys, N = query rows, K = head dim.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPRows>, Int<kHeadDim>>>(), WarpgroupLayout{}));
+  // dV += P^T dO and dK += dS^T Q: A from registers (with kSharedKeys from shared memory, query
+  // rows contiguous: K-major), B (N = head dim, K = query rows) is a transposed view of dO / Q,
+  // head dim contiguous: MN-major.
+  using AtomdKV = std::conditional_t<
+      kSharedKeys,
+      decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>, GMMA::Major::K,
+                                    GMMA::Major::MN>()),
+      decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>, GMMA::Major::K,
+                                    GMMA::Major::MN>())>;
+  using TiledMmadKV = decltype(make_tiled_mma(AtomdKV{}, WarpgroupLayout{}));
   // dQ = dS K: A = dS (M = query rows, K = keys) stored query-contiguous (MN-major), B = K^T
   // (N = head dim, K = keys), head dim contiguous (MN-major).
   using TiledMmadQ = decltype(make_tiled_mma(
@@ -210,12 +234,14 @@ struct Bwd {
                                                       Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // dS: (query rows, keys, buffer), query rows contiguous.
-  using SmemLayoutdS =
-      decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(), Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // dS: (query rows, keys, buffer), query rows contiguous; buffers 0 and 1 hold dS, 2 and 3 P
+  // (kSharedKeys).
+  static constexpr int kDsBuffers = kSharedKeys ? 4 : 2;
+  using SmemLayoutdS = decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(),
+                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kDsBuffers>>{}));
   // The same bytes seen as dS^T (keys, query rows, buffer): the S^T accumulator's shape.
   using SmemLayoutdSt =
-      decltype(composition(SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{},
+      decltype(composition(SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDsBuffers>>{},
                                                        Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
   // dS^T from the accumulator registers into shared memory: stmatrix, four 8 x 8 blocks a call
   // (each block row is 8 consecutive query rows of one key: 16 contiguous bytes of dS).
@@ -278,14 +304,14 @@ struct Bwd {
     bool causal;
     int64_t causal_shift;
     attn::MaskView mask;               // bool, float (a bias), or none
-    attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x kMaskTileKeys
+    attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x bwd_key_tile(D)
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
     float* grad_mask;                  // BwdParams::grad_mask (kBias only)
     bool grad_mask_sums_batch;         // BwdParams::grad_mask_sums_batch
     bool batch_inner;                  // BwdParams::batch_inner
     int head_group;                    // BwdParams::head_group, at least 1
   };
-  static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == kMaskTileKeys),
+  static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == bwd_key_tile(kHeadDim)),
                 "a masked step is one tile of the mask summary");
 
   // The first step from `step` on that the mask summary does not rule out for key tile n_block
@@ -457,7 +483,7 @@ struct Bwd {
     // kdQOwnKeys: this warpgroup's 64 keys of dS and K^T; else all of them.
     auto dq_keys = [&](auto tensor) {
       if constexpr (kdQOwnKeys) {
-        return local_tile(tensor, Shape<Int<kBlockM>, _64, _2>{}, make_coord(_0{}, wg, _0{}));
+        return local_tile(tensor, Shape<Int<kBlockM>, _64, Int<kDsBuffers>>{}, make_coord(_0{}, wg, _0{}));
       } else {
         return tensor;
       }
@@ -479,15 +505,26 @@ struct Bwd {
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     // P^T and dS^T as the A operand of the dK/dV products: k block kb holds accumulator elements
     // [8 kb, 8 kb + 8) of S^T (the wgmma accumulator and A-fragment orders agree).
-    using RegLayoutA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    using RegLayoutA =
+        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSdPRows / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
     Tensor tdVrP = make_tensor<Element>(RegLayoutA{});
     Tensor tdKrdS = make_tensor<Element>(RegLayoutA{});
-    static_assert(decltype(size(tSrS))::value == kBlockM / 2 && decltype(size(tdVrP))::value == kBlockM / 2);
+    static_assert(decltype(size(tSrS))::value == kSdPRows / 2 && decltype(size(tdVrP))::value == kSdPRows / 2);
+    // kSharedKeys: P^T (buffers 2, 3) and dS^T (0, 1) as the dK / dV products' A, from shared memory.
+    auto shared_a = [&] {
+      if constexpr (kSharedKeys) {
+        return wg_dkv.partition_fragment_A(sdSt);  // (MMA, 1, M / 16, buffer)
+      } else {
+        return 0;
+      }
+    }();
     R2SCopydS r2s_ds;
     auto thr_r2s_ds = r2s_ds.get_slice(mma_thread);
     Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
-    // tdKrdS's registers seen in the accumulator's layout (the same order), as the copy's source.
+    // tdKrdS's (tdVrP's) registers seen in the accumulator's layout (the same order), as the
+    // copy's source.
     Tensor tdSrdS = thr_r2s_ds.retile_S(make_tensor(tdKrdS.data(), tSrS.layout()));
+    Tensor tPrP = thr_r2s_ds.retile_S(make_tensor(tdVrP.data(), tSrS.layout()));
 
     // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row
     // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2: a
@@ -496,10 +533,14 @@ struct Bwd {
     const int col_base = 2 * (mma_thread % 4);
     auto acc_row = [](int i) { return 8 * ((i / 2) % 2); };
     auto acc_col = [](int i) { return 8 * (i / 4) + i % 2; };
-    const int key_base = 64 * wg + row_base;  // S^T, dP^T, dK, dV: keys are the rows
+    // S^T, dP^T, dK, dV: keys are the rows; S^T's columns are query rows (query_base), dK's and
+    // dV's the head dim (dkv_col_base).
+    const int key_base = (kSharedKeys ? 0 : 64 * wg) + row_base;
+    const int query_base = (kSharedKeys ? kSdPRows * wg : 0) + col_base;
+    const int dkv_col_base = (kSharedKeys ? kdKVCols * wg : 0) + col_base;
     const int dq_row_base = (kdQWarpgroupsM == 2 ? 64 * wg : 0) + row_base;
     const int dq_col_base = (kdQWarpgroupsN == 2 ? wg * (kHeadDim / 2) : 0) + col_base;
-    static_assert(decltype(size(tdVrdV))::value == kHeadDim / 2);
+    static_assert(decltype(size(tdVrdV))::value == kdKVCols / 2);
     static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQWholeRows ? 128 : kMmaThreads));
 
     clear(tdVrdV);
@@ -534,7 +575,7 @@ struct Bwd {
           keep = 0;
 #pragma unroll
           for (int i = 0; i < size(tSrS); ++i) {
-            keep |= uint32_t{key_base + acc_row(i) <= col_base + acc_col(i) + visit.diagonal} << i;
+            keep |= uint32_t{key_base + acc_row(i) <= query_base + acc_col(i) + visit.diagonal} << i;
           }
         } else if (step < steps && visit.tile_class == attn::kTileMixed) {
           static_assert(decltype(size(tSrS))::value <= 32);
@@ -546,7 +587,7 @@ struct Bwd {
             mask += p.mask.offset(batch, head_of(step), row0, key0);
 #pragma unroll 8
             for (int i = 0; i < size(tSrS); ++i) {
-              const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+              const int key = key_base + acc_row(i), row = query_base + acc_col(i);
               const bool visible =
                   attn::visible(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
                                      int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
@@ -561,7 +602,7 @@ struct Bwd {
           if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys
 #pragma unroll 8
             for (int i = 0; i < size(tSrS); ++i) {
-              const int key = key0 + key_base + acc_row(i), row = col_base + acc_col(i);
+              const int key = key0 + key_base + acc_row(i), row = query_base + acc_col(i);
               const int64_t q = row0 + (row < last_row ? row : last_row);
               if (key < p.key_ranges.lo(batch, q) || key >= p.key_ranges.hi(batch, q)) {
                 keep &= ~(1u << i);
@@ -624,7 +665,7 @@ struct Bwd {
         mask += p.mask.offset(batch, head_of(step), row0, key0);
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
           const float bias =
               attn::to_float(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
                                   int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
@@ -669,7 +710,7 @@ struct Bwd {
         const int limit = static_cast<int>(std::max<int64_t>(std::min<int64_t>(diagonal, kBlockN), -kBlockM - 1));
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
+          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
           if (key >= keys_in_tile || (causal_mask && key - row > limit)) {
             tSrS(i) = -INFINITY;
           }
@@ -691,17 +732,25 @@ struct Bwd {
         const float unit = bias_step ? 1.0f : p.score.natural_scale;
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          const int c = col_base + acc_col(i);
+          const int c = query_base + acc_col(i);
           tSrS(i) = exp2_approx(fmaf(fmaf(tSrS(i), unit, -row_shift[c]), attn::kLog2e, -row_lo[c]));
         }
       } else {
 #pragma unroll
         for (int i = 0; i < size(tSrS); ++i) {
-          tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[col_base + acc_col(i)]));
+          tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[query_base + acc_col(i)]));
         }
       }
       convert_fragment<Element>(tSrS, tdVrP);
-      wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+      if constexpr (kSharedKeys) {
+        // P^T to shared memory (buffer 2 + buffer): each warpgroup's query rows, both read it.
+        copy(r2s_ds, tPrP, tdSsdS(_, _, _, 2 + buffer));
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(kPBarrier, kMmaThreads);
+        wgmma_batch<false>(mma_dkv, shared_a(_, _, _, 2 + buffer), tdVrdO(_, _, _, read_do.index()), tdVrdV);
+      } else {
+        wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+      }
       warpgroup_wait<1>();  // dP^T done, dV may still run
 
       const float* delta = smem.delta[read_do.index()];
@@ -711,10 +760,10 @@ struct Bwd {
         const float inv_cap = 1.0f / p.score.softcap_post;
 #pragma unroll
         for (int i = 0; i < size(tdPrdP); ++i) {
-          const float prob = tSrS(i), shift = row_shift[col_base + acc_col(i)];
+          const float prob = tSrS(i), shift = row_shift[query_base + acc_col(i)];
           const float t = (log2_approx(prob) + shift) * inv_cap;
           const float dscore = prob > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
-          tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+          tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[query_base + acc_col(i)]);
         }
       } else if (kBias && p.grad_mask != nullptr) {
         // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len):
@@ -725,8 +774,8 @@ struct Bwd {
         float* grad = p.grad_mask + ((int64_t{add ? 0 : batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
 #pragma unroll
         for (int i = 0; i < size(tdPrdP); ++i) {
-          const int key = key_base + acc_row(i), row = col_base + acc_col(i);
-          const float ds = tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
+          const float ds = tSrS(i) * (tdPrdP(i) - delta[query_base + acc_col(i)]);
           if (key < keys_in_tile && row <= last_row) {
             float* slot = grad + int64_t{row} * p.kv_len + key;
             if (add) {
@@ -740,7 +789,7 @@ struct Bwd {
       } else {
 #pragma unroll
         for (int i = 0; i < size(tdPrdP); ++i) {
-          tdPrdP(i) = p.score.natural_scale * tSrS(i) * (tdPrdP(i) - delta[col_base + acc_col(i)]);
+          tdPrdP(i) = p.score.natural_scale * tSrS(i) * (tdPrdP(i) - delta[query_base + acc_col(i)]);
         }
       }
       convert_fragment<Element>(tdPrdP, tdKrdS);
@@ -759,7 +808,12 @@ struct Bwd {
         }
       }
       // dK after dQ: dQ's staging below runs while the tensor cores do dK.
-      wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+      if constexpr (kSharedKeys) {
+        static_assert(Config::kSkipdQ < 2, "dK reads dS^T from shared memory");
+        wgmma_batch<false>(mma_dkv, shared_a(_, _, _, buffer), tdKrQ(_, _, _, read_q.index()), tdKrdK);
+      } else {
+        wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
+      }
       warpgroup_wait<1>();              // dV and dQ done, dK may still run
       warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
       pipe_do.consumer_release(read_do);
@@ -779,8 +833,8 @@ struct Bwd {
 
     // dK and dV of the tile's keys (zero when no query sees them), at per-thread bases plus
     // constant offsets.
-    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + col_base;
-    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + col_base;
+    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + dkv_col_base;
+    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + dkv_col_base;
 #pragma unroll
     for (int i = 0; i < size(tdKrdK); i += 2) {
       if (key_base + acc_row(i) < keys_in_tile) {
@@ -981,7 +1035,7 @@ cudaError_t launch_bwd_masking(const BwdParams& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_bwd_variant<T, Config, false, kSoftcap>(a, stream);
   }
-  if constexpr (Config::kBlockM == kBwdMaskTileRows && Config::kBlockN == kMaskTileKeys) {
+  if constexpr (Config::kBlockM == kBwdMaskTileRows && Config::kBlockN == bwd_key_tile(Config::kHeadDim)) {
     if (!a.mask.is_bias()) {
       return launch_bwd_variant<T, Config, true, kSoftcap>(a, stream);
     }

@@ -7,15 +7,21 @@
 
 #include <cuda_runtime.h>
 
-#include "ops/cuda/hopper/fwd_params.h"  // kMaskTileKeys
 #include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/score_rule.cuh"
 
 namespace safeattn::cuda::hopper {
 
 // The rows of row_shift, delta and dq_accum: Q rounded up to a multiple of this (whole tiles).
 constexpr int kBwdRowPad = 128;
-// The query rows of the backward's mask summary tiles (its query tile; keys: kMaskTileKeys).
+// The query rows of the backward's mask summary tiles (its query tile; keys: bwd_key_tile).
 constexpr int kBwdMaskTileRows = 64;
+// The backward's key tile for head dim D (one CTA's keys; the mask summary's key tile): 128 keys,
+// 64 per consumer warpgroup, but 64 past D = 128, shared by the two (dK and dV of 64 keys at
+// D = 256 are 128 float32 accumulators per thread of a warpgroup: hopper/bwd_kernel.cuh).
+constexpr int bwd_key_tile(int head_dim) {
+  return head_dim > 128 ? 64 : 128;
+}
 
 struct BwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
@@ -65,7 +71,7 @@ struct BwdParams {
   // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
   int64_t causal_shift = 0;
   // An attn_mask as a [B, Hq, Q, KV] view (kind kBool, a float kind: a bias added to the scores;
-  // kNone: no mask) and its summary for tiles of kBwdMaskTileRows x kMaskTileKeys (the kernel's
+  // kNone: no mask) and its summary for tiles of kBwdMaskTileRows x bwd_key_tile(D) (the kernel's
   // query and key tiles): fully masked (query tile, key tile) pairs are skipped, mixed ones read
   // the mask per element. A float mask with a softcap is not taken (the softcap's dS recovers the
   // capped score from p).

@@ -14,9 +14,8 @@ namespace safeattn::cuda::hopper {
 
 // The tiles of the mask summary the sm_90a kernels read (attn::summarize_mask_tiles), each kernel's
 // own, so that a tile's class is one byte of the summary: the forward's kFwdMaskTileRows query
-// rows x fwd_key_tile(D) keys (its tile), the backward's kBwdMaskTileRows (hopper/bwd_params.h) x
-// kMaskTileKeys.
-constexpr int kMaskTileKeys = 128;
+// rows x fwd_key_tile(D) keys (its tile), the backward's kBwdMaskTileRows x bwd_key_tile(D)
+// (hopper/bwd_params.h).
 constexpr int kFwdMaskTileRows = 128;
 // The forward's key tile for head dim D: 128 keys, but 64 past D = 128, where O's D / 2
 // accumulators per thread leave no registers for 128 keys' scores (and K and V stages of 128 keys
