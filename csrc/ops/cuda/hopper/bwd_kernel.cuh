@@ -159,7 +159,7 @@ struct Bwd {
   // both from there. Otherwise each consumer warpgroup owns 64 of the tile's keys.
   static constexpr bool kSharedKeys = kBlockN == 64;
   static_assert(kBlockN == (kSharedKeys ? 64 : 64 * kMmaWGs));
-  static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;   // S^T's query rows per warpgroup
+  static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;    // S^T's query rows per warpgroup
   static constexpr int kdKVCols = kSharedKeys ? kHeadDim / kMmaWGs : kHeadDim;  // dK's, dV's head dim per warpgroup
   static_assert(kBlockM == 64 || kBlockM == 128);
   // The dQ product's sharing (DqMode): split where the tile allows it, else alternate (at D = 64
@@ -211,12 +211,12 @@ struct Bwd {
   // dV += P^T dO and dK += dS^T Q: A from registers (with kSharedKeys from shared memory, query
   // rows contiguous: K-major), B (N = head dim, K = query rows) is a transposed view of dO / Q,
   // head dim contiguous: MN-major.
-  using AtomdKV = std::conditional_t<
-      kSharedKeys,
-      decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>, GMMA::Major::K,
-                                    GMMA::Major::MN>()),
-      decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>, GMMA::Major::K,
-                                    GMMA::Major::MN>())>;
+  using AtomdKV =
+      std::conditional_t<kSharedKeys,
+                         decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>,
+                                                       GMMA::Major::K, GMMA::Major::MN>()),
+                         decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>,
+                                                       GMMA::Major::K, GMMA::Major::MN>())>;
   using TiledMmadKV = decltype(make_tiled_mma(AtomdKV{}, WarpgroupLayout{}));
   // dQ = dS K: A = dS (M = query rows, K = keys) stored query-contiguous (MN-major), B = K^T
   // (N = head dim, K = keys), head dim contiguous (MN-major).
@@ -237,8 +237,8 @@ struct Bwd {
   // dS: (query rows, keys, buffer), query rows contiguous; buffers 0 and 1 hold dS, 2 and 3 P
   // (kSharedKeys).
   static constexpr int kDsBuffers = kSharedKeys ? 4 : 2;
-  using SmemLayoutdS = decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(),
-                                              Shape<Int<kBlockM>, Int<kBlockN>, Int<kDsBuffers>>{}));
+  using SmemLayoutdS =
+      decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(), Shape<Int<kBlockM>, Int<kBlockN>, Int<kDsBuffers>>{}));
   // The same bytes seen as dS^T (keys, query rows, buffer): the S^T accumulator's shape.
   using SmemLayoutdSt =
       decltype(composition(SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDsBuffers>>{},
@@ -505,8 +505,7 @@ struct Bwd {
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     // P^T and dS^T as the A operand of the dK/dV products: k block kb holds accumulator elements
     // [8 kb, 8 kb + 8) of S^T (the wgmma accumulator and A-fragment orders agree).
-    using RegLayoutA =
-        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSdPRows / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    using RegLayoutA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSdPRows / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
     Tensor tdVrP = make_tensor<Element>(RegLayoutA{});
     Tensor tdKrdS = make_tensor<Element>(RegLayoutA{});
     static_assert(decltype(size(tSrS))::value == kSdPRows / 2 && decltype(size(tdVrP))::value == kSdPRows / 2);
