@@ -753,6 +753,46 @@ def test_head_dim_256_forward_sm90(kind, dtype):
             out, _ = safeattn.attention(q, k, v, attn_mask=mask, **kwargs)
             bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
             assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"D=256 must take sm_90a: {bwd}"
+            assert any("hopper::detail::dq_pass_kernel" in n for n in bwd), f"D=256 has a dQ pass: {bwd}"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+@pytest.mark.parametrize(
+    "kind", ["causal", "causal_left_padding", "learnable_per_head", "softcap_key_ranges"]
+)
+def test_head_dim_256_deterministic_sm90(deterministic_algorithms, kind, dtype):
+    """Under torch.use_deterministic_algorithms(True), head dim 256 keeps the sm_90a backward
+    (its dQ pass writes dQ once, no atomics: on other GPUs and head dims the mma.sync kernels or
+    the generic path run instead): the gradients match the reference, are bitwise the same from
+    run to run, and (on an H100/H200 build with it) come from the dK/dV kernel and the dQ pass."""
+    deterministic_algorithms(True)
+    batch, heads, q_len, kv_len = 4, 4, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, 256, dtype, DEVICE, seed=257)
+    kwargs = {"enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
+    extra = ()
+    if kind == "causal_left_padding":
+        kwargs = {"enable_gqa": True, "attn_mask": _sm90_masks(batch, heads, q_len, kv_len)[kind].to(DEVICE)}
+    elif kind == "learnable_per_head":
+        bias = _float_mask_cases(batch, heads, q_len, kv_len)[kind][0].to(DEVICE).requires_grad_(True)
+        kwargs = {"enable_gqa": True, "attn_mask": bias}
+        extra = (bias,)
+    elif kind == "softcap_key_ranges":
+        kwargs.update(
+            softcap=20.0, key_ranges=_key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
+        )
+    _check_against_reference(q, k, v, extra_grad_inputs=extra, **kwargs)
+    grad_out = torch.randn(batch, heads, q_len, 256, device=DEVICE, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        out, _ = safeattn.attention(q, k, v, **kwargs)
+        runs.append(torch.autograd.grad(out, (q, k, v, *extra), grad_out))
+    for name, a, b in zip(("query", "key", "value", "bias"), runs[0], runs[1], strict=False):
+        assert torch.equal(a, b), f"grad_{name} differs between two identical deterministic runs"
+    if _hopper_build(q, k, v):
+        out, _ = safeattn.attention(q, k, v, **kwargs)
+        names = _cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v, *extra), grad_out))
+        assert any("hopper::detail::bwd_kernel" in n for n in names), f"D=256 must keep sm_90a: {names}"
+        assert any("hopper::detail::dq_pass_kernel" in n for n in names), f"no dQ pass among {names}"
 
 
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)

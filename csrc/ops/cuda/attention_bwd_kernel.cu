@@ -3,10 +3,11 @@
 // attention_backward_impl (ops/attention.cpp) validates, allocates the gradients and computes
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
 // gradient's partial sums:
-//   - on an H100/H200, with atomics allowed (use_hopper), the sm_90a TMA + wgmma kernels
-//     (attention_bwd_sm90.h) after the rows pre-pass, for what they cover: the pre-pass writes
-//     their padded row arrays, zeroes dq_accum and reads grad_out as given (no cleaned copy of
-//     it unless an empty row holds a non-finite value: Sm90BwdRows);
+//   - on an H100/H200, with atomics allowed or at a head dim whose dQ has a pass of its own
+//     (use_hopper), the sm_90a TMA + wgmma kernels (attention_bwd_sm90.h) after the rows
+//     pre-pass, for what they cover: the pre-pass writes their padded row arrays, zeroes
+//     dq_accum (where there is one) and reads grad_out as given (no cleaned copy of it unless an
+//     empty row holds a non-finite value: Sm90BwdRows);
 //   - the paths below read grad_out_without_empty_rows (ops/attention.h);
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
@@ -242,10 +243,12 @@ bool use_atomic_dq(const AttentionBwdArgs& a) {
 }
 
 // The Hopper kernels (attention_bwd_sm90.h) where they cover the call (their own head dims: 256
-// has no mma.sync backward): they sum dQ with atomics, so only where those are allowed; they
-// write a mask gradient of one slot per element themselves.
+// has no mma.sync backward): they sum dQ with atomics, so only where those are allowed, except at
+// the head dims with a dQ pass, which are deterministic; they write a mask gradient of one slot
+// per element themselves.
 bool use_hopper(const AttentionBwdArgs& a) {
-  return !at::globalContext().deterministicAlgorithms() && attention_bwd_sm90_takes(a);
+  return attention_bwd_sm90_takes(a) &&
+         (!at::globalContext().deterministicAlgorithms() || attention_bwd_sm90_deterministic(a));
 }
 
 // The Hopper backward (attention_bwd_sm90.h) after its rows pre-pass: rows padded, dq_accum
@@ -266,7 +269,10 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   if (natural) {
     rows.row_lo = at::empty({batch, hq, pitch}, f32);
   }
-  rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
+  const bool dq_pass = hopper::bwd_dq_pass(static_cast<int>(head_dim));  // writes grad_query itself
+  if (!dq_pass) {
+    rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
+  }
   // Only a mask, key ranges or a negative causal shift (query 0 then sees no key) can leave a row empty.
   if (a.mask.defined() || a.key_ranges.defined() || (a.is_causal && a.q_offset - a.kv_offset < 0)) {
     rows.grad_out_dirty = at::zeros({1}, a.query.options().dtype(at::kInt));
@@ -276,7 +282,7 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   r.row_shift = rows.row_shift.data_ptr<float>();
   r.natural = natural;
   r.row_lo = rows.row_lo.defined() ? rows.row_lo.data_ptr<float>() : nullptr;
-  r.dq_zero = rows.dq_accum.data_ptr<float>();
+  r.dq_zero = dq_pass ? nullptr : rows.dq_accum.data_ptr<float>();
   r.dq_cols = head_dim;
   r.grad_out_dirty = rows.grad_out_dirty.defined() ? rows.grad_out_dirty.data_ptr<int>() : nullptr;
   r.pitch = pitch;
@@ -411,7 +417,7 @@ void attention_bwd_cuda(const AttentionBwdArgs& args) {
     return;
   }
   // Hopper: the TMA + wgmma kernels where they cover the call (deterministic algorithms keep the
-  // mma.sync kernels' dQ kernel).
+  // mma.sync kernels' dQ kernel, but at the head dims of the dQ pass).
   if (use_hopper(args)) {
     if (args.query.scalar_type() == at::kBFloat16) {
       attention_bwd_hopper<__nv_bfloat16>(args);
@@ -433,8 +439,8 @@ void attention_bwd_cuda(const AttentionBwdArgs& args) {
   }
 }
 
-// The Hopper kernels add a mask shared by the batch's gradient into one buffer (with atomics,
-// as their dQ: so only where use_hopper allows those).
+// The Hopper kernels add a mask shared by the batch's gradient into one buffer (with atomics: so
+// only where use_hopper allows those, never under deterministic algorithms).
 bool attention_bwd_cuda_sums_batch(const AttentionBwdArgs& args) {
   return use_hopper(args);
 }

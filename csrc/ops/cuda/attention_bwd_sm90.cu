@@ -51,6 +51,10 @@ bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
          attn::rows_aligned_16(a.grad_value) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
 }
 
+bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& a) {
+  return hopper::bwd_dq_pass(static_cast<int>(a.query.size(3))) && a.grad_mask_write != GradMaskWrite::kSumBatch;
+}
+
 void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // TMA reads rows in place when they are 16-byte aligned; otherwise from an aligned copy.
   const at::Tensor query = attn::with_aligned_rows(a.query);
@@ -58,8 +62,10 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), head_dim = query.size(3);
-  TORCH_INTERNAL_ASSERT(rows.dq_accum.size(2) == attention_bwd_sm90_row_pitch(q_len) &&
-                        rows.dq_accum.size(3) == head_dim && rows.dq_accum.is_contiguous());
+  const bool dq_pass = hopper::bwd_dq_pass(static_cast<int>(head_dim));
+  TORCH_INTERNAL_ASSERT(dq_pass ? !rows.dq_accum.defined()
+                                : rows.dq_accum.size(2) == attention_bwd_sm90_row_pitch(q_len) &&
+                                      rows.dq_accum.size(3) == head_dim && rows.dq_accum.is_contiguous());
 
   hopper::BwdParams p;
   p.q = query.const_data_ptr();
@@ -73,7 +79,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.row_shift = rows.row_shift.const_data_ptr<float>();
   p.row_lo = rows.row_lo.defined() ? rows.row_lo.const_data_ptr<float>() : nullptr;
   p.delta = rows.delta.const_data_ptr<float>();
-  p.dq_accum = rows.dq_accum.data_ptr<float>();
+  p.dq_accum = dq_pass ? nullptr : rows.dq_accum.data_ptr<float>();
   p.grad_q = a.grad_query.data_ptr();
   p.grad_k = a.grad_key.data_ptr();
   p.grad_v = a.grad_value.data_ptr();
@@ -99,6 +105,16 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   at::Tensor summary, diagonals;
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows,
                         hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals);
+  // The dQ pass walks a query tile's key tiles: its own summary (kDqTileRows rows), with each
+  // row's first visible key tile (where its walk down stops).
+  at::Tensor dq_summary, dq_diagonals, dq_first_visible;
+  if (dq_pass && summary.defined()) {
+    hopper::BwdParams dq_fields = p;
+    attn::set_mask_fields(dq_fields, a.mask, a.key_ranges, hopper::kDqTileRows,
+                          hopper::bwd_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals,
+                          &dq_first_visible);
+    p.dq_mask_tiles = dq_fields.mask_tiles;
+  }
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
   if (a.grad_mask_partial.defined()) {
     // [B, Hq, Q, KV] float32 (kAssign): the kernel writes the visited tiles' elements, the
@@ -127,6 +143,10 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
 namespace safeattn::cuda {
 
 bool attention_bwd_sm90_takes(const AttentionBwdArgs&) {
+  return false;
+}
+
+bool attention_bwd_sm90_deterministic(const AttentionBwdArgs&) {
   return false;
 }
 

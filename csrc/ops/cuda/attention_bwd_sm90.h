@@ -15,8 +15,11 @@ namespace safeattn::cuda {
 // Whether the Hopper kernel takes the call: an sm_90 device, float16 / bfloat16, D == Dv with a
 // compiled head dim (head_dim_switch.h, kBwdSm90HeadDims), no mask or a bool one, no softcap, all
 // three gradients wanted, sizes below 2^31. dQ is summed by float32 reduce-adds in no fixed order
-// (not bit-reproducible): the caller asks only when atomics are allowed.
+// (not bit-reproducible) except where its head dim has the dQ pass (hopper::bwd_dq_pass).
 bool attention_bwd_sm90_takes(const AttentionBwdArgs& args);
+// Whether a call it takes is bit-reproducible: the dQ pass's head dims, unless the mask's
+// gradient is summed over the batch (GradMaskWrite::kSumBatch: float atomics).
+bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& args);
 
 // The rows of the per-row arrays below: Q rounded up to whole tiles of the kernel.
 inline int64_t attention_bwd_sm90_row_pitch(int64_t q_len) {
@@ -33,7 +36,7 @@ struct Sm90BwdRows {
   // With a float mask, [B, Hq, pitch] float32 (hopper::BwdParams::row_lo; natural units):
   // row_shift = lse and row_lo = lse_lo log2(e). Undefined otherwise.
   at::Tensor row_lo;
-  at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed
+  at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed; undefined where hopper::bwd_dq_pass(D)
   at::Tensor grad_out_dirty;  // undefined when no row can be empty, else int32 [1]
   at::Tensor grad_out_clean;  // defined with grad_out_dirty: grad_out's shape, contiguous, empty rows 0
 };

@@ -35,6 +35,8 @@
 //               operations).
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
+// Past head dim 128 (bwd_dq_pass, DqMode kdQPass) there is no dQ product here: the dQ pass
+// (hopper/bwd_dq_kernel.cuh) runs after this kernel, per query tile, and writes grad_q itself.
 //
 // Mask: an attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
 // proves fully masked: the producer walks it and hands each visited step (position, class, diagonal)
@@ -52,10 +54,21 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ops/cuda/hopper/bwd_dq_kernel.cuh"
 #include "ops/cuda/hopper/bwd_params.h"
 #include "ops/cuda/hopper/fwd_kernel.cuh"
 
 namespace safeattn::cuda::hopper {
+
+// How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
+//   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
+//                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
+//   kdQOwnKeys    each over its own 64 keys for whole rows, both adding a partial dQ;
+//   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
+//                 step, and the other warpgroup goes on to the next step meanwhile;
+//   kdQPass       none: dQ is the dQ pass's (bwd_dq_pass, hopper/bwd_dq_kernel.cuh), and the
+//                 dK/dV kernel keeps only dS^T's store (its dK product reads it).
+enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2, kdQPass = 3 };
 
 // Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
 // warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
@@ -92,20 +105,13 @@ template <>
 struct DefaultBwdConfig<128> {
   using type = BwdConfig<128, 64, 128, 2>;
 };
-// 64 keys shared by the two consumer warpgroups (Bwd::kSharedKeys); dQ by atomics: Q, dO, K, V,
-// P and dS fill the shared memory, no room is left for a dQ stage.
+// 64 keys shared by the two consumer warpgroups (Bwd::kSharedKeys); dQ in a pass of its own
+// (bwd_dq_pass): added from here by atomics it was half the kernel's time (Q, dO, K, V, P and dS
+// fill the shared memory, no room is left for a dQ stage).
 template <>
 struct DefaultBwdConfig<256> {
-  using type = BwdConfig<256, 64, bwd_key_tile(256), 2, false>;
+  using type = BwdConfig<256, 64, bwd_key_tile(256), 2, false, kdQPass>;
 };
-
-// How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
-//   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
-//                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
-//   kdQOwnKeys    each over its own 64 keys for whole rows, both adding a partial dQ;
-//   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
-//                 step, and the other warpgroup goes on to the next step meanwhile.
-enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2 };
 
 namespace detail {
 
@@ -168,6 +174,8 @@ struct Bwd {
       Config::kdQMode >= 0 ? Config::kdQMode
                            : (kBlockM == 128 || kHeadDim % 128 == 0 ? hopper::kdQSplit : hopper::kdQAlternate);
   static constexpr bool kdQOwnKeys = kdQMode == hopper::kdQOwnKeys;
+  static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
+  static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
   static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
@@ -248,8 +256,8 @@ struct Bwd {
   using R2SCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
 
   // Global tensors as TMA sees them: (rows, head dim, head, batch), 32-bit sizes, 64-bit strides.
-  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using ShapeQKV = TmaShape;
+  using StrideQKV = TmaStride;
   using TmaQ = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
       take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
@@ -802,7 +810,7 @@ struct Bwd {
         } else {
           named_barrier_sync(kDsBarrier, kMmaThreads);
         }
-        if (dq_here) {
+        if (!kdQPass && dq_here) {
           wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
         }
       }
@@ -817,7 +825,7 @@ struct Bwd {
       warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
       pipe_do.consumer_release(read_do);
       ++read_do;
-      if (Config::kSkipdQ == 0 && dq_here) {
+      if (Config::kSkipdQ == 0 && !kdQPass && dq_here) {
         stage_dq(head, row0, visit, buffer);
       }
       warpgroup_wait<0>();  // dK done: its Q can go
@@ -952,33 +960,27 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   typename Kernel::Params p;
-  // A size-1 dim is never stepped over; TMA still wants its stride to be a multiple of 16 bytes.
-  auto dim_stride = [](int64_t size, int64_t stride, int64_t fallback) { return size == 1 ? fallback : stride; };
   p.shape_q = make_shape(int32_t{a.q_len}, int32_t{D}, int32_t{a.heads}, int32_t{a.batch});
   p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{D}, int32_t{a.kv_heads}, int32_t{a.batch});
-  auto view = [&](const void* ptr, typename Kernel::ShapeQKV shape, int heads, int len, int64_t sb, int64_t sh,
-                  int64_t si) {
-    const int64_t plane = int64_t{len} * si;
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), shape,
-                       make_stride(si, _1{}, dim_stride(heads, sh, plane), dim_stride(a.batch, sb, plane * heads)));
+  auto view = [&](const void* ptr, int heads, int len, int64_t sb, int64_t sh, int64_t si) {
+    return detail::tma_view<Element>(ptr, a.batch, heads, len, D, sb, sh, si);
   };
   auto tile_q = Shape<Int<Config::kBlockM>, Int<D>>{};
   auto tile_k = Shape<Int<Config::kBlockN>, Int<D>>{};
   auto smem_q = take<0, 2>(typename Kernel::SmemLayoutQ{});
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.shape_q, a.heads, a.q_len, a.q_sb, a.q_sh, a.q_si), smem_q,
-                          tile_q, _1{});
-  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, view(a.grad_out, p.shape_q, a.heads, a.q_len, a.do_sb, a.do_sh, a.do_si),
-                           smem_q, tile_q, _1{});
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, a.heads, a.q_len, a.q_sb, a.q_sh, a.q_si), smem_q, tile_q, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, view(a.grad_out, a.heads, a.q_len, a.do_sb, a.do_sh, a.do_si), smem_q,
+                           tile_q, _1{});
   p.grad_out_dirty = a.grad_out_dirty;
   p.tma_do_clean = a.grad_out_clean == nullptr
                        ? p.tma_do
                        : make_tma_copy(SM90_TMA_LOAD{},
-                                       view(a.grad_out_clean, p.shape_q, a.heads, a.q_len,
-                                            int64_t{a.heads} * a.q_len * D, int64_t{a.q_len} * D, D),
+                                       view(a.grad_out_clean, a.heads, a.q_len, int64_t{a.heads} * a.q_len * D,
+                                            int64_t{a.q_len} * D, D),
                                        smem_q, tile_q, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.shape_k, a.kv_heads, a.kv_len, a.k_sb, a.k_sh, a.k_si),
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, a.kv_heads, a.kv_len, a.k_sb, a.k_sh, a.k_si),
                           typename Kernel::SmemLayoutK{}, tile_k, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.shape_k, a.kv_heads, a.kv_len, a.v_sb, a.v_sh, a.v_si),
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, a.kv_heads, a.kv_len, a.v_sb, a.v_sh, a.v_si),
                           typename Kernel::SmemLayoutK{}, tile_k, _1{});
   p.row_shift = a.row_shift;
   p.delta = a.delta;
@@ -1016,6 +1018,9 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   if (err != cudaSuccess) {
     return err;
   }
+  if constexpr (Kernel::kdQPass) {
+    return launch_bwd_dq_pass<T, D, kMasked, kSoftcap, kBias>(a, stream);
+  }
   const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
   const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
   auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
@@ -1052,7 +1057,9 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
 
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
-  return launch_bwd_config<T, typename DefaultBwdConfig<kHeadDim>::type>(params, stream);
+  using Config = typename DefaultBwdConfig<kHeadDim>::type;
+  static_assert((Config::kdQMode == kdQPass) == bwd_dq_pass(kHeadDim), "bwd_dq_pass names the dQ pass's head dims");
+  return launch_bwd_config<T, Config>(params, stream);
 }
 
 }  // namespace safeattn::cuda::hopper

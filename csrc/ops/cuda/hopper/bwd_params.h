@@ -23,6 +23,18 @@ constexpr int bwd_key_tile(int head_dim) {
   return head_dim > 128 ? 64 : 128;
 }
 
+// Past head dim 128 dQ has a pass of its own (hopper/bwd_dq_kernel.cuh): a CTA per kDqTileRows
+// query rows walks the key tiles, recomputes S and dP and multiplies dQ = dS K in registers,
+// written once (no dq_accum, no atomics: deterministic); the dK/dV kernel then has no dQ product.
+// There the dK/dV kernel's 64-key tiles would each add their dQ into L2 (4x D = 128's bytes), half
+// its time at D = 256 (benchmarks/notes_attention_cuda.md, stop 37).
+constexpr bool bwd_dq_pass(int head_dim) {
+  return head_dim > 128;
+}
+// The dQ pass's query tile (two consumer warpgroups of 64 rows) and its mask summary's rows; its
+// key tile is bwd_key_tile(D).
+constexpr int kDqTileRows = 128;
+
 struct BwdParams {
   // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
   // of 8 elements (what TMA needs); sizes below 2^31.
@@ -49,7 +61,8 @@ struct BwdParams {
   const float* row_lo = nullptr;
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
   // tile of rows is the kernel's own), zeroed by the caller, added into with atomics or bulk
-  // reduce-adds; the launcher converts it into grad_q after the kernel.
+  // reduce-adds; the launcher converts it into grad_q after the kernel. Unused (null) where
+  // bwd_dq_pass(D): the dQ pass writes grad_q itself.
   float* dq_accum = nullptr;
   void* grad_q = nullptr;                // [B, Hq, Q, D] strided, 4-byte aligned rows
   void* grad_k = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
@@ -77,6 +90,9 @@ struct BwdParams {
   // capped score from p).
   attn::MaskView mask;
   attn::TileSummaryView mask_tiles;
+  // Where bwd_dq_pass(D) and there is a summary: the same mask summarised for the dQ pass's tiles,
+  // kDqTileRows x bwd_key_tile(D), with its first_visible record.
+  attn::TileSummaryView dq_mask_tiles;
   // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
   // [B, Hq, Q, KV] contiguous float32 at each visited (query tile, key tile); the caller zeroes
   // it (skipped tiles are not written). Only with a float mask. With grad_mask_sums_batch,
@@ -100,7 +116,8 @@ struct BwdParams {
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
 // bwd_kernel.cuh, instantiated once per generated file attention_bwd_sm90_d<D>_<dtype>.cu. Runs
-// the dK/dV kernel (adding dQ into dq_accum) and the dQ conversion on the stream. Returns the
+// the dK/dV kernel (adding dQ into dq_accum) and the dQ conversion on the stream; where
+// bwd_dq_pass(D), the dK/dV kernel and the dQ pass. Returns the
 // first launch error (cudaErrorInvalidValue for a grid it cannot launch).
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream);

@@ -640,9 +640,10 @@ struct Fwd {
   // each (set: visible), eight loads in flight, ANDed with the rows' key intervals where there
   // are any; the consumers gather a tile's bits while the products of the tile before it run.
   // Rows past q_len and keys past kv_len keep their bit (the first are never written, the second
-  // are -inf already).
-  static __device__ __forceinline__ uint64_t gather_mask(const Params& p, const Tile& t, int n_block, int64_t row0,
-                                                         int lane) {
+  // are -inf already). P and T: this kernel's Params and Tile, or those of the backward's dQ pass
+  // (hopper/bwd_dq_kernel.cuh: the same fields, the same 64 x kBlockN fragment per warpgroup).
+  template <class P, class T>
+  static __device__ __forceinline__ uint64_t gather_mask(const P& p, const T& t, int n_block, int64_t row0, int lane) {
     constexpr int kElems = kBlockN / 2;
     static_assert(kElems <= 64);
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
@@ -692,8 +693,8 @@ struct Fwd {
   // select per add here spilled 270 bytes at D = 128). Loads as in gather_mask: clamped indices,
   // unconditional, then added; rows past q_len and keys past kv_len read an element inside the
   // mask (their scores are never written, or are -inf after mask_tile).
-  template <class FragS>
-  static __device__ __forceinline__ void add_bias(FragS& s, const Params& p, const Tile& t, int n_block, int64_t row0,
+  template <class FragS, class P, class T>
+  static __device__ __forceinline__ void add_bias(FragS& s, const P& p, const T& t, int n_block, int64_t row0,
                                                   int lane) {
     constexpr int kElems = kBlockN / 2;
     const int col0 = n_block * kBlockN + 2 * (lane % 4);
