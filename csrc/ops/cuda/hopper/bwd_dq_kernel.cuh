@@ -388,7 +388,7 @@ struct BwdDq {
           tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -shift[r]));
         }
       }
-      warpgroup_wait<0>();  // dP done: V's stage can be refilled
+      warpgroup_wait<0>();              // dP done: V's stage can be refilled
       warpgroup_fence_operand(tdPrdP);  // dP's registers are read below, not before the wait
       pipe_v.consumer_release(read_v);
       ++read_v;
