@@ -46,6 +46,49 @@ auto tma_view(const void* ptr, int batch, int heads, int len, int head_dim, int6
                      make_stride(si, _1{}, dim_stride(heads, sh, plane), dim_stride(batch, sb, plane * heads)));
 }
 
+// What both backward kernels (the dK/dV kernel, hopper/bwd_kernel.cuh, and the dQ pass below)
+// read of BwdParams, into their Params (fields of the same names): TMA descriptors of Q and dO
+// (and dO's clean copy) as kBlockM x D tiles laid out as smem_q, of K and V as kBlockN x D tiles
+// laid out as smem_kv; the rows pre-pass's arrays; sizes, score rule, causality, mask and key ranges.
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, class KernelParams, class SmemQ, class SmemKV>
+void set_bwd_inputs(KernelParams& p, const BwdParams& a, const SmemQ& smem_q, const SmemKV& smem_kv) {
+  p.shape_q = make_shape(int32_t{a.q_len}, int32_t{kHeadDim}, int32_t{a.heads}, int32_t{a.batch});
+  p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{kHeadDim}, int32_t{a.kv_heads}, int32_t{a.batch});
+  auto q_view = [&](const void* ptr, int64_t sb, int64_t sh, int64_t si) {
+    return tma_view<Element>(ptr, a.batch, a.heads, a.q_len, kHeadDim, sb, sh, si);
+  };
+  auto kv_view = [&](const void* ptr, int64_t sb, int64_t sh, int64_t si) {
+    return tma_view<Element>(ptr, a.batch, a.kv_heads, a.kv_len, kHeadDim, sb, sh, si);
+  };
+  const auto tile_q = Shape<Int<kBlockM>, Int<kHeadDim>>{};
+  const auto tile_k = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q_view(a.q, a.q_sb, a.q_sh, a.q_si), smem_q, tile_q, _1{});
+  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, q_view(a.grad_out, a.do_sb, a.do_sh, a.do_si), smem_q, tile_q, _1{});
+  p.grad_out_dirty = a.grad_out_dirty;
+  p.tma_do_clean = a.grad_out_clean == nullptr
+                       ? p.tma_do
+                       : make_tma_copy(SM90_TMA_LOAD{},
+                                       q_view(a.grad_out_clean, int64_t{a.heads} * a.q_len * kHeadDim,
+                                              int64_t{a.q_len} * kHeadDim, kHeadDim),
+                                       smem_q, tile_q, _1{});
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, kv_view(a.k, a.k_sb, a.k_sh, a.k_si), smem_kv, tile_k, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, kv_view(a.v, a.v_sb, a.v_sh, a.v_si), smem_kv, tile_k, _1{});
+  p.row_shift = a.row_shift;
+  p.delta = a.delta;
+  p.row_lo = a.row_lo;
+  p.heads = a.heads;
+  p.group = a.heads / a.kv_heads;
+  p.q_len = a.q_len;
+  p.q_pad = (a.q_len + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
+  p.kv_len = a.kv_len;
+  p.m_blocks = (a.q_len + kBlockM - 1) / kBlockM;
+  p.score = a.score;
+  p.causal = a.causal;
+  p.causal_shift = a.causal_shift;
+  p.mask = a.mask;
+  p.key_ranges = a.key_ranges;
+}
+
 template <typename Element_, int kHeadDim_, bool kMasked_ = false, bool kSoftcap_ = false, bool kBias_ = false>
 struct BwdDq {
   using Element = Element_;
@@ -458,16 +501,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
     smem.qdo_full.init(1);
   }
   // K and V tiles carry the same byte count.
-  typename PipelineK::Params k_params;
-  k_params.transaction_bytes = Kernel::kBytesKV;
-  k_params.role = producer ? PipelineK::ThreadCategory::Producer : PipelineK::ThreadCategory::Consumer;
-  k_params.is_leader = threadIdx.x == 0;
-  k_params.num_consumers = Kernel::kMmaThreads;
-  typename PipelineV::Params v_params;
-  v_params.transaction_bytes = Kernel::kBytesKV;
-  v_params.role = producer ? PipelineV::ThreadCategory::Producer : PipelineV::ThreadCategory::Consumer;
-  v_params.is_leader = threadIdx.x == 0;
-  v_params.num_consumers = Kernel::kMmaThreads;
+  const auto k_params = tma_pipeline_params<PipelineK>(Kernel::kBytesKV, producer, Kernel::kMmaThreads);
+  const auto v_params = tma_pipeline_params<PipelineV>(Kernel::kBytesKV, producer, Kernel::kMmaThreads);
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
   PipelineK pipe_k(smem.pipe_k, k_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   PipelineV pipe_v(smem.pipe_v, v_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
@@ -499,46 +534,11 @@ cudaError_t launch_bwd_dq_pass(const BwdParams& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   typename Kernel::Params p;
-  p.shape_q = make_shape(int32_t{a.q_len}, int32_t{kHeadDim}, int32_t{a.heads}, int32_t{a.batch});
-  p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{kHeadDim}, int32_t{a.kv_heads}, int32_t{a.batch});
-  auto tile_q = Shape<Int<Kernel::kBlockM>, Int<kHeadDim>>{};
-  auto tile_k = Shape<Int<Kernel::kBlockN>, Int<kHeadDim>>{};
-  auto q_view = [&](const void* ptr, int64_t sb, int64_t sh, int64_t si) {
-    return detail::tma_view<Element>(ptr, a.batch, a.heads, a.q_len, kHeadDim, sb, sh, si);
-  };
-  auto kv_view = [&](const void* ptr, int64_t sb, int64_t sh, int64_t si) {
-    return detail::tma_view<Element>(ptr, a.batch, a.kv_heads, a.kv_len, kHeadDim, sb, sh, si);
-  };
-  const typename Kernel::SmemLayoutQ smem_q;
-  const auto smem_kv = take<0, 2>(typename Kernel::SmemLayoutK{});
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, q_view(a.q, a.q_sb, a.q_sh, a.q_si), smem_q, tile_q, _1{});
-  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, q_view(a.grad_out, a.do_sb, a.do_sh, a.do_si), smem_q, tile_q, _1{});
-  p.grad_out_dirty = a.grad_out_dirty;
-  p.tma_do_clean = a.grad_out_clean == nullptr
-                       ? p.tma_do
-                       : make_tma_copy(SM90_TMA_LOAD{},
-                                       q_view(a.grad_out_clean, int64_t{a.heads} * a.q_len * kHeadDim,
-                                              int64_t{a.q_len} * kHeadDim, kHeadDim),
-                                       smem_q, tile_q, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, kv_view(a.k, a.k_sb, a.k_sh, a.k_si), smem_kv, tile_k, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, kv_view(a.v, a.v_sb, a.v_sh, a.v_si), smem_kv, tile_k, _1{});
-  p.row_shift = a.row_shift;
-  p.delta = a.delta;
-  p.row_lo = a.row_lo;
+  detail::set_bwd_inputs<Element, kHeadDim, Kernel::kBlockM, Kernel::kBlockN>(
+      p, a, typename Kernel::SmemLayoutQ{}, take<0, 2>(typename Kernel::SmemLayoutK{}));
   p.grad_q = static_cast<Element*>(a.grad_q);
   p.dq_sb = a.dq_sb, p.dq_sh = a.dq_sh, p.dq_si = a.dq_si;
-  p.heads = a.heads;
-  p.group = a.heads / a.kv_heads;
-  p.q_len = a.q_len;
-  p.q_pad = (a.q_len + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
-  p.kv_len = a.kv_len;
-  p.m_blocks = (a.q_len + Kernel::kBlockM - 1) / Kernel::kBlockM;
-  p.score = a.score;
-  p.causal = a.causal;
-  p.causal_shift = a.causal_shift;
-  p.mask = a.mask;
   p.mask_tiles = a.dq_mask_tiles;
-  p.key_ranges = a.key_ranges;
   p.head_group = head_group_for(p.m_blocks, a.heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::dq_pass_kernel<Kernel>;

@@ -877,11 +877,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     smem.kv_full.init(1);
   }
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Kernel::kBytesQ;  // dO and delta: the same byte count as Q and row_shift
-  pipe_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Kernel::kMmaThreads;
+  // dO and delta: the same byte count as Q and row_shift.
+  const auto pipe_params = tma_pipeline_params<Pipeline>(Kernel::kBytesQ, producer, Kernel::kMmaThreads);
   typename Pipeline::Params pipe_q_params = pipe_params;
   if constexpr (Kernel::kBias) {
     pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
@@ -960,48 +957,14 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   typename Kernel::Params p;
-  p.shape_q = make_shape(int32_t{a.q_len}, int32_t{D}, int32_t{a.heads}, int32_t{a.batch});
-  p.shape_k = make_shape(int32_t{a.kv_len}, int32_t{D}, int32_t{a.kv_heads}, int32_t{a.batch});
-  auto view = [&](const void* ptr, int heads, int len, int64_t sb, int64_t sh, int64_t si) {
-    return detail::tma_view<Element>(ptr, a.batch, heads, len, D, sb, sh, si);
-  };
-  auto tile_q = Shape<Int<Config::kBlockM>, Int<D>>{};
-  auto tile_k = Shape<Int<Config::kBlockN>, Int<D>>{};
-  auto smem_q = take<0, 2>(typename Kernel::SmemLayoutQ{});
-  p.tma_q = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, a.heads, a.q_len, a.q_sb, a.q_sh, a.q_si), smem_q, tile_q, _1{});
-  p.tma_do = make_tma_copy(SM90_TMA_LOAD{}, view(a.grad_out, a.heads, a.q_len, a.do_sb, a.do_sh, a.do_si), smem_q,
-                           tile_q, _1{});
-  p.grad_out_dirty = a.grad_out_dirty;
-  p.tma_do_clean = a.grad_out_clean == nullptr
-                       ? p.tma_do
-                       : make_tma_copy(SM90_TMA_LOAD{},
-                                       view(a.grad_out_clean, a.heads, a.q_len, int64_t{a.heads} * a.q_len * D,
-                                            int64_t{a.q_len} * D, D),
-                                       smem_q, tile_q, _1{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, a.kv_heads, a.kv_len, a.k_sb, a.k_sh, a.k_si),
-                          typename Kernel::SmemLayoutK{}, tile_k, _1{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, a.kv_heads, a.kv_len, a.v_sb, a.v_sh, a.v_si),
-                          typename Kernel::SmemLayoutK{}, tile_k, _1{});
-  p.row_shift = a.row_shift;
-  p.delta = a.delta;
-  p.row_lo = a.row_lo;
+  detail::set_bwd_inputs<Element, D, Config::kBlockM, Config::kBlockN>(p, a, take<0, 2>(typename Kernel::SmemLayoutQ{}),
+                                                                       typename Kernel::SmemLayoutK{});
   p.dq_accum = a.dq_accum;
   p.grad_k = static_cast<Element*>(a.grad_k);
   p.grad_v = static_cast<Element*>(a.grad_v);
   p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_si = a.dk_si;
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_si = a.dv_si;
-  p.heads = a.heads;
-  p.group = a.heads / a.kv_heads;
-  p.q_len = a.q_len;
-  p.q_pad = (a.q_len + kBwdRowPad - 1) / kBwdRowPad * kBwdRowPad;
-  p.kv_len = a.kv_len;
-  p.m_blocks = (a.q_len + Config::kBlockM - 1) / Config::kBlockM;
-  p.score = a.score;
-  p.causal = a.causal;
-  p.causal_shift = a.causal_shift;
-  p.mask = a.mask;
   p.mask_tiles = a.mask_tiles;
-  p.key_ranges = a.key_ranges;
   p.grad_mask = a.grad_mask;
   p.grad_mask_sums_batch = a.grad_mask_sums_batch;
   p.batch_inner = a.batch_inner;

@@ -156,6 +156,18 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The parameters of a TMA pipeline of one CTA (cluster 1x1x1): `bytes` land per stage, thread 0
+// leads the producer side, `consumers` threads release each stage.
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(uint32_t bytes, bool producer, int consumers) {
+  typename Pipeline::Params params;
+  params.transaction_bytes = bytes;
+  params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumers;
+  return params;
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {  // ex2.approx.ftz: -inf -> 0, NaN -> NaN
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1111,11 +1123,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
       smem.q_empty[s].init(Kernel::kMmaThreads);
     }
   }
-  typename Pipeline::Params pipe_params;
-  pipe_params.transaction_bytes = Kernel::kBytesKV;
-  pipe_params.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pipe_params.is_leader = threadIdx.x == 0;
-  pipe_params.num_consumers = Kernel::kMmaThreads;
+  const auto pipe_params = tma_pipeline_params<Pipeline>(Kernel::kBytesKV, producer, Kernel::kMmaThreads);
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
   Pipeline pipe_k(smem.pipe_k, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
   Pipeline pipe_v(smem.pipe_v, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
