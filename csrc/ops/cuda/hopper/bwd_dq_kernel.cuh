@@ -110,20 +110,16 @@ struct BwdDq {
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
 
-  // The forward's per-element mask code, for the same fragment (64 x kBlockN per warpgroup).
-  using MaskOps = Fwd<Element, FwdConfig<kHeadDim, kBlockN, 2, kMmaWGs, false, 1>, kMasked, kBias>;
-
-  using AtomLayout = Layout<Shape<Int<kMmaWGs>, _1, _1>>;
-  // S = Q K^T and dP = dO V^T: M = query rows, N = keys, K = head dim, K-major operands.
-  using TiledMmaS = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), AtomLayout{}));
-  // dQ += dS K: A = dS from registers, B = K^T (N = head dim, K = keys), head dim contiguous.
-  using TiledMmadQ =
-      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                                                   GMMA::Major::K, GMMA::Major::MN>(),
-                              AtomLayout{}));
-
-  using SmemLayoutQ = decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // The forward kernel of this tile shape (128 rows, kBlockN keys, two consumer warpgroups): its
+  // wgmma shapes, Q's layout and its per-element mask code serve this kernel as they are.
+  using Forward = Fwd<Element, FwdConfig<kHeadDim, kBlockN, 2, kMmaWGs, false, 1>, kMasked, kBias>;
+  static_assert(Forward::kBlockM == kBlockM);
+  // S = Q K^T and dP = dO V^T: the forward's S (M = query rows, N = keys, K = head dim, K-major).
+  using TiledMmaS = typename Forward::TiledMmaQK;
+  // dQ += dS K: the forward's O += P V, dS from registers as P, K^T (N = head dim, K = keys, head
+  // dim contiguous) as V^T.
+  using TiledMmadQ = typename Forward::TiledMmaPV;
+  using SmemLayoutQ = typename Forward::SmemLayoutQ;
   template <int kStages>
   using SmemLayoutKV =
       decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
@@ -361,7 +357,7 @@ struct BwdDq {
           return keep;
         }
         if (visit.tile_class == attn::kTileMixed) {
-          return MaskOps::gather_mask(p, t, visit.position, row0, lane);
+          return Forward::gather_mask(p, t, visit.position, row0, lane);
         }
       }
       return ~uint64_t{0};
@@ -411,15 +407,15 @@ struct BwdDq {
           tSrS(i) *= p.score.natural_scale;
         }
         if (visit.tile_class == attn::kTileMixed) {
-          MaskOps::add_bias(tSrS, p, t, n, row0, lane);
+          Forward::add_bias(tSrS, p, t, n, row0, lane);
         }
       }
       if (needs_mask(n)) {
-        MaskOps::mask_tile(tSrS, n, last_key, lane);
+        Forward::mask_tile(tSrS, n, last_key, lane);
       }
       if constexpr (kMasked) {
         if (~keep != 0) {
-          MaskOps::apply_mask(tSrS, keep);
+          Forward::apply_mask(tSrS, keep);
         }
       }
 #pragma unroll
@@ -453,7 +449,7 @@ struct BwdDq {
           tdPrdP(i) = p.score.natural_scale * tSrS(i) * (tdPrdP(i) - delta[(i / 2) % 2]);
         }
       }
-      MaskOps::convert_p(tdPrdP, tdQrdS);
+      Forward::convert_p(tdPrdP, tdQrdS);
       wgmma_batch<false>(mma_dq, tdQrdS, tdQrK(_, _, _, read_k.index()), tdQrdQ);
       held_k = read_k;  // released once the product is done (the next wait)
       holding_k = true;
