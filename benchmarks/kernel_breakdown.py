@@ -4,7 +4,7 @@ dense mask ([B, 1, S, S] bool, row b left-padded by b S/8), B=4 H=16 S=4096 bf16
 The benchmarks' TFLOP/s include the host and every small kernel; this names them. On the GPU
 host, after a build: `python benchmarks/kernel_breakdown.py [--window W] [--bias]` (W > 0: the
 masked cases with a causal sliding window of W keys and the padding, as `bench attention --window
-W`; --bias: safeattn's float-mask cases of `bench attention --bias` instead, the causal + padding
+W`; --forward: forward calls only; --bias: safeattn's float-mask cases of `bench attention --bias` instead, the causal + padding
 [B, 1, S, S] bf16 mask and the learnable [1, H, S, S] bias)."""
 
 import argparse
@@ -24,19 +24,25 @@ CASES = (
 )
 
 
-def kernel_times(fn, head_dim):
-    """Kernel name -> us per forward + backward call."""
+def kernel_times(fn, head_dim, backward=True):
+    """Kernel name -> us per forward + backward call (forward only with backward=False)."""
     q, k, v = (
-        torch.randn(B, H, S, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.randn(B, H, S, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
         for _ in range(3)
     )
     grad = torch.randn(B, H, S, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        out = fn(q, k, v)
+        if backward:
+            out.backward(grad)
+
     for _ in range(3):
-        fn(q, k, v).backward(grad)
+        call()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(CALLS):
-            fn(q, k, v).backward(grad)
+            call()
         torch.cuda.synchronize()
     times = collections.defaultdict(float)
     for event in prof.events():
@@ -49,6 +55,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--window", type=int, default=0)
     parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--forward", action="store_true", help="forward calls only (no gradient)")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[128, 64])
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.bias:
@@ -58,11 +66,12 @@ def main():
         cases = _prefill_cases(B, H, S, "cuda", args.window)
         rule = f"window {args.window}+padding" if args.window else "causal+padding"
         names = [c.format(rule=rule) for c in CASES]
-    for head_dim in (128, 64):
+    for head_dim in args.head_dim:
         for name in names:
             if name not in cases:  # the is_causal rows: not with a window
                 continue
-            times = kernel_times(cases[name][0], head_dim)
+            with torch.set_grad_enabled(not args.forward):
+                times = kernel_times(cases[name][0], head_dim, backward=not args.forward)
             print(f"== D={head_dim} {name}: total {sum(times.values()):.0f} us")
             for kernel, t in sorted(times.items(), key=lambda x: -x[1])[:10]:
                 print(f"   {t:8.1f}  {kernel[:110]}")

@@ -8,7 +8,7 @@
 // (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
 // the dispatched variants alone, a shorter build.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
-// causal key-tile order, tile_order.h)]. For each
+// causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
 // the kernel given row_shift and delta as the rows pre-pass makes them (from a float64 forward),
 // then a float64 CPU reference of dQ, dK, dV over odd shapes (Q/KV in 1, 17, 97, 300, 1025;
@@ -43,6 +43,9 @@ using safeattn::cuda::hopper::kBwdRowPad;
 // head); 0, the default, head_group_for's choice, as the extension runs. For the reference checks
 // and the timings alike.
 static int g_head_group = 0;
+// --q-len N: time with N query rows against the 4096 keys, without causality (every CTA then
+// walks N / kBlockM steps): timings at several N separate a CTA's fixed cost from a step's.
+static int g_q_len = 0;
 
 // The SM count: the backward runs one CTA per SM (BwdParams::resident_ctas).
 static int resident_ctas() {
@@ -340,7 +343,7 @@ static void time_variant(const char* name, bool causal) {
   p.q_sb = p.k_sb = p.v_sb = p.do_sb = p.dq_sb = p.dk_sb = p.dv_sb = int64_t{S} * H * D;
   p.q_sh = p.k_sh = p.v_sh = p.do_sh = p.dq_sh = p.dk_sh = p.dv_sh = D;
   p.q_si = p.k_si = p.v_si = p.do_si = p.dq_si = p.dk_si = p.dv_si = int64_t{H} * D;
-  p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = S, p.kv_len = S;
+  p.batch = B, p.heads = H, p.kv_heads = H, p.q_len = g_q_len > 0 ? g_q_len : S, p.kv_len = S;
   p.score.natural_scale = static_cast<float>(1.0 / std::sqrt(double(D)));
   p.score.scale = static_cast<float>(1.4426950408889634 / std::sqrt(double(D)));
   p.causal = causal;
@@ -367,9 +370,9 @@ static void time_variant(const char* name, bool causal) {
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
-  const double flops = 2.5 * 4.0 * B * H * double(S) * S * D * (causal ? 0.5 : 1.0);
+  const double flops = 2.5 * 4.0 * B * H * double(p.q_len) * S * D * (causal ? 0.5 : 1.0);
   g_timings.push_back({name, causal, med, flops / (med * 1e-3) / 1e12});
-  printf("time %-22s %s: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ", med,
+  printf("time %-22s %s q_len %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ", p.q_len, med,
          ms.front(), ms.back(), g_timings.back().tflops);
   for (int t = 0; t < 4; ++t)
     cudaFree(buf[t]);
@@ -408,7 +411,9 @@ static int check_variant(const char* name, bool quick, bool check, bool timing) 
   }
   if (timing) {
     time_variant<T, Config>(name, false);
-    time_variant<T, Config>(name, true);
+    if (g_q_len == 0) {
+      time_variant<T, Config>(name, true);
+    }
   }
   return failed;
 }
@@ -418,6 +423,8 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--head-group") && i + 1 < argc)
       g_head_group = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--q-len") && i + 1 < argc)
+      g_q_len = atoi(argv[++i]);
     if (!strcmp(argv[i], "--quick"))
       quick = true;
     if (!strcmp(argv[i], "--no-timing"))
