@@ -372,8 +372,8 @@ static void time_variant(const char* name, bool causal) {
   const double med = ms[ms.size() / 2];
   const double flops = 2.5 * 4.0 * B * H * double(p.q_len) * S * D * (causal ? 0.5 : 1.0);
   g_timings.push_back({name, causal, med, flops / (med * 1e-3) / 1e12});
-  printf("time %-22s %s q_len %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ", p.q_len, med,
-         ms.front(), ms.back(), g_timings.back().tflops);
+  printf("time %-22s %s q_len %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ",
+         p.q_len, med, ms.front(), ms.back(), g_timings.back().tflops);
   for (int t = 0; t < 4; ++t)
     cudaFree(buf[t]);
   cudaFree(shift), cudaFree(delta), cudaFree(dq_accum), cudaFree(gq), cudaFree(gk), cudaFree(gv);

@@ -36,9 +36,16 @@ using safeattn::cuda::hopper::FwdConfig;
 using safeattn::cuda::hopper::FwdParams;
 
 // --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
-// head); 0, the default, head_group_for's choice, as the extension runs. For the reference checks
+// head); 0, the default, fwd_head_group's choice, as the extension runs. For the reference checks
 // and the timings alike.
 static int g_head_group = 0;
+
+// The L2's bytes, for the head group rule (FwdParams::l2_bytes), as the extension passes them.
+static int64_t l2_bytes() {
+  int bytes = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, 0));
+  return bytes;
+}
 
 struct Errors {
   double out_rel_l2 = 0, out_max_abs = 0, lse_max_abs = 0, lse2_max_abs = 0;
@@ -92,6 +99,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   p.max_ctas = sms;
+  p.l2_bytes = l2_bytes();
   int* counter = nullptr;
   if (cs.causal || cs.q_len == 1025) {  // the dynamic schedule (and once without causality)
     CHECK_CUDA(cudaMalloc(&counter, sizeof(int)));
@@ -310,6 +318,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     p.causal = causal;
     p.head_group = g_head_group;
     p.max_ctas = persistent ? sms : 0;
+    p.l2_bytes = l2_bytes();
     p.tile_counter = dynamic ? counter : nullptr;
     return p;
   };

@@ -1,6 +1,6 @@
 // The sm_90a kernels' causal tile order (ops/cuda/hopper/tile_order.h), checked on the host: every
 // tile exactly once, head after head when head_group is 1, within each group of heads the longest
-// tiles (rank 0) first, and the groups as equal as they can be; and head_group_for's rule.
+// tiles (rank 0) first, and the groups as equal as they can be; head_group_for's and fwd_head_group's rules.
 #define CATCH_CONFIG_PREFIX_ALL
 #include <catch2/catch.hpp>
 
@@ -8,6 +8,7 @@
 
 #include "ops/cuda/hopper/tile_order.h"
 
+using safeattn::cuda::hopper::fwd_head_group;
 using safeattn::cuda::hopper::head_group_for;
 using safeattn::cuda::hopper::longest_first;
 using safeattn::cuda::hopper::TileRank;
@@ -73,6 +74,26 @@ CATCH_TEST_CASE("head_group_for: the fewest heads with twice the resident CTAs' 
       if (g > 1) {
         CATCH_REQUIRE((g - 1) * tiles < 2 * 132);
       }
+    }
+  }
+}
+
+CATCH_TEST_CASE("fwd_head_group: as many heads as the L2 holds the K and V of, never fewer than head_group_for") {
+  const long long mb = 1 << 20, l2 = 50 * mb;  // an H100's L2
+  // B4 H16 S4096 bf16: D = 64 (1 MB of K and V a head, 192-row tiles), D = 128 (2 MB), D = 256 (4 MB).
+  CATCH_REQUIRE(fwd_head_group(22, 64, 132, 1 * mb, l2) == 50);
+  CATCH_REQUIRE(fwd_head_group(32, 64, 132, 2 * mb, l2) == 25);
+  CATCH_REQUIRE(fwd_head_group(32, 64, 132, 4 * mb, l2) == 12);
+  CATCH_REQUIRE(fwd_head_group(22, 16, 132, 1 * mb, l2) == 16);  // never more than the heads there are
+  CATCH_REQUIRE(fwd_head_group(32, 64, 132, 64 * mb, l2) == 9);  // one head's K and V past the L2
+  CATCH_REQUIRE(fwd_head_group(32, 64, 132, 2 * mb, 0) == 9);    // the L2 unknown: head_group_for's
+  CATCH_REQUIRE(fwd_head_group(32, 64, 132, 0, l2) == 9);
+  for (long long kv : {1LL, 1000LL, 3 * mb, 1LL << 40}) {
+    for (int heads : {1, 3, 64, 1000}) {
+      const int g = fwd_head_group(32, heads, 132, kv, l2);
+      CATCH_REQUIRE(g >= head_group_for(32, heads, 132));
+      CATCH_REQUIRE(g <= heads);
+      CATCH_REQUIRE((g == head_group_for(32, heads, 132) || g == heads || g * kv <= l2));
     }
   }
 }

@@ -60,7 +60,9 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
   p.causal = a.is_causal;
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
-  p.max_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
+  const cudaDeviceProp* device = at::cuda::getDeviceProperties(query.get_device());
+  p.max_ctas = device->multiProcessorCount;
+  p.l2_bytes = device->l2CacheSize;
   // A mask (and the key ranges) is summarised per tile first (kernels on the stream): the kernel
   // skips the fully masked key tiles, tests the diagonal ones by a compare and reads the mask
   // (computes the ranges) only in the mixed ones.

@@ -1212,7 +1212,10 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.trace = a.trace;
   p.batch_heads = a.heads * a.batch;
   const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
-  p.head_group = a.head_group > 0 ? a.head_group : head_group_for(p.m_blocks, p.batch_heads, grid);
+  // K and V bytes per (batch, query head): a kv head's, shared by heads / kv_heads query heads.
+  const int64_t kv_bytes = int64_t{2} * a.kv_len * Config::kHeadDim * sizeof(Element) * a.kv_heads / a.heads;
+  p.head_group =
+      a.head_group > 0 ? a.head_group : fwd_head_group(p.m_blocks, p.batch_heads, grid, kv_bytes, a.l2_bytes);
 
   auto kernel = &detail::fwd_kernel<Kernel>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);

@@ -63,8 +63,9 @@ struct FwdParams {
   // CTAs take tiles dynamically, which keeps unequal (causal) tiles balanced.
   int* tile_counter = nullptr;
   // Causal (and masked) tiles go longest first within groups of at most head_group (batch, head)s
-  // (hopper/tile_order.h); 0: head_group_for's choice for the grid; 1: head after head.
+  // (hopper/tile_order.h); 0: fwd_head_group's choice for the grid and l2_bytes; 1: head after head.
   int head_group = 0;
+  int64_t l2_bytes = 0;  // the device's L2 cache (0: unknown)
   // Read only by a kernel built with -DSAFEATTN_FWD_TRACE (the standalone check's --trace): per
   // CTA, kFwdTraceTiles records of kFwdTraceFields timestamps (fwd_kernel.cuh, TileTrace).
   unsigned long long* trace = nullptr;
