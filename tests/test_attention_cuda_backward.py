@@ -953,3 +953,45 @@ def test_generic_path_gradcheck():
         )
 
     assert torch.autograd.gradcheck(fn, (q, k, v, bias, sinks), eps=1e-6, atol=1e-5), "gradcheck failed"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_forward_cuda_graph_replays(head_dim):
+    """The sm_90a forward under CUDA graph capture: its causal and masked calls take tiles from a
+    counter zeroed by the kernel just before them, and start while that zeroing finishes (a
+    programmatic dependency). Two calls captured back to back, replayed with new inputs each time,
+    must give eager's outputs bitwise (a tile's result does not depend on which CTA took it; a
+    counter left unzeroed would skip tiles and leave stale or poisoned rows)."""
+    batch, heads, q_len, kv_len = 2, 4, 700, 900
+    dtype = torch.bfloat16
+    pad = torch.ones(batch, kv_len, dtype=torch.bool)
+    pad[1, :333] = False
+    mask = safeattn.sdpa_mask(batch, q_len, kv_len, kv_len - q_len, padding_mask=pad).to(DEVICE)
+
+    def calls(q, k, v):
+        causal, _ = safeattn.attention(q, k, v, is_causal=True, q_offset=kv_len - q_len)
+        masked, lse = safeattn.attention(q, k, v, attn_mask=mask)
+        return causal, masked, lse
+
+    static = [t.detach() for t in _qkv(batch, heads, heads, q_len, kv_len, head_dim, dtype, DEVICE, seed=1)]
+    if not _hopper_build(*static):
+        pytest.skip("needs an sm_90 device and a build with the sm_90a kernels")
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls(*static)  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = calls(*static)
+        for replay in range(4):
+            fresh = _qkv(batch, heads, heads, q_len, kv_len, head_dim, dtype, DEVICE, seed=10 + replay)
+            for buffer, value in zip(static, fresh, strict=False):
+                buffer.copy_(value.detach())
+            for output in outputs:
+                output.fill_(float("nan"))
+            graph.replay()
+            want = calls(*static)
+            for name, got, expected in zip(("causal", "masked", "lse"), outputs, want, strict=False):
+                assert torch.equal(got, expected), f"replay {replay}: {name} differs from eager"

@@ -617,9 +617,15 @@ struct Fwd {
 
   // Dynamic: tiles in order (head-major, longest rows first under causal), each taken by the
   // first CTA free, so the CTAs finish together and the running tiles share a few heads' K/V.
+  // The kernel may start while the counter's zeroing still runs (the launch's programmatic
+  // dependency): the wait returns once that kernel is done (at once after the first time, and
+  // on a launch without the dependency).
   static __device__ __forceinline__ int next_tile(const Params& p, int index) {
-    return p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
-                                     : index + static_cast<int>(gridDim.x);
+    if (p.tile_counter == nullptr) {
+      return index + static_cast<int>(gridDim.x);
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
   }
 
   // ---- consumers -----------------------------------------------------------------------------
@@ -1222,8 +1228,21 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   if (err != cudaSuccess) {
     return err;
   }
-  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  // With a tile counter, the kernel on the stream just before this one is its zeroing (the
+  // caller's at::zeros): a programmatic dependency lets this launch start and run up to its first
+  // counter read (next_tile's wait) while that kernel finishes, which hides most of the gap
+  // between the two. Everything before the zeroing has completed when it starts.
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned int>(grid));
+  config.blockDim = dim3(Kernel::kThreads);
+  config.dynamicSmemBytes = Kernel::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = p.tile_counter != nullptr ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 // The masked variant of a bool mask or a float one (kBias).

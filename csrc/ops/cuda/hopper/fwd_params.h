@@ -59,7 +59,8 @@ struct FwdParams {
   attn::KeyRangeView key_ranges;
   // Persistent grid: at most this many CTAs (the multiprocessor count); 0: one CTA per tile.
   int max_ctas = 0;
-  // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zero at the launch:
+  // Null: static schedule (CTA c takes tiles c, c + grid, ...). Else one int, zeroed by the kernel
+  // on the stream just before the launch (the launch depends on it programmatically: fwd_kernel.cuh):
   // CTAs take tiles dynamically, which keeps unequal (causal) tiles balanced.
   int* tile_counter = nullptr;
   // Causal (and masked) tiles go longest first within groups of at most head_group (batch, head)s
