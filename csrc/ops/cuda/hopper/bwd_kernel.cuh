@@ -27,7 +27,8 @@
 //               after a barrier of both warpgroups (dQ needs every key of the tile) dQ = dS K
 //               (DqMode: at D = 128 each warpgroup multiplies all 128 keys for one 64-wide
 //               head-dim half; at D = 64 one warpgroup multiplies all of them, alternating),
-//               then dK += dS^T Q (dS^T from registers), so that dQ's staging runs during dK.
+//               then dK += dS^T Q (dS^T from registers), so that dQ's staging runs during dK
+//               (alternating, a warpgroup stages it during its next step: kdQDeferred).
 //               dS has two buffers, so a warpgroup may write the next tile's while the other
 //               still reads this one's. The float32 dQ product goes to a shared-memory stage
 //               in register order and one thread adds the whole stage into dq_accum with a bulk
@@ -177,13 +178,19 @@ struct Bwd {
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
   static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
+  // kdQAlternate: a warpgroup's dQ of one step is stored to its stage at the step's end (dK
+  // running), and added during its next step (one without a dQ product of its own) once that
+  // step's S^T and dP^T are issued: the fence, the barrier and the bulk copy's issue overlap the
+  // tensor cores instead of lengthening the step they belong to. (Storing there too made ptxas
+  // wait for S^T and dP^T before reading the dQ registers: 27% slower at D = 64.)
+  static constexpr bool kdQDeferred = kdQAlternate && Config::kdQBulk && Config::kSkipdQ == 0;
   static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
   static constexpr int kdQWarpgroupsN = kdQWholeRows ? 1 : kMmaWGs / kdQWarpgroupsM;
   static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
   // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
-  // w did, with kdQOwnKeys); 3 + w: warpgroup w staged its dQ.
+  // w did, with kdQOwnKeys; 1 + step % 2 with kdQAlternate); 3 + w: warpgroup w staged its dQ.
   static constexpr int kDsBarrier = 1;
   static constexpr int kdQStagedBarrier = 3;
   static constexpr int kPBarrier = 5;  // kSharedKeys: both consumer warpgroups wrote their P^T
@@ -465,7 +472,7 @@ struct Bwd {
     const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
     const int m_count = p.m_blocks - m_begin;
     const int mma_thread = threadIdx.x - 128;
-    const int wg = mma_thread / 128;
+    const int wg = __shfl_sync(0xffffffff, mma_thread / 128, 0);  // warp-uniform to the compiler
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutKt{});
@@ -620,29 +627,40 @@ struct Bwd {
       }
       return keep;
     };
-    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum.
-    auto stage_dq = [&](int head, int row0, int visit, int buffer) {
-      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
-      if constexpr (kdQBulk) {
-        // The dS barrier above (every iteration, after the previous bulk read was waited for)
-        // orders that wait before these stores into the same buffer two tiles later (two of this
-        // warpgroup's dQ steps later when they alternate).
-        const int t = mma_thread % 128;
-        const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
-        float* stage = smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
+    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: stored to its
+    // stage buffer (dq_stage_slot), then added by one bulk reduce-add (add_dq_stage).
+    auto dq_stage_slot = [&](int visit, int buffer) {
+      const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
+      return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
+    };
+    auto store_dq_stage = [&](int visit, int buffer) {
+      // Thread 0 waits for the previous bulk read in add_dq_stage; a dS barrier this warpgroup
+      // waits at between that and its next stores into the same buffer (every step's; with
+      // kdQAlternate that of its next dQ step) orders the two.
+      float* stage = dq_stage_slot(visit, buffer);
 #pragma unroll
-        for (int i = 0; i < size(tdQrdQ); i += 2) {
-          *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * t) = make_float2(tdQrdQ(i), tdQrdQ(i + 1));
-        }
-        cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
-        named_barrier_sync(kdQStagedBarrier + wg, 128);
-        if (t == 0) {
-          const int region = kdQWholeRows ? 0 : wg;
-          bulk_reduce_add(dq_tile + region * kdQTileElems, stage, kdQTileElems * sizeof(float));
-          tma_store_arrive();   // commit
-          tma_store_wait<1>();  // the previous tile's stage buffer has been read
-        }
+      for (int i = 0; i < size(tdQrdQ); i += 2) {
+        *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * (mma_thread % 128)) =
+            make_float2(tdQrdQ(i), tdQrdQ(i + 1));
+      }
+    };
+    auto add_dq_stage = [&](int head, int row0, int visit, int buffer) {
+      cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
+      named_barrier_sync(kdQStagedBarrier + wg, 128);
+      if (mma_thread % 128 == 0) {
+        const int region = kdQWholeRows ? 0 : wg;
+        float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
+        bulk_reduce_add(dq_tile + region * kdQTileElems, dq_stage_slot(visit, buffer), kdQTileElems * sizeof(float));
+        tma_store_arrive();   // commit
+        tma_store_wait<1>();  // the previous tile's stage buffer has been read
+      }
+    };
+    auto stage_dq = [&](int head, int row0, int visit, int buffer) {
+      if constexpr (kdQBulk) {
+        store_dq_stage(visit, buffer);
+        add_dq_stage(head, row0, visit, buffer);
       } else {
+        float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
         // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
         // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
         float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
@@ -654,6 +672,18 @@ struct Bwd {
       }
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
+    struct PendingdQ {
+      int head, row0, visit;  // head < 0: none
+    };
+    PendingdQ pending{-1, 0, 0};  // kdQDeferred: this warpgroup's dQ stored, not yet added
+    auto add_pending = [&] {
+      if constexpr (kdQDeferred) {
+        if (pending.head >= 0) {
+          add_dq_stage(pending.head, pending.row0, pending.visit, pending.visit % 2);
+          pending.head = -1;
+        }
+      }
+    };
     TileVisit next{0, attn::kTileVisible, 0};
     if constexpr (kMasked) {
       if (steps > 0) {
@@ -699,6 +729,7 @@ struct Bwd {
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
+      add_pending();             // the last step's dQ, while S^T and dP^T run
       warpgroup_wait<1>();       // S^T done, dP^T may still run
       if constexpr (kSoftcap) {  // the score rule before the masks (a masked score is -inf, not -softcap)
         p.score.softcap_all<decltype(size(tSrS))::value>(raw_pointer_cast(tSrS.data()));
@@ -807,6 +838,17 @@ struct Bwd {
         cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
         if constexpr (kdQOwnKeys) {
           named_barrier_sync(kDsBarrier + wg, 128);
+        } else if constexpr (kdQAlternate) {
+          // Only the warpgroup that multiplies dQ waits for the other's dS; the other arrives
+          // and goes on. Barrier ids alternate with the step: the arriving warpgroup multiplies
+          // the next step's dQ, so its wait there (the other id) needs this step's dQ warpgroup
+          // to have finished this step, dQ product included; that orders both the dS buffer's
+          // reuse two steps on and a fast warpgroup's next arrival on this id.
+          if (dq_here) {
+            named_barrier_sync(kDsBarrier + buffer, kMmaThreads);
+          } else {
+            named_barrier_arrive(kDsBarrier + buffer, kMmaThreads);
+          }
         } else {
           named_barrier_sync(kDsBarrier, kMmaThreads);
         }
@@ -826,12 +868,18 @@ struct Bwd {
       pipe_do.consumer_release(read_do);
       ++read_do;
       if (Config::kSkipdQ == 0 && !kdQPass && dq_here) {
-        stage_dq(head, row0, visit, buffer);
+        if constexpr (kdQDeferred) {
+          store_dq_stage(visit, buffer);
+          pending = PendingdQ{head, row0, visit};
+        } else {
+          stage_dq(head, row0, visit, buffer);
+        }
       }
       warpgroup_wait<0>();  // dK done: its Q can go
       pipe_q.consumer_release(read_q);
       ++read_q;
     }
+    add_pending();
     if constexpr (kdQBulk && Config::kSkipdQ == 0) {
       if (mma_thread % 128 == 0 && steps > 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every reduce-add done
