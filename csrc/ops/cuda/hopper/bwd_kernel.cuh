@@ -28,7 +28,7 @@
 //               (DqMode: at D = 128 each warpgroup multiplies all 128 keys for one 64-wide
 //               head-dim half; at D = 64 one warpgroup multiplies all of them, alternating),
 //               then dK += dS^T Q (dS^T from registers), so that dQ's staging runs during dK
-//               (alternating, a warpgroup stages it during its next step: kdQDeferred).
+//               (and its bulk addition during the warpgroup's next step: kdQDeferred).
 //               dS has two buffers, so a warpgroup may write the next tile's while the other
 //               still reads this one's. The float32 dQ product goes to a shared-memory stage
 //               in register order and one thread adds the whole stage into dq_accum with a bulk
@@ -178,12 +178,12 @@ struct Bwd {
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
   static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
-  // kdQAlternate: a warpgroup's dQ of one step is stored to its stage at the step's end (dK
-  // running), and added during its next step (one without a dQ product of its own) once that
+  // A warpgroup's dQ product of one step is stored to its stage at the step's end (dK running)
+  // and added during its next step (alternating: one without a dQ product of its own), once that
   // step's S^T and dP^T are issued: the fence, the barrier and the bulk copy's issue overlap the
   // tensor cores instead of lengthening the step they belong to. (Storing there too made ptxas
   // wait for S^T and dP^T before reading the dQ registers: 27% slower at D = 64.)
-  static constexpr bool kdQDeferred = kdQAlternate && Config::kdQBulk && Config::kSkipdQ == 0;
+  static constexpr bool kdQDeferred = !kdQPass && Config::kdQBulk && Config::kSkipdQ == 0;
   static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
