@@ -28,7 +28,7 @@
 //               (DqMode: at D = 128 each warpgroup multiplies all 128 keys for one 64-wide
 //               head-dim half; at D = 64 one warpgroup multiplies all of them, alternating),
 //               then dK += dS^T Q (dS^T from registers), so that dQ's staging runs during dK
-//               (and its bulk addition during the warpgroup's next step: kdQDeferred).
+//               (and its bulk addition during the warpgroup's next step: add_pending).
 //               dS has two buffers, so a warpgroup may write the next tile's while the other
 //               still reads this one's. The float32 dQ product goes to a shared-memory stage
 //               in register order and one thread adds the whole stage into dq_accum with a bulk
@@ -178,12 +178,6 @@ struct Bwd {
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
   static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
-  // A warpgroup's dQ product of one step is stored to its stage at the step's end (dK running)
-  // and added during its next step (alternating: one without a dQ product of its own), once that
-  // step's S^T and dP^T are issued: the fence, the barrier and the bulk copy's issue overlap the
-  // tensor cores instead of lengthening the step they belong to. (Storing there too made ptxas
-  // wait for S^T and dP^T before reading the dQ registers: 27% slower at D = 64.)
-  static constexpr bool kdQDeferred = !kdQPass && Config::kdQBulk && Config::kSkipdQ == 0;
   static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
@@ -627,8 +621,13 @@ struct Bwd {
       }
       return keep;
     };
-    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: stored to its
-    // stage buffer (dq_stage_slot), then added by one bulk reduce-add (add_dq_stage).
+    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: with kdQBulk
+    // stored to its stage buffer (dq_stage_slot) at the step's end, while dK runs, and added by
+    // one bulk reduce-add (add_dq_stage) during the warpgroup's next step (alternating: one
+    // without a dQ product of its own), once that step's S^T and dP^T are issued, so that the
+    // fence, the barrier and the bulk copy's issue overlap the tensor cores instead of
+    // lengthening the step they belong to (storing there too made ptxas wait for S^T and dP^T
+    // before reading the dQ registers: 27% slower at D = 64); else by float2 atomics.
     auto dq_stage_slot = [&](int visit, int buffer) {
       const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
       return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
@@ -655,29 +654,24 @@ struct Bwd {
         tma_store_wait<1>();  // the previous tile's stage buffer has been read
       }
     };
-    auto stage_dq = [&](int head, int row0, int visit, int buffer) {
-      if constexpr (kdQBulk) {
-        store_dq_stage(visit, buffer);
-        add_dq_stage(head, row0, visit, buffer);
-      } else {
-        float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
-        // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
-        // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
-        float* dq = dq_tile + dq_row_base * kHeadDim + dq_col_base;
+    auto add_dq_atomics = [&](int head, int row0) {
+      // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
+      // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
+      float* dq = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim +
+                  dq_row_base * kHeadDim + dq_col_base;
 #pragma unroll
-        for (int i = 0; i < size(tdQrdQ); i += 2) {
-          atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
-                    make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
-        }
+      for (int i = 0; i < size(tdQrdQ); i += 2) {
+        atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
+                  make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
       }
     };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     struct PendingdQ {
       int head, row0, visit;  // head < 0: none
     };
-    PendingdQ pending{-1, 0, 0};  // kdQDeferred: this warpgroup's dQ stored, not yet added
+    PendingdQ pending{-1, 0, 0};  // kdQBulk: this warpgroup's dQ stored, not yet added
     auto add_pending = [&] {
-      if constexpr (kdQDeferred) {
+      if constexpr (kdQBulk && Config::kSkipdQ == 0) {
         if (pending.head >= 0) {
           add_dq_stage(pending.head, pending.row0, pending.visit, pending.visit % 2);
           pending.head = -1;
@@ -868,11 +862,11 @@ struct Bwd {
       pipe_do.consumer_release(read_do);
       ++read_do;
       if (Config::kSkipdQ == 0 && !kdQPass && dq_here) {
-        if constexpr (kdQDeferred) {
+        if constexpr (kdQBulk) {
           store_dq_stage(visit, buffer);
-          pending = PendingdQ{head, row0, visit};
+          pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
         } else {
-          stage_dq(head, row0, visit, buffer);
+          add_dq_atomics(head, row0);
         }
       }
       warpgroup_wait<0>();  // dK done: its Q can go
