@@ -7,7 +7,12 @@ Sources are found by folder, so adding an op needs no edit here:
 
 Environment switches:
   SAFEATTN_CUDA=auto|0|1        auto: build CUDA when nvcc and a CUDA build of torch are present
-  SAFEATTN_CUDA_ARCHS="90"      semicolon or comma separated compute capabilities (default sm_90)
+  TORCH_CUDA_ARCH_LIST="8.0;8.6;9.0+PTX"  the GPU targets, in PyTorch's syntax (cuda_targets below);
+                                unset: the GPUs visible now, else DEFAULT_CUDA_ARCHS (Ampere to
+                                Blackwell, PTX of the newest). Any 9.x entry builds the Hopper
+                                kernels for sm_90a as well; SAFEATTN_CUDA_ARCHS is a deprecated alias
+  SAFEATTN_SM90=0               build no Hopper (sm_90a) kernels even when 9.0 is a target: the
+                                slow path on H100/H200, and the only way to target 9.0 without CUTLASS
   SAFEATTN_CPU_ISAS="DEFAULT;AVX2;AVX512"  restrict the CPU variants (x86 only; faster dev builds)
   SAFEATTN_OPS="sdpa_mask,..."  compile only these ops' kernels (dev builds; schemas always built)
   SAFEATTN_ATTN_HEAD_DIMS="64,96,128,256"  the head dims whose CUDA attention instantiations are
@@ -15,9 +20,9 @@ Environment switches:
                                 "all" for every file); the others take the generic path. Default:
                                 64,96,128,256, the common head dims, tested on a GPU
   SAFEATTN_CUTLASS_INCLUDE=dir  the CUTLASS / CuTe headers (default: the nvidia-cutlass package's
-                                cutlass_library/source/include); with them and sm_90 among the
-                                archs, the Hopper kernels (csrc/ops/cuda/hopper/*.cu) are built for
-                                sm_90a and SAFEATTN_WITH_SM90 is defined
+                                cutlass_library/source/include), which the Hopper kernels
+                                (csrc/ops/cuda/hopper/*.cu, built for sm_90a, SAFEATTN_WITH_SM90)
+                                need: a build that targets 9.0 without them stops (NO_CUTLASS)
   SAFEATTN_DEBUG_INFO=1         keep debug info (-g) in _C; release builds have none (-g0)
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
 
@@ -119,12 +124,117 @@ def want_cuda():
     return available if mode == "auto" else mode == "1"
 
 
-def cuda_archs():
-    archs = [a for a in re.split(r"[;, ]+", os.environ.get("SAFEATTN_CUDA_ARCHS", "90")) if a]
-    for a in archs:
-        if not re.fullmatch(r"\d+a?", a):
-            raise SystemExit(f"SAFEATTN_CUDA_ARCHS entries look like 90 or 90a; got {a!r}")
-    return archs
+# The targets when TORCH_CUDA_ARCH_LIST is unset and no GPU is visible (build hosts, CI, wheels):
+# Ampere (8.0 A100, 8.6 RTX 30 / A10 / A40), Ada (8.9 L4, L40S, RTX 40), Hopper (9.0, with the
+# sm_90a kernels), Blackwell (10.0 B200, 12.0 RTX 50 / RTX PRO), and PTX of the newest, which the
+# driver compiles for any later GPU. The Blackwell entries need nvcc >= 12.8 and are dropped,
+# with a note, before that.
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+# PyTorch's named architectures (torch.utils.cpp_extension), for TORCH_CUDA_ARCH_LIST="Ampere;Hopper".
+NAMED_CUDA_ARCHS = {
+    "Ampere": "8.0;8.6+PTX",
+    "Ada": "8.9+PTX",
+    "Hopper": "9.0+PTX",
+    "Blackwell": "10.0;12.0+PTX",
+}
+
+
+def nvcc_archs():
+    """The virtual architectures this nvcc compiles for, e.g. {"80", "90", "120"}."""
+    out = os.popen(f'"{Path(CUDA_HOME) / "bin" / "nvcc"}" --list-gpu-arch').read()
+    return set(re.findall(r"compute_(\d+)", out))
+
+
+def parse_arch_list(setting, source):
+    """TORCH_CUDA_ARCH_LIST's syntax -> [(sm, ptx)], sm like "86" or "90a": entries split on ';',
+    ' ' or ',', each "X.Y" (machine code), "X.Y+PTX" (and PTX), "X.Ya" / "X.Yf" (the arch- or
+    family-specific targets), or a name of NAMED_CUDA_ARCHS."""
+    targets = []
+    for entry in [e for e in re.split(r"[;, ]+", setting.strip()) if e]:
+        if entry in NAMED_CUDA_ARCHS:
+            targets += parse_arch_list(NAMED_CUDA_ARCHS[entry], source)
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", entry)
+        if not m:
+            raise SystemExit(
+                f"{source}: {entry!r} is not a CUDA architecture; use PyTorch's syntax, e.g. "
+                f'{source}="8.0;8.6;9.0+PTX" (or a name: {", ".join(NAMED_CUDA_ARCHS)})'
+            )
+        major, minor, suffix, ptx = m.groups()
+        targets.append((f"{major}{minor}{suffix}", bool(ptx)))
+    if not targets:
+        raise SystemExit(f"{source} is empty; unset it for the default ({DEFAULT_CUDA_ARCHS})")
+    return targets
+
+
+def visible_gpu_archs():
+    """The compute capabilities of the GPUs visible now, in TORCH_CUDA_ARCH_LIST syntax, or None."""
+    try:
+        count = torch.cuda.device_count()
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(count)})
+    except Exception:  # no driver: a build host
+        return None
+    return ";".join(f"{major}.{minor}" for major, minor in caps) or None
+
+
+def cuda_targets():
+    """What nvcc compiles the generic CUDA kernels for, {sm: with_ptx}, where that choice came
+    from, and whether the Hopper kernels are wanted (a 9.x target and SAFEATTN_SM90 not 0).
+
+    PyTorch's convention decides: TORCH_CUDA_ARCH_LIST when set (as torch.utils.cpp_extension,
+    flash-attn and xformers read it); else the GPUs visible at build time; else
+    DEFAULT_CUDA_ARCHS. A "9.0a" entry counts as 9.0: the generic kernels run on every sm_90 part
+    from plain sm_90 code, and the Hopper kernels always get their own sm_90a target."""
+    legacy = os.environ.get("SAFEATTN_CUDA_ARCHS")
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        setting, source = os.environ["TORCH_CUDA_ARCH_LIST"], "TORCH_CUDA_ARCH_LIST"
+    elif legacy:
+        print("safeattn: SAFEATTN_CUDA_ARCHS is deprecated; use TORCH_CUDA_ARCH_LIST (e.g. '8.0;9.0')")
+        setting = ";".join(f"{a[:-1]}.{a[-1:]}" for a in re.split(r"[;, ]+", legacy.replace("a", "")) if a)
+        source = "SAFEATTN_CUDA_ARCHS"
+    else:
+        visible = visible_gpu_archs()
+        setting, source = (visible, "the visible GPUs") if visible else (DEFAULT_CUDA_ARCHS, "the default list")
+    known = nvcc_archs()
+    targets = {}
+    for sm, ptx in parse_arch_list(setting, "TORCH_CUDA_ARCH_LIST" if source.startswith("the") else source):
+        base = sm.rstrip("af")
+        if known and base not in known:
+            if not source.startswith("the"):
+                raise SystemExit(f"{source}: this nvcc cannot compile for sm_{sm} (it knows {sorted(known, key=int)})")
+            print(f"safeattn: this nvcc cannot compile for sm_{sm}; left out of {source}")
+            continue
+        sm = "90" if base == "90" else sm
+        targets[sm] = targets.get(sm, False) or ptx
+    if not targets:
+        raise SystemExit(f"safeattn: no CUDA target left from {source} ({setting!r})")
+    sm90 = os.environ.get("SAFEATTN_SM90", "1")
+    if sm90 not in ("0", "1"):
+        raise SystemExit(f"SAFEATTN_SM90 must be 0 or 1; got {sm90!r}")
+    return targets, source, sm90 == "1" and any(sm.startswith("9") for sm in targets)
+
+
+def gencode_flags(targets):
+    flags = []
+    for sm, ptx in targets.items():
+        flags.append(f"-gencode=arch=compute_{sm},code=sm_{sm}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{sm},code=compute_{sm}")
+    return flags
+
+
+NO_CUTLASS = """
+safeattn's fast attention kernels for H100 / H200 (sm_90a, built on CUTLASS's CuTe) need the
+CUTLASS headers, and this build targets 9.0 ({source}) but found none. Install the pinned
+package and build again:
+
+    pip install nvidia-cutlass==4.2.0.0
+    pip install --no-build-isolation safeattn            # in a clone: ... -e .
+
+or point SAFEATTN_CUTLASS_INCLUDE at a CUTLASS checkout's include/ folder. To build without them
+on purpose (attention on H100 / H200 then runs the generic kernels, about 2.5x slower), set
+SAFEATTN_SM90=0; to build for other GPUs only, set TORCH_CUDA_ARCH_LIST (e.g. "8.0;8.6;8.9").
+"""
 
 
 def cutlass_include():
@@ -201,19 +311,24 @@ os.environ.setdefault("MAX_JOBS", default_jobs())
 
 WITH_CUDA = want_cuda()
 ISAS = cpu_isas()
-ARCHS = cuda_archs() if WITH_CUDA else []
+CUDA_TARGETS, CUDA_TARGETS_FROM, WANT_SM90 = cuda_targets() if WITH_CUDA else ({}, None, False)
+if WITH_CUDA:
+    shown = ", ".join(f"sm_{sm}" + (" + PTX" if ptx else "") for sm, ptx in CUDA_TARGETS.items())
+    print(f"safeattn: CUDA targets {shown}{' and sm_90a (Hopper kernels)' if WANT_SM90 else ''}, from {CUDA_TARGETS_FROM}")
 
 common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
 isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
 # The Hopper kernels (wgmma, setmaxnreg) need the sm_90a target and CUTLASS; they are compiled
-# on their own (Build below) so that every other .cu file keeps the plain sm_90 target.
-CUTLASS_INCLUDE = cutlass_include() if WITH_CUDA and any(a.startswith("90") for a in ARCHS) else None
-hopper_sources = op_filter(rel((ROOT / "csrc/ops/cuda/hopper").glob("*.cu"))) if CUTLASS_INCLUDE else []
+# on their own (Build below) so that every other .cu file keeps the generic targets.
+hopper_sources = op_filter(rel((ROOT / "csrc/ops/cuda/hopper").glob("*.cu"))) if WANT_SM90 else []
 cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
     rel((ROOT / "csrc/common").glob("*.cu"))
     + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
     + hopper_sources
 )
+CUTLASS_INCLUDE = cutlass_include() if any(p in hopper_sources for p in cuda_sources) else None
+if CUTLASS_INCLUDE is None and any(p in hopper_sources for p in cuda_sources):
+    raise SystemExit(NO_CUTLASS.format(source=CUDA_TARGETS_FROM))
 hopper_sources = [p for p in cuda_sources if p in hopper_sources]
 cuda_sources = [p for p in cuda_sources if p not in hopper_sources]
 
@@ -245,7 +360,9 @@ nvcc_flags = [
     "-D__CUDA_NO_HALF2_OPERATORS__",
     *head_dim_macros(ATTN_HEAD_DIMS),
     *(["-DSAFEATTN_WITH_SM90"] if hopper_sources else []),
-    *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS],
+    # The newest PTX target (0: none), for the message of a GPU the build has no code for.
+    f"-DSAFEATTN_CUDA_PTX_ARCH={max((int(sm.rstrip('af')) for sm, ptx in CUDA_TARGETS.items() if ptx), default=0)}",
+    *gencode_flags(CUDA_TARGETS),
 ]
 
 
@@ -270,7 +387,9 @@ def build_env():
     """The build switches that were set, so that a rebuild command can repeat them."""
     names = (
         "SAFEATTN_CUDA",
+        "TORCH_CUDA_ARCH_LIST",
         "SAFEATTN_CUDA_ARCHS",
+        "SAFEATTN_SM90",
         "SAFEATTN_CPU_ISAS",
         "SAFEATTN_OPS",
         "SAFEATTN_ATTN_HEAD_DIMS",
@@ -285,6 +404,9 @@ def build_config():
         "torch_cuda_version": torch.version.cuda,
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "with_cuda": WITH_CUDA,
+        # "86", "120+PTX": the generic kernels' targets; sm90a: the Hopper kernels were built.
+        "cuda_targets": [sm + ("+PTX" if ptx else "") for sm, ptx in CUDA_TARGETS.items()],
+        "sm90a": bool(hopper_sources),
         "build_env": build_env(),
     }
     lines = [

@@ -34,6 +34,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return d;
       },
       "Version, torch built against, CPU ISA variants and tiles, CUDA archs.");
+#ifdef SAFEATTN_WITH_CUDA
+  // Private (safeattn._testing.generic_kernels_only): see safeattn.h.
+  m.def("_set_generic_kernels_only", &safeattn::cuda::set_generic_kernels_only);
+  m.def("_check_device_supported", &safeattn::cuda::check_device_supported,
+        "Raises the error a CUDA op raises on a GPU this build has no code for.");
+#endif
   m.def("cpu_parallel_threads", &safeattn::cpu_parallel_threads,
         "Threads at::parallel_for uses in safeattn's CPU code (1 if built without OpenMP).");
 }

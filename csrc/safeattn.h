@@ -43,6 +43,18 @@ std::string toolkit_version();
 // The head dims of the tensor-core attention kernels compiled, per direction (sm90: the sm_90a
 // kernels').
 std::vector<int> attention_head_dims(bool backward, bool sm90);
+// Raises a clear error (the GPU, its compute capability, the archs built, the rebuild command)
+// when this build has no code that runs on the device, instead of CUDA's "no kernel image is
+// available" from the first launch. Every CUDA op calls it first; after one success per device
+// it is an atomic load.
+void check_device_supported(int device);
+// Whether the sm_90a kernels (TMA + wgmma) are in this build.
+bool hopper_kernels_built();
+// Private to the tests and benchmarks (safeattn._C._set_generic_kernels_only): while on,
+// attention on an H100/H200 runs the generic kernels that A100 / Ada / Blackwell GPUs run, so they
+// can be tested and measured on the Hopper GPUs at hand. Process-wide; not a user setting.
+void set_generic_kernels_only(bool on);
+bool generic_kernels_only();
 // Streaming multiprocessors of a device (the current one by default), for grid sizes.
 int64_t multiprocessor_count(int device);
 int64_t multiprocessor_count();

@@ -2,8 +2,12 @@
 // has, for the kernels' grid sizes. It also proves, in every CI run, that the CUDA toolchain path
 // of the build works.
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -47,6 +51,81 @@ int64_t multiprocessor_count() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   return multiprocessor_count(device);
+}
+
+namespace {
+
+// Compiled for exactly the targets of every other generic kernel (this file gets the same
+// -gencode flags), so whether the runtime finds an image of it for a device is whether it finds
+// one of them.
+__global__ void probe_kernel() {}
+
+// Per device: 0 not checked yet, 1 the build runs there. 64 ordinals cover any CUDA host; a
+// larger one is checked on every call (the check is a cheap runtime query).
+std::array<std::atomic<int8_t>, 64> device_checked{};
+
+std::string archs_built() {
+  std::string list;
+  for (const std::string& arch : compiled_archs()) {
+    list += (list.empty() ? "sm_" : ", sm_") + arch;
+  }
+#ifdef SAFEATTN_WITH_SM90
+  list += ", sm_90a (the Hopper kernels)";
+#endif
+#if SAFEATTN_CUDA_PTX_ARCH > 0
+  list += ", PTX of compute_" + std::to_string(SAFEATTN_CUDA_PTX_ARCH);
+#endif
+  return list.empty() ? "none" : list;
+}
+
+}  // namespace
+
+void check_device_supported(int device) {
+  const bool cached = device >= 0 && device < static_cast<int>(device_checked.size());
+  if (cached && device_checked[device].load(std::memory_order_relaxed)) {
+    return;
+  }
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cudaFuncAttributes attributes;
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, probe_kernel);
+  if (status == cudaErrorNoKernelImageForDevice || status == cudaErrorInvalidDeviceFunction ||
+      status == cudaErrorUnsupportedPtxVersion) {
+    (void)cudaGetLastError();  // not sticky: clear it so the error below is the one reported
+    cudaDeviceProp props;
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+    const std::string capability = std::to_string(props.major) + "." + std::to_string(props.minor);
+    TORCH_CHECK(false, "safeattn has no CUDA kernels for this GPU: ", props.name, " (cuda:", device,
+                ", compute capability ", capability, "); this build holds ", archs_built(),
+                (status == cudaErrorUnsupportedPtxVersion ? " (its PTX is newer than this driver)" : ""),
+                ". Rebuild it for this GPU:\n    TORCH_CUDA_ARCH_LIST=\"", capability,
+                "\" pip install --no-build-isolation --no-deps --no-cache-dir --force-reinstall safeattn\n"
+                "(in a source tree: TORCH_CUDA_ARCH_LIST=\"",
+                capability, "\" pip install --no-build-isolation --no-deps -e .)");
+  }
+  C10_CUDA_CHECK(status);
+  if (cached) {
+    device_checked[device].store(1, std::memory_order_relaxed);
+  }
+}
+
+namespace {
+std::atomic<bool> generic_only{false};
+}  // namespace
+
+void set_generic_kernels_only(bool on) {
+  generic_only.store(on);
+}
+
+bool generic_kernels_only() {
+  return generic_only.load(std::memory_order_relaxed);
+}
+
+bool hopper_kernels_built() {
+#ifdef SAFEATTN_WITH_SM90
+  return true;
+#else
+  return false;
+#endif
 }
 
 std::string toolkit_version() {

@@ -39,6 +39,7 @@
 // scores are forced to -inf (keys) or their lse to +inf (queries), so they contribute exactly 0.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -145,6 +146,18 @@ inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
     constexpr int D = decltype(dim)::value;
     sizes = {DkvConfig<D>::kQueries, DkvConfig<D>::kKeys, DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys};
   });
+}
+
+// Host: the most shared memory the backward kernels of head dim d take (bytes); 0 if none. The
+// dK/dV kernel's tiles at D = 96 and 128 (108 and 138 KB) exceed the 99 KB of sm_86 / sm_89 /
+// sm_120, whose backward at those head dims takes the ATen path (attention_backward_chunked).
+inline size_t bwd_smem_bytes(int64_t d) {
+  size_t bytes = 0;
+  with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    bytes = std::max(DkvConfig<D>::kAtomicDqSmem, DqConfig<D>::kDqSmem);
+  });
+  return bytes;
 }
 
 // What one backward launch runs (the rows pre-pass is the caller's).

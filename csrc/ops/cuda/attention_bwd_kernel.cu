@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "common/cuda_device.h"
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
 #include "ops/cuda/attention_bwd.cuh"
@@ -209,7 +210,8 @@ bool tensor_core_supported(const AttentionBwdArgs& a) {
     return false;
   }
   const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_head_dim<kBwdHeadDims>(head_dim)) {
+  if (a.value.size(3) != head_dim || !has_head_dim<kBwdHeadDims>(head_dim) ||
+      !attn::smem_fits(attn::bwd_smem_bytes(head_dim), a.query)) {
     return false;
   }
   if (a.mask.defined() && a.mask.scalar_type() == at::kDouble) {
@@ -451,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
-  const c10::cuda::CUDAGuard guard(query.device());
+  const OpDeviceGuard guard(query.device());
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
                                  kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda,
                                  kMaskGradBudgetBytes, &attention_bwd_cuda_sums_batch);

@@ -84,7 +84,30 @@ bool sizes_fit_int32(const at::Tensor& t) {
   return true;
 }
 
+void warn_if_hopper_kernels_missing(const at::Tensor& query) {
+#ifndef SAFEATTN_WITH_SM90
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
+  const at::ScalarType dtype = query.scalar_type();
+  if (props->major == 9 && props->minor == 0 && (dtype == at::kHalf || dtype == at::kBFloat16)) {
+    TORCH_WARN_ONCE(
+        "safeattn was built without its H100/H200 attention kernels (sm_90a: the build found no CUTLASS "
+        "headers, or SAFEATTN_SM90=0), so attention on ",
+        props->name,
+        " runs the generic kernels, about 2.5x slower. Rebuild with them:\n"
+        "    pip install nvidia-cutlass==4.2.0.0\n"
+        "    pip install --no-build-isolation --no-deps --no-cache-dir --force-reinstall safeattn\n"
+        "(in a source tree: pip install --no-build-isolation --no-deps -e .); `python -m safeattn info` "
+        "lists the kernels built.");
+  }
+#else
+  (void)query;
+#endif
+}
+
 bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
+  if (generic_kernels_only()) {
+    return false;
+  }
   const at::ScalarType dtype = query.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) {
     return false;
@@ -99,6 +122,10 @@ bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const
   }
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
   return props->major == 9 && props->minor == 0;
+}
+
+bool smem_fits(size_t bytes, const at::Tensor& t) {
+  return bytes <= at::cuda::getDeviceProperties(t.get_device())->sharedMemPerBlockOptin;
 }
 
 at::Tensor with_aligned_rows(const at::Tensor& t) {

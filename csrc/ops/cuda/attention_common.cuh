@@ -149,7 +149,13 @@ bool rows_aligned_16(const at::Tensor& t);
 // their head dims aside: bf16 / fp16, D == Dv, no empty input, sizes below 2^31, an sm_90 device,
 // and scale > 0 with a scale * log2(e) that neither rounds to 0 nor overflows in float32 (they
 // take each row's max over raw dot products and scale after).
+// False while the generic kernels are forced (cuda::generic_kernels_only, safeattn.h).
 bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale);
+
+// Host: on an sm_90 GPU with a build that lacks the sm_90a kernels (built without CUTLASS or with
+// SAFEATTN_SM90=0), a warning, once per process, that names the rebuild command: attention then
+// runs the generic kernels at about 40% of the speed, which nothing else would reveal.
+void warn_if_hopper_kernels_missing(const at::Tensor& query);
 
 // Host: the tensors' addresses and [B, H, S] strides (elements) that the forward kernels'
 // parameter structs share (attention_fwd.cuh and hopper/fwd_params.h): query, key and value as
@@ -172,6 +178,11 @@ void set_forward_tensors(Params& p, const at::Tensor& query, const at::Tensor& k
 // Host: whether every size of t is below 2^31 (what kernels with 32-bit indices, such as TMA's
 // coordinates, need).
 bool sizes_fit_int32(const at::Tensor& t);
+
+// Host: whether a block may take `bytes` of shared memory on t's device (the opt-in limit: 227 KB
+// on sm_90 / sm_100, 163 KB on sm_80 / sm_87, 99 KB on sm_86 / sm_89 / sm_120). A kernel whose
+// tiles do not fit leaves the call to the next path rather than fail at launch.
+bool smem_fits(size_t bytes, const at::Tensor& t);
 
 // Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
 // contiguous() returns a contiguous view with an odd offset unchanged.

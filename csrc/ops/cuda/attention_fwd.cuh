@@ -74,6 +74,16 @@ struct FwdConfig {
   static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
   static constexpr int kWarps = kHeadDim <= 64 ? 4 : 8;
   static constexpr bool kQInRegs = kHeadDim <= 128;
+  // With Q in registers its shared tile is free once loaded, so the second K/V stage reuses it
+  // (and the output staging reuses it at the end): 68 KB at D = 128 instead of 102, which fits
+  // the 99 KB a block may have on sm_86 / sm_89 / sm_120 and leaves room for a second CTA on
+  // sm_80 / sm_90. Without Q in registers (D = 256) the stages have their own rows.
+  static constexpr bool kAliasQ = kQInRegs;
+  static constexpr int kQRows = kAliasQ && 2 * kBlockN > kBlockM ? 2 * kBlockN : kBlockM;
+  static constexpr int kSmemRows = kQRows + (kAliasQ ? 2 : 4) * kBlockN;
+  static constexpr size_t smem_bytes(size_t element_size) {
+    return static_cast<size_t>(kSmemRows) * padded_row(kHeadDim) * element_size;
+  }
 };
 
 // Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
@@ -83,6 +93,13 @@ inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
     block_q = FwdConfig<decltype(dim)::value>::kBlockM;
     block_kv = FwdConfig<decltype(dim)::value>::kBlockN;
   });
+}
+
+// Host: the shared memory the kernel of head dim d takes (bytes, 16-bit elements); 0 if none.
+inline size_t fwd_smem_bytes(int64_t d) {
+  size_t bytes = 0;
+  with_head_dim<kFwdHeadDims>(d, [&](auto dim) { bytes = FwdConfig<decltype(dim)::value>::smem_bytes(2); });
+  return bytes;
 }
 
 // Launches the kernel for one (dtype, head dim) on `stream`. Defined (with the kernel) only where
@@ -123,9 +140,17 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   static_assert(D % 16 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kWarps) == 0, "bad tile shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* s_q = reinterpret_cast<T*>(smem_raw);  // [kBlockM][kStride]; the output staging at the end
-  T* s_k = s_q + kBlockM * kStride;         // [2][kBlockN][kStride]
-  T* s_v = s_k + 2 * kBlockN * kStride;     // [2][kBlockN][kStride]
+  // [kQRows][kStride]: Q, then (kAliasQ) stage 1's K and V, then the output staging.
+  T* s_q = reinterpret_cast<T*>(smem_raw);
+  // Stage s's K tile ([kBlockN][kStride]), V right after it; stage 1 in Q's rows when kAliasQ.
+  auto s_k = [&](int stage) -> T* {
+    if constexpr (Cfg::kAliasQ) {
+      return stage == 0 ? s_q + Cfg::kQRows * kStride : s_q;
+    } else {
+      return s_q + (Cfg::kQRows + 2 * stage * kBlockN) * kStride;
+    }
+  };
+  auto s_v = [&](int stage) -> T* { return s_k(stage) + kBlockN * kStride; };
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // the MMA fragment's row group and column pair
@@ -161,10 +186,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   };
   auto load_kv = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads>(s_k + stage * kBlockN * kStride, k_base + j0 * p.k_si, p.k_si, p.kv_len - j0,
-                                       tid);
-    load_tile<T, kBlockN, D, kThreads>(s_v + stage * kBlockN * kStride, v_base + j0 * p.v_si, p.v_si, p.kv_len - j0,
-                                       tid);
+    load_tile<T, kBlockN, D, kThreads>(s_k(stage), k_base + j0 * p.k_si, p.k_si, p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads>(s_v(stage), v_base + j0 * p.v_si, p.v_si, p.kv_len - j0, tid);
   };
 
   load_tile<T, kBlockM, D, kThreads>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
@@ -184,6 +207,9 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
       for (int kk = 0; kk < kKSteps; ++kk) {
         ldmatrix_x4(q_frag[mt][kk], s_q + (warp_row0 + mt * 16 + a_row) * kStride + kk * 16 + a_col);
       }
+    }
+    if constexpr (Cfg::kAliasQ) {
+      __syncthreads();  // every warp holds its Q before the first prefetch refills Q's rows
     }
   }
 
@@ -214,8 +240,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
     __syncthreads();
 
     if (warp_active) {
-      const T* k_s = s_k + stage * kBlockN * kStride;
-      const T* v_s = s_v + stage * kBlockN * kStride;
+      const T* k_s = s_k(stage);
+      const T* v_s = s_v(stage);
 
       // ---- S = Q K^T ----
       float s_acc[kMTiles][kNTiles][4];
@@ -417,7 +443,7 @@ template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<kHeadDim>;
   constexpr int kThreads = Cfg::kWarps * 32;
-  constexpr size_t kSmem = static_cast<size_t>(Cfg::kBlockM + 4 * Cfg::kBlockN) * (kHeadDim + 8) * sizeof(T);
+  constexpr size_t kSmem = Cfg::smem_bytes(sizeof(T));
   static_assert(kSmem <= 227 * 1024, "the tiles do not fit in shared memory");
   auto kernel = &attention_fwd_kernel<T, kHeadDim>;
   if constexpr (kSmem > 48 * 1024) {

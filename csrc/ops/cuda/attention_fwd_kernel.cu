@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/cuda_device.h"
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
 #include "ops/cuda/attention_decode.h"
@@ -45,7 +46,8 @@ void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stre
 bool use_tensor_cores(const AttentionFwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   return (dtype == at::kHalf || dtype == at::kBFloat16) && a.query.size(3) == a.value.size(3) &&
-         has_head_dim<kFwdHeadDims>(a.query.size(3)) && attn::rows_aligned_16(a.out);
+         has_head_dim<kFwdHeadDims>(a.query.size(3)) && attn::rows_aligned_16(a.out) &&
+         attn::smem_fits(attn::fwd_smem_bytes(a.query.size(3)), a.query);
 }
 
 void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
@@ -109,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const
                                                   bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
                                                   const std::optional<at::Tensor>& sinks,
                                                   const std::optional<at::Tensor>& key_ranges) {
-  const c10::cuda::CUDAGuard guard(query.device());
+  const OpDeviceGuard guard(query.device());
+  attn::warn_if_hopper_kernels_missing(query);
   auto [out, lse, unused] =
       attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                      softcap, sinks, key_ranges, /*with_lse_lo=*/false, &attention_fwd_cuda);
@@ -120,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
     double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
     double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
-  const c10::cuda::CUDAGuard guard(query.device());
+  const OpDeviceGuard guard(query.device());
+  attn::warn_if_hopper_kernels_missing(query);
   return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
                         softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cuda);
 }

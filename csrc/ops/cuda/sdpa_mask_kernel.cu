@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "common/cuda_device.h"
 #include "ops/sdpa_mask.h"
 #include "safeattn.h"
 
@@ -382,7 +383,7 @@ at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_lengt
   if (!where.has_index()) {
     where = c10::Device(c10::kCUDA, c10::cuda::current_device());
   }
-  const c10::cuda::CUDAGuard guard(where);
+  const cuda::OpDeviceGuard guard(where);
   // Conversions of the small inputs run on the current stream; nothing waits on the host.
   SdpaMaskInputs in =
       prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,

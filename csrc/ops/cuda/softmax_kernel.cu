@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "common/cuda_device.h"
 #include "ops/cuda/softmax_rows.cuh"
 #include "ops/softmax.h"
 
@@ -255,19 +256,19 @@ void softmax_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, do
 // ---- registration --------------------------------------------------------------------------
 
 at::Tensor safe_softmax_cuda(const at::Tensor& self, int64_t dim, std::optional<at::ScalarType> dtype) {
-  const c10::cuda::CUDAGuard guard(self.device());
+  const OpDeviceGuard guard(self.device());
   return safe_softmax_impl(self, dim, dtype, &softmax_forward_cuda);
 }
 
 at::Tensor safe_softmax_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, int64_t dim,
                                       at::ScalarType input_dtype) {
-  const c10::cuda::CUDAGuard guard(out.device());
+  const OpDeviceGuard guard(out.device());
   return safe_softmax_backward_impl(grad_out, out, dim, input_dtype, &softmax_backward_cuda);
 }
 
 at::Tensor masked_softmax_cuda(const at::Tensor& scores, const std::optional<at::Tensor>& mask, double scale,
                                int64_t dim, std::optional<at::ScalarType> dtype) {
-  const c10::cuda::CUDAGuard guard(scores.device());
+  const OpDeviceGuard guard(scores.device());
   return masked_softmax_impl(scores, mask, scale, dim, dtype, &softmax_forward_cuda);
 }
 
@@ -275,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor> masked_softmax_backward_cuda(const at::Tensor
                                                                 const std::optional<at::Tensor>& mask, double scale,
                                                                 int64_t dim, at::ScalarType input_dtype,
                                                                 bool mask_requires_grad) {
-  const c10::cuda::CUDAGuard guard(out.device());
+  const OpDeviceGuard guard(out.device());
   return masked_softmax_backward_impl(grad_out, out, mask, scale, dim, input_dtype, mask_requires_grad,
                                       &softmax_backward_cuda);
 }
