@@ -464,7 +464,7 @@ int main(int argc, char** argv) {
   VARIANT_X(bf16, 256, 64, 64, 2, false, 3, 0);
   VARIANT_X(__half, 256, 64, 64, 2, false, 3, 0);
 #ifdef HOPPER_BWD_CHECK_TRY
-  // dQ by float2 atomics from the dK/dV kernel (stop 37's default), and those additions left
+  // dQ by float2 atomics from the dK/dV kernel (the alternative to the dQ pass), and those additions left
   // out (H200, causal: 2.40 ms against 4.67).
   VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 0);
   VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 1);
@@ -482,7 +482,7 @@ int main(int argc, char** argv) {
 #if defined(HOPPER_BWD_CHECK_TRY) && (!defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 64)
   // Tried for D=64's backward (-DHOPPER_BWD_CHECK_TRY): 128 query rows a step (48 bytes of
   // spills) and 3 stages. H100, B4 H16 S4096 causal: 0.981 and 0.952-0.962 ms against the
-  // default's 0.947-0.951: neither helps (notes_attention_cuda.md, stop 29).
+  // default's 0.947-0.951: neither helps (notes_attention_cuda.md, "Hopper backward").
   VARIANT(bf16, 64, 128, 128, 2);
   VARIANT(bf16, 64, 64, 128, 3);
 #endif

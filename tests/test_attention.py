@@ -1145,7 +1145,7 @@ def test_cpu_isa_variants_match_reference():
         assert done.returncode == 0, f"ISA variant {isa}: {done.stderr[-2000:]}"
 
 
-# ---- edges found from outside (issue 16) -----------------------------------------------------
+# ---- edge cases: huge offsets, finfo.min rows, NaN behind -inf, bad private-op input --------
 
 
 def _reference_grads(q, k, v, out_grad, *, extra=(), lse_grad=None, **kwargs):
@@ -1439,7 +1439,7 @@ def test_private_backward_reads_strided_rows():
         assert torch.equal(g, w), "strided lse / lse_lo read as if contiguous"
 
 
-# ---- CPU tiles in bf16 / fp16 (issue 20) -----------------------------------------------------
+# ---- CPU tiles in bf16 / fp16 ---------------------------------------------------------------
 # On CPUs with bf16 matrix hardware (AVX512-BF16, AMX) the AVX-512 kernels multiply bf16 tiles in
 # bf16 with float32 accumulation (fp16 with AMX-FP16); with oneDNN disabled
 # (torch.backends.mkldnn.flags(enabled=False)) they stay in float32, the path of every other CPU.

@@ -6,13 +6,13 @@ forward (no cache, last logits only), each with and without left padding, eager 
 padded) with the model under ``torch.compile``. Every implementation runs on the same random
 weights and tokens, in the same process, in turns. Median of the repeats (CUDA events on the GPU).
 
-    python -m safeattn bench model --device cuda [--markdown]     # issue 17's shape (H100: minutes)
+    python -m safeattn bench model --device cuda [--markdown]     # the targets' shape (H100: minutes)
     python -m safeattn bench model --tiny --no-compile             # a small model, seconds on a CPU
 
-Default shape (issue 17): 8 layers, hidden 2048, 16 query heads over 4 key/value heads of dim 128,
-MLP 5632, vocabulary 32000, bf16, batch 4 x 4096 tokens; "padded": the first half of the rows
-carry S/4 left-padding tokens. ``vs best`` divides each time by the fastest of the row's group
-(< 1.00x: slower than the best).
+Default shape (the model row of the performance targets): 8 layers, hidden 2048, 16 query heads
+over 4 key/value heads of dim 128, MLP 5632, vocabulary 32000, bf16, batch 4 x 4096 tokens;
+"padded": the first half of the rows carry S/4 left-padding tokens. ``vs best`` divides each
+time by the fastest of the row's group (< 1.00x: slower than the best).
 """
 
 from __future__ import annotations

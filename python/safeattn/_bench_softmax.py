@@ -9,7 +9,7 @@ and softmax followed by a where that zeroes all -inf rows (what users write by h
 peers: aten._softmax_backward_data (the backward of both torch.softmax and _safe_softmax) and,
 for softmax+where, a where then that op.
 
-CUDA (--device cuda): the issue-4 shapes [1M x 1024], [131k x 8192], [4096 x 65536],
+CUDA (--device cuda): the target shapes [1M x 1024], [131k x 8192], [4096 x 65536],
 [4M x 128], float32 and bfloat16; peers: a device-to-device copy (dst.copy_(src), the
 bandwidth floor), torch.softmax, aten._safe_softmax; plus masked_softmax with a [B, 1, Q, KV]
 bool mask against scale + masked_fill + _safe_softmax. Bandwidth counts the bytes an ideal

@@ -309,7 +309,7 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
   const int64_t col_blocks = (p.kv_length + per_block - 1) / per_block;
   // About two waves of blocks (of 2048 threads per SM), each a contiguous range of rows: enough
   // blocks that the last wave leaves little idle, and long ranges that read the padding rarely
-  // (two measured best of 1, 2, 4 and 8 on H100: CHANGELOG.md).
+  // (two measured best of 1, 2, 4 and 8 on an H100: benchmarks/notes_attention_cuda.md).
   constexpr int64_t kWaves = 2;
   const int64_t wanted = std::max<int64_t>(1, kWaves * cuda::multiprocessor_count() * (2048 / threads) / col_blocks);
   // At least two rows per block: faster than one or four where rows are few (B=1 4096^2).

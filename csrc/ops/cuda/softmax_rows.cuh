@@ -26,7 +26,7 @@
 // threads for 64k rows spills its caches).
 //
 // The measurements behind the choices below (values per thread, grids, cluster sizes) are in
-// CHANGELOG.md.
+// benchmarks/notes_attention_cuda.md, "sdpa_mask and softmax kernels".
 #pragma once
 
 #include <algorithm>

@@ -99,7 +99,7 @@ struct DefaultBwdConfig<64> {
   using type = BwdConfig<64, 64, 128, 2>;
 };
 template <>
-struct DefaultBwdConfig<96> {  // 48 bytes of spills; 348 TFLOP/s causal on an H100 (stop 30)
+struct DefaultBwdConfig<96> {  // 48 bytes of spills; 348 TFLOP/s causal on an H100
   using type = BwdConfig<96, 64, 128, 2>;
 };
 template <>

@@ -27,7 +27,7 @@ constexpr int bwd_key_tile(int head_dim) {
 // query rows walks the key tiles, recomputes S and dP and multiplies dQ = dS K in registers,
 // written once (no dq_accum, no atomics: deterministic); the dK/dV kernel then has no dQ product.
 // There the dK/dV kernel's 64-key tiles would each add their dQ into L2 (4x D = 128's bytes), half
-// its time at D = 256 (benchmarks/notes_attention_cuda.md, stop 37).
+// its time at D = 256 (benchmarks/notes_attention_cuda.md, "Hopper backward at head dim 256").
 constexpr bool bwd_dq_pass(int head_dim) {
   return head_dim > 128;
 }

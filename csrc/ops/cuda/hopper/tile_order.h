@@ -57,7 +57,7 @@ SAFEATTN_TILE_ORDER_FN int head_group_for(int tiles_per_head, int heads, int res
 // The forward's head group: head_group_for's, or as many heads as the L2 holds the K and V of
 // (kv_bytes a head; l2_bytes 0: unknown) when that is more. Larger groups end closer together
 // and, while their K and V stay in L2, read no more from memory. H100, B4 H16 S4096 causal
-// (benchmarks/notes_attention_cuda.md, stop 39): at D = 64 (1 MB a head) the kernel 2.4% faster
+// (benchmarks/notes_attention_cuda.md, "Causal tile order"): at D = 64 (1 MB a head) the kernel 2.4% faster
 // in two groups of 32 than in groups of 12 (head_group_for's); at D = 128 (2 MB) groups of 21
 // time as 9, while 32 (past the L2) lose 2.5% and one group of 64 7%.
 SAFEATTN_TILE_ORDER_FN int fwd_head_group(int tiles_per_head, int heads, int resident_ctas, long long kv_bytes,
