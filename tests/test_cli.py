@@ -415,3 +415,53 @@ def test_bench_attention_sweep_report_and_summary(tmp_path):
         "- described never slower than dense: worst 0.90x, S=4096 B=4 H=16:16 D=128 packed8 fwd" in out
     ), out
     assert "- learnable bias fwd+bwd >= 1.2x Flex: worst 1.30x, " in out, out
+
+
+def test_bench_attention_sweep_time_limit_json_resume(tmp_path, monkeypatch, capsys):
+    """The sweep's loop with the GPU work faked: --time-limit stops between passes and still
+    prints the summary, --json holds every printed row, --resume runs only the rest."""
+    import argparse
+    import json
+    import types
+
+    import torch
+    from safeattn import _bench_attention
+    from safeattn import _bench_sweep as sweep
+
+    clock = iter(range(0, 10**6, 10))  # every reading of the clock 10 s after the last
+    monkeypatch.setattr(sweep, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "fake GPU")
+    built = []
+
+    def fake_build(case, device, dtype):
+        built.append(case.name)
+        return {name: None for name in case.impl_names() if name}, 1000
+
+    def fake_time(case, backward, impls, repeats, warmup, dtype):
+        return {name: 1.0 + 0.1 * i for i, name in enumerate(impls)}, {}
+
+    monkeypatch.setattr(sweep, "build", fake_build)
+    monkeypatch.setattr(sweep, "time_case", fake_time)
+    parser = argparse.ArgumentParser()
+    _bench_attention.add_arguments(parser)
+    path = tmp_path / "sweep.json"
+    common = ["--device", "cuda", "--sweep", "--quick", "--json", str(path)]
+    assert _bench_attention.run(parser.parse_args([*common, "--time-limit", "200"])) == 0
+    out = capsys.readouterr().out
+    total = 2 * len(sweep.sweep_cases(quick=True))
+    rows = [r for r in sweep_rows(out) if r[1] in ("fwd", "fwd+bwd")]
+    saved = json.loads(path.read_text())
+    assert "time limit: stopped after" in out and 0 < len(rows) < total, f"stopped early:\n{out}"
+    assert len(saved["records"]) == len(rows), "the JSON holds every printed row"
+    assert saved["meta"]["stopped"].startswith("time limit"), saved["meta"]
+    assert "smallest ratio: " in out and "- every case >= 1.0x the best peer: worst" in out, out
+
+    first = len(built)
+    assert _bench_attention.run(parser.parse_args([*common, "--resume"])) == 0
+    out = capsys.readouterr().out
+    saved = json.loads(path.read_text())
+    keys = [(r["case"], r["pass"]) for r in saved["records"]]
+    assert len(keys) == total == len(set(keys)), f"--resume ran each remaining pass once: {keys}"
+    assert "time limit" not in out and saved["meta"]["stopped"] is None, out
+    assert len(built) - first <= total // 2 - len(rows) // 2 + 1, "--resume skips the cases done"

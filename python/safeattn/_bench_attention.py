@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import re
 import statistics
 import time
 
@@ -205,13 +206,19 @@ def attempt_ms(fn, make_inputs, repeats, warmup):
         try:
             return _cuda_median_ms(fn, make_inputs, repeats, warmup), None
         except Exception as err:  # noqa: BLE001 - a peer that cannot run here (backend, compile) is n/a
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            # Inductor says "backend='inductor' raised:" and the cause on the next line.
+            reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
             if isinstance(err, torch.cuda.OutOfMemoryError):
                 reason = "out of memory"
-            elif "No available kernel" in reason:
-                # SDPA warns "<backend> kernel not used because:", then the reasons.
-                said = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
-                reason = " ".join(said[:2]) if said else reason
+            elif "No available kernel" in reason or "No viable backend" in reason:
+                # SDPA warns "<backend> kernel not used because:", then the reasons (each message
+                # ends with where in ATen it was raised).
+                said = [
+                    re.sub(r"\s*\(Triggered internally at .*", "", str(w.message)).strip() for w in caught
+                ]
+                said = [line.splitlines()[0] for line in said if line]
+                reason = " ".join(said[:3]) if said else reason
     torch.cuda.empty_cache()
     return None, reason[:160]
 

@@ -371,9 +371,8 @@ def build(case: SweepCase, device, dtype) -> tuple[dict[str, Impl | str], int]:
     return impls, causal_pairs
 
 
-def time_case(case: SweepCase, backward: bool, impls: dict, repeats: int, warmup: int, dtype):
+def time_case(case: SweepCase, backward: bool, impls: dict, repeats: int, warmup: int, dtype, device="cuda"):
     """{implementation: ms}, {implementation: why it did not run}."""
-    device = "cuda"
 
     def make():
         q = torch.randn(case.batch, case.heads, case.seq, case.head_dim, device=device, dtype=dtype)
@@ -530,7 +529,7 @@ def print_report(records: list[dict], meta: dict | None = None) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("the sweep (--sweep; see the module's docstring)")
+    group = parser.add_argument_group("the sweep over length, head dim, GQA and mask (docs/cli.md)")
     group.add_argument("--sweep", action="store_true", help="the sweep over length, head dim, GQA and mask")
     group.add_argument(
         "--sweep-axis", action="extend", nargs="+", choices=AXES, help="only the cases on these axes"
@@ -659,6 +658,11 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 _write(args.json, meta, records)
         del impls
+        if "Flex" in case.impl_names():
+            # Every case compiles Flex anew (a new shape or mask); dropping Dynamo's cache frees
+            # what it holds of the last one (captured biases, block masks). Inductor's on-disk
+            # cache stays: a second run of the sweep compiles faster.
+            torch._dynamo.reset()
         torch.cuda.empty_cache()
         if stopped:
             break
