@@ -289,3 +289,179 @@ def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "[1/2] first case" in err and "[2/2] second case" in err, f"text progress: {err!r}"
     assert err.endswith("[2/2] done" + " " * 40 + "\n"), f"the counter ends its line: {err!r}"
+
+
+# ---- bench attention --sweep (the GPU sweep: its plumbing, on the CPU) ----------------------
+
+
+def sweep_rows(out: str) -> list[list[str]]:
+    """The rows of a markdown table in `out` (cells stripped), the header and rule left out."""
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[1:]]
+
+
+def test_bench_attention_sweep_dry_run_lists_each_axis():
+    out = run("bench", "attention", "--sweep", "--dry-run")
+    rows = sweep_rows(out)
+    names = [r[1] for r in rows]
+    axes = {axis for r in rows for axis in r[2].split(", ")}
+    assert axes == {
+        "seq",
+        "head_dim",
+        "gqa",
+        "mask",
+        "window",
+        "chunk",
+        "packed",
+        "bias",
+    }, f"every axis:\n{out}"
+    assert len(set(names)) == len(names), f"a case on several axes is listed once:\n{out}"
+    for seq in (512, 1024, 2048, 4096, 8192, 16384, 32768):
+        assert any(n.startswith(f"S={seq} ") for n in names), f"S={seq} is swept:\n{out}"
+    assert "S=512 B=32 " in out and "S=32768 B=1 " in out, f"B*S = 16384 tokens, B at least 1:\n{out}"
+    for part in ("D=64 ", "D=96 ", "D=128 ", "D=256 ", "H=16:16 ", "H=16:4 ", "H=16:2 "):
+        assert any(part in n for n in names), f"{part.strip()} is swept:\n{out}"
+    masks = {n.split()[-1] for n in names}
+    want = {"none", "causal", "padding", "window256", "window1024", "window4096", "chunk512", "chunk8192"}
+    want |= {f"packed{n}" for n in (2, 4, 8, 16, 32, 64)} | {"bias1H", "biasB1"}
+    assert want <= masks, f"every mask kind, {sorted(want - masks)} missing:\n{out}"
+    for r in rows:
+        timed = r[3].split(", ")
+        mask = r[1].split()[-1]
+        if mask in ("none", "causal"):
+            assert timed == ["safeattn", "SDPA cuDNN", "SDPA flash"], f"plain masks against SDPA: {r}"
+        elif mask.startswith("bias"):
+            assert timed == ["safeattn", "Flex", "SDPA efficient"], f"a learnable bias against Flex: {r}"
+        else:
+            assert timed == ["safeattn", "safeattn dense", "Flex"], f"described masks, dense and Flex: {r}"
+    count = re.search(r"^(\d+) cases, (\d+) rows \(fwd, fwd\+bwd\), (\d+) timings", out, re.M)
+    assert count and int(count[1]) == len(rows) and int(count[2]) == 2 * len(rows), f"the counts:\n{out}"
+    assert int(count[3]) <= 500, f"a few hundred timings at most:\n{out}"
+
+    quick = sweep_rows(run("bench", "attention", "--sweep", "--dry-run", "--quick"))
+    quick_axes = {axis for r in quick for axis in r[2].split(", ")}
+    assert quick_axes == axes and len(quick) < len(rows) / 3, f"--quick: every axis, few cases: {quick}"
+
+    subset = sweep_rows(
+        run(
+            "bench",
+            "attention",
+            "--sweep",
+            "--dry-run",
+            "--sweep-axis",
+            "bias",
+            "--sweep-filter",
+            "S=4096",
+            "S=8192",
+        )
+    )
+    assert subset and all("bias" in r[2].split(", ") for r in subset), f"--sweep-axis: {subset}"
+    assert {r[1].split()[0] for r in subset} == {"S=4096", "S=8192"}, f"--sweep-filter, any of: {subset}"
+
+
+def test_bench_attention_sweep_report_and_summary(tmp_path):
+    """--report prints the table and the targets' worst cases from saved numbers (no GPU)."""
+
+    def record(case, mode, family, ms, not_run=None):
+        return {
+            "case": case,
+            "pass": mode,
+            "family": family,
+            "heads": 16,
+            "head_dim": 128,
+            "pairs": 4 * 4096 * 4097 // 2,
+            "ms": ms,
+            "not_run": not_run or {},
+        }
+
+    causal = "S=4096 B=4 H=16:16 D=128 causal"
+    packed = "S=4096 B=4 H=16:16 D=128 packed8"
+    bias = "S=4096 B=4 H=16:16 D=128 bias1H"
+    first = {
+        "meta": {"device": "test GPU", "torch": "x", "tokens": 16384},
+        "records": [
+            record(causal, "fwd", "plain", {"safeattn": 1.0, "SDPA cuDNN": 1.1}, {"SDPA flash": "refused"}),
+            record(packed, "fwd", "described", {"safeattn": 1.0, "safeattn dense": 0.9, "Flex": 1.5}),
+        ],
+    }
+    second = {
+        "meta": first["meta"],
+        "records": [
+            record(causal, "fwd", "plain", {"safeattn": 1.0, "SDPA cuDNN": 1.2, "SDPA flash": 1.3}),
+            record(packed, "fwd+bwd", "described", {"safeattn": 3.0, "safeattn dense": 3.3, "Flex": 3.15}),
+            record(bias, "fwd+bwd", "bias", {"safeattn": 2.0, "Flex": 2.6, "SDPA efficient": 5.0}),
+        ],
+    }
+    paths = []
+    for name, saved in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(__import__("json").dumps(saved))
+        paths.append(str(tmp_path / name))
+    out = run("bench", "attention", "--sweep", "--report", *paths)
+    rows = {(r[0], r[1]): r for r in sweep_rows(out)}
+    assert set(rows) == {(causal, "fwd"), (packed, "fwd"), (packed, "fwd+bwd"), (bias, "fwd+bwd")}, out
+    assert rows[(causal, "fwd")][4:7] == [
+        "SDPA cuDNN",
+        "1.200",
+        "1.20x",
+    ], f"the later file's row wins:\n{out}"
+    assert rows[(packed, "fwd")][7:9] == ["0.900", "0.90x"], f"the dense path and dense / described:\n{out}"
+    assert "refused" not in out, f"the replaced row is gone:\n{out}"
+    assert "smallest ratio: 1.05x, S=4096 B=4 H=16:16 D=128 packed8 fwd+bwd, against Flex" in out, out
+    assert "- every case >= 1.0x the best peer: worst 1.05x, " in out and "(met)" in out, out
+    assert (
+        "- described masks >= 1.1x Flex, fwd+bwd: worst 1.05x, " in out and "(MISSED in 1 of 1)" in out
+    ), out
+    assert (
+        "- described never slower than dense: worst 0.90x, S=4096 B=4 H=16:16 D=128 packed8 fwd" in out
+    ), out
+    assert "- learnable bias fwd+bwd >= 1.2x Flex: worst 1.30x, " in out, out
+
+
+def test_bench_attention_sweep_time_limit_json_resume(tmp_path, monkeypatch, capsys):
+    """The sweep's loop with the GPU work faked: --time-limit stops between passes and still
+    prints the summary, --json holds every printed row, --resume runs only the rest."""
+    import argparse
+    import json
+    import types
+
+    import torch
+    from safeattn import _bench_attention
+    from safeattn import _bench_sweep as sweep
+
+    clock = iter(range(0, 10**6, 10))  # every reading of the clock 10 s after the last
+    monkeypatch.setattr(sweep, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "fake GPU")
+    built = []
+
+    def fake_build(case, device, dtype):
+        built.append(case.name)
+        return {name: None for name in case.impl_names() if name}, 1000
+
+    def fake_time(case, backward, impls, repeats, warmup, dtype):
+        return {name: 1.0 + 0.1 * i for i, name in enumerate(impls)}, {}
+
+    monkeypatch.setattr(sweep, "build", fake_build)
+    monkeypatch.setattr(sweep, "time_case", fake_time)
+    parser = argparse.ArgumentParser()
+    _bench_attention.add_arguments(parser)
+    path = tmp_path / "sweep.json"
+    common = ["--device", "cuda", "--sweep", "--quick", "--json", str(path)]
+    assert _bench_attention.run(parser.parse_args([*common, "--time-limit", "200"])) == 0
+    out = capsys.readouterr().out
+    total = 2 * len(sweep.sweep_cases(quick=True))
+    rows = [r for r in sweep_rows(out) if r[1] in ("fwd", "fwd+bwd")]
+    saved = json.loads(path.read_text())
+    assert "time limit: stopped after" in out and 0 < len(rows) < total, f"stopped early:\n{out}"
+    assert len(saved["records"]) == len(rows), "the JSON holds every printed row"
+    assert saved["meta"]["stopped"].startswith("time limit"), saved["meta"]
+    assert "smallest ratio: " in out and "- every case >= 1.0x the best peer: worst" in out, out
+
+    first = len(built)
+    assert _bench_attention.run(parser.parse_args([*common, "--resume"])) == 0
+    out = capsys.readouterr().out
+    saved = json.loads(path.read_text())
+    keys = [(r["case"], r["pass"]) for r in saved["records"]]
+    assert len(keys) == total == len(set(keys)), f"--resume ran each remaining pass once: {keys}"
+    assert "time limit" not in out and saved["meta"]["stopped"] is None, out
+    assert len(built) - first <= total // 2 - len(rows) // 2 + 1, "--resume skips the cases done"

@@ -33,13 +33,17 @@ against SDPA with enable_gqa and safeattn's mask builder at the same size (``--o
 that table). ``--markdown`` also prints the README's tables from the same measurements.
 
 The sweep over sequence length (``python -m safeattn bench --op attention``) takes its case from
-``sweep_case`` below.
+``sweep_case`` below. The GPU sweep over length, head dim, GQA and mask against the best peer of
+each case, with the design's targets checked (``--sweep``), is ``_bench_sweep.py``: it times with
+``attempt_ms`` and compiles Flex with ``compiled_flex`` from here.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import re
 import statistics
 import time
 
@@ -191,12 +195,58 @@ def _cuda_median_ms(fn, make_inputs, repeats, warmup):
     return statistics.median(s.elapsed_time(e) for s, e in spans)
 
 
+def attempt_ms(fn, make_inputs, repeats, warmup):
+    """(median ms, None), or (None, why) for a call that cannot run here: a backend that refuses
+    the case (SDPA's reason is the warning it gives before "No available kernel"), a compile
+    failure, out of memory."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _cuda_median_ms(fn, make_inputs, repeats, warmup), None
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run here (backend, compile) is n/a
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+            # Inductor says "backend='inductor' raised:" and the cause on the next line.
+            reason = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+            if isinstance(err, torch.cuda.OutOfMemoryError):
+                reason = "out of memory"
+            elif "No available kernel" in reason or "No viable backend" in reason:
+                # SDPA warns "<backend> kernel not used because:", then the reasons (each message
+                # ends with where in ATen it was raised).
+                said = [
+                    re.sub(r"\s*\(Triggered internally at .*", "", str(w.message)).strip() for w in caught
+                ]
+                said = [line.splitlines()[0] for line in said if line]
+                reason = " ".join(said[:3]) if said else reason
+    torch.cuda.empty_cache()
+    return None, reason[:160]
+
+
 def _try_ms(fn, make_inputs, repeats, warmup):
-    try:
-        return _cuda_median_ms(fn, make_inputs, repeats, warmup)
-    except Exception as err:  # noqa: BLE001 - a peer that cannot run here (backend, compile) is n/a
-        print(f"  (n/a: {str(err).splitlines()[0][:120]})", flush=True)
-        return None
+    ms, reason = attempt_ms(fn, make_inputs, repeats, warmup)
+    if reason is not None:
+        print(f"  (n/a: {reason[:120]})", flush=True)
+    return ms
+
+
+@functools.cache
+def compiled_flex():
+    """torch.compile(flex_attention, dynamic=False), made once per process. Dynamo compiles it
+    again for every new shape, mask_mod and score_mod (one kernel per mask, as its users get),
+    and past its recompile limit (8 per function) it would run flex_attention eagerly, the
+    scores materialised: a sweep needs many more, so the limits are raised."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    for name in (
+        "recompile_limit",
+        "cache_size_limit",
+        "accumulated_recompile_limit",
+        "accumulated_cache_size_limit",
+    ):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 4096))
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _has_cuda_backward():
@@ -246,7 +296,7 @@ def _prefill_cases(batch, heads, seq, device, window=0, softcap=0.0, sinks=False
     try:
         if sinks:
             raise RuntimeError("no sinks in flex_attention")
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q_idx, kv_idx):
             keep = (kv_idx <= q_idx) & pad[b, kv_idx]
@@ -256,7 +306,7 @@ def _prefill_cases(batch, heads, seq, device, window=0, softcap=0.0, sinks=False
             return softcap * torch.tanh(score / softcap)
 
         block_mask = create_block_mask(mask_mod, batch, None, seq, seq, device=device)
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
         score_mod = capped if softcap > 0 else None
         cases[f"Flex (compiled), {rule}"] = (
             lambda q, k, v: flex(q, k, v, block_mask=block_mask, score_mod=score_mod),
@@ -320,7 +370,7 @@ def _bias_cases(batch, heads, seq, device):
         ),
     }
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
         def padded_causal(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & pad[b, kv_idx]
@@ -331,7 +381,7 @@ def _bias_cases(batch, heads, seq, device):
         def add_bias(score, b, h, q_idx, kv_idx):
             return score + bias[0, h, q_idx, kv_idx]
 
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
         padded_blocks = create_block_mask(padded_causal, batch, None, seq, seq, device=device)
         causal_blocks = create_block_mask(plain_causal, None, None, seq, seq, device=device)
         cases["Flex (compiled), causal+padding block mask"] = (
@@ -443,9 +493,7 @@ def main_cuda(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
     except ImportError:
         flex = None
     for kv_len in (4096, 32768):
@@ -654,9 +702,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--device cuda: float masks instead (a [B,1,S,S] causal+padding one, a learnable [1,H,S,S] bias)",
     )
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
+    from . import _bench_sweep
+
+    _bench_sweep.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep or args.dry_run or args.report:
+        from . import _bench_sweep
+
+        return _bench_sweep.run(args)
     tables = {}
     if args.overhead:
         torch.set_num_threads(args.threads)
