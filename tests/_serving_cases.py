@@ -30,7 +30,9 @@ def compare(name: str, got, ref64, ref_low, factor: float, floor: float) -> None
     assert got.shape == ref64.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref64.shape)}"
     err = max_err(got, ref64)
     yard = max_err(ref_low, ref64)
-    assert err <= factor * yard + floor, f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
+    assert (
+        err <= factor * yard + floor
+    ), f"{name}: error {err:.3g} > {factor} x PyTorch's {yard:.3g} + {floor:g}"
 
 
 def compare_outputs(dtype, got, ref64, ref_low) -> None:

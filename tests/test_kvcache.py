@@ -23,8 +23,21 @@ def _rand(gen, *shape, dtype, device):
 
 
 def _case(
-    seqlens, q_length, new_tokens, hq, hkv, head_dim, dtype, device, *, paged, page_size=16, capacity=48,
-    dv=None, poison=0.0, seed=0,
+    seqlens,
+    q_length,
+    new_tokens,
+    hq,
+    hkv,
+    head_dim,
+    dtype,
+    device,
+    *,
+    paged,
+    page_size=16,
+    capacity=48,
+    dv=None,
+    poison=0.0,
+    seed=0,
 ):
     """q [B, Sq, Hq, D]; a cache holding `seqlens` tokens per sequence (the unused slots filled
     with `poison`); new k, v [B, Sn, Hkv, D] or None. Paged: pages handed out in a shuffled order,
@@ -96,7 +109,11 @@ def _check(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, grads=False
     assert torch.equal(v_run.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v_cache after the append is wrong"
     if grads:
         inputs = [t for t in (q, k, v, sinks) if t is not None]
-        names = [n for n, t in zip(("grad_q", "grad_k", "grad_v", "grad_sinks"), (q, k, v, sinks)) if t is not None]
+        names = [
+            n
+            for n, t in zip(("grad_q", "grad_k", "grad_v", "grad_sinks"), (q, k, v, sinks), strict=True)
+            if t is not None
+        ]
         compare_grads(dtype, names, inputs, got[0], ref[0], low[0])
     return got
 
@@ -140,8 +157,19 @@ def test_dtypes_gqa_softcap_sinks_gradients(device, paged, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [16, 64, 256])
 def test_page_sizes(device, page_size):
-    case = _case([0, 40, page_size], 2, 2, 4, 4, 32, torch.float32, device, paged=True,
-                 page_size=page_size, capacity=page_size * 3)
+    case = _case(
+        [0, 40, page_size],
+        2,
+        2,
+        4,
+        4,
+        32,
+        torch.float32,
+        device,
+        paged=True,
+        page_size=page_size,
+        capacity=page_size * 3,
+    )
     _check(*case, causal=True)
 
 
@@ -187,8 +215,12 @@ def test_nan_in_unused_slots_never_leaks_into_gradients(device, paged):
 @pytest.mark.parametrize("paged", [False, True])
 def test_empty_cache_rows_are_zero(device, paged):
     # No cached tokens and no new ones: every row sees nothing.
-    q, k_cache, v_cache, seqlens, _, _, table = _case([0, 0], 2, 0, 2, 2, 16, torch.float32, device, paged=paged)
-    out, lse = safeattn.attention_with_kvcache(q, k_cache, v_cache, seqlens, block_table=table, return_lse=True)
+    q, k_cache, v_cache, seqlens, _, _, table = _case(
+        [0, 0], 2, 0, 2, 2, 16, torch.float32, device, paged=paged
+    )
+    out, lse = safeattn.attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, block_table=table, return_lse=True
+    )
     assert torch.all(out == 0) and torch.all(lse.isneginf()), "an empty cache gives out 0, lse -inf"
 
 
@@ -197,8 +229,9 @@ def test_empty_cache_rows_are_zero(device, paged):
 def test_cache_seqlens_beyond_capacity_is_clamped(device, paged):
     # Not checked (a host sync). Documented: clamped into [0, capacity - Sn], so the new tokens
     # overwrite the last slots and the attention covers the whole cache; nothing outside is touched.
-    q, k_cache, v_cache, _, k, v, table = _case([10, 10], 1, 2, 2, 2, 16, torch.float32, device, paged=paged,
-                                                capacity=32)
+    q, k_cache, v_cache, _, k, v, table = _case(
+        [10, 10], 1, 2, 2, 2, 16, torch.float32, device, paged=paged, capacity=32
+    )
     if paged:
         table = torch.arange(4, device=device, dtype=torch.int32).reshape(2, 2)  # both pages filled
     spare = k_cache.clone()
@@ -216,7 +249,9 @@ def test_cache_seqlens_beyond_capacity_is_clamped(device, paged):
 @pytest.mark.parametrize("device", DEVICES)
 def test_block_table_entries_outside_are_clamped(device):
     # Entries outside [0, num_blocks) read and write a clamped page: wrong data, never out of bounds.
-    q, k_cache, v_cache, seqlens, k, v, table = _case([5, 9], 1, 1, 2, 2, 16, torch.float32, device, paged=True)
+    q, k_cache, v_cache, seqlens, k, v, table = _case(
+        [5, 9], 1, 1, 2, 2, 16, torch.float32, device, paged=True
+    )
     table = table.clone()
     table[0, 0] = 10_000
     table[1, 0] = -7
@@ -258,8 +293,18 @@ def test_gradcheck(device):
 
         def fn(q, k, v, sinks, table=table, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens):
             out, lse = safeattn.attention_with_kvcache(
-                q, k_cache.clone(), v_cache.clone(), seqlens, k, v, block_table=table, causal=True,
-                window_size=(2, 0), softcap=3.0, sinks=sinks, return_lse=True,
+                q,
+                k_cache.clone(),
+                v_cache.clone(),
+                seqlens,
+                k,
+                v,
+                block_table=table,
+                causal=True,
+                window_size=(2, 0),
+                softcap=3.0,
+                sinks=sinks,
+                return_lse=True,
             )
             return out, lse
 
@@ -306,8 +351,20 @@ def test_cuda_no_host_sync(paged):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_decode_long_cache(paged, dtype):
     # A cache over many key tiles, lengths ending inside a tile, NaN in every unused slot.
-    case = _case([1000, 3, 511], 1, 1, 8, 1, 128, dtype, "cuda", paged=paged, page_size=64, capacity=1024,
-                 poison=float("nan"))
+    case = _case(
+        [1000, 3, 511],
+        1,
+        1,
+        8,
+        1,
+        128,
+        dtype,
+        "cuda",
+        paged=paged,
+        page_size=64,
+        capacity=1024,
+        poison=float("nan"),
+    )
     out, lse = safeattn.attention_with_kvcache(*case[:6], block_table=case[6], causal=True, return_lse=True)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
     clean = _case([1000, 3, 511], 1, 1, 8, 1, 128, dtype, "cuda", paged=paged, page_size=64, capacity=1024)
@@ -326,19 +383,39 @@ def _bad_inputs():
         ((q, kc[0], vc, seq), {}, "attention_with_kvcache: k_cache must be 4-D"),
         ((q, kc.half(), vc, seq), {}, "k_cache has dtype torch.float16 but q has torch.float32"),
         ((q, kc, vc[:, :5], seq), {}, "v_cache must match k_cache"),
-        ((q, torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16), seq), {}, "k_cache has head_dim 16 but q has 8"),
-        ((q, torch.randn(2, 10, 3, 8), torch.randn(2, 10, 3, 8), seq), {}, re.escape("q's heads (4) must be a multiple")),
+        (
+            (q, torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16), seq),
+            {},
+            "k_cache has head_dim 16 but q has 8",
+        ),
+        (
+            (q, torch.randn(2, 10, 3, 8), torch.randn(2, 10, 3, 8), seq),
+            {},
+            re.escape("q's heads (4) must be a multiple"),
+        ),
         ((q, torch.randn(3, 10, 2, 8), torch.randn(3, 10, 2, 8), seq), {}, "k_cache has batch 3 but q has 2"),
         ((q, kc, vc, seq.float()), {}, "cache_seqlens must have dtype int32"),
         ((q, kc, vc, seq[:1]), {}, "cache_seqlens has 1 entries but q has batch 2"),
         ((q, kc, vc, seq, k1), {}, "k and v must be given together"),
         ((q, kc, vc, seq, k1[:, :, :1], v1), {}, re.escape("k must be [2, new_tokens, 2, 8]")),
         ((q, kc, vc, seq, k1, v1[:, :, :, :4]), {}, re.escape("v must be [2, 1, 2, 8]")),
-        ((q, kc, vc, seq, torch.randn(2, 11, 2, 8), torch.randn(2, 11, 2, 8)), {}, "k holds 11 new tokens but the cache holds at most 10"),
+        (
+            (q, kc, vc, seq, torch.randn(2, 11, 2, 8), torch.randn(2, 11, 2, 8)),
+            {},
+            "k holds 11 new tokens but the cache holds at most 10",
+        ),
         ((q, pages, pages, seq), {"block_table": table.float()}, "block_table must have dtype int32"),
         ((q, pages, pages, seq), {"block_table": table[:1]}, "block_table has batch 1 but q has 2"),
-        ((q, torch.randn(6, 8, 2, 8), torch.randn(6, 8, 2, 8), seq), {"block_table": table}, re.escape("page_size (k_cache.shape[1]) must be 16 to 256, got 8")),
-        ((q, torch.randn(2, 512, 2, 8), torch.randn(2, 512, 2, 8), seq), {"block_table": table}, "must be 16 to 256, got 512"),
+        (
+            (q, torch.randn(6, 8, 2, 8), torch.randn(6, 8, 2, 8), seq),
+            {"block_table": table},
+            re.escape("page_size (k_cache.shape[1]) must be 16 to 256, got 8"),
+        ),
+        (
+            (q, torch.randn(2, 512, 2, 8), torch.randn(2, 512, 2, 8), seq),
+            {"block_table": table},
+            "must be 16 to 256, got 512",
+        ),
         ((q, kc, vc, seq), {"window_size": (0, -3)}, "window_size entries must be >= 0"),
     ]
 

@@ -28,7 +28,9 @@ def _packed(q_lengths, k_lengths, hq, hkv, head_dim, dtype, device, *, dv=None, 
     dv = head_dim if dv is None else dv
 
     def make(total, heads, dim):
-        return torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+        return (
+            torch.randn(total, heads, dim, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+        )
 
     total_q, total_k = sum(q_lengths), sum(k_lengths)
     return (
@@ -46,7 +48,9 @@ def _check(q, k, v, cu_q, cu_k, *, grads=True, sinks=None, **kwargs):
     assert got[0].is_contiguous(), "out must be contiguous [total_q, Hq, Dv]"
     assert got[1].shape == (q.shape[1], q.shape[0]), "lse must be [Hq, total_q]"
     ref = reference.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, **kwargs)
-    low = reference.varlen_attention(q, k, v, cu_q, cu_k, sinks=sinks, compute_dtype=low_dtype(dtype), **kwargs)
+    low = reference.varlen_attention(
+        q, k, v, cu_q, cu_k, sinks=sinks, compute_dtype=low_dtype(dtype), **kwargs
+    )
     compare_outputs(dtype, got, ref, low)
     if grads:
         inputs = [q, k, v] + ([sinks] if sinks is not None else [])
@@ -64,7 +68,14 @@ LENGTHS = [
     ([130, 1, 33], [200, 1, 70]),
 ]
 # (window_size, causal)
-MASKS = [((-1, -1), False), ((-1, -1), True), ((2, 0), True), ((3, 1), False), ((-1, 2), False), ((0, 0), False)]
+MASKS = [
+    ((-1, -1), False),
+    ((-1, -1), True),
+    ((2, 0), True),
+    ((3, 1), False),
+    ((-1, 2), False),
+    ((0, 0), False),
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -164,7 +175,9 @@ def test_key_ranges_are_flash_semantics(device):
             qs, ks = int(cu_q[s]), int(cu_k[s])
             visible = reference.flash_visible(q_lengths[s], k_lengths[s], causal, window)
             want[qs : qs + q_lengths[s], ks : ks + k_lengths[s]] = visible
-        assert torch.equal(drawn, want), f"key ranges differ from FlashAttention's mask for {window}, {causal}"
+        assert torch.equal(
+            drawn, want
+        ), f"key ranges differ from FlashAttention's mask for {window}, {causal}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,7 +210,9 @@ def test_flash_attn_varlen_func(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("window_size", "causal"), [((-1, -1), False), ((-1, -1), True), ((2, 0), True), ((1, 3), False)])
+@pytest.mark.parametrize(
+    ("window_size", "causal"), [((-1, -1), False), ((-1, -1), True), ((2, 0), True), ((1, 3), False)]
+)
 @pytest.mark.parametrize(("q_len", "k_len"), [(5, 9), (9, 5), (1, 17)])
 def test_flash_attn_func(device, window_size, causal, q_len, k_len):
     gen = torch.Generator().manual_seed(0)
@@ -213,8 +228,14 @@ def test_flash_attn_func(device, window_size, causal, q_len, k_len):
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, causal=causal, window_size=window_size
     )
     low = reference.varlen_attention(
-        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, causal=causal,
-        window_size=window_size, compute_dtype=torch.float32,
+        q.flatten(0, 1),
+        k.flatten(0, 1),
+        v.flatten(0, 1),
+        cu_q,
+        cu_k,
+        causal=causal,
+        window_size=window_size,
+        compute_dtype=torch.float32,
     )
     got = (out.flatten(0, 1), lse.transpose(0, 1).flatten(1, 2))
     compare_outputs(torch.float32, got, (ref, ref_lse), low)
@@ -297,11 +318,19 @@ def _bad_inputs():
         ((q[0], k, v, cu, cu_k), {}, "varlen_attention: q must be 3-D"),
         ((q, k[None], v, cu, cu_k), {}, "varlen_attention: k must be 3-D"),
         ((q.long(), k, v, cu, cu_k), {}, "varlen_attention: q must have dtype float32"),
-        ((q, k.half(), v, cu, cu_k), {}, "varlen_attention: k has dtype torch.float16 but q has torch.float32"),
+        (
+            (q, k.half(), v, cu, cu_k),
+            {},
+            "varlen_attention: k has dtype torch.float16 but q has torch.float32",
+        ),
         ((q, k, v[:5], cu, cu_k), {}, "varlen_attention: v must be"),
         ((q, k, v, cu.float(), cu_k), {}, "varlen_attention: cu_seqlens_q must have dtype int32"),
         ((q, k, v, cu, cu_k[None]), {}, "varlen_attention: cu_seqlens_k must be 1-D"),
-        ((q, k, v, cu, torch.tensor([0, 3, 7], dtype=torch.int32)), {}, "cu_seqlens_k has 3 entries but cu_seqlens_q has 2"),
+        (
+            (q, k, v, cu, torch.tensor([0, 3, 7], dtype=torch.int32)),
+            {},
+            "cu_seqlens_k has 3 entries but cu_seqlens_q has 2",
+        ),
         ((q, k, v, cu, cu_k), {"window_size": (-2, 0)}, re.escape("window_size entries must be >= 0, or -1")),
         ((q, k, v, cu, cu_k), {"window_size": 3}, "window_size must be a pair"),
     ]

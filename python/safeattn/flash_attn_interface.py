@@ -59,7 +59,9 @@ def flash_attn_varlen_func(
     ``[total_q, Hq, Dv]``, or ``(out, softmax_lse [Hq, total_q], None)`` with
     ``return_attn_probs``.
     """
-    _unsupported("flash_attn_varlen_func", dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    _unsupported(
+        "flash_attn_varlen_func", dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table
+    )
     out, lse = varlen_attention(
         q,
         k,
@@ -110,7 +112,13 @@ def flash_attn_func(
         rows = torch.arange(q_length, device=q.device)
         length = torch.full_like(rows, k_length)
         key_ranges = _row_ranges(
-            rows, torch.full_like(rows, q_length), torch.zeros_like(rows), length, causal, (left, right), k_length
+            rows,
+            torch.full_like(rows, q_length),
+            torch.zeros_like(rows),
+            length,
+            causal,
+            (left, right),
+            k_length,
         ).expand(batch, q_length, 2)
     else:
         # Causal alone needs no ranges: the op's is_causal at bottom-right alignment.

@@ -31,7 +31,7 @@ def _fail(function: str, message: str) -> None:
 
 
 def _check_window(function: str, window_size) -> tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    if not isinstance(window_size, tuple | list) or len(window_size) != 2:
         _fail(function, f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = (int(x) for x in window_size)
     if left < -1 or right < -1:
@@ -215,7 +215,10 @@ def varlen_attention(
             " (both num_sequences + 1)",
         )
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-        _fail(name, f"v must be [total_k, num_kv_heads, head_dim_v] like k {tuple(k.shape)}, got {tuple(v.shape)}")
+        _fail(
+            name,
+            f"v must be [total_k, num_kv_heads, head_dim_v] like k {tuple(k.shape)}, got {tuple(v.shape)}",
+        )
     window = _check_window(name, window_size)
     if cu_seqlens_q.shape[0] == 1:  # no sequence at all: every token sees no key
         ranges = torch.zeros(1, q.shape[0], 2, dtype=torch.int32, device=q.device)
@@ -310,14 +313,21 @@ def attention_with_kvcache(
     name = "attention_with_kvcache"
     _check_float(name, "q", q, 4, "[batch, q_length, num_heads, head_dim]")
     paged = block_table is not None
-    cache_text = "[num_blocks, page_size, num_kv_heads, head_dim]" if paged else "[batch, max_seqlen, num_kv_heads, head_dim]"
+    cache_text = (
+        "[num_blocks, page_size, num_kv_heads, head_dim]"
+        if paged
+        else "[batch, max_seqlen, num_kv_heads, head_dim]"
+    )
     _check_float(name, "k_cache", k_cache, 4, cache_text)
     _check_float(name, "v_cache", v_cache, 4, cache_text)
     _check_same(name, "k_cache", k_cache, q, "q")
     _check_same(name, "v_cache", v_cache, q, "q")
     batch, q_length, heads, head_dim = q.shape
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        _fail(name, f"v_cache must match k_cache {tuple(k_cache.shape)} but its head dim, got {tuple(v_cache.shape)}")
+        _fail(
+            name,
+            f"v_cache must match k_cache {tuple(k_cache.shape)} but its head dim, got {tuple(v_cache.shape)}",
+        )
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         _fail(name, f"k_cache has head_dim {k_cache.shape[3]} but q has {head_dim}")
@@ -346,10 +356,15 @@ def attention_with_kvcache(
         if (k.shape[0], k.shape[2], k.shape[3]) != (batch, kv_heads, head_dim):
             _fail(name, f"k must be [{batch}, new_tokens, {kv_heads}, {head_dim}], got {tuple(k.shape)}")
         if tuple(v.shape) != (*k.shape[:3], v_cache.shape[3]):
-            _fail(name, f"v must be [{batch}, {k.shape[1]}, {kv_heads}, {v_cache.shape[3]}], got {tuple(v.shape)}")
+            _fail(
+                name,
+                f"v must be [{batch}, {k.shape[1]}, {kv_heads}, {v_cache.shape[3]}], got {tuple(v.shape)}",
+            )
         new_tokens = k.shape[1]
         if new_tokens > capacity:
-            _fail(name, f"k holds {new_tokens} new tokens but the cache holds at most {capacity} per sequence")
+            _fail(
+                name, f"k holds {new_tokens} new tokens but the cache holds at most {capacity} per sequence"
+            )
     if isinstance(cache_seqlens, torch.Tensor):
         _check_index(name, "cache_seqlens", cache_seqlens, 1, "[batch]", q)
         if cache_seqlens.shape[0] != batch:

@@ -555,7 +555,8 @@ def paged_attention_forward(
     ``max_seqlen_k`` may be dicts keyed by layer type). Without ``block_table``, the new keys go
     into the ``PagedAttentionCache`` by ``cache.update`` (its ``read_index`` / ``write_index``
     kwargs), which returns every key each sequence reads, and ``safeattn.varlen_attention`` runs
-    causal (bottom-right) with the layer's window (``module.sliding_window``: ``(w - 1, 0)``).
+    causal (bottom-right) with the layer's window ``w`` as ``(w - 1, 0)`` (the ``sliding_window``
+    kwarg, else ``module.sliding_window``).
     With ``block_table`` (decode-only batches, ``[groups, B, max_blocks]``),
     ``safeattn.attention_with_kvcache`` appends the new token of each sequence in place and
     attends over the pages. Unlike ``"paged|sdpa"``, it needs no attention mask (none is built),
@@ -569,9 +570,13 @@ def paged_attention_forward(
             "the packed batches of continuous batching. Use attn_implementation='safeattn' for a standard forward."
         )
     if dropout:
-        raise NotImplementedError(f"safeattn paged attention: dropout is not implemented (got dropout={dropout})")
+        raise NotImplementedError(
+            f"safeattn paged attention: dropout is not implemented (got dropout={dropout})"
+        )
     scale = scaling if scaling is not None else getattr(module, "scaling", None)
-    sliding_window = getattr(module, "sliding_window", None)
+    # The model's sliding_window kwarg, else the layer's attribute (the one flash_paged reads):
+    # Mistral passes the kwarg and has no attribute, while its paged cache keeps a window per layer.
+    sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     layer_type = "sliding_attention" if sliding_window else "full_attention"
     if isinstance(cu_seq_lens_k, dict):
