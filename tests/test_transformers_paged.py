@@ -7,7 +7,8 @@ explicitly and report 1 GiB free. Continuous batching's decode fast path (block 
 ``flash_attn_with_kvcache``) is only taken by FlashAttention 2/3 on CUDA; for every other
 implementation Transformers turns it off (``max_blocks_per_request = 0``), so ``paged|safeattn``
 runs every batch through ``cache.update`` and ``varlen_attention``. The block-table branch is
-tested below with a cache and table built by hand.
+tested below with a cache and table built by hand. Last, Transformers' Hub-kernel route
+(``attn_implementation="org/repo"``) with ``safeattn.flash_attn_interface`` as the loaded module.
 """
 
 from __future__ import annotations
@@ -151,3 +152,37 @@ def test_needs_the_paged_cache():
     q = torch.randn(1, 4, 3, 16)
     with pytest.raises(ValueError, match="without a paged attention cache"):
         safeattn_transformers.paged_attention_forward(_Layer(), q, q[:, :2], q[:, :2], None)
+
+
+@pytest.fixture
+def hub_kernel(monkeypatch):
+    """Transformers' Hub-kernel route (``attn_implementation="org/repo"``) loading
+    safeattn.flash_attn_interface as the kernel module: the ``kernels`` package's download is
+    replaced by the module itself (no network in the tests)."""
+    import safeattn.flash_attn_interface as interface
+    import transformers.integrations.hub_kernels as hub_kernels
+
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(hub_kernels, "get_kernel", lambda *args, **kwargs: interface)
+    return "safeattn-org/flash-interface"
+
+
+def test_hub_kernel_route_forward(hub_kernel):
+    # The flash route unpads the right-padded batch and calls flash_attn_varlen_func.
+    from _transformers_models import padded_batch
+
+    config = make_config("llama")
+    input_ids, attention_mask = padded_batch("right")
+    with torch.no_grad():
+        want = make_model(config, "sdpa")(input_ids=input_ids, attention_mask=attention_mask).logits
+        got = make_model(config, hub_kernel)(input_ids=input_ids, attention_mask=attention_mask).logits
+    keep = attention_mask.bool()
+    torch.testing.assert_close(
+        got[keep], want[keep], atol=1e-5, rtol=1e-5, msg="the Hub-kernel route differs from sdpa"
+    )
+
+
+def test_hub_kernel_route_generate_batch(cpu_memory, hub_kernel):
+    # Transformers' own paged wrapper (flash_paged.py) calling the module's flash_attn_varlen_func.
+    config = make_config("llama")
+    assert _generate(config, f"paged|{hub_kernel}") == _generate(config, "paged|sdpa")
