@@ -183,6 +183,16 @@ _CONTIGUOUS_GRAD = pytest.mark.xfail(
 )
 
 
+# The contiguous cache is read in place: its unused slots past a sequence's length share key
+# tiles with visible keys, where the CUDA kernels multiply P = 0 by V (test_attention.py's
+# test_cuda_mask_tile_summary: a NaN V behind a masked key of a mixed tile leaks). Expected to
+# fail until a kernel bounds its key loop by each sequence's length; the paged copy is zeroed.
+_CUDA_CONTIGUOUS_NAN = pytest.mark.xfail(
+    reason="CUDA kernels multiply the zero probabilities of masked keys by their V inside mixed tiles",
+    strict=False,
+)
+
+
 def _poisoned_call(device, paged):
     # Every slot past each sequence's length (and every page not in the table) holds NaN.
     q, k_cache, v_cache, seqlens, k, v, table = _case(
@@ -198,7 +208,9 @@ def _poisoned_call(device, paged):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("paged", [False, True])
-def test_nan_in_unused_slots_never_leaks(device, paged):
+def test_nan_in_unused_slots_never_leaks(request, device, paged):
+    if device == "cuda" and not paged:
+        request.applymarker(_CUDA_CONTIGUOUS_NAN)  # runs, and says XPASS once a kernel bounds its keys
     out, lse, _ = _poisoned_call(device, paged)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
 
@@ -346,12 +358,9 @@ def test_cuda_no_host_sync(paged):
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_decode_long_cache(paged, dtype):
-    # A cache over many key tiles, lengths ending inside a tile, NaN in every unused slot.
-    case = _case(
+def _long_cache(paged, dtype, poison=0.0):
+    # A cache over many key tiles, lengths ending inside a tile.
+    return _case(
         [1000, 3, 511],
         1,
         1,
@@ -363,12 +372,24 @@ def test_cuda_decode_long_cache(paged, dtype):
         paged=paged,
         page_size=64,
         capacity=1024,
-        poison=float("nan"),
+        poison=poison,
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_long_cache(paged, dtype):
+    _check(*_long_cache(paged, dtype), causal=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [pytest.param(False, marks=_CUDA_CONTIGUOUS_NAN), True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_nan_in_unused_slots(paged, dtype):
+    case = _long_cache(paged, dtype, poison=float("nan"))
     out, lse = safeattn.attention_with_kvcache(*case[:6], block_table=case[6], causal=True, return_lse=True)
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
-    clean = _case([1000, 3, 511], 1, 1, 8, 1, 128, dtype, "cuda", paged=paged, page_size=64, capacity=1024)
-    _check(*clean, causal=True)
 
 
 def _bad_inputs():
