@@ -9,6 +9,7 @@ import torch  # loads libtorch, which _C links against
 from . import _build_check
 from ._version import __version__
 from .ops import MaskDescription, attention, masked_softmax, safe_softmax, sdpa_mask
+from .serving import attention_with_kvcache, varlen_attention
 
 # Checked before _C loads: a _C built for another torch fails with an undefined symbol or aborts
 # the interpreter. `python -m safeattn info` gets the package without _C, to print this itself.
@@ -27,10 +28,12 @@ __all__ = [
     "MaskDescription",
     "__version__",
     "attention",
+    "attention_with_kvcache",
     "build_info",
     "masked_softmax",
     "safe_softmax",
     "sdpa_mask",
+    "varlen_attention",
 ]
 
 

@@ -312,3 +312,134 @@ def attention(
     out = p @ v
     lse = torch.where(empty, neg_inf, lse).squeeze(-1)
     return out, lse
+
+
+# ---- serving: packed sequences and KV caches ----------------------------------------------
+
+
+def flash_visible(q_length: int, kv_length: int, causal: bool, window_size=(-1, -1)) -> torch.Tensor:
+    """FlashAttention's mask of one sequence, ``[q_length, kv_length]`` bool, from its formula:
+    query ``i`` sits at key ``i + kv_length - q_length`` (bottom-right); ``causal`` keeps keys at or
+    before it; ``window_size = (left, right)`` keeps ``left`` keys before and ``right`` after it
+    (-1: unbounded; causal makes right 0)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(q_length)[:, None]
+    j = torch.arange(kv_length)[None, :]
+    diag = i + kv_length - q_length
+    keep = torch.ones(q_length, kv_length, dtype=torch.bool)
+    if right >= 0:
+        keep &= j <= diag + right
+    if left >= 0:
+        keep &= j >= diag - left
+    return keep
+
+
+def _one_sequence(q, k, v, causal, window_size, scale, softcap, sinks, compute_dtype):
+    """reference.attention on one sequence: q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv].
+    Returns out [Lq, Hq, Dv] and lse [Hq, Lq] in compute_dtype."""
+    q_length, kv_length = q.shape[0], k.shape[0]
+    mask = flash_visible(q_length, kv_length, causal, window_size)
+    if kv_length == 0:
+        # One key nobody sees: the reference's empty-row rule then gives 0 (lse -inf or the sink).
+        k = k.new_zeros(1, *k.shape[1:])
+        v = v.new_zeros(1, *v.shape[1:])
+        mask = torch.zeros(q_length, 1, dtype=torch.bool)
+    out, lse = attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        mask.to(q.device),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        softcap=softcap,
+        sinks=sinks,
+        compute_dtype=compute_dtype,
+    )
+    return out[0].transpose(0, 1), lse[0]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``safeattn.varlen_attention``: ``reference.attention`` on each sequence alone
+    with the mask ``flash_visible`` draws. Valid ``cu_seqlens`` only (starting at 0, never
+    decreasing, ending at the token counts). Returns ``(out [total_q, Hq, Dv], lse [Hq, total_q])``
+    in ``compute_dtype``, differentiable."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for s in range(len(cu_q) - 1):
+        if cu_q[s + 1] == cu_q[s]:
+            continue
+        out, lse = _one_sequence(
+            q[cu_q[s] : cu_q[s + 1]],
+            k[cu_k[s] : cu_k[s + 1]],
+            v[cu_k[s] : cu_k[s + 1]],
+            causal,
+            window_size,
+            scale,
+            softcap,
+            sinks,
+            compute_dtype,
+        )
+        outs.append(out)
+        lses.append(lse)
+    if not outs:
+        return (
+            torch.zeros(0, q.shape[1], v.shape[2], dtype=compute_dtype, device=q.device),
+            torch.zeros(q.shape[1], 0, dtype=compute_dtype, device=q.device),
+        )
+    return torch.cat(outs, 0), torch.cat(lses, -1)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``safeattn.attention_with_kvcache``, leaving the cache untouched: sequence
+    ``b``'s keys are its first ``cache_seqlens[b]`` cached tokens (read page by page through
+    ``block_table`` when given) followed by the new ``k`` / ``v``; then ``reference.attention`` on
+    each sequence with ``flash_visible``'s mask. Valid inputs only. Returns ``(out [B, Sq, Hq, Dv],
+    lse [B, Hq, Sq])`` in ``compute_dtype``."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b])
+        if block_table is None:
+            keys, values = k_cache[b, :length], v_cache[b, :length]
+        else:
+            page_size = k_cache.shape[1]
+            slots = [(int(block_table[b, p // page_size]), p % page_size) for p in range(length)]
+            keys = torch.stack([k_cache[page, slot] for page, slot in slots]) if slots else k_cache[0, :0]
+            values = torch.stack([v_cache[page, slot] for page, slot in slots]) if slots else v_cache[0, :0]
+        if k is not None:
+            keys, values = torch.cat((keys, k[b]), 0), torch.cat((values, v[b]), 0)
+        out, lse = _one_sequence(
+            q[b], keys, values, causal, window_size, softmax_scale, softcap, sinks, compute_dtype
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)

@@ -64,10 +64,23 @@ except ImportError:  # pragma: no cover
 from . import _mask_reader
 from ._mask_reader import NotRecognised, read_mask_function
 from .ops import MaskDescription, _described_mask
+from .serving import attention_with_kvcache, varlen_attention
 
-__all__ = ["NAME", "attention_forward", "eager_mask", "patch_masks", "sdpa_mask", "unpatch_masks"]
+__all__ = [
+    "NAME",
+    "PAGED_NAME",
+    "attention_forward",
+    "eager_mask",
+    "paged_attention_forward",
+    "patch_masks",
+    "sdpa_mask",
+    "unpatch_masks",
+]
 
 NAME = "safeattn"
+# Continuous batching (``model.generate_batch``, the ContinuousBatchingManager) runs a model whose
+# attn_implementation starts with "paged|": registering this name makes ours one of them.
+PAGED_NAME = "paged|safeattn"
 
 _logger = logging.getLogger(__name__)
 
@@ -512,5 +525,112 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+# --------------------------------------------------------------------------------------------
+# Continuous batching
+# --------------------------------------------------------------------------------------------
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    cache=None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | dict | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | dict | None = None,
+    block_table: torch.Tensor | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The ``"paged|safeattn"`` attention function: Transformers' continuous batching.
+
+    Follows ``transformers.integrations.flash_paged.paged_attention_forward``. The batch is
+    packed: query ``[1, Hq, total_q, D]``, key and value ``[1, Hkv, total_new, D]`` (the new
+    tokens), ``cu_seq_lens_q`` / ``cu_seq_lens_k`` the cumulative lengths (``cu_seq_lens_k`` and
+    ``max_seqlen_k`` may be dicts keyed by layer type). Without ``block_table``, the new keys go
+    into the ``PagedAttentionCache`` by ``cache.update`` (its ``read_index`` / ``write_index``
+    kwargs), which returns every key each sequence reads, and ``safeattn.varlen_attention`` runs
+    causal (bottom-right) with the layer's window ``w`` as ``(w - 1, 0)`` (the ``sliding_window``
+    kwarg, else ``module.sliding_window``).
+    With ``block_table`` (decode-only batches, ``[groups, B, max_blocks]``),
+    ``safeattn.attention_with_kvcache`` appends the new token of each sequence in place and
+    attends over the pages. Unlike ``"paged|sdpa"``, it needs no attention mask (none is built),
+    and honours ``softcap`` and ``s_aux`` (attention sinks).
+
+    Returns ``(out [total_q, Hq, Dv], None)``.
+    """
+    if cache is None:
+        raise ValueError(
+            "safeattn: `paged|safeattn` was called without a paged attention cache (cache=...); it runs "
+            "the packed batches of continuous batching. Use attn_implementation='safeattn' for a standard forward."
+        )
+    if dropout:
+        raise NotImplementedError(
+            f"safeattn paged attention: dropout is not implemented (got dropout={dropout})"
+        )
+    scale = scaling if scaling is not None else getattr(module, "scaling", None)
+    # The model's sliding_window kwarg, else the layer's attribute (the one flash_paged reads):
+    # Mistral passes the kwarg and has no attribute, while its paged cache keeps a window per layer.
+    sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    layer_type = "sliding_attention" if sliding_window else "full_attention"
+    if isinstance(cu_seq_lens_k, dict):
+        cu_seq_lens_k = cu_seq_lens_k[layer_type]
+        max_seqlen_k = max_seqlen_k[layer_type]
+    softcap = float(softcap) if softcap else 0.0
+    if block_table is None:
+        # [1, Hkv, n, D] new tokens in; every key the sequences read out, [total_k, Hkv, D].
+        key, value = cache.update(
+            key_states=key,
+            value_states=value,
+            layer_idx=module.layer_idx,
+            read_index=kwargs["read_index"],
+            write_index=kwargs["write_index"],
+        )
+        out = varlen_attention(
+            query[0].transpose(0, 1),  # [total_q, Hq, D], a view
+            key,
+            value,
+            cu_seq_lens_q,
+            cu_seq_lens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            scale=scale,
+            causal=True,
+            window_size=window,
+            softcap=softcap,
+            sinks=s_aux,
+        )
+        return out, None
+    group, index_in_group = cache.layer_index_to_group_indices[module.layer_idx]
+    pages = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
+    k_cache = cache.key_cache[index_in_group].view(pages)
+    v_cache = cache.value_cache[index_in_group].view(pages)
+    batch = key.shape[2]
+    # cu_seq_lens_k counts the new token too: the cache held one fewer before this step.
+    cache_seqlens = cu_seq_lens_k[1 : batch + 1] - cu_seq_lens_k[:batch] - 1
+    out = attention_with_kvcache(
+        query[0].transpose(0, 1)[:, None],  # [B, 1, Hq, D]
+        k_cache,
+        v_cache,
+        cache_seqlens.to(torch.int32),
+        key[0].transpose(0, 1)[:, None],
+        value[0].transpose(0, 1)[:, None],
+        block_table=block_table[group],
+        softmax_scale=scale,
+        causal=True,
+        window_size=window,
+        softcap=softcap,
+        sinks=s_aux,
+    )
+    return out[:, 0], None
+
+
 AttentionInterface.register(NAME, attention_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+AttentionInterface.register(PAGED_NAME, paged_attention_forward)

@@ -1,0 +1,447 @@
+"""safeattn.attention_with_kvcache (and flash_attn_interface's flash_attn_with_kvcache): the
+in-place append, contiguous and paged caches, against reference.attention_with_kvcache (float64),
+plus NaN poisoning of unused slots, gradients, gradcheck, torch.compile and argument checks.
+
+Tolerance: FlashAttention's rule (tests/_serving_cases.py, as tests/test_attention.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import safeattn
+import torch
+from _serving_cases import DTYPES, compare_grads, compare_outputs, low_dtype
+from conftest import ATTENTION_DEVICES as DEVICES
+from safeattn import reference
+from safeattn.flash_attn_interface import flash_attn_with_kvcache
+
+
+def _rand(gen, *shape, dtype, device):
+    return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _case(
+    seqlens,
+    q_length,
+    new_tokens,
+    hq,
+    hkv,
+    head_dim,
+    dtype,
+    device,
+    *,
+    paged,
+    page_size=16,
+    capacity=48,
+    dv=None,
+    poison=0.0,
+    seed=0,
+):
+    """q [B, Sq, Hq, D]; a cache holding `seqlens` tokens per sequence (the unused slots filled
+    with `poison`); new k, v [B, Sn, Hkv, D] or None. Paged: pages handed out in a shuffled order,
+    the block table padded with -1 past what each sequence needs (as Transformers pads it)."""
+    gen = torch.Generator().manual_seed(seed)
+    dv = head_dim if dv is None else dv
+    batch = len(seqlens)
+    q = _rand(gen, batch, q_length, hq, head_dim, dtype=dtype, device=device)
+    k = v = None
+    if new_tokens:
+        k = _rand(gen, batch, new_tokens, hkv, head_dim, dtype=dtype, device=device)
+        v = _rand(gen, batch, new_tokens, hkv, dv, dtype=dtype, device=device)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    if not paged:
+        k_cache = torch.full((batch, capacity, hkv, head_dim), poison, dtype=dtype, device=device)
+        v_cache = torch.full((batch, capacity, hkv, dv), poison, dtype=dtype, device=device)
+        for b, n in enumerate(seqlens):
+            k_cache[b, :n] = _rand(gen, n, hkv, head_dim, dtype=dtype, device=device)
+            v_cache[b, :n] = _rand(gen, n, hkv, dv, dtype=dtype, device=device)
+        return q, k_cache, v_cache, cache_seqlens, k, v, None
+    max_blocks = capacity // page_size
+    num_blocks = batch * max_blocks + 2
+    order = torch.randperm(num_blocks, generator=gen)
+    k_cache = torch.full((num_blocks, page_size, hkv, head_dim), poison, dtype=dtype, device=device)
+    v_cache = torch.full((num_blocks, page_size, hkv, dv), poison, dtype=dtype, device=device)
+    block_table = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    for b, n in enumerate(seqlens):
+        needed = -(-(n + new_tokens) // page_size)
+        block_table[b, :needed] = order[b * max_blocks : b * max_blocks + needed].to(torch.int32)
+        for p in range(n):
+            page, slot = int(block_table[b, p // page_size]), p % page_size
+            k_cache[page, slot] = _rand(gen, hkv, head_dim, dtype=dtype, device=device)
+            v_cache[page, slot] = _rand(gen, hkv, dv, dtype=dtype, device=device)
+    return q, k_cache, v_cache, cache_seqlens, k, v, block_table.to(device)
+
+
+def _slot(block_table, page_size, b, position):
+    if block_table is None:
+        return b, position
+    return int(block_table[b, position // page_size]), position % page_size
+
+
+def _check(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *, grads=False, sinks=None, **kwargs):
+    """Runs the function on copies of the cache; compares out, lse against the references (on the
+    untouched cache) and the written cache against the expected append."""
+    dtype = q.dtype
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    k_run, v_run = k_cache.clone(), v_cache.clone()
+    got = safeattn.attention_with_kvcache(
+        q, k_run, v_run, cache_seqlens, k, v, block_table=block_table, sinks=sinks, return_lse=True, **kwargs
+    )
+    assert got[0].is_contiguous() and got[0].shape == (*q.shape[:3], v_cache.shape[-1]), "out [B, Sq, Hq, Dv]"
+    ref_kwargs = dict(block_table=block_table, sinks=sinks, **kwargs)
+    ref = reference.attention_with_kvcache(q, before_k, before_v, cache_seqlens, k, v, **ref_kwargs)
+    low = reference.attention_with_kvcache(
+        q, before_k, before_v, cache_seqlens, k, v, compute_dtype=low_dtype(dtype), **ref_kwargs
+    )
+    compare_outputs(dtype, got, ref, low)
+    # The append: exactly the new tokens' slots changed, to k and v.
+    want_k, want_v = before_k.clone(), before_v.clone()
+    if k is not None:
+        page_size = k_cache.shape[1]
+        for b in range(q.shape[0]):
+            for t in range(k.shape[1]):
+                slot = _slot(block_table, page_size, b, int(cache_seqlens[b]) + t)
+                want_k[slot] = k[b, t]
+                want_v[slot] = v[b, t]
+    assert torch.equal(k_run.nan_to_num(7.0), want_k.nan_to_num(7.0)), "k_cache after the append is wrong"
+    assert torch.equal(v_run.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v_cache after the append is wrong"
+    if grads:
+        inputs = [t for t in (q, k, v, sinks) if t is not None]
+        names = [
+            n
+            for n, t in zip(("grad_q", "grad_k", "grad_v", "grad_sinks"), (q, k, v, sinks), strict=True)
+            if t is not None
+        ]
+        compare_grads(dtype, names, inputs, got[0], ref[0], low[0])
+    return got
+
+
+# (cache_seqlens, Sq, Sn): decode (1 query, 1 new token), a few tokens, prefill into an empty
+# cache, queries over the cache alone (no new tokens), queries longer than the new tokens.
+SHAPES = [
+    ([0, 5, 17], 1, 1),
+    ([3, 0, 30], 4, 4),
+    ([0, 0], 17, 17),
+    ([1, 20], 1, 0),
+    ([7, 12], 3, 1),
+]
+MASKS = [((-1, -1), True), ((-1, -1), False), ((3, 0), True), ((2, 1), False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(("seqlens", "q_length", "new_tokens"), SHAPES)
+@pytest.mark.parametrize(("window_size", "causal"), MASKS)
+def test_matches_reference(device, paged, seqlens, q_length, new_tokens, window_size, causal):
+    case = _case(seqlens, q_length, new_tokens, 4, 2, 40, torch.float32, device, paged=paged)
+    _check(*case, causal=causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtypes_gqa_softcap_sinks_gradients(device, paged, dtype):
+    q, k_cache, v_cache, seqlens, k, v, table = _case(
+        [5, 0, 20], 3, 3, 8, 2, 64, dtype, device, paged=paged, dv=32
+    )
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    sinks = torch.randn(8, device=device, requires_grad=True)
+    _check(q, k_cache, v_cache, seqlens, k, v, table, causal=True, softcap=5.0, sinks=sinks, grads=True)
+    _check(q, k_cache, v_cache, seqlens, k, v, table, window_size=(4, 0), softmax_scale=0.2, grads=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_page_sizes(device, page_size):
+    case = _case(
+        [0, 40, page_size],
+        2,
+        2,
+        4,
+        4,
+        32,
+        torch.float32,
+        device,
+        paged=True,
+        page_size=page_size,
+        capacity=page_size * 3,
+    )
+    _check(*case, causal=True)
+
+
+# The gradient through a contiguous cache with NaN in unused slots: the op's backward (the CPU
+# kernel at least) multiplies the zero score gradients of masked keys by their NaN K / V rows when
+# they share a key tile with visible keys, so grad_q turns NaN. The forward is clean, and the
+# paged cache is clean (its gathered copy zeroes the unused slots). An op-level issue.
+_CONTIGUOUS_GRAD = pytest.mark.xfail(
+    reason="the attention backward leaks NaN from masked keys that share a key tile with visible ones",
+    strict=False,
+)
+
+
+# The contiguous cache is read in place: its unused slots past a sequence's length share key
+# tiles with visible keys, where the CUDA kernels multiply P = 0 by V (test_attention.py's
+# test_cuda_mask_tile_summary: a NaN V behind a masked key of a mixed tile leaks). Expected to
+# fail until a kernel bounds its key loop by each sequence's length; the paged copy is zeroed.
+_CUDA_CONTIGUOUS_NAN = pytest.mark.xfail(
+    reason="CUDA kernels multiply the zero probabilities of masked keys by their V inside mixed tiles",
+    strict=False,
+)
+
+
+def _poisoned_call(device, paged):
+    # Every slot past each sequence's length (and every page not in the table) holds NaN.
+    q, k_cache, v_cache, seqlens, k, v, table = _case(
+        [0, 5, 33], 2, 2, 4, 2, 64, torch.float32, device, paged=paged, poison=float("nan")
+    )
+    q.requires_grad_()
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    out, lse = safeattn.attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True, sinks=sinks, return_lse=True
+    )
+    return out, lse, (q, sinks)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_nan_in_unused_slots_never_leaks(request, device, paged):
+    if device == "cuda" and not paged:
+        request.applymarker(_CUDA_CONTIGUOUS_NAN)  # runs, and says XPASS once a kernel bounds its keys
+    out, lse, _ = _poisoned_call(device, paged)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [pytest.param(False, marks=_CONTIGUOUS_GRAD), True])
+def test_nan_in_unused_slots_never_leaks_into_gradients(device, paged):
+    out, lse, inputs = _poisoned_call(device, paged)
+    grads = torch.autograd.grad(out.sum() + lse.sum(), inputs)
+    assert not any(g.isnan().any() for g in grads), "NaN in unused cache slots leaked into a gradient"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_empty_cache_rows_are_zero(device, paged):
+    # No cached tokens and no new ones: every row sees nothing.
+    q, k_cache, v_cache, seqlens, _, _, table = _case(
+        [0, 0], 2, 0, 2, 2, 16, torch.float32, device, paged=paged
+    )
+    out, lse = safeattn.attention_with_kvcache(
+        q, k_cache, v_cache, seqlens, block_table=table, return_lse=True
+    )
+    assert torch.all(out == 0) and torch.all(lse.isneginf()), "an empty cache gives out 0, lse -inf"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_seqlens_beyond_capacity_is_clamped(device, paged):
+    # Not checked (a host sync). Documented: clamped into [0, capacity - Sn], so the new tokens
+    # overwrite the last slots and the attention covers the whole cache; nothing outside is touched.
+    q, k_cache, v_cache, _, k, v, table = _case(
+        [10, 10], 1, 2, 2, 2, 16, torch.float32, device, paged=paged, capacity=32
+    )
+    if paged:
+        table = torch.arange(4, device=device, dtype=torch.int32).reshape(2, 2)  # both pages filled
+    spare = k_cache.clone()
+    beyond = torch.tensor([31, 1000], dtype=torch.int32, device=device)
+    out = safeattn.attention_with_kvcache(q, k_cache, v_cache, beyond, k, v, block_table=table)
+    clamped = torch.tensor([30, 30], dtype=torch.int32, device=device)
+    want = safeattn.attention_with_kvcache(q, spare, v_cache.clone(), clamped, k, v, block_table=table)
+    torch.testing.assert_close(out, want, msg="cache_seqlens past capacity must act as capacity - Sn")
+    torch.testing.assert_close(k_cache, spare, msg="the clamped write differs")
+    negative = torch.tensor([-4, 0], dtype=torch.int32, device=device)
+    out = safeattn.attention_with_kvcache(q, k_cache, v_cache, negative, k, v, block_table=table)
+    assert not out.isnan().any(), "negative cache_seqlens must act as 0"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_table_entries_outside_are_clamped(device):
+    # Entries outside [0, num_blocks) read and write a clamped page: wrong data, never out of bounds.
+    q, k_cache, v_cache, seqlens, k, v, table = _case(
+        [5, 9], 1, 1, 2, 2, 16, torch.float32, device, paged=True
+    )
+    table = table.clone()
+    table[0, 0] = 10_000
+    table[1, 0] = -7
+    out = safeattn.attention_with_kvcache(q, k_cache, v_cache, seqlens, k, v, block_table=table)
+    assert out.shape == (2, 1, 2, 16) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int_cache_seqlens_and_flash_interface(device):
+    q, k_cache, v_cache, _, k, v, _ = _case([6, 6], 2, 2, 4, 2, 32, torch.float32, device, paged=False)
+    as_tensor = torch.tensor([6, 6], dtype=torch.int32, device=device)
+    want, want_lse = safeattn.attention_with_kvcache(
+        q, k_cache.clone(), v_cache.clone(), as_tensor, k, v, causal=True, return_lse=True
+    )
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=6, causal=True, return_softmax_lse=True
+    )
+    torch.testing.assert_close(out, want, msg="an int cache_seqlens differs from the tensor")
+    assert lse.shape == (2, 4, 2)
+    torch.testing.assert_close(lse, want_lse)
+    # cache_seqlens None: the whole cache is filled.
+    full = flash_attn_with_kvcache(q, k_cache[:, :8], v_cache[:, :8])
+    want = safeattn.attention_with_kvcache(q, k_cache[:, :8], v_cache[:, :8], 8)
+    torch.testing.assert_close(full, want)
+    with pytest.raises(NotImplementedError, match="rotary_cos is not implemented"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, rotary_cos=torch.ones(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
+def test_gradcheck(device):
+    for paged in (False, True):
+        q, k_cache, v_cache, seqlens, k, v, table = _case(
+            [2, 0], 2, 2, 4, 2, 8, torch.float64, device, paged=paged, capacity=32
+        )
+        sinks = torch.randn(4, dtype=torch.float64, device=device)
+        for t in (q, k, v, sinks):
+            t.requires_grad_()
+
+        def fn(q, k, v, sinks, table=table, k_cache=k_cache, v_cache=v_cache, seqlens=seqlens):
+            out, lse = safeattn.attention_with_kvcache(
+                q,
+                k_cache.clone(),
+                v_cache.clone(),
+                seqlens,
+                k,
+                v,
+                block_table=table,
+                causal=True,
+                window_size=(2, 0),
+                softcap=3.0,
+                sinks=sinks,
+                return_lse=True,
+            )
+            return out, lse
+
+        assert torch.autograd.gradcheck(fn, (q, k, v, sinks), eps=1e-6, atol=1e-5), f"paged={paged}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.slow
+def test_compile_fullgraph_dynamic(device, paged):
+    # The in-place append inside a compiled function: the caches are mutated as eagerly.
+    def fn(q, k_cache, v_cache, seqlens, k, v, table):
+        return safeattn.attention_with_kvcache(
+            q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True, window_size=(5, 0)
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    for seqlens, q_length in (([3, 0, 7], 1), ([9, 2], 3)):
+        case = _case(seqlens, q_length, q_length, 4, 2, 32, torch.float32, device, paged=paged)
+        q, k_cache, v_cache, lengths, k, v, table = case
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want = fn(q, want_k, want_v, lengths, k, v, table)
+        got = compiled(q, k_cache, v_cache, lengths, k, v, table)
+        torch.testing.assert_close(got, want, msg="compiled output differs from eager")
+        torch.testing.assert_close(k_cache, want_k, msg="compiled append differs from eager")
+        torch.testing.assert_close(v_cache, want_v, msg="compiled append differs from eager")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (host sync is a device matter)")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_no_host_sync(paged):
+    case = _case([5, 0, 40], 1, 1, 8, 2, 128, torch.bfloat16, "cuda", paged=paged, capacity=256)
+    safeattn.attention_with_kvcache(*case[:6], block_table=case[6], causal=True)  # warm-up
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        safeattn.attention_with_kvcache(*case[:6], block_table=case[6], causal=True, window_size=(64, 0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _long_cache(paged, dtype, poison=0.0):
+    # A cache over many key tiles, lengths ending inside a tile.
+    return _case(
+        [1000, 3, 511],
+        1,
+        1,
+        8,
+        1,
+        128,
+        dtype,
+        "cuda",
+        paged=paged,
+        page_size=64,
+        capacity=1024,
+        poison=poison,
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_long_cache(paged, dtype):
+    _check(*_long_cache(paged, dtype), causal=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [pytest.param(False, marks=_CUDA_CONTIGUOUS_NAN), True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_decode_nan_in_unused_slots(paged, dtype):
+    case = _long_cache(paged, dtype, poison=float("nan"))
+    out, lse = safeattn.attention_with_kvcache(*case[:6], block_table=case[6], causal=True, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
+
+
+def _bad_inputs():
+    q = torch.randn(2, 1, 4, 8)
+    kc, vc = torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    pages = torch.randn(6, 16, 2, 8)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    seq = torch.tensor([1, 2], dtype=torch.int32)
+    k1, v1 = torch.randn(2, 1, 2, 8), torch.randn(2, 1, 2, 8)
+    return [
+        ((q[0], kc, vc, seq), {}, "attention_with_kvcache: q must be 4-D"),
+        ((q, kc[0], vc, seq), {}, "attention_with_kvcache: k_cache must be 4-D"),
+        ((q, kc.half(), vc, seq), {}, "k_cache has dtype torch.float16 but q has torch.float32"),
+        ((q, kc, vc[:, :5], seq), {}, "v_cache must match k_cache"),
+        (
+            (q, torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16), seq),
+            {},
+            "k_cache has head_dim 16 but q has 8",
+        ),
+        (
+            (q, torch.randn(2, 10, 3, 8), torch.randn(2, 10, 3, 8), seq),
+            {},
+            re.escape("q's heads (4) must be a multiple"),
+        ),
+        ((q, torch.randn(3, 10, 2, 8), torch.randn(3, 10, 2, 8), seq), {}, "k_cache has batch 3 but q has 2"),
+        ((q, kc, vc, seq.float()), {}, "cache_seqlens must have dtype int32"),
+        ((q, kc, vc, seq[:1]), {}, "cache_seqlens has 1 entries but q has batch 2"),
+        ((q, kc, vc, seq, k1), {}, "k and v must be given together"),
+        ((q, kc, vc, seq, k1[:, :, :1], v1), {}, re.escape("k must be [2, new_tokens, 2, 8]")),
+        ((q, kc, vc, seq, k1, v1[:, :, :, :4]), {}, re.escape("v must be [2, 1, 2, 8]")),
+        (
+            (q, kc, vc, seq, torch.randn(2, 11, 2, 8), torch.randn(2, 11, 2, 8)),
+            {},
+            "k holds 11 new tokens but the cache holds at most 10",
+        ),
+        ((q, pages, pages, seq), {"block_table": table.float()}, "block_table must have dtype int32"),
+        ((q, pages, pages, seq), {"block_table": table[:1]}, "block_table has batch 1 but q has 2"),
+        (
+            (q, torch.randn(6, 8, 2, 8), torch.randn(6, 8, 2, 8), seq),
+            {"block_table": table},
+            re.escape("page_size (k_cache.shape[1]) must be 16 to 256, got 8"),
+        ),
+        (
+            (q, torch.randn(2, 512, 2, 8), torch.randn(2, 512, 2, 8), seq),
+            {"block_table": table},
+            "must be 16 to 256, got 512",
+        ),
+        ((q, kc, vc, seq), {"window_size": (0, -3)}, "window_size entries must be >= 0"),
+    ]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), _bad_inputs())
+def test_bad_inputs(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        safeattn.attention_with_kvcache(*args, **kwargs)
