@@ -312,9 +312,6 @@ os.environ.setdefault("MAX_JOBS", default_jobs())
 WITH_CUDA = want_cuda()
 ISAS = cpu_isas()
 CUDA_TARGETS, CUDA_TARGETS_FROM, WANT_SM90 = cuda_targets() if WITH_CUDA else ({}, None, False)
-if WITH_CUDA:
-    shown = ", ".join(f"sm_{sm}" + (" + PTX" if ptx else "") for sm, ptx in CUDA_TARGETS.items())
-    print(f"safeattn: CUDA targets {shown}{' and sm_90a (Hopper kernels)' if WANT_SM90 else ''}, from {CUDA_TARGETS_FROM}")
 
 common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
 isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
@@ -331,6 +328,10 @@ if CUTLASS_INCLUDE is None and any(p in hopper_sources for p in cuda_sources):
     raise SystemExit(NO_CUTLASS.format(source=CUDA_TARGETS_FROM))
 hopper_sources = [p for p in cuda_sources if p in hopper_sources]
 cuda_sources = [p for p in cuda_sources if p not in hopper_sources]
+if WITH_CUDA:
+    shown = ", ".join(f"sm_{sm}" + (" + PTX" if ptx else "") for sm, ptx in CUDA_TARGETS.items())
+    hopper = " and sm_90a (Hopper kernels)" if hopper_sources else ""
+    print(f"safeattn: CUDA targets {shown}{hopper}, from {CUDA_TARGETS_FROM}")
 
 defines = [
     f'-DSAFEATTN_VERSION="{VERSION}"',

@@ -23,6 +23,22 @@ ATTENTION_DEVICES = [
 ]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--generic-kernels",
+        action="store_true",
+        help="run attention on the generic CUDA kernels (those of A100/Ada/Blackwell) on an H100/H200",
+    )
+
+
+def pytest_configure(config):
+    # Process-wide, so every xdist worker sets it in its own process.
+    if config.getoption("--generic-kernels"):
+        from safeattn import _testing
+
+        _testing.set_generic_kernels_only(True)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

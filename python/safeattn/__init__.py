@@ -46,4 +46,26 @@ def build_info() -> dict:
             if name.startswith("safeattn::"):
                 op_kernels.setdefault(name.split("::", 1)[1], []).append(key)
     info["op_kernels"] = op_kernels
+    info["hopper_kernels"] = bool(info.get("attention_sm90_fwd_head_dims"))
     return info
+
+
+def gpu_coverage(device: int | torch.device | None = None) -> str:
+    """Whether this build runs on a GPU, and with which attention kernels, in one line:
+    ``"NVIDIA H100 80GB HBM3 (9.0): sm_90a kernels (Hopper), generic for the rest"``, or what is
+    missing and the command that rebuilds for it (the error a CUDA op would raise there)."""
+    index = torch.cuda._get_device_index(device, optional=True)
+    name = torch.cuda.get_device_name(index)
+    major, minor = torch.cuda.get_device_capability(index)
+    head = f"{name} ({major}.{minor})"
+    if not build_info()["with_cuda"]:
+        return f"{head}: not covered: this build has no CUDA kernels"
+    try:
+        _C._check_device_supported(index)
+    except RuntimeError as error:
+        return f"{head}: not covered: {error}".split("\n", 1)[0]
+    if (major, minor) == (9, 0):
+        if build_info()["hopper_kernels"]:
+            return f"{head}: covered, attention on the sm_90a kernels (TMA + wgmma)"
+        return f"{head}: covered, but without the sm_90a kernels: attention runs the generic kernels (slow)"
+    return f"{head}: covered, attention on the generic tensor-core kernels (mma.sync)"

@@ -34,10 +34,12 @@ def _info() -> int:
         f"CPU kernels     {threads} of {torch.get_num_threads()} threads (at::parallel_for, torch's OpenMP)"
     )
     if info["with_cuda"]:
-        archs = ", ".join("sm_" + a for a in info["cuda_archs"])
-        print(
-            f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), archs {archs}"
-        )
+        record = _build_check.build_record() or {}
+        targets = record.get("cuda_targets") or info["cuda_archs"]
+        shown = ", ".join("sm_" + t.replace("+PTX", " + PTX") for t in targets)
+        if info.get("hopper_kernels"):
+            shown += ", sm_90a (Hopper kernels)"
+        print(f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), for {shown}")
         fwd = ", ".join(map(str, info.get("attention_fwd_head_dims", []))) or "none"
         bwd = ", ".join(map(str, info.get("attention_bwd_head_dims", []))) or "none"
         print(f"attention       tensor-core head dims (bf16, fp16): forward {fwd}; backward {bwd}")
@@ -45,8 +47,8 @@ def _info() -> int:
         bwd90 = ", ".join(map(str, info.get("attention_sm90_bwd_head_dims", []))) or "none"
         print(f"                of them sm_90a (TMA + wgmma, on sm_90): forward {fwd90}; backward {bwd90}")
         if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            print(f"GPU             {torch.cuda.get_device_name()} (sm_{major}{minor})")
+            for index in range(torch.cuda.device_count()):
+                print(f"GPU {index}".ljust(16) + safeattn.gpu_coverage(index))
         else:
             print("GPU             none visible")
     else:

@@ -420,10 +420,13 @@ def main_cuda(args):
     """Prints the prefill and decode tables; returns their rows for the README's tables."""
     device = "cuda"
     repeats, warmup = (5, 2) if args.quick else (args.repeats_cuda, 5)
-    dtype = torch.bfloat16
     batch, heads, seq = 4, 16, 4096
     has_bwd = _has_cuda_backward()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, bf16, median of {repeats} calls")
+    dtypes = [getattr(torch, name) for name in args.cuda_dtype]
+    shown = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {shown}, median of {repeats} calls")
+    if args.generic_kernels:
+        print("safeattn on its generic kernels (mma.sync: what A100 / Ada / Blackwell run), against SDPA flash")
     if not has_bwd:
         print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
     print()
@@ -434,10 +437,15 @@ def main_cuda(args):
     )
     print(f"### Prefill: B={batch} H={heads} S={seq}, {work}")
     print()
-    print("| case | D | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash |")
-    print("|---|---|---|---|---|---|---|")
+    dtype_column = len(dtypes) > 1
+    print(
+        "| case | D |"
+        + (" dtype |" if dtype_column else "")
+        + " fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash | fwd+bwd vs flash |"
+    )
+    print("|---|---|" + ("---|" if dtype_column else "") + "---|---|---|---|---|---|")
     prefill_rows, decode_rows = [], []
-    for head_dim in args.head_dim:  # 64 and 128 unless --head-dim says otherwise
+    for head_dim, dtype in [(d, t) for d in args.head_dim for t in dtypes]:  # D 64 and 128 by default
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         if args.window:  # the window's own work: its visible (query, key) pairs, padding out
             flops_fwd = 4 * heads * head_dim * _window_pairs(batch, seq, args.window)
@@ -445,7 +453,13 @@ def main_cuda(args):
             cases = _bias_cases(batch, heads, seq, device)
         else:
             cases = _prefill_cases(batch, heads, seq, device, args.window, args.softcap, args.sinks)
-        flash_fwd = None
+        if args.generic_kernels:  # the FlashAttention-2 peer and safeattn's rows
+            cases = {
+                name: case
+                for name, case in cases.items()
+                if (name.startswith("SDPA flash") or name.startswith("safeattn")) and name != DETERMINISTIC_CASE
+            }
+        flash_fwd = flash_both = None
         for name, (fn, is_ours) in cases.items():
             results = []
             for backward in (False, True):
@@ -473,7 +487,7 @@ def main_cuda(args):
                     results.append(_try_ms(run, make, repeats, warmup))
             fwd_ms, both_ms = results
             if name.startswith("SDPA flash"):
-                flash_fwd = fwd_ms
+                flash_fwd, flash_both = fwd_ms, both_ms
 
             def cell(ms, flops):
                 return ("n/a", "n/a") if ms is None else (f"{ms:.3f}", f"{flops / ms / 1e9:.0f}")
@@ -481,11 +495,18 @@ def main_cuda(args):
             f_ms, f_tf = cell(fwd_ms, flops_fwd)
             b_ms, b_tf = cell(both_ms, 3.5 * flops_fwd)
             ratio = "n/a" if fwd_ms is None or flash_fwd is None else f"{flash_fwd / fwd_ms:.2f}x"
-            print(f"| {name} | {head_dim} | {f_ms} | {f_tf} | {b_ms} | {b_tf} | {ratio} |", flush=True)
+            ratio_both = "n/a" if both_ms is None or flash_both is None else f"{flash_both / both_ms:.2f}x"
+            dtype_cell = f" {str(dtype).replace('torch.', '')} |" if dtype_column else ""
+            print(
+                f"| {name} | {head_dim} |{dtype_cell} {f_ms} | {f_tf} | {b_ms} | {b_tf} | {ratio} | {ratio_both} |",
+                flush=True,
+            )
             prefill_rows.append([name, head_dim, f_ms, f_tf, b_ms, b_tf])
+    if args.generic_kernels:
+        return prefill_rows, decode_rows
 
     print()
-    batch, hq, hkv, head_dim = 8, 32, 4, 128
+    batch, hq, hkv, head_dim, dtype = 8, 32, 4, 128, torch.bfloat16
     print(f"### Decode: Q=1, B={batch}, Hq={hq}, Hkv={hkv}, D={head_dim} (GB/s: K and V bytes read)")
     print()
     print("| case | KV | us | GB/s |")
@@ -701,6 +722,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--device cuda: float masks instead (a [B,1,S,S] causal+padding one, a learnable [1,H,S,S] bias)",
     )
+    parser.add_argument(
+        "--cuda-dtype",
+        nargs="+",
+        default=["bfloat16"],
+        choices=["bfloat16", "float16"],
+        help="--device cuda: the dtypes of the prefill table",
+    )
+    parser.add_argument(
+        "--generic-kernels",
+        action="store_true",
+        help="--device cuda: safeattn on its generic kernels (those of A100 / Ada / Blackwell) on an "
+        "H100/H200, against SDPA flash (FlashAttention-2); prefill table only",
+    )
     parser.add_argument("--markdown", action="store_true", help="also print the README's tables")
     from . import _bench_sweep
 
@@ -716,6 +750,11 @@ def run(args: argparse.Namespace) -> int:
     if args.overhead:
         torch.set_num_threads(args.threads)
         tables["overhead"] = call_overhead(args.device)
+    elif args.device == "cuda" and args.generic_kernels:
+        from . import _testing
+
+        with _testing.generic_kernels():
+            tables["prefill"], _ = main_cuda(args)
     elif args.device == "cuda":
         tables["prefill"], tables["decode"] = main_cuda(args)
         tables["overhead"] = call_overhead("cuda")

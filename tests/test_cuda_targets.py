@@ -1,0 +1,128 @@
+"""What a CUDA build targets (setup.py, PyTorch's TORCH_CUDA_ARCH_LIST convention), that a build
+for sm_90 never loses the Hopper kernels silently, and that a GPU the build has no code for gets a
+clear error. The setup.py cases run `setup.py --version` (no compilation): they need the source
+tree, nvcc and a CUDA build of torch, as CI has."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safeattn
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+NEEDS_NVCC = pytest.mark.skipif(
+    not (ROOT / "setup.py").is_file() or torch.version.cuda is None or not Path(CUDA_HOME, "bin/nvcc").exists(),
+    reason="needs the source tree, nvcc and a CUDA build of torch",
+)
+
+
+def run_setup(**env):
+    """`setup.py --version` with these variables (None: unset); its output and exit code."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SAFEATTN_", "TORCH_CUDA_ARCH_LIST"))}
+    full.update({"CUDA_HOME": CUDA_HOME, "SAFEATTN_CUDA": "1", "CUDA_VISIBLE_DEVICES": ""})
+    full.update({k: v for k, v in env.items() if v is not None})
+    done = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300
+    )
+    return done.stdout + done.stderr, done.returncode
+
+
+def targets_line(output):
+    lines = [line for line in output.splitlines() if line.startswith("safeattn: CUDA targets")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+@NEEDS_NVCC
+@pytest.mark.parametrize(
+    "setting, expected",
+    [
+        ("8.0;8.6;9.0+PTX", "sm_80, sm_86, sm_90 + PTX and sm_90a (Hopper kernels), from TORCH_CUDA_ARCH_LIST"),
+        ("8.0 8.9", "sm_80, sm_89, from TORCH_CUDA_ARCH_LIST"),
+        ("9.0a", "sm_90 and sm_90a (Hopper kernels), from TORCH_CUDA_ARCH_LIST"),
+        ("Ampere", "sm_80, sm_86 + PTX, from TORCH_CUDA_ARCH_LIST"),
+        ("12.0+PTX", "sm_120 + PTX, from TORCH_CUDA_ARCH_LIST"),
+    ],
+)
+def test_torch_cuda_arch_list_chooses_the_targets(setting, expected):
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST=setting)
+    assert code == 0, output
+    assert targets_line(output) == f"safeattn: CUDA targets {expected}", output
+
+
+@NEEDS_NVCC
+def test_default_targets_without_a_visible_gpu_span_ampere_to_blackwell():
+    output, code = run_setup()
+    assert code == 0, output
+    line = targets_line(output)
+    for target in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120 + PTX"):
+        assert target in line, f"{target} missing from the default targets: {line}"
+    assert line.endswith("from the default list"), line
+
+
+@NEEDS_NVCC
+def test_the_deprecated_alias_still_works():
+    output, code = run_setup(SAFEATTN_CUDA_ARCHS="80;90")
+    assert code == 0, output
+    assert "SAFEATTN_CUDA_ARCHS is deprecated" in output
+    assert targets_line(output).startswith("safeattn: CUDA targets sm_80, sm_90 and sm_90a"), output
+
+
+@NEEDS_NVCC
+@pytest.mark.parametrize("setting", ["8.0;sm_90", "9", "8.0+ptx", ";"])
+def test_a_malformed_arch_list_names_the_variable(setting):
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST=setting)
+    assert code != 0, output
+    assert "TORCH_CUDA_ARCH_LIST" in output, output
+
+
+@NEEDS_NVCC
+def test_an_sm90_build_without_cutlass_stops_with_the_install_command():
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST="9.0", SAFEATTN_CUTLASS_INCLUDE="/nonexistent")
+    assert code != 0, output
+    assert "pip install nvidia-cutlass==" in output and "SAFEATTN_SM90=0" in output, output
+
+
+@NEEDS_NVCC
+def test_sm90_zero_opts_out_of_the_hopper_kernels():
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST="9.0", SAFEATTN_CUTLASS_INCLUDE="/nonexistent", SAFEATTN_SM90="0")
+    assert code == 0, output
+    assert targets_line(output) == "safeattn: CUDA targets sm_90, from TORCH_CUDA_ARCH_LIST", output
+
+
+@NEEDS_NVCC
+def test_other_gpus_need_no_cutlass():
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST="8.0;8.6", SAFEATTN_CUTLASS_INCLUDE="/nonexistent")
+    assert code == 0, output
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and safeattn.build_info()["with_cuda"]), reason="needs a CUDA GPU and build"
+)
+def test_a_gpu_without_code_gets_a_clear_error():
+    """On a GPU the build covers, the ops run; on one it does not (the GPU host runs this with a
+    build for another arch), the first op raises an error that names the GPU, its compute
+    capability, the archs built and the rebuild command, instead of "no kernel image"."""
+    major, minor = torch.cuda.get_device_capability()
+    x = torch.randn(4, 8, device="cuda")
+    try:
+        safeattn._C._check_device_supported(torch.cuda.current_device())
+    except RuntimeError:
+        covered = False
+    else:
+        covered = True
+    if covered:
+        torch.testing.assert_close(safeattn.safe_softmax(x, -1), torch.softmax(x, -1))
+        assert "covered" in safeattn.gpu_coverage() and "not covered" not in safeattn.gpu_coverage()
+        return
+    with pytest.raises(RuntimeError) as raised:
+        safeattn.safe_softmax(x, -1)
+    message = str(raised.value)
+    for part in (torch.cuda.get_device_name(), f"compute capability {major}.{minor}", "this build holds",
+                 f'TORCH_CUDA_ARCH_LIST="{major}.{minor}"'):
+        assert part in message, f"{part!r} missing from: {message}"
+    assert "not covered" in safeattn.gpu_coverage()
