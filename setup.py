@@ -25,6 +25,8 @@ Environment switches:
                                 need: a build that targets 9.0 without them stops (NO_CUTLASS)
   SAFEATTN_DEBUG_INFO=1         keep debug info (-g) in _C; release builds have none (-g0)
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
+  SAFEATTN_LOCAL_VERSION=auto   a binary wheel's version names its torch, CUDA and C++ ABI
+                                (0.1.0+cu130torch2.14.1cxx11abiTRUE; see package_version)
 
 safeattn is compiled against the torch it will run with, so it is built with build isolation
 off, in the environment that has torch: `pip install --no-build-isolation .` (see
@@ -487,8 +489,25 @@ ext = Extension(
 # build uses whatever setuptools the environment has.
 LICENSE = {"license_expression": "BSD-3-Clause"} if SETUPTOOLS_MAJOR >= 77 else {"license": "BSD-3-Clause"}
 
+
+def package_version():
+    """_version.py's release, plus the local part that SAFEATTN_LOCAL_VERSION asks for: a binary
+    wheel works only with the torch it was built against, so its version names that torch the way
+    flash-attn's release wheels do (scripts/build_wheel.sh). "auto": cu130torch2.14.1cxx11abiTRUE
+    (cpu... without CUDA kernels); the full torch release, since `import safeattn` refuses another
+    patch release. safeattn.__version__ stays the release; pip normalises the part to lower case."""
+    local = os.environ.get("SAFEATTN_LOCAL_VERSION", "")
+    if local == "auto":
+        variant = f"cu{torch.version.cuda.replace('.', '')}" if WITH_CUDA else "cpu"
+        abi = "TRUE" if torch._C._GLIBCXX_USE_CXX11_ABI else "FALSE"
+        local = f"{variant}torch{str(torch.__version__).split('+')[0]}cxx11abi{abi}"
+    if local and not re.fullmatch(r"[A-Za-z0-9]+(\.[A-Za-z0-9]+)*", local):
+        raise SystemExit(f"SAFEATTN_LOCAL_VERSION must be auto or a PEP 440 local label; got {local!r}")
+    return f"{VERSION}+{local}" if local else VERSION
+
+
 setup(
-    version=VERSION,
+    version=package_version(),
     **LICENSE,
     package_dir={"": "python"},
     packages=find_packages("python"),

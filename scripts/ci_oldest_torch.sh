@@ -3,7 +3,7 @@
 # environment (requirements-oldest.txt, cached outside the clone like scripts/env.sh's), it
 # builds the sdist, installs it with --no-build-isolation (CPU kernels only, SAFEATTN_CUDA=0, the
 # default CPU ISA) into a folder outside the clone, and from the unpacked sdist imports it, runs
-# `python -m safeattn info` and the op tests that the sdist carries.
+# `python -m safeattn info` and the op tests that the sdist carries (scripts/op_tests_installed.sh).
 #
 #   bash scripts/ci_oldest_torch.sh [pytest args]
 set -euo pipefail
@@ -31,25 +31,4 @@ echo "built and installed in $((SECONDS - t0)) s"
 # From the unpacked sdist (its tests, and the generator that one of them runs), which has no
 # built _C: the safeattn imported is the installed one.
 tar xzf "$sdist" -C "$work"
-cd "$work/$(basename "$sdist" .tar.gz)"
-export PYTHONPATH="$work/site"
-# Inductor's cache (/tmp/torchinductor_$USER by default) outlives a run, and its key does not
-# cover safeattn's ops: a graph compiled by another build of safeattn was served from it here.
-export TORCHINDUCTOR_CACHE_DIR="$work/inductor_cache"
-python - "$work/site" <<'EOF'
-import sys
-import safeattn
-
-assert safeattn.__file__.startswith(sys.argv[1]), f"imported {safeattn.__file__}, not the installed copy"
-print("imported", safeattn.__file__)
-EOF
-python -m safeattn info
-
-# The build above has the baseline CPU variant alone; torch's own kernels, the tests' peers, run at
-# the same ISA (read once at import), so each error is bounded by the peer's on equal terms. On
-# an AVX-512 host torch's softmax otherwise sums 65536-long float32 rows with twice the baseline's
-# accuracy (test_every_row_strategy's "2x the peer's error" bound failed by 2%).
-export ATEN_CPU_CAPABILITY=default
-echo "== pytest (op tests against torch $(python -c 'import torch; print(torch.__version__)'))"
-python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1 \
-  tests/test_build_check.py tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py "$@"
+PYTHONPATH="$work/site" bash scripts/op_tests_installed.sh "$work/$(basename "$sdist" .tar.gz)" "$work/site" "$@"

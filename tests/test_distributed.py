@@ -92,6 +92,21 @@ def _worker(rank: int, world: int, device: str, init_file: str, tasks, results) 
     os._exit(0)
 
 
+@contextlib.contextmanager
+def _environ(**values: str):
+    """os.environ with `values` set (inherited by the processes started meanwhile), then restored."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class _World:
     """`world` worker processes in one process group, running cases on request."""
 
@@ -109,8 +124,14 @@ class _World:
             )
             for rank in range(world)
         ]
-        for proc in self._procs:
-            proc.start()
+        # The CPU ranks see no GPU, as on a machine without one: from_pretrained(tp_plan="auto")
+        # puts each rank's weights on the machine's accelerator (Transformers' tensor-parallel
+        # setup asks torch._C._get_accelerator()), so on a GPU host a gloo world's weights went to
+        # cuda and its inputs stayed on the CPU. Set before the start: a spawned rank's CUDA
+        # initialises while it imports this module, before _worker runs.
+        with _environ(CUDA_VISIBLE_DEVICES="") if device == "cpu" else contextlib.nullcontext():
+            for proc in self._procs:
+                proc.start()
         self.alive = True
 
     def run(self, case, **params) -> list:
