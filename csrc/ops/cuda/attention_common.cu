@@ -1,6 +1,8 @@
 // Host helpers shared by the CUDA attention forward and backward (see attention_common.cuh).
 #include "ops/cuda/attention_common.cuh"
 
+#include "safeattn.h"
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
