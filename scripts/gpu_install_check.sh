@@ -33,7 +33,7 @@ stage_install() {
   python3 -c 'import site; print(site.getsitepackages()[0])' \
     >"$("$USER_VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/host_packages.pth"
   # The other-arch build, alongside: the same sources for sm_80 only, the Hopper kernels out.
-  mkdir -p "$OTHER" && git ls-files -z | xargs -0 cp --parents -t "$OTHER"
+  mkdir -p "$OTHER" && tar -c --exclude=./build --exclude=./.git --exclude='*.so' . | tar -x -C "$OTHER"
   (cd "$OTHER" && TORCH_CUDA_ARCH_LIST=8.0 SAFEATTN_CPU_ISAS=DEFAULT SAFEATTN_ATTN_HEAD_DIMS=64 MAX_JOBS=4 \
     timeout 480 python3 setup.py build_ext --inplace >"$OUT/other_build.log" 2>&1; echo $? >"$OUT/other_rc") &
   (
@@ -79,7 +79,7 @@ pytest_user() {  # NAME ARGS...: pytest with the README-installed safeattn, from
   local name=$1
   shift
   (source "$USER_VENV/bin/activate" && timeout -k 10 "${STAGE_TIMEOUT:-300}" python -m pytest -q -rfE \
-    -p no:cacheprovider -n "${PYTEST_WORKERS:-8}" "$@" >"$OUT/pytest_$name.log" 2>&1)
+    -p no:cacheprovider -n "${PYTEST_WORKERS:-14}" "$@" >"$OUT/pytest_$name.log" 2>&1)
   say "$name: $(grep -E '(passed|failed|error)' "$OUT/pytest_$name.log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_$name.log" | head -15
 }
