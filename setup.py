@@ -196,14 +196,18 @@ def cuda_targets():
         source = "SAFEATTN_CUDA_ARCHS"
     else:
         visible = visible_gpu_archs()
-        setting, source = (visible, "the visible GPUs") if visible else (DEFAULT_CUDA_ARCHS, "the default list")
+        setting, source = (
+            (visible, "the visible GPUs") if visible else (DEFAULT_CUDA_ARCHS, "the default list")
+        )
     known = nvcc_archs()
     targets = {}
     for sm, ptx in parse_arch_list(setting, "TORCH_CUDA_ARCH_LIST" if source.startswith("the") else source):
         base = sm.rstrip("af")
         if known and base not in known:
             if not source.startswith("the"):
-                raise SystemExit(f"{source}: this nvcc cannot compile for sm_{sm} (it knows {sorted(known, key=int)})")
+                raise SystemExit(
+                    f"{source}: this nvcc cannot compile for sm_{sm} (it knows {sorted(known, key=int)})"
+                )
             print(f"safeattn: this nvcc cannot compile for sm_{sm}; left out of {source}")
             continue
         sm = "90" if base == "90" else sm

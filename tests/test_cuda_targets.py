@@ -15,7 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 NEEDS_NVCC = pytest.mark.skipif(
-    not (ROOT / "setup.py").is_file() or torch.version.cuda is None or not Path(CUDA_HOME, "bin/nvcc").exists(),
+    not (ROOT / "setup.py").is_file()
+    or torch.version.cuda is None
+    or not Path(CUDA_HOME, "bin/nvcc").exists(),
     reason="needs the source tree, nvcc and a CUDA build of torch",
 )
 
@@ -26,7 +28,12 @@ def run_setup(**env):
     full.update({"CUDA_HOME": CUDA_HOME, "SAFEATTN_CUDA": "1", "CUDA_VISIBLE_DEVICES": ""})
     full.update({k: v for k, v in env.items() if v is not None})
     done = subprocess.run(
-        [sys.executable, "setup.py", "--version"], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300
+        [sys.executable, "setup.py", "--version"],
+        cwd=ROOT,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     return done.stdout + done.stderr, done.returncode
 
@@ -41,7 +48,10 @@ def targets_line(output):
 @pytest.mark.parametrize(
     "setting, expected",
     [
-        ("8.0;8.6;9.0+PTX", "sm_80, sm_86, sm_90 + PTX and sm_90a (Hopper kernels), from TORCH_CUDA_ARCH_LIST"),
+        (
+            "8.0;8.6;9.0+PTX",
+            "sm_80, sm_86, sm_90 + PTX and sm_90a (Hopper kernels), from TORCH_CUDA_ARCH_LIST",
+        ),
         ("8.0 8.9", "sm_80, sm_89, from TORCH_CUDA_ARCH_LIST"),
         ("9.0a", "sm_90 and sm_90a (Hopper kernels), from TORCH_CUDA_ARCH_LIST"),
         ("Ampere", "sm_80, sm_86 + PTX, from TORCH_CUDA_ARCH_LIST"),
@@ -89,7 +99,9 @@ def test_an_sm90_build_without_cutlass_stops_with_the_install_command():
 
 @NEEDS_NVCC
 def test_sm90_zero_opts_out_of_the_hopper_kernels():
-    output, code = run_setup(TORCH_CUDA_ARCH_LIST="9.0", SAFEATTN_CUTLASS_INCLUDE="/nonexistent", SAFEATTN_SM90="0")
+    output, code = run_setup(
+        TORCH_CUDA_ARCH_LIST="9.0", SAFEATTN_CUTLASS_INCLUDE="/nonexistent", SAFEATTN_SM90="0"
+    )
     assert code == 0, output
     assert targets_line(output) == "safeattn: CUDA targets sm_90, from TORCH_CUDA_ARCH_LIST", output
 
@@ -101,7 +113,8 @@ def test_other_gpus_need_no_cutlass():
 
 
 @pytest.mark.skipif(
-    not (torch.cuda.is_available() and safeattn.build_info()["with_cuda"]), reason="needs a CUDA GPU and build"
+    not (torch.cuda.is_available() and safeattn.build_info()["with_cuda"]),
+    reason="needs a CUDA GPU and build",
 )
 def test_a_gpu_without_code_gets_a_clear_error():
     """On a GPU the build covers, the ops run; on one it does not (the GPU host runs this with a
@@ -122,7 +135,11 @@ def test_a_gpu_without_code_gets_a_clear_error():
     with pytest.raises(RuntimeError) as raised:
         safeattn.safe_softmax(x, -1)
     message = str(raised.value)
-    for part in (torch.cuda.get_device_name(), f"compute capability {major}.{minor}", "this build holds",
-                 f'TORCH_CUDA_ARCH_LIST="{major}.{minor}"'):
+    for part in (
+        torch.cuda.get_device_name(),
+        f"compute capability {major}.{minor}",
+        "this build holds",
+        f'TORCH_CUDA_ARCH_LIST="{major}.{minor}"',
+    ):
         assert part in message, f"{part!r} missing from: {message}"
     assert "not covered" in safeattn.gpu_coverage()

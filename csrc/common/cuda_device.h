@@ -14,7 +14,9 @@ namespace safeattn::cuda {
 
 class OpDeviceGuard {
  public:
-  explicit OpDeviceGuard(c10::Device device) : guard_(device) { check_device_supported(c10::cuda::current_device()); }
+  explicit OpDeviceGuard(c10::Device device) : guard_(device) {
+    check_device_supported(c10::cuda::current_device());
+  }
 
  private:
   c10::cuda::CUDAGuard guard_;

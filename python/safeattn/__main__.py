@@ -39,7 +39,9 @@ def _info() -> int:
         shown = ", ".join("sm_" + t.replace("+PTX", " + PTX") for t in targets)
         if info.get("hopper_kernels"):
             shown += ", sm_90a (Hopper kernels)"
-        print(f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), for {shown}")
+        print(
+            f"CUDA            built with {info['cuda_version']} (torch's: {torch.version.cuda}), for {shown}"
+        )
         fwd = ", ".join(map(str, info.get("attention_fwd_head_dims", []))) or "none"
         bwd = ", ".join(map(str, info.get("attention_bwd_head_dims", []))) or "none"
         print(f"attention       tensor-core head dims (bf16, fp16): forward {fwd}; backward {bwd}")

@@ -426,7 +426,9 @@ def main_cuda(args):
     shown = ", ".join(str(d).replace("torch.", "") for d in dtypes)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {shown}, median of {repeats} calls")
     if args.generic_kernels:
-        print("safeattn on its generic kernels (mma.sync: what A100 / Ada / Blackwell run), against SDPA flash")
+        print(
+            "safeattn on its generic kernels (mma.sync: what A100 / Ada / Blackwell run), against SDPA flash"
+        )
     if not has_bwd:
         print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
     print()
@@ -457,7 +459,8 @@ def main_cuda(args):
             cases = {
                 name: case
                 for name, case in cases.items()
-                if (name.startswith("SDPA flash") or name.startswith("safeattn")) and name != DETERMINISTIC_CASE
+                if (name.startswith("SDPA flash") or name.startswith("safeattn"))
+                and name != DETERMINISTIC_CASE
             }
         flash_fwd = flash_both = None
         for name, (fn, is_ours) in cases.items():
@@ -467,7 +470,7 @@ def main_cuda(args):
                     results.append(None)
                     continue
 
-                def make(backward=backward, head_dim=head_dim):
+                def make(backward=backward, head_dim=head_dim, dtype=dtype):
                     qkv = [
                         torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype).requires_grad_(
                             backward

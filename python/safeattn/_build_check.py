@@ -19,7 +19,15 @@ import torch
 from ._version import __version__
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-RECORDED = ("torch_version", "torch_cuda_version", "cxx11_abi", "with_cuda", "cuda_targets", "sm90a", "build_env")
+RECORDED = (
+    "torch_version",
+    "torch_cuda_version",
+    "cxx11_abi",
+    "with_cuda",
+    "cuda_targets",
+    "sm90a",
+    "build_env",
+)
 
 
 def build_record() -> dict | None:
