@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .serving import _row_ranges, attention_with_kvcache, varlen_attention
+from .serving import _row_ranges, attention_bshd, attention_with_kvcache, varlen_attention
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
@@ -123,21 +123,9 @@ def flash_attn_func(
     else:
         # Causal alone needs no ranges: the op's is_causal at bottom-right alignment.
         is_causal = bool(causal)
-    out, lse = torch.ops.safeattn.attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        None,
-        0.0,
-        is_causal,
-        softmax_scale,
-        True,
-        q_offset=k_length - q_length if is_causal else 0,
-        softcap=float(softcap or 0.0),
-        sinks=s_aux,
-        key_ranges=key_ranges,
+    out, lse = attention_bshd(
+        q, k, v, softmax_scale, softcap, s_aux, key_ranges, is_causal, k_length - q_length if is_causal else 0
     )
-    out = out.transpose(1, 2)  # [B, Sq, Hq, Dv], contiguous
     return (out, lse, None) if return_attn_probs else out
 
 

@@ -224,21 +224,8 @@ def varlen_attention(
         ranges = torch.zeros(1, q.shape[0], 2, dtype=torch.int32, device=q.device)
     else:
         ranges = varlen_key_ranges(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal, window)
-    out, lse = torch.ops.safeattn.attention(
-        q.unsqueeze(0).transpose(1, 2),
-        k.unsqueeze(0).transpose(1, 2),
-        v.unsqueeze(0).transpose(1, 2),
-        None,
-        0.0,
-        False,
-        scale,
-        True,
-        softcap=float(softcap),
-        sinks=sinks,
-        key_ranges=ranges,
-    )
-    # out is [1, Hq, total_q, Dv] laid out as [1, total_q, Hq, Dv]: this view is contiguous.
-    out = out[0].transpose(0, 1)
+    out, lse = attention_bshd(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, softcap, sinks, ranges)
+    out = out[0]
     return (out, lse[0]) if return_lse else out
 
 
@@ -408,19 +395,26 @@ def attention_with_kvcache(
         window,
         capacity,
     )  # [B, Sq, 2]
+    out, lse = attention_bshd(q, keys, values, softmax_scale, softcap, sinks, ranges)
+    return (out, lse) if return_lse else out
+
+
+def attention_bshd(q, k, v, scale, softcap, sinks, key_ranges, is_causal=False, q_offset=0):
+    """The op on FlashAttention's layout: q ``[B, Sq, Hq, D]``, k / v ``[B, Sk, Hkv, D]`` (read in
+    place through transposed views), GQA allowed; returns ``out`` ``[B, Sq, Hq, Dv]`` (contiguous:
+    the op stores its ``[B, Hq, Sq, Dv]`` output in that layout) and ``lse`` ``[B, Hq, Sq]``."""
     out, lse = torch.ops.safeattn.attention(
         q.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
         None,
         0.0,
-        False,
-        softmax_scale,
+        is_causal,
+        scale,
         True,
-        softcap=float(softcap),
+        q_offset=q_offset,
+        softcap=float(softcap or 0.0),
         sinks=sinks,
-        key_ranges=ranges,
+        key_ranges=key_ranges,
     )
-    # out is [B, Hq, Sq, Dv] laid out as [B, Sq, Hq, Dv]: this view is contiguous.
-    out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out
+    return out.transpose(1, 2), lse
