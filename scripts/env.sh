@@ -23,6 +23,20 @@ if [ ! -x "$SAFEATTN_VENV/bin/python" ] || [ ! -f "$SAFEATTN_VENV/.complete" ]; 
 fi
 # shellcheck disable=SC1091
 source "$SAFEATTN_VENV/bin/activate"
+# ccache, where installed (scripts/test.sh installs it for CI): compiled objects are kept outside
+# the clone (next to the environments), keyed by the compiler, its flags and the preprocessed
+# source, so a build after a change recompiles only the files the change reaches. Paths inside the
+# clone are hashed relative to it (a fresh clone elsewhere hits the same entries). nvcc goes
+# through it by torch's PYTORCH_NVCC, the C++ compiler by ccache's compiler links on PATH.
+if command -v ccache >/dev/null && [ -d /usr/lib/ccache ] && [ "${SAFEATTN_CCACHE:-1}" != "0" ]; then
+  export CCACHE_DIR="${CCACHE_DIR:-${SAFEATTN_CACHE:-$HOME/.cache/safeattn}/ccache}"
+  export CCACHE_BASEDIR="$_root" CCACHE_NOHASHDIR=1 CCACHE_COMPILERCHECK=content
+  case ":$PATH:" in *:/usr/lib/ccache:*) ;; *) export PATH="/usr/lib/ccache:$PATH" ;; esac
+  _nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
+  if [ -z "${PYTORCH_NVCC:-}" ] && [ -x "$_nvcc" ]; then
+    export PYTORCH_NVCC="ccache $_nvcc"
+  fi
+fi
 if [ "${SAFEATTN_ENV_ONLY:-0}" = "1" ]; then
   return 0
 elif [ "${SAFEATTN_SKIP_BUILD:-0}" = "1" ]; then

@@ -1,7 +1,8 @@
-// Device pieces shared by the CUDA attention kernels (forward: attention_fwd_*.cu, backward:
-// attention_bwd_*.cu): the tensor-core instruction wrappers, the view of the mask, the causal
-// rule per element and per tile, and the score transform. The semantics are those of
-// ops/attention.h; python/safeattn/reference.py is the float64 reference.
+// What the CUDA attention paths share on the host (the views, checks and summaries the kernels'
+// parameter structs are made from), and, through the headers it includes, on the device: the
+// mma.sync building blocks (mma_sync.cuh), the mask view and causal rule (mask_view.cuh) and the
+// score transform (score_rule.cuh). The semantics are those of ops/attention.h;
+// python/safeattn/reference.py is the float64 reference.
 #pragma once
 
 #include <cstdint>
@@ -12,120 +13,11 @@
 #include <ATen/core/Tensor.h>
 
 #include "ops/attention.h"
-#include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/mask_view.cuh"  // MaskView, TileSummaryView, Causal
+#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/score_rule.cuh"  // kLog2e, ScoreRule, finish_row
 
 namespace safeattn::cuda::attn {
-
-// ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
-
-// D[16x8] (+)= A[16x16] @ B[16x8], fp32 accumulators, A/B as packed pairs of 16-bit values in
-// the register layout of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16").
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-  }
-}
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
-}
-
-// The same, each matrix transposed (B operands stored row-major in K, such as V).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
-}
-
-// 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so
-// out-of-range rows never hold garbage that could become NaN in a product.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// The mma.sync kernels' shared-memory row of `elements` 16-bit values, padded by 16 bytes so that
-// ldmatrix's eight row addresses fall in different banks.
-constexpr int padded_row(int elements) {
-  return elements + 8;
-}
-
-// A kRows x kHeadDim tile from global memory (rows `row_stride` elements apart) to shared memory
-// (rows padded_row(kHeadDim) apart), one 16-byte cp.async per chunk; rows at or past valid_rows
-// are zero-filled (their source is not read). kUnroll rounds of kThreads chunks are unrolled
-// (default: all of them; the register-bound backward takes 1).
-template <typename T, int kRows, int kHeadDim, int kThreads,
-          int kUnroll = (kRows * kHeadDim / 8 + kThreads - 1) / kThreads>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
-  constexpr int kChunks = kHeadDim / 8;
-  constexpr int kStride = padded_row(kHeadDim);
-  constexpr int kTotal = kRows * kChunks;
-#pragma unroll kUnroll
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + tid;
-    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
-      break;
-    }
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < valid_rows;
-    const T* from = valid ? src + r * row_stride + ch * 8 : src;
-    cp_async_16(dst + r * kStride + ch * 8, from, valid);
-  }
-}
-
-// 2^x on the special-function unit (ex2.approx.ftz: 2 ulp, -inf -> 0, NaN -> NaN); results below
-// 2^-126 flush to 0, which a probability can afford. exp2f without --use_fast_math adds
-// subnormal handling around the same instruction, in the hottest loops.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// log2(2^a + 2^b) without overflow: a row's lse with the sink logit added (both log2 domain).
-// -inf when both are -inf; NaN when either is NaN.
-__device__ __forceinline__ float log2_add_exp2(float a, float b) {
-  const float top = (a != a || a > b) ? a : b;
-  return top == -INFINITY ? top : top + log2f(exp2f(a - top) + exp2f(b - top));
-}
-
-// Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
 
 // to_float (16-bit values to float): mask_view.cuh.
 
@@ -187,42 +79,6 @@ bool smem_fits(size_t bytes, const at::Tensor& t);
 // Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);
-
-// ---- the causal rule -------------------------------------------------------------------------
-
-// Query i sees key j when kv_offset + j <= q_offset + i (ops/attention.h). `shift` is
-// q_offset - kv_offset, so the rule is j <= i + shift.
-struct Causal {
-  bool enabled = false;
-  int64_t shift = 0;
-
-  __device__ __forceinline__ bool visible(int64_t i, int64_t j) const {
-    return !enabled || j <= i + shift;
-  }
-  // Keys [0, end) can be visible to some query before q_end: key tiles at or beyond `end` are
-  // skipped without being read. 0 when no key is visible to any of these queries.
-  __device__ __forceinline__ int64_t kv_end(int64_t q_end, int64_t kv_len) const {
-    if (!enabled) {
-      return kv_len;
-    }
-    const int64_t e = q_end + shift;  // the last query, q_end - 1, sees keys j <= q_end - 1 + shift
-    return e < 0 ? 0 : (e < kv_len ? e : kv_len);
-  }
-  // Every key in [kv_begin, kv_end) is visible to every query in [q_begin, q_end): such a tile
-  // needs no per-element causal test.
-  __device__ __forceinline__ bool tile_all_visible(int64_t q_begin, int64_t kv_end_exclusive) const {
-    return !enabled || kv_end_exclusive - 1 <= q_begin + shift;
-  }
-  // The first query of [0, q_len) that sees key j (queries before it do not): the backward's
-  // per-key-tile start. q_len when none does.
-  __device__ __forceinline__ int64_t first_query(int64_t j, int64_t q_len) const {
-    if (!enabled) {
-      return 0;
-    }
-    const int64_t f = j - shift;
-    return f < 0 ? 0 : (f < q_len ? f : q_len);
-  }
-};
 
 // ---- the score rule --------------------------------------------------------------------------
 

@@ -1,15 +1,24 @@
 // The tensor-core forward of safeattn::attention (FlashAttention-2 style), for 16-bit inputs
 // whose head dim has a generated instantiation (attention_fwd_d<D>_<dtype>.cu, made by
-// scripts/gen_attention_instances.py). Semantics: ops/attention.h.
+// scripts/gen_attention_instances.py). Semantics: ops/attention.h. The generic path: every GPU
+// from sm_80 on (the sm_90a kernels in hopper/ take what they cover on Hopper).
 //
-// One CTA per (query tile, head, batch); each warp owns kMTiles x 16 rows of the query tile.
-//   Q tile   global -> shared (cp.async) -> registers (ldmatrix), once; or, for large head dims,
-//            re-read from shared memory at every key tile (FwdConfig::kQInRegs).
-//   K/V      tiles of kBlockN keys, global -> shared by cp.async, double buffered: the next
-//            tile is in flight while the current one is computed. Rows are padded by 16 bytes
-//            (kStride = D + 8), so the 8 rows an ldmatrix reads fall in 8 different bank groups.
-//   S = Q K^T  mma.sync.m16n8k16 (16-bit in, fp32 accumulators), K fragments by ldmatrix.
-//   softmax  online, in registers, in the log2 domain: x = score * log2(e), p = exp2(x - m).
+// One CTA per (query tile, head, batch); each warp owns kMTiles x 16 rows of the query tile
+// (FwdTiles: the shape per head dim, FwdConfig: the shape each head dim runs).
+//   Q tile   global -> shared (cp.async), then either held in registers (ldmatrix, once) or
+//            re-read from shared memory at every key tile (kQInRegs false).
+//   K/V      tiles of kBlockN keys, global -> shared by cp.async, in one of two pipelines:
+//            kStages = 2, double buffered: tile j + 1's K and V fly while tile j is computed;
+//            kStages = 1, one buffer each: V_j flies during S = Q K_j^T and the softmax, K_j+1
+//            during O += P V_j (FlashAttention-2's order; half the shared memory, so two CTAs of
+//            4 warps fit an SM at D = 128). Rows are padded by 16 bytes (kStride = D + 8), so
+//            the 8 rows an ldmatrix reads fall in 8 different bank groups.
+//   S = Q K^T  mma.sync.m16n8k16 (16-bit in, fp32 accumulators), K fragments by ldmatrix; with
+//            two 16-row tiles per warp each fragment feeds two MMAs.
+//   softmax  online, in registers, in the log2 domain: p = exp2((s - m) * u). Plain scores (no
+//            softcap, no float mask, scale > 0) stay raw dot products, the row max taken over
+//            them, and u = scale * log2(e) folds the scale into the exponent (one multiply per
+//            score fewer); otherwise s is ScoreRule's score and u its unit.
 //   O += P V P rounded to 16 bits in registers is directly the A operand; V fragments by
 //            ldmatrix.trans. O is rescaled in registers when the row max grows.
 //   out      staged through shared memory, written with 16-byte stores through out's strides;
@@ -25,16 +34,24 @@
 // its p NaN, and so its row sum, out and lse: NaN is never hidden. A masked element (False, or
 // a float bias of -inf) is set to -inf rather than added to, so a NaN or inf score behind it
 // stays hidden, as behind a skipped tile.
+//
+// No torch in the kernel: with SAFEATTN_STANDALONE defined, the header declares the kernel
+// without the torch-checked launcher (benchmarks/mma_sync_fwd_check.cu).
 #pragma once
 
 #include <cstdint>
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
-#include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/score_rule.cuh"
+
+#if defined(SAFEATTN_ATTN_FWD_DEFINE_KERNELS) && !defined(SAFEATTN_STANDALONE)
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#endif
 
 namespace safeattn::cuda::attn {
 
@@ -62,29 +79,41 @@ struct FwdParams {
   TileSummaryView tiles;  // null ptr without a mask
 };
 
-// Tile sizes and warps per head dim. Registers per thread (fp32 accumulators): S kMTiles*kBlockN/2,
-// O kMTiles*D/2, Q fragments kMTiles*D/4 when kept in registers. Two 16-row tiles per warp
-// (kMTiles = 2) load each K/V fragment once for two MMAs, which halves shared-memory traffic;
-// it fits only for small head dims.
-template <int kHeadDim>
-struct FwdConfig {
-  static constexpr int kBlockM = 128;
-  // D = 256: O alone takes 128 registers, so Q is re-read from shared memory and 32-key tiles keep
-  // S small (64-key tiles spilled); 135 KB of shared memory.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 64 : 32;
-  static constexpr int kWarps = kHeadDim <= 64 ? 4 : 8;
-  static constexpr bool kQInRegs = kHeadDim <= 128;
-  // With Q in registers its shared tile is free once loaded, so the second K/V stage reuses it
-  // (and the output staging reuses it at the end): 68 KB at D = 128 instead of 102, which fits
-  // the 99 KB a block may have on sm_86 / sm_89 / sm_120 and leaves room for a second CTA on
-  // sm_80 / sm_90. Without Q in registers (D = 256) the stages have their own rows.
-  static constexpr bool kAliasQ = kQInRegs;
+// A forward tile shape: kBlockM queries x kBlockN keys a CTA, kWarps warps of kMTiles 16-row MMA
+// tiles each, Q in registers or not, kStages K/V buffers (see the top), and the CTAs per SM the
+// register budget is set for (__launch_bounds__). Registers per thread (fp32 accumulators): S
+// kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kStages_, int kMinBlocks_>
+struct FwdTiles {
+  static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr int kMTiles = kBlockM / (16 * kWarps);
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kWarps) == 0, "bad tile shape");
+  static_assert(kStages >= 1 && kStages <= 4, "one to four K/V buffers");
+  // Double buffered with Q in registers, Q's shared tile is free once loaded, so the second K/V
+  // stage reuses it (and the output staging reuses it at the end). Otherwise every buffer has
+  // its own rows: Q, then K and V of each stage.
+  static constexpr bool kAliasQ = kQInRegs && kStages == 2;
   static constexpr int kQRows = kAliasQ && 2 * kBlockN > kBlockM ? 2 * kBlockN : kBlockM;
-  static constexpr int kSmemRows = kQRows + (kAliasQ ? 2 : 4) * kBlockN;
+  static constexpr int kSmemRows = kQRows + (kAliasQ ? 2 : 2 * kStages) * kBlockN;
   static constexpr size_t smem_bytes(size_t element_size) {
     return static_cast<size_t>(kSmemRows) * padded_row(kHeadDim) * element_size;
   }
 };
+
+// The shape each head dim runs (measured on an H200 against the other shapes of
+// benchmarks/mma_sync_fwd_check.cu). Shared memory must fit the 99 KB a block may have on sm_86 /
+// sm_89 / sm_120 at D <= 128 (163 KB on sm_80): smem_fits sends a call elsewhere when it does not.
+//   D <= 64: 4 warps of 32 rows (each K / V fragment feeds two MMAs), Q held in registers, 64-key
+//     tiles double buffered in 36 KB.
+//   D = 128: 4 warps of 32 rows, Q re-read from shared memory, 32-key tiles double buffered: 68 KB,
+//     two CTAs an SM. 64-key tiles ran 6% faster but take 102 KB; Q in registers spilled.
+//   D = 80 / 96: 8 warps of 16 rows, Q in registers, 64-key tiles (68 KB at D = 96).
+//   D = 256: O alone takes 128 registers, so 8 warps of 16 rows, Q from shared memory, 32-key
+//     tiles (135 KB).
+template <int D, bool kFourWarps = D <= 64 || D == 128>
+struct FwdConfig : FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)> {};
 
 // Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
 inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
@@ -108,6 +137,8 @@ inline size_t fwd_smem_bytes(int64_t d) {
 template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
 
+#ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
+
 namespace fwd_detail {
 
 template <typename T>
@@ -119,25 +150,257 @@ __device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const u
   mma_16816<T>(d1, a, b1);
 }
 
+// A warp's fragment lanes: ldmatrix row addresses (the A operand and V's .trans share one
+// pattern, K another) and the MMA accumulator's row group g and column pair t.
+struct Lanes {
+  int g, t, a_row, a_col, k_row, k_col;
+  __device__ __forceinline__ explicit Lanes(int lane)
+      : g(lane / 4),
+        t(lane % 4),
+        a_row((lane % 8) + 8 * ((lane / 8) % 2)),
+        a_col(8 * (lane / 16)),
+        k_row((lane % 8) + 8 * (lane / 16)),
+        k_col(8 * ((lane / 8) % 2)) {}
+};
+
+// S = Q K^T for the warp's rows against one key tile in shared memory (raw dot products).
+template <typename T, class Cfg, class QFrag>
+__device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const QFrag& q_frag,
+                                           const T* s_q, const T* k_s, int warp_row0, const Lanes& ln) {
+  constexpr int kStride = padded_row(Cfg::kHeadDim);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[mt][nt][e] = 0.0f;
+      }
+    }
+  }
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    uint32_t a[Cfg::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+      if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          a[mt][e] = q_frag[mt][kk][e];
+        }
+      } else {
+        ldmatrix_x4(a[mt], s_q + (warp_row0 + mt * 16 + ln.a_row) * kStride + kk * 16 + ln.a_col);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < Cfg::kBlockN / 16; ++np) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_s + (np * 16 + ln.k_row) * kStride + kk * 16 + ln.k_col);
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+        mma_pair<T>(s[mt][2 * np], s[mt][2 * np + 1], a[mt], kb);
+      }
+    }
+  }
+}
+
+// The element tests of a tile on the causal diagonal, at the end of the keys or that the mask
+// summary calls mixed: out-of-range and causally hidden elements become -inf, and (read_mask)
+// the mask is applied. In tile coordinates (row r, column c; 32-bit): in range when r < rows and
+// c < kv_len - j0; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with diag
+// clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
+template <class Cfg>
+__device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p,
+                                          int64_t b, int64_t h, int64_t i0, int64_t j0, int rows, bool read_mask,
+                                          int warp_row0, const Lanes& ln) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
+  const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
+  const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
+  const int diag = static_cast<int>(diag_full > kBlockN        ? kBlockN
+                                    : diag_full < -kBlockM - 1 ? -kBlockM - 1
+                                                               : diag_full);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp_row0 + mt * 16 + ln.g + 8 * half;
+      const bool row_ok = r < rows;
+      const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * ln.t + e;
+          const bool visible = row_ok && c < col_limit && c - r <= diag;
+          float x = s[mt][nt][2 * half + e];
+          if (visible && read_mask) {
+            x = p.score.masked(x, p.mask.additive(mask_row + c * p.mask.stride_kv));
+          }
+          s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// The online softmax step of one key tile: the scores s (units per the top: exponent p =
+// exp2((s - m) * unit)) become probabilities, the row max and the per-thread row sum move on, and
+// O is rescaled by alpha = exp2((m_old - m_new) * unit) where a row's max grew: once the maxima
+// settle (most tiles of a long row) alpha is exactly 1 in every row of the warp and the rescale,
+// a multiply per O element, is skipped.
+template <class Cfg>
+__device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4],
+                                             float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                             float (&row_max)[Cfg::kMTiles][2], float (&row_sum)[Cfg::kMTiles][2],
+                                             float unit) {
+  float alpha[Cfg::kMTiles][2];
+  bool rescale = false;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kBlockN / 8; ++nt) {
+        mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+      }
+      // The four threads of a quad hold one row.
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(row_max[mt][half], mx);
+      const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
+      alpha[mt][half] = fast_exp2((row_max[mt][half] - offset) * unit);  // old max -inf: 0
+      rescale |= alpha[mt][half] != 1.0f;
+      row_max[mt][half] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < Cfg::kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pr = fast_exp2((s[mt][nt][2 * half + e] - offset) * unit);
+          s[mt][nt][2 * half + e] = pr;
+          sum += pr;
+        }
+      }
+      row_sum[mt][half] = row_sum[mt][half] * alpha[mt][half] + sum;  // per thread; quad-summed at the end
+    }
+  }
+  if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+      for (int dt = 0; dt < Cfg::kHeadDim / 8; ++dt) {
+        o[mt][dt][0] *= alpha[mt][0];
+        o[mt][dt][1] *= alpha[mt][0];
+        o[mt][dt][2] *= alpha[mt][1];
+        o[mt][dt][3] *= alpha[mt][1];
+      }
+    }
+  }
+}
+
+// O += P V for one key tile, P (the probabilities in s) rounded to T.
+template <typename T, class Cfg>
+__device__ __forceinline__ void accumulate_pv(float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                              const float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const T* v_s,
+                                              const Lanes& ln) {
+  constexpr int kStride = padded_row(Cfg::kHeadDim);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    uint32_t pa[Cfg::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+      pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+      pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+      pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+      pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Cfg::kHeadDim / 16; ++dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_s + (kk * 16 + ln.a_row) * kStride + dp * 16 + ln.a_col);
+#pragma unroll
+      for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+        mma_pair<T>(o[mt][2 * dp], o[mt][2 * dp + 1], pa[mt], vb);
+      }
+    }
+  }
+}
+
+// The end of the tile: rows normalised, lse written (one thread per row), the output staged in
+// shared memory (s_out, kBlockM padded rows) and stored with 16-byte writes through out's strides.
+template <typename T, class Cfg>
+__device__ __forceinline__ void store_tile(float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
+                                           const float (&row_max)[Cfg::kMTiles][2],
+                                           const float (&row_sum)[Cfg::kMTiles][2], float max_unit, const FwdParams& p,
+                                           int64_t b, int64_t h, int64_t i0, int rows, T* s_out, int warp_row0,
+                                           const Lanes& ln) {
+  constexpr int D = Cfg::kHeadDim, kStride = padded_row(D), kChunks = D / 8, kThreads = Cfg::kWarps * 32;
+  const int tid = threadIdx.x;
+  const bool warp_active = warp_row0 < rows;
+  const int64_t bh = b * p.heads + h;
+  const float sink = p.sinks != nullptr ? p.sinks[h] * (p.score.natural ? 1.0f : kLog2e) : 0.0f;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = row_sum[mt][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
+      const RowEnd end = finish_row(row_max[mt][half] * max_unit, l, p.sinks != nullptr, sink, p.score.natural);
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        // An empty row is exactly 0, even if a masked value was NaN (0 * NaN in P V).
+        o[mt][dt][2 * half] = empty ? 0.0f : o[mt][dt][2 * half] * end.factor;
+        o[mt][dt][2 * half + 1] = empty ? 0.0f : o[mt][dt][2 * half + 1] * end.factor;
+      }
+      const int r = warp_row0 + mt * 16 + ln.g + 8 * half;
+      if (warp_active && ln.t == 0 && r < rows) {
+        p.lse[bh * p.q_len + i0 + r] = end.lse;
+        if (p.lse_lo != nullptr) {
+          p.lse_lo[bh * p.q_len + i0 + r] = end.lse_lo;
+        }
+      }
+    }
+  }
+  __syncthreads();  // s_out's rows may still be read by other warps (Q, or a K/V stage)
+  if (warp_active) {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        T* row = s_out + (warp_row0 + mt * 16 + ln.g + 8 * half) * kStride + 2 * ln.t;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(row + dt * 8) = pack2<T>(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  T* o_base = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + i0 * p.o_si;
+  constexpr int kOutChunks = Cfg::kBlockM * kChunks;
+#pragma unroll
+  for (int it = 0; it < (kOutChunks + kThreads - 1) / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    const int r = c / kChunks, ch = c % kChunks;
+    if ((kOutChunks % kThreads == 0 || c < kOutChunks) && r < rows) {
+      *reinterpret_cast<uint4*>(o_base + r * p.o_si + ch * 8) =
+          *reinterpret_cast<const uint4*>(s_out + r * kStride + ch * 8);
+    }
+  }
+}
+
 }  // namespace fwd_detail
 
-#ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention_fwd_kernel(const FwdParams p) {
+template <typename T, class Cfg>
+__global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_fwd_kernel(const FwdParams p) {
   using namespace fwd_detail;
-  using Cfg = FwdConfig<kHeadDim>;
-  constexpr int D = kHeadDim;
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kWarps = Cfg::kWarps;
-  constexpr bool kQInRegs = Cfg::kQInRegs;
-  constexpr int kThreads = kWarps * 32;
-  constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row MMA tiles per warp
+  constexpr int D = Cfg::kHeadDim;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kMTiles = Cfg::kMTiles;
+  constexpr int kThreads = Cfg::kWarps * 32;
   constexpr int kStride = padded_row(D);
-  constexpr int kChunks = D / 8;        // 16-byte chunks per row
-  constexpr int kNTiles = kBlockN / 8;  // n8 tiles of a score row
-  constexpr int kDTiles = D / 8;        // n8 tiles of an output row
-  constexpr int kKSteps = D / 16;       // k16 steps of Q K^T
-  static_assert(D % 16 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kWarps) == 0, "bad tile shape");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [kQRows][kStride]: Q, then (kAliasQ) stage 1's K and V, then the output staging.
@@ -152,8 +415,8 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   };
   auto s_v = [&](int stage) -> T* { return s_k(stage) + kBlockN * kStride; };
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;  // the MMA fragment's row group and column pair
+  const int tid = threadIdx.x, warp = tid / 32;
+  const Lanes ln(tid % 32);
   const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
   // Consecutive CTAs are the query tiles of one head, so the CTAs resident together share the
   // K/V of a few heads in L2; within a head the longest (under causal, latest) tiles go first.
@@ -161,7 +424,7 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   const int64_t bh = static_cast<int64_t>(blockIdx.x) / q_tiles;
   const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
   const int64_t i0 = q_tile * kBlockM;
-  const int64_t rows = p.q_len - i0 < kBlockM ? p.q_len - i0 : kBlockM;
+  const int rows = static_cast<int>(p.q_len - i0 < kBlockM ? p.q_len - i0 : kBlockM);
   const int warp_row0 = warp * kMTiles * 16;
   // Warps whose rows all lie past q_len (short query tiles, decoding) only help load.
   const bool warp_active = warp_row0 < rows;
@@ -170,9 +433,10 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
 
-  // ldmatrix row addresses of this lane: A operand and V (.trans) share one pattern, K another.
-  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
-  const int k_row = (lane % 8) + 8 * (lane / 16), k_col = 8 * ((lane / 8) % 2);
+  // Plain scores stay raw dot products and the scale joins the exponent (see the top).
+  const bool fold_scale = !p.score.natural && p.score.softcap_post == 0.0f && p.score.scale > 0.0f &&
+                          p.score.scale < INFINITY;
+  const float unit = fold_scale ? p.score.scale : p.score.natural ? kLog2e : 1.0f;
 
   // Key tiles [0, n_tiles) may hold a key visible to this query tile; of those, the ones the
   // mask summary proves fully masked are skipped.
@@ -184,28 +448,48 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
     }
     return j;
   };
-  auto load_kv = [&](int64_t tile, int stage) {
+  // The strides pass through opaque(): each chunk's offset is recomputed per tile (a few integer
+  // instructions) instead of held in registers across the loop (spills at D = 128).
+  auto load_k = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads>(s_k(stage), k_base + j0 * p.k_si, p.k_si, p.kv_len - j0, tid);
-    load_tile<T, kBlockN, D, kThreads>(s_v(stage), v_base + j0 * p.v_si, p.v_si, p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si), p.kv_len - j0, tid);
+  };
+  auto load_v = [&](int64_t tile, int stage) {
+    const int64_t j0 = tile * kBlockN;
+    load_tile<T, kBlockN, D, kThreads>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si), p.kv_len - j0, tid);
   };
 
+  // In flight before the loop: Q and the first tile's K (kStages = 1), or Q and the first
+  // kStages - 1 tiles' K and V, one commit group a tile (Q in the first).
   load_tile<T, kBlockM, D, kThreads>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
   int64_t tile = next_tile(0);
-  if (tile < n_tiles) {
-    load_kv(tile, 0);
+  int64_t fetch = tile;  // the next tile whose K and V are loaded (kStages > 1)
+  if constexpr (Cfg::kStages == 1) {
+    if (tile < n_tiles) {
+      load_k(tile, 0);
+    }
+    cp_async_commit();
+  } else {
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      if (fetch < n_tiles) {
+        load_k(fetch, s);
+        load_v(fetch, s);
+        fetch = next_tile(fetch + 1);
+      }
+      cp_async_commit();
+    }
   }
-  cp_async_commit();
 
-  [[maybe_unused]] uint32_t q_frag[kQInRegs ? kMTiles : 1][kQInRegs ? kKSteps : 1][4];
-  if constexpr (kQInRegs) {
+  [[maybe_unused]] uint32_t q_frag[Cfg::kQInRegs ? kMTiles : 1][Cfg::kQInRegs ? D / 16 : 1][4];
+  if constexpr (Cfg::kQInRegs) {
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        ldmatrix_x4(q_frag[mt][kk], s_q + (warp_row0 + mt * 16 + a_row) * kStride + kk * 16 + a_col);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        ldmatrix_x4(q_frag[mt][kk], s_q + (warp_row0 + mt * 16 + ln.a_row) * kStride + kk * 16 + ln.a_col);
       }
     }
     if constexpr (Cfg::kAliasQ) {
@@ -213,12 +497,12 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
     }
   }
 
-  float o_acc[kMTiles][kDTiles][4];
+  float o_acc[kMTiles][D / 8][4];
   float row_max[kMTiles][2], row_sum[kMTiles][2];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
+    for (int dt = 0; dt < D / 8; ++dt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         o_acc[mt][dt][e] = 0.0f;
@@ -231,221 +515,70 @@ __global__ void __launch_bounds__(FwdConfig<kHeadDim>::kWarps * 32, 1) attention
   int stage = 0;
   while (tile < n_tiles) {
     const int64_t j0 = tile * kBlockN;
-    const int64_t next = next_tile(tile + 1);
-    if (next < n_tiles) {
-      load_kv(next, stage ^ 1);  // in flight while this tile is computed
+    int64_t next = 0;  // kStages = 1: the tile after this one
+    if constexpr (Cfg::kStages > 1) {
+      // The stage computed last iteration is refilled with the tile kStages - 1 ahead.
+      if (fetch < n_tiles) {
+        const int refill = stage == 0 ? Cfg::kStages - 1 : stage - 1;
+        load_k(fetch, refill);
+        load_v(fetch, refill);
+        fetch = next_tile(fetch + 1);
+      }
+      cp_async_commit();
+      cp_async_wait<Cfg::kStages - 1>();  // this tile's group (and Q's) complete; later ones may fly
+      __syncthreads();
+    } else {
+      next = next_tile(tile + 1);
+      cp_async_wait<0>();  // K (and Q) here; every warp is past the last tile's P V
+      __syncthreads();
+      load_v(tile, 0);  // in flight during S = Q K^T and the softmax
+      cp_async_commit();
     }
-    cp_async_commit();
-    cp_async_wait<1>();  // this tile's group (and Q's) complete; the next may still fly
-    __syncthreads();
 
+    float s_acc[kMTiles][kBlockN / 8][4];
     if (warp_active) {
-      const T* k_s = s_k(stage);
-      const T* v_s = s_v(stage);
-
-      // ---- S = Q K^T ----
-      float s_acc[kMTiles][kNTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s_acc[mt][nt][e] = 0.0f;
-          }
-        }
+      score_tile<T, Cfg>(s_acc, q_frag, s_q, s_k(stage), warp_row0, ln);
+      if (!fold_scale) {
+        p.score.score_all<kMTiles * kBlockN / 8 * 4>(&s_acc[0][0][0]);
       }
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          if constexpr (kQInRegs) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              a[mt][e] = q_frag[mt][kk][e];
-            }
-          } else {
-            ldmatrix_x4(a[mt], s_q + (warp_row0 + mt * 16 + a_row) * kStride + kk * 16 + a_col);
-          }
-        }
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          uint32_t kb[4];
-          ldmatrix_x4(kb, k_s + (np * 16 + k_row) * kStride + kk * 16 + k_col);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_pair<T>(s_acc[mt][2 * np], s_acc[mt][2 * np + 1], a[mt], kb);
-          }
-        }
-      }
-
-      // ---- scores in the kernel's units: scale (softcap), mask, causal, key bounds ----
-      p.score.score_all<kMTiles * kNTiles * 4>(&s_acc[0][0][0]);
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
-      const bool edge = j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN);
-      if (read_mask || edge) {
-        // In tile coordinates (row r, column c; 32-bit): in range when r < row_limit and
-        // c < col_limit; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with
-        // diag clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
-        const int row_limit = static_cast<int>(rows);
-        const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
-        const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
-        const int diag = static_cast<int>(diag_full > kBlockN        ? kBlockN
-                                          : diag_full < -kBlockM - 1 ? -kBlockM - 1
-                                                                     : diag_full);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = warp_row0 + mt * 16 + g + 8 * half;
-            const bool row_ok = r < row_limit;
-            const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int c = nt * 8 + 2 * t + e;
-                const bool visible = row_ok && c < col_limit && c - r <= diag;
-                float x = s_acc[mt][nt][2 * half + e];
-                if (visible && read_mask) {
-                  x = p.score.masked(x, p.mask.additive(mask_row + c * p.mask.stride_kv));
-                }
-                s_acc[mt][nt][2 * half + e] = visible ? x : -INFINITY;
-              }
-            }
-          }
-        }
+      if (read_mask || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
+        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, rows, read_mask, warp_row0, ln);
       }
-
-      // ---- online softmax ----
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float mx = -INFINITY;
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            mx = fmaxf(mx, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
-          }
-          // The four threads of a quad hold one row.
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          const float m_new = fmaxf(row_max[mt][half], mx);
-          const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
-          // Natural units: subtract first, then convert (see exp_of).
-          const float unit = p.score.natural ? kLog2e : 1.0f;
-          const float alpha = fast_exp2((row_max[mt][half] - offset) * unit);  // old max -inf: 0
-          row_max[mt][half] = m_new;
-          float sum = 0.0f;
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pr = fast_exp2((s_acc[mt][nt][2 * half + e] - offset) * unit);
-              s_acc[mt][nt][2 * half + e] = pr;
-              sum += pr;
-            }
-          }
-          row_sum[mt][half] = row_sum[mt][half] * alpha + sum;  // per thread; quad-summed at the end
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o_acc[mt][dt][2 * half] *= alpha;
-            o_acc[mt][dt][2 * half + 1] *= alpha;
-          }
-        }
-      }
-
-      // ---- O += P V ----
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t pa[kMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          pa[mt][0] = pack2<T>(s_acc[mt][2 * kk][0], s_acc[mt][2 * kk][1]);
-          pa[mt][1] = pack2<T>(s_acc[mt][2 * kk][2], s_acc[mt][2 * kk][3]);
-          pa[mt][2] = pack2<T>(s_acc[mt][2 * kk + 1][0], s_acc[mt][2 * kk + 1][1]);
-          pa[mt][3] = pack2<T>(s_acc[mt][2 * kk + 1][2], s_acc[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, v_s + (kk * 16 + a_row) * kStride + dp * 16 + a_col);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_pair<T>(o_acc[mt][2 * dp], o_acc[mt][2 * dp + 1], pa[mt], vb);
-          }
-        }
-      }
+      softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
-    __syncthreads();  // every warp is done with this stage before it is refilled
-    tile = next;
-    stage ^= 1;
+    if constexpr (Cfg::kStages == 1) {
+      cp_async_wait<0>();  // V here; every warp is past S = Q K^T
+      __syncthreads();
+      if (next < n_tiles) {
+        load_k(next, 0);  // in flight during P V
+      }
+      cp_async_commit();
+    }
+    if (warp_active) {
+      accumulate_pv<T, Cfg>(o_acc, s_acc, s_v(stage), ln);
+    }
+    if constexpr (Cfg::kStages > 1) {
+      __syncthreads();  // every warp is done with this stage before it is refilled
+      stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
+      tile = next_tile(tile + 1);
+    } else {
+      tile = next;
+    }
   }
   cp_async_wait<0>();
-
-  // ---- epilogue: normalise, lse, stage the tile in shared memory, 16-byte stores ----
-  const float sink = p.sinks != nullptr ? p.sinks[h] * (p.score.natural ? 1.0f : kLog2e) : 0.0f;
-  float* lse_row = p.lse + bh * p.q_len;
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float l = row_sum[mt][half];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const bool empty = l == 0.0f;  // no visible key (NaN is not empty)
-      const RowEnd end = finish_row(row_max[mt][half], l, p.sinks != nullptr, sink, p.score.natural);
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        // An empty row is exactly 0, even if a masked value was NaN (0 * NaN in P V).
-        o_acc[mt][dt][2 * half] = empty ? 0.0f : o_acc[mt][dt][2 * half] * end.factor;
-        o_acc[mt][dt][2 * half + 1] = empty ? 0.0f : o_acc[mt][dt][2 * half + 1] * end.factor;
-      }
-      const int64_t i = i0 + warp_row0 + mt * 16 + g + 8 * half;
-      if (warp_active && t == 0 && i < p.q_len) {
-        lse_row[i] = end.lse;
-        if (p.lse_lo != nullptr) {
-          p.lse_lo[bh * p.q_len + i] = end.lse_lo;
-        }
-      }
-    }
-  }
-  __syncthreads();  // s_q may still be read by other warps (kQInRegs false)
-  if (warp_active) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        T* row = s_q + (warp_row0 + mt * 16 + g + 8 * half) * kStride + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          *reinterpret_cast<uint32_t*>(row + dt * 8) = pack2<T>(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
-        }
-      }
-    }
-  }
-  __syncthreads();
-  T* o_base = static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + i0 * p.o_si;
-  constexpr int kOutChunks = kBlockM * kChunks;
-#pragma unroll
-  for (int it = 0; it < (kOutChunks + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + tid;
-    const int r = c / kChunks, ch = c % kChunks;
-    if ((kOutChunks % kThreads == 0 || c < kOutChunks) && r < rows) {
-      *reinterpret_cast<uint4*>(o_base + r * p.o_si + ch * 8) =
-          *reinterpret_cast<const uint4*>(s_q + r * kStride + ch * 8);
-    }
-  }
+  store_tile<T, Cfg>(o_acc, row_max, row_sum, fold_scale ? p.score.scale : 1.0f, p, b, h, i0, rows, s_q, warp_row0,
+                     ln);
 }
 
+#ifndef SAFEATTN_STANDALONE
 template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   using Cfg = FwdConfig<kHeadDim>;
   constexpr int kThreads = Cfg::kWarps * 32;
   constexpr size_t kSmem = Cfg::smem_bytes(sizeof(T));
   static_assert(kSmem <= 227 * 1024, "the tiles do not fit in shared memory");
-  auto kernel = &attention_fwd_kernel<T, kHeadDim>;
+  auto kernel = &attention_fwd_kernel<T, Cfg>;
   if constexpr (kSmem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   }
@@ -455,6 +588,7 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+#endif
 
 #endif  // SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 

@@ -1,7 +1,7 @@
 // The mask as every CUDA attention kernel reads it (the mma.sync kernels, decode, and the
-// sm_90a kernels in hopper/): the element view and its per-tile summary. Plain device structs, no
-// torch, so the Hopper parameter structs (hopper/fwd_params.h, bwd_params.h) and the standalone
-// checks can hold them; attention_common.cuh makes them from tensors.
+// sm_90a kernels in hopper/): the element view, its per-tile summary and the causal rule. Plain
+// device structs, no torch, so the Hopper parameter structs (hopper/fwd_params.h, bwd_params.h)
+// and the standalone checks can hold them; attention_common.cuh makes them from tensors.
 #pragma once
 
 #include <cmath>
@@ -144,6 +144,42 @@ struct TileSummaryView {
   // The lowest key tile of the row (b, h, q_tile) not masked; 0 without the record.
   __device__ __forceinline__ int first_visible_at(int64_t b, int64_t h, int64_t q_tile) const {
     return first_visible == nullptr ? 0 : first_visible[index(b, h, q_tile, 0) / kv_tiles];
+  }
+};
+
+// ---- the causal rule -------------------------------------------------------------------------
+
+// Query i sees key j when kv_offset + j <= q_offset + i (ops/attention.h). `shift` is
+// q_offset - kv_offset, so the rule is j <= i + shift.
+struct Causal {
+  bool enabled = false;
+  int64_t shift = 0;
+
+  __device__ __forceinline__ bool visible(int64_t i, int64_t j) const {
+    return !enabled || j <= i + shift;
+  }
+  // Keys [0, end) can be visible to some query before q_end: key tiles at or beyond `end` are
+  // skipped without being read. 0 when no key is visible to any of these queries.
+  __device__ __forceinline__ int64_t kv_end(int64_t q_end, int64_t kv_len) const {
+    if (!enabled) {
+      return kv_len;
+    }
+    const int64_t e = q_end + shift;  // the last query, q_end - 1, sees keys j <= q_end - 1 + shift
+    return e < 0 ? 0 : (e < kv_len ? e : kv_len);
+  }
+  // Every key in [kv_begin, kv_end) is visible to every query in [q_begin, q_end): such a tile
+  // needs no per-element causal test.
+  __device__ __forceinline__ bool tile_all_visible(int64_t q_begin, int64_t kv_end_exclusive) const {
+    return !enabled || kv_end_exclusive - 1 <= q_begin + shift;
+  }
+  // The first query of [0, q_len) that sees key j (queries before it do not): the backward's
+  // per-key-tile start. q_len when none does.
+  __device__ __forceinline__ int64_t first_query(int64_t j, int64_t q_len) const {
+    if (!enabled) {
+      return 0;
+    }
+    const int64_t f = j - shift;
+    return f < 0 ? 0 : (f < q_len ? f : q_len);
   }
 };
 

@@ -1,0 +1,308 @@
+// Standalone check and timing of the generic (mma.sync) forward attention kernel
+// (csrc/ops/cuda/attention_fwd.cuh), without torch, for its tile shapes side by side: the shape
+// each head dim runs (FwdConfig) and candidates. Build (from the repository root):
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+//        --expt-relaxed-constexpr -Icsrc -Iscripts benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
+//
+// Run: ./mma_sync_fwd_check [--no-timing] [--only TEXT (shapes whose name contains it)] [--profile (one launch of
+// each shape at the timing sizes, no checks: for ncu)].
+// For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
+// (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
+// scale folded into the exponent, natural units, a softcap), comparing out and lse, and fully masked rows (out exactly
+// 0, lse -inf). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups, median of 20),
+// TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#define SAFEATTN_STANDALONE
+#define SAFEATTN_ATTN_FWD_DEFINE_KERNELS
+#include "hopper_check_common.h"
+#include "ops/cuda/attention_fwd.cuh"
+
+using safeattn::cuda::attn::attention_fwd_kernel;
+using safeattn::cuda::attn::FwdConfig;
+using safeattn::cuda::attn::FwdParams;
+using safeattn::cuda::attn::FwdTiles;
+using safeattn::cuda::attn::ScoreRule;
+
+static bool g_profile = false;
+static bool g_checks = true;  // --no-checks: timings only
+static const char* g_only = nullptr;  // --only TEXT: the shapes whose name contains TEXT
+
+// The score rule of attention_common.cu's score_rule(): log2 units unless natural.
+static ScoreRule make_rule(double scale, double softcap, bool natural) {
+  const double unit = natural ? 1.0 : 1.4426950408889634;
+  ScoreRule r;
+  r.scale = static_cast<float>(scale * unit);
+  if (softcap > 0.0) {
+    r.softcap_pre = static_cast<float>(scale / softcap);
+    r.softcap_post = static_cast<float>(softcap * unit);
+  }
+  r.natural_scale = static_cast<float>(scale);
+  r.natural = natural;
+  return r;
+}
+
+template <typename T, class Cfg>
+static void launch(const FwdParams& p) {
+  const size_t smem = Cfg::smem_bytes(sizeof(T));
+  auto kernel = &attention_fwd_kernel<T, Cfg>;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = (p.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM * p.batch_heads;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kWarps * 32, smem>>>(p);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+struct SmallCase {
+  int q_len, kv_len;
+  bool causal;
+  int64_t shift;
+  int mode;  // 0: log2 units (scale folded), 1: natural units, 2: softcap 5
+};
+
+template <typename T, class Cfg>
+static bool run_case(const SmallCase& cs, std::mt19937& rng) {
+  constexpr int D = Cfg::kHeadDim;
+  const int B = 2, H = 2, Hkv = 1;
+  const double scale = 1.0 / std::sqrt(double(D)), softcap = cs.mode == 2 ? 5.0 : 0.0;
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  auto make = [&](size_t n) {
+    std::vector<T> h(n);
+    for (auto& x : h) {
+      x = from_f<T>(u(rng));
+    }
+    return h;
+  };
+  const std::vector<T> hq = make(size_t(B) * H * cs.q_len * D), hk = make(size_t(B) * Hkv * cs.kv_len * D),
+                       hv = make(size_t(B) * Hkv * cs.kv_len * D);
+  T* q = upload(hq);
+  T* k = upload(hk);
+  T* v = upload(hv);
+  T* out;
+  float* lse;
+  const size_t n_out = size_t(B) * H * cs.q_len * D, n_lse = size_t(B) * H * cs.q_len;
+  CHECK_CUDA(cudaMalloc(&out, n_out * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&lse, n_lse * sizeof(float)));
+  CHECK_CUDA(cudaMemset(out, 0xff, n_out * sizeof(T)));  // NaN
+  CHECK_CUDA(cudaMemset(lse, 0xff, n_lse * sizeof(float)));
+
+  FwdParams p;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+  p.q_sb = int64_t{H} * cs.q_len * D, p.q_sh = int64_t{cs.q_len} * D, p.q_si = D;
+  p.k_sb = int64_t{Hkv} * cs.kv_len * D, p.k_sh = int64_t{cs.kv_len} * D, p.k_si = D;
+  p.v_sb = p.k_sb, p.v_sh = p.k_sh, p.v_si = D;
+  p.o_sb = p.q_sb, p.o_sh = p.q_sh, p.o_si = D;
+  p.heads = H, p.group = H / Hkv, p.batch_heads = int64_t{B} * H, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
+  p.score = make_rule(scale, softcap, cs.mode == 1);
+  p.causal.enabled = cs.causal, p.causal.shift = cs.shift;
+  launch<T, Cfg>(p);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<T> ho(n_out);
+  std::vector<float> hl(n_lse);
+  CHECK_CUDA(cudaMemcpy(ho.data(), out, n_out * sizeof(T), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hl.data(), lse, n_lse * sizeof(float), cudaMemcpyDeviceToHost));
+  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
+                    static_cast<void*>(lse)}) {
+    CHECK_CUDA(cudaFree(ptr));
+  }
+
+  double max_out = 0.0, max_lse = 0.0;
+  bool empty_ok = true;
+  std::vector<double> s(cs.kv_len);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      const int hkv = h / (H / Hkv);
+      for (int i = 0; i < cs.q_len; ++i) {
+        const T* qi = &hq[((size_t(b) * H + h) * cs.q_len + i) * D];
+        double m = -INFINITY;
+        for (int j = 0; j < cs.kv_len; ++j) {
+          const bool visible = !cs.causal || j <= i + cs.shift;
+          double dot = 0.0;
+          const T* kj = &hk[((size_t(b) * Hkv + hkv) * cs.kv_len + j) * D];
+          for (int d = 0; d < D; ++d) {
+            dot += double(to_f(qi[d])) * double(to_f(kj[d]));
+          }
+          double sc = dot * scale;
+          if (softcap > 0.0) {
+            sc = softcap * std::tanh(sc / softcap);
+          }
+          s[j] = visible ? sc : -INFINITY;
+          m = std::max(m, s[j]);
+        }
+        const size_t row = (size_t(b) * H + h) * cs.q_len + i;
+        if (m == -INFINITY) {
+          for (int d = 0; d < D; ++d) {
+            empty_ok &= to_f(ho[row * D + d]) == 0.0f;
+          }
+          empty_ok &= hl[row] == -INFINITY;
+          continue;
+        }
+        double l = 0.0;
+        for (int j = 0; j < cs.kv_len; ++j) {
+          l += std::exp(s[j] - m);
+        }
+        max_lse = std::max(max_lse, std::abs(double(hl[row]) - (m + std::log(l))));
+        for (int d = 0; d < D; ++d) {
+          double o = 0.0;
+          for (int j = 0; j < cs.kv_len; ++j) {
+            o += std::exp(s[j] - m) / l * double(to_f(hv[((size_t(b) * Hkv + hkv) * cs.kv_len + j) * D + d]));
+          }
+          const double err = std::abs(double(to_f(ho[row * D + d])) - o);
+          max_out = std::max(max_out, err != err ? INFINITY : err);
+        }
+      }
+    }
+  }
+  // P in 16 bits before P V: a few units of the 16-bit type's rounding on |out| <= 2.
+  const double out_tol = sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16> ? 3e-2 : 4e-3;
+  const bool ok = max_out <= out_tol && max_lse <= 1e-3 && empty_ok;
+  if (!ok) {
+    printf("  FAIL q %d kv %d causal %d shift %lld mode %d: out err %.3g, lse err %.3g, empty rows %s\n", cs.q_len,
+           cs.kv_len, cs.causal, static_cast<long long>(cs.shift), cs.mode, max_out, max_lse,
+           empty_ok ? "ok" : "WRONG");
+  }
+  return ok;
+}
+
+template <typename T, class Cfg>
+static float time_shape(bool causal, int B, int H, int S) {
+  constexpr int D = Cfg::kHeadDim;
+  const size_t n = size_t(B) * H * S * D;
+  T *q, *k, *v, *out;
+  float* lse;
+  CHECK_CUDA(cudaMalloc(&q, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&k, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&v, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&out, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&lse, size_t(B) * H * S * sizeof(float)));
+  fill_uniform<<<1024, 256>>>(q, n, 1, 1.0f);
+  fill_uniform<<<1024, 256>>>(k, n, 2, 1.0f);
+  fill_uniform<<<1024, 256>>>(v, n, 3, 1.0f);
+  FwdParams p;
+  p.q = q, p.k = k, p.v = v, p.out = out, p.lse = lse;
+  p.q_sb = p.k_sb = p.v_sb = p.o_sb = int64_t{H} * S * D;
+  p.q_sh = p.k_sh = p.v_sh = p.o_sh = int64_t{S} * D;
+  p.q_si = p.k_si = p.v_si = p.o_si = D;
+  p.heads = H, p.group = 1, p.batch_heads = int64_t{B} * H, p.q_len = S, p.kv_len = S;
+  p.score = make_rule(1.0 / std::sqrt(double(D)), 0.0, false);
+  p.causal.enabled = causal;
+  float median = 0.0f;
+  if (g_profile) {
+    launch<T, Cfg>(p);
+  } else {
+    std::vector<float> ms;
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    for (int it = 0; it < 23; ++it) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      launch<T, Cfg>(p);
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0.0f;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      if (it >= 3) {
+        ms.push_back(t);
+      }
+    }
+    std::sort(ms.begin(), ms.end());
+    median = ms[ms.size() / 2];
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
+                    static_cast<void*>(lse)}) {
+    CHECK_CUDA(cudaFree(ptr));
+  }
+  return median;
+}
+
+template <typename T, class Cfg>
+static int check_shape(const char* name, bool timing) {
+  if (g_only != nullptr && strstr(name, g_only) == nullptr) {
+    return 0;
+  }
+  int device = 0, opt_in = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t smem = Cfg::smem_bytes(sizeof(T));
+  cudaFuncAttributes attr{};
+  CHECK_CUDA(cudaFuncGetAttributes(&attr, attention_fwd_kernel<T, Cfg>));
+  int per_sm = 0;
+  CHECK_CUDA(cudaFuncSetAttribute(attention_fwd_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)));
+  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fwd_kernel<T, Cfg>, Cfg::kWarps * 32,
+                                                           smem));
+  printf("%-28s D %3d  %3dx%-3d %d warps Q %s stages %d: %3d regs, %4zu B spill (local), %5.1f KB smem, %d CTA/SM\n",
+         name, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kQInRegs ? "regs" : "smem", Cfg::kStages,
+         attr.numRegs, attr.localSizeBytes, smem / 1024.0, per_sm);
+  int failures = 0;
+  if (!g_profile && g_checks) {
+    std::mt19937 rng(1234);
+    for (int ql : {1, 97, 300}) {
+      for (int kl : {17, 300}) {
+        for (int mode = 0; mode < 3; ++mode) {
+          failures += !run_case<T, Cfg>({ql, kl, false, 0, mode}, rng);
+          for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
+            failures += !run_case<T, Cfg>({ql, kl, true, shift, mode}, rng);
+          }
+        }
+      }
+    }
+    printf("  checks: %s\n", failures == 0 ? "ok" : "FAILED");
+  }
+  if (timing || g_profile) {
+    for (bool causal : {true, false}) {
+      const int B = 4, H = 16, S = 4096;
+      const float ms = time_shape<T, Cfg>(causal, B, H, S);
+      if (!g_profile) {
+        const double flops = 4.0 * B * H * double(S) * S * Cfg::kHeadDim * (causal ? 0.5 : 1.0);
+        printf("  TIME %-28s D %3d %-9s B4 H16 S4096: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
+               causal ? "causal" : "noncausal", ms, flops / ms / 1e9);
+      }
+    }
+  }
+  return failures;
+}
+
+// Candidate shapes: <D, BlockM, BlockN, warps, Q in registers, stages, CTAs per SM>.
+template <int D, int M, int N, int W, bool QR, int S, int MB>
+using Tiles = FwdTiles<D, M, N, W, QR, S, MB>;
+
+int main(int argc, char** argv) {
+  bool timing = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--no-timing")) {
+      timing = false;
+    } else if (!strcmp(argv[i], "--no-checks")) {
+      g_checks = false;
+    } else if (!strcmp(argv[i], "--profile")) {
+      g_profile = true;
+    } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+      g_only = argv[++i];
+    }
+  }
+  using bf16 = __nv_bfloat16;
+  int failures = 0;
+  // The shape each head dim runs.
+  failures += check_shape<bf16, FwdConfig<32>>("FwdConfig<32>", timing);
+  failures += check_shape<bf16, FwdConfig<64>>("FwdConfig<64>", timing);
+  failures += check_shape<__half, FwdConfig<64>>("FwdConfig<64> fp16", false);
+  failures += check_shape<bf16, FwdConfig<80>>("FwdConfig<80>", timing);
+  failures += check_shape<bf16, FwdConfig<96>>("FwdConfig<96>", timing);
+  failures += check_shape<bf16, FwdConfig<128>>("FwdConfig<128>", timing);
+  failures += check_shape<__half, FwdConfig<128>>("FwdConfig<128> fp16", false);
+  failures += check_shape<bf16, FwdConfig<256>>("FwdConfig<256>", timing);
+  // Candidates FwdConfig's comment compares with.
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 2, 2>>("d128 4w qsmem n64 (102 KB)", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, true, 2, 1>>("d128 8w qregs n64", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 1, 2>>("d128 4w qsmem n64 1stage", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 64, 4, false, 3, 2>>("d64 qsmem 3stage", timing);
+  printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
+  return failures == 0 ? 0 : 1;
+}

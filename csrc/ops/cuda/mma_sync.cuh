@@ -1,0 +1,134 @@
+// The building blocks of the mma.sync kernels (sm_80 and later; the generic forward, backward and
+// decode kernels): tensor-core and ldmatrix wrappers, cp.async tile loads into padded shared
+// rows, and the special-function and packing helpers of the online softmax. Device code only, no
+// torch, so the standalone checks (benchmarks/*_check.cu) include the kernels without it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace safeattn::cuda::attn {
+
+// ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
+
+// D[16x8] (+)= A[16x16] @ B[16x8], fp32 accumulators, A/B as packed pairs of 16-bit values in
+// the register layout of mma.sync.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16").
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(row)));
+}
+
+// The same, each matrix transposed (B operands stored row-major in K, such as V).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(row)));
+}
+
+// 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so
+// out-of-range rows never hold garbage that could become NaN in a product.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// The mma.sync kernels' shared-memory row of `elements` 16-bit values, padded by 16 bytes so that
+// ldmatrix's eight row addresses fall in different banks.
+constexpr int padded_row(int elements) {
+  return elements + 8;
+}
+
+// A kRows x kHeadDim tile from global memory (rows `row_stride` elements apart) to shared memory
+// (rows padded_row(kHeadDim) apart), one 16-byte cp.async per chunk; rows at or past valid_rows
+// are zero-filled (their source is not read). kUnroll rounds of kThreads chunks are unrolled
+// (default: all of them; the register-bound backward takes 1).
+template <typename T, int kRows, int kHeadDim, int kThreads,
+          int kUnroll = (kRows * kHeadDim / 8 + kThreads - 1) / kThreads>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kStride = padded_row(kHeadDim);
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll kUnroll
+  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+    const int c = it * kThreads + tid;
+    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
+      break;
+    }
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < valid_rows;
+    const T* from = valid ? src + r * row_stride + ch * 8 : src;
+    cp_async_16(dst + r * kStride + ch * 8, from, valid);
+  }
+}
+
+// x, as a value the compiler cannot see through: what is computed from it inside a loop is computed
+// there, not hoisted out of the loop and held in registers across it (a tile load's per-chunk
+// address offsets, in kernels whose accumulators already take nearly every register).
+__device__ __forceinline__ int64_t opaque(int64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+
+// 2^x on the special-function unit (ex2.approx.ftz: 2 ulp, -inf -> 0, NaN -> NaN); results below
+// 2^-126 flush to 0, which a probability can afford. exp2f without --use_fast_math adds
+// subnormal handling around the same instruction, in the hottest loops.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// log2(2^a + 2^b) without overflow: a row's lse with the sink logit added (both log2 domain).
+// -inf when both are -inf; NaN when either is NaN.
+__device__ __forceinline__ float log2_add_exp2(float a, float b) {
+  const float top = (a != a || a > b) ? a : b;
+  return top == -INFINITY ? top : top + log2f(exp2f(a - top) + exp2f(b - top));
+}
+
+// Two fp32 values as one register of two 16-bit values (the A operand of P @ V).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+}  // namespace safeattn::cuda::attn
