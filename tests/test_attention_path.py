@@ -7,6 +7,8 @@ these check the kernel itself, by name, so such a fallback fails here. The CUDA 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import safeattn
 import torch
@@ -185,12 +187,14 @@ def _cuda_mask_kwargs(mask, dtype):
 @NEEDS_GPU
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("mask", ["none", "causal", "described"])
-def test_generic_kernels_take_mma_sync(backward, mask):
+def test_generic_kernels_take_mma_sync(request, backward, mask):
     dims = _BWD_DIMS if backward else _FWD_DIMS
     if 128 not in dims:
         pytest.skip(f"this build has no mma.sync {'backward' if backward else 'forward'} for D=128")
     q, k, v = _qkv(2, 8, 8, 256, 256, 128, torch.bfloat16, "cuda", requires_grad=backward)
-    with _testing.generic_kernels():
+    # Under --generic-kernels the switch is on for the whole run: leaving the context would turn it off.
+    forced = request.config.getoption("--generic-kernels")
+    with contextlib.nullcontext() if forced else _testing.generic_kernels():
         path = attention_path(q, k, v, backward=backward, **_cuda_mask_kwargs(mask, torch.bfloat16))
     assert path.kernel == "mma_sync", f"generic kernels, {mask}, backward={backward}: took {path}"
     assert path.key_ranges_drawn == (mask == "described"), f"{mask}: {path}"
