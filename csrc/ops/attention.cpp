@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "common/checks.h"
+#include "ops/attention_choice.h"
 #include "ops/attention_composite.h"
 
 namespace safeattn {
@@ -443,9 +444,10 @@ int64_t mask_grad_batch_chunk(int64_t batch, int64_t row_bytes, int64_t budget_b
 
 namespace {
 
-// The CPU kernels read key ranges drawn into the mask.
+// The CPU kernels read key ranges drawn into the mask (choose_attention_cpu).
 void attention_fwd_cpu(const AttentionFwdArgs& args) {
-  attention_fwd_cpu_stub().pick()(with_key_ranges_drawn(args));
+  const AttentionChoice choice = choose_attention_cpu(args.key_ranges);
+  attention_fwd_cpu_stub().pick()(choice.draw_key_ranges ? with_key_ranges_drawn(args) : args);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
@@ -468,9 +470,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
                         softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cpu);
 }
 
-// The CPU kernels read grad_out with the empty rows dropped, and key ranges drawn into the mask.
+// The CPU kernels read grad_out with the empty rows dropped, and key ranges drawn into the mask
+// (choose_attention_cpu).
 void attention_bwd_cpu(const AttentionBwdArgs& args) {
-  AttentionBwdArgs cleaned = with_key_ranges_drawn(args);
+  const AttentionChoice choice = choose_attention_cpu(args.key_ranges);
+  AttentionBwdArgs cleaned = choice.draw_key_ranges ? with_key_ranges_drawn(args) : args;
   cleaned.grad_out = grad_out_without_empty_rows(args);
   attention_bwd_cpu_stub().pick()(cleaned);
 }

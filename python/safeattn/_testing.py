@@ -4,13 +4,21 @@
 ones A100, Ada and Blackwell GPUs run) instead of the sm_90a kernels, so that the GPUs at hand can
 test and measure them. It is process-wide and not thread-safe by design: tests and benchmarks
 switch it around whole runs (``pytest --generic-kernels``, ``bench attention --generic-kernels``).
+
+``attention_path(...)`` says which kernel ``safeattn.attention`` (or its backward) would run for
+its arguments, and why not the kernels asked before it, without running any: so a test can assert
+the kernel a call takes, and a fallback to a slower one fails it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
+
+import torch
 
 from . import _C
+from .ops import MaskDescription, _op_mask_arguments
 
 
 def set_generic_kernels_only(on: bool) -> None:
@@ -26,3 +34,60 @@ def generic_kernels():
         yield
     finally:
         set_generic_kernels_only(False)
+
+
+class AttentionPath(NamedTuple):
+    """The kernel a call takes: ``"cpu"``, ``"decode"``, ``"sm90a"``, ``"mma_sync"`` (the generic
+    CUDA tensor-core kernels), ``"chunked_aten"`` (ATen ops over chunks of queries) or ``"none"``
+    (an empty output: nothing runs)."""
+
+    kernel: str
+    # (kernel, why it cannot take the call) for each kernel asked before, in the chooser's order.
+    rejected: list[tuple[str, str]]
+    # The key ranges (key_ranges, or a described window or chunks) are drawn into a mask first:
+    # every kernel but sm90a reads them that way.
+    key_ranges_drawn: bool
+
+
+def attention_path(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | MaskDescription | None = None,
+    dropout_p: float = 0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    softcap: float = 0,
+    sinks: torch.Tensor | None = None,
+    key_ranges: torch.Tensor | None = None,
+    backward: bool = False,
+) -> AttentionPath:
+    """Which kernel ``safeattn.attention`` with these arguments runs (``backward=True``: which one
+    its backward runs, the mask's gradient included when ``attn_mask`` requires grad), from the
+    choosers the op itself follows (csrc/ops/attention_choice.h). Nothing is computed: the op's
+    checks run and its outputs are allocated, then its kernel records the choice instead. The
+    ``torch.func`` / forward-AD composite (``_attention_math``) is not covered: only the fused op."""
+    attn_mask, is_causal, key_ranges = _op_mask_arguments(
+        attn_mask, is_causal, key_ranges, query, key, q_offset, kv_offset
+    )
+    kernel, rejected, drawn = _C._attention_path(
+        query,
+        key,
+        value,
+        attn_mask,
+        float(dropout_p),
+        bool(is_causal),
+        scale,
+        bool(enable_gqa),
+        int(q_offset),
+        int(kv_offset),
+        float(softcap),
+        sinks,
+        key_ranges,
+        bool(backward),
+    )
+    return AttentionPath(kernel, [tuple(r) for r in rejected], drawn)

@@ -279,6 +279,22 @@ def _and_padding(first: torch.Tensor | None, second: torch.Tensor) -> torch.Tens
     return combined
 
 
+def _op_mask_arguments(attn_mask, is_causal, key_ranges, query, key, q_offset, kv_offset):
+    """``attention``'s ``(attn_mask, is_causal, key_ranges)`` as the op takes them: a
+    ``MaskDescription`` resolved by ``_described_mask``, anything else as given. Also what
+    ``_testing.attention_path`` asks about."""
+    if not isinstance(attn_mask, MaskDescription):
+        return attn_mask, is_causal, key_ranges
+    if is_causal:
+        raise ValueError(
+            "safeattn.attention: is_causal must be False when attn_mask is a MaskDescription "
+            "(its `causal` field says whether the mask is causal)"
+        )
+    if key_ranges is not None:
+        raise ValueError("safeattn.attention: key_ranges must be None when attn_mask is a MaskDescription")
+    return _described_mask(attn_mask, query, key, q_offset, kv_offset)
+
+
 def _described_mask(
     description: MaskDescription, query: torch.Tensor, key: torch.Tensor, q_offset, kv_offset
 ) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
@@ -515,17 +531,9 @@ def attention(
         (so ``out.transpose(1, 2)`` is contiguous, as Transformers wants it); ``lse`` ``[B, Hq, Q]``
         float32 (float64 for float64 inputs). Both are differentiable.
     """
-    if isinstance(attn_mask, MaskDescription):
-        if is_causal:
-            raise ValueError(
-                "safeattn.attention: is_causal must be False when attn_mask is a MaskDescription "
-                "(its `causal` field says whether the mask is causal)"
-            )
-        if key_ranges is not None:
-            raise ValueError(
-                "safeattn.attention: key_ranges must be None when attn_mask is a MaskDescription"
-            )
-        attn_mask, is_causal, key_ranges = _described_mask(attn_mask, query, key, q_offset, kv_offset)
+    attn_mask, is_causal, key_ranges = _op_mask_arguments(
+        attn_mask, is_causal, key_ranges, query, key, q_offset, kv_offset
+    )
     return torch.ops.safeattn.attention(
         query,
         key,

@@ -2,12 +2,12 @@
 //
 // attention_backward_impl (ops/attention.cpp) validates, allocates the gradients and computes
 // grad_sinks; attention_bwd_cuda below computes grad_query, grad_key, grad_value and the mask
-// gradient's partial sums:
-//   - on an H100/H200, with atomics allowed or at a head dim whose dQ has a pass of its own
-//     (use_hopper), the sm_90a TMA + wgmma kernels (attention_bwd_sm90.h) after the rows
-//     pre-pass, for what they cover: the pre-pass writes their padded row arrays, zeroes
-//     dq_accum (where there is one) and reads grad_out as given (no cleaned copy of it unless an
-//     empty row holds a non-finite value: Sm90BwdRows);
+// gradient's partial sums, on the path choose_attention_bwd (attention_choice.h) picks:
+//   - on an H100/H200, with atomics allowed or at a head dim whose dQ has a pass of its own,
+//     the sm_90a TMA + wgmma kernels (attention_bwd_sm90.h) after the rows pre-pass, for what
+//     they cover: the pre-pass writes their padded row arrays, zeroes dq_accum (where there is
+//     one) and reads grad_out as given (no cleaned copy of it unless an empty row holds a
+//     non-finite value: Sm90BwdRows);
 //   - the paths below read grad_out_without_empty_rows (ops/attention.h);
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
 //     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
@@ -35,6 +35,7 @@
 #include "ops/attention_composite.h"
 #include "ops/cuda/attention_bwd.cuh"
 #include "ops/cuda/attention_bwd_sm90.h"
+#include "ops/cuda/attention_choice.h"
 #include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {
@@ -203,24 +204,6 @@ void launch_for_head_dim(int64_t head_dim, const BwdParams& params, const attn::
   TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
 }
 
-// The mma.sync kernels (attention_bwd.cuh) cover the call.
-bool tensor_core_supported(const AttentionBwdArgs& a) {
-  const at::ScalarType t = a.query.scalar_type();
-  if (t != at::kHalf && t != at::kBFloat16) {
-    return false;
-  }
-  const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim || !has_head_dim<kBwdHeadDims>(head_dim) ||
-      !attn::smem_fits(attn::bwd_smem_bytes(head_dim), a.query)) {
-    return false;
-  }
-  if (a.mask.defined() && a.mask.scalar_type() == at::kDouble) {
-    return false;
-  }
-  // Grid limits (y and z are 16-bit).
-  return a.query.size(0) <= 65535 && a.query.size(1) <= 65535 && a.key.size(1) <= 65535;
-}
-
 // The per-chunk [bc, Hq, Q, KV] dS reduced to grad_mask_partial's [bc, Hm, Qm, KVm].
 at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, int64_t hkv) {
   at::Tensor g = full;
@@ -242,15 +225,6 @@ at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, i
 // kernel writes it).
 bool use_atomic_dq(const AttentionBwdArgs& a) {
   return !at::globalContext().deterministicAlgorithms() && !a.grad_mask_partial.defined() && a.grad_query.defined();
-}
-
-// The Hopper kernels (attention_bwd_sm90.h) where they cover the call (their own head dims: 256
-// has no mma.sync backward): they sum dQ with atomics, so only where those are allowed, except at
-// the head dims with a dQ pass, which are deterministic; they write a mask gradient of one slot
-// per element themselves.
-bool use_hopper(const AttentionBwdArgs& a) {
-  return attention_bwd_sm90_takes(a) &&
-         (!at::globalContext().deterministicAlgorithms() || attention_bwd_sm90_deterministic(a));
 }
 
 // The Hopper backward (attention_bwd_sm90.h) after its rows pre-pass: rows padded, dq_accum
@@ -307,7 +281,7 @@ template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBatch,
                         "attention backward (CUDA): a batch-summed mask gradient is only "
-                        "given to the Hopper kernels (attention_bwd_cuda_sums_batch)");
+                        "given to the Hopper kernels (attention_bwd_sums_batch)");
   AttentionBwdArgs a = args;
   a.grad_out = grad_out_without_empty_rows(args);
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -411,40 +385,43 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   }
 }
 
-void attention_bwd_cuda(const AttentionBwdArgs& args) {
-  // Key ranges: the sm_90a kernel reads them (attention_bwd_tensor_core takes it, below); every
-  // other kernel, drawn into the mask.
-  if (args.key_ranges.defined() && !use_hopper(args)) {
-    attention_bwd_cuda(with_key_ranges_drawn(args));
-    return;
-  }
-  // Hopper: the TMA + wgmma kernels where they cover the call (deterministic algorithms keep the
-  // mma.sync kernels' dQ kernel, but at the head dims of the dQ pass).
-  if (use_hopper(args)) {
-    if (args.query.scalar_type() == at::kBFloat16) {
-      attention_bwd_hopper<__nv_bfloat16>(args);
-    } else {
-      attention_bwd_hopper<__half>(args);
+void run_backward(AttentionPath path, const AttentionBwdArgs& args) {
+  const bool bf16 = args.query.scalar_type() == at::kBFloat16;
+  switch (path) {
+    case AttentionPath::kSm90a:
+      if (bf16) {
+        attention_bwd_hopper<__nv_bfloat16>(args);
+      } else {
+        attention_bwd_hopper<__half>(args);
+      }
+      return;
+    case AttentionPath::kMmaSync:
+      if (bf16) {
+        attention_bwd_tensor_core<__nv_bfloat16>(args);
+      } else {
+        attention_bwd_tensor_core<__half>(args);
+      }
+      return;
+    case AttentionPath::kChunkedAten: {
+      AttentionBwdArgs cleaned = args;
+      cleaned.grad_out = grad_out_without_empty_rows(args);
+      attention_backward_chunked(cleaned);
+      return;
     }
-    return;
-  }
-  if (!tensor_core_supported(args)) {
-    AttentionBwdArgs cleaned = args;
-    cleaned.grad_out = grad_out_without_empty_rows(args);
-    attention_backward_chunked(cleaned);
-    return;
-  }
-  if (args.query.scalar_type() == at::kBFloat16) {
-    attention_bwd_tensor_core<__nv_bfloat16>(args);
-  } else {
-    attention_bwd_tensor_core<__half>(args);
+    default:
+      TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): no kernel for the path ", attention_path_name(path));
   }
 }
 
-// The Hopper kernels add a mask shared by the batch's gradient into one buffer (with atomics: so
-// only where use_hopper allows those, never under deterministic algorithms).
-bool attention_bwd_cuda_sums_batch(const AttentionBwdArgs& args) {
-  return use_hopper(args);
+// Runs what choose_attention_bwd (attention_choice.h) chose; the arguments are copied only when
+// the key ranges are drawn into the mask.
+void attention_bwd_cuda(const AttentionBwdArgs& args) {
+  const AttentionChoice choice = choose_attention_bwd(args);
+  if (choice.draw_key_ranges) {
+    run_backward(choice.path, with_key_ranges_drawn(args));
+  } else {
+    run_backward(choice.path, args);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
@@ -456,10 +433,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const OpDeviceGuard guard(query.device());
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
                                  kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda,
-                                 kMaskGradBudgetBytes, &attention_bwd_cuda_sums_batch);
+                                 kMaskGradBudgetBytes, &attention_bwd_sums_batch);
 }
 
 }  // namespace
+
+const char* attention_bwd_mma_sync_rejects(const AttentionBwdArgs& a) {
+  const at::ScalarType t = a.query.scalar_type();
+  if (t != at::kHalf && t != at::kBFloat16) {
+    return "dtype is not float16 or bfloat16";
+  }
+  const int64_t head_dim = a.query.size(3);
+  if (a.value.size(3) != head_dim) {
+    return "value's head dim differs from query's (D != Dv)";
+  }
+  if (!has_head_dim<kBwdHeadDims>(head_dim)) {
+    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
+  }
+  if (!attn::smem_fits(attn::bwd_smem_bytes(head_dim), a.query)) {
+    return "its shared memory does not fit this GPU";
+  }
+  if (a.mask.defined() && a.mask.scalar_type() == at::kDouble) {
+    return "a float64 mask";
+  }
+  // Grid limits (y and z are 16-bit).
+  if (a.query.size(0) > 65535 || a.query.size(1) > 65535 || a.key.size(1) > 65535) {
+    return "batch, query heads or kv heads above 65535 (grid y and z)";
+  }
+  return nullptr;
+}
+
 }  // namespace safeattn::cuda
 
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {

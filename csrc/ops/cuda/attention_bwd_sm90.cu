@@ -1,4 +1,4 @@
-// attention_bwd_sm90 (attention_bwd_sm90.h): which calls the Hopper backward takes, and its
+// attention_bwd_sm90 (attention_bwd_sm90.h): which calls the Hopper backward can take, and its
 // parameters. Host code only, compiled like the other .cu files; the kernels are in
 // ops/cuda/hopper/attention_bwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
 #include "ops/cuda/attention_bwd_sm90.h"
@@ -31,24 +31,34 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cu
 
 }  // namespace
 
-bool attention_bwd_sm90_takes(const AttentionBwdArgs& a) {
+const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
   // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
   // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer for
   // the batch (kSumBatch: [1, Hq, Q, KV]); masks broadcast over heads, queries or keys have their
   // gradients summed by the mma.sync kernels. (AttentionBwdSumsBatchFn asks with kSumBatch and
   // no buffer yet.)
-  const bool grad_mask_ok = !a.grad_mask_partial.defined() || a.grad_mask_write != GradMaskWrite::kAccumulate;
-  if ((attn::natural_units(a.mask) && a.softcap > 0.0) || !grad_mask_ok || !a.grad_query.defined() ||
-      !a.grad_key.defined() || !a.grad_value.defined() || !has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
-    return false;
+  if (attn::natural_units(a.mask) && a.softcap > 0.0) {
+    return "a float mask with a softcap";
+  }
+  if (a.grad_mask_partial.defined() && a.grad_mask_write == GradMaskWrite::kAccumulate) {
+    return "the mask's gradient is summed over broadcast dims or a kv group (GradMaskWrite::kAccumulate)";
+  }
+  if (!a.grad_query.defined() || !a.grad_key.defined() || !a.grad_value.defined()) {
+    return "not all of grad_query, grad_key and grad_value are wanted";
+  }
+  if (!has_head_dim<kBwdSm90HeadDims>(a.query.size(3))) {
+    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
   }
   if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {
-    return false;  // grid y and z
+    return "batch or kv heads above 65535 (grid y and z)";
   }
   // The gradients are written with 4-byte stores through their strides.
-  return attn::rows_aligned_16(a.grad_query) && attn::rows_aligned_16(a.grad_key) &&
-         attn::rows_aligned_16(a.grad_value) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
+  if (!attn::rows_aligned_16(a.grad_query) || !attn::rows_aligned_16(a.grad_key) ||
+      !attn::rows_aligned_16(a.grad_value)) {
+    return "a gradient's rows are not 16-byte aligned";
+  }
+  return attn::sm90_inputs_rejects(a.query, a.key, a.value, a.scale);
 }
 
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& a) {
@@ -142,8 +152,8 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
 
 namespace safeattn::cuda {
 
-bool attention_bwd_sm90_takes(const AttentionBwdArgs&) {
-  return false;
+const char* attention_bwd_sm90_rejects(const AttentionBwdArgs&) {
+  return "this build has no sm_90a kernels (no CUTLASS headers, or SAFEATTN_SM90=0)";
 }
 
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs&) {

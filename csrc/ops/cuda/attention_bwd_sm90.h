@@ -12,11 +12,14 @@
 
 namespace safeattn::cuda {
 
-// Whether the Hopper kernel takes the call: an sm_90 device, float16 / bfloat16, D == Dv with a
-// compiled head dim (head_dim_switch.h, kBwdSm90HeadDims), no mask or a bool one, no softcap, all
-// three gradients wanted, sizes below 2^31. dQ is summed by float32 reduce-adds in no fixed order
-// (not bit-reproducible) except where its head dim has the dQ pass (hopper::bwd_dq_pass).
-bool attention_bwd_sm90_takes(const AttentionBwdArgs& args);
+// Why the Hopper kernel cannot take the call (a static string), or nullptr when it can: the
+// conditions are in the code, each with its reason (sm90_inputs_rejects holds those both
+// directions share). Masks of either kind (a float one not with a softcap), key ranges, softcap
+// and sinks are read. dQ is summed by float32 reduce-adds in no fixed order (not
+// bit-reproducible) except where its head dim has the dQ pass (hopper::bwd_dq_pass): the chooser
+// (attention_choice.h) weighs that against deterministic algorithms. A build without the Hopper
+// kernels always says so.
+const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& args);
 // Whether a call it takes is bit-reproducible: the dQ pass's head dims, unless the mask's
 // gradient is summed over the batch (GradMaskWrite::kSumBatch: float atomics).
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& args);
@@ -41,8 +44,8 @@ struct Sm90BwdRows {
   at::Tensor grad_out_clean;  // defined with grad_out_dirty: grad_out's shape, contiguous, empty rows 0
 };
 
-// Computes grad_query, grad_key and grad_value on the Hopper kernel; only after
-// attention_bwd_sm90_takes(args).
+// Computes grad_query, grad_key and grad_value on the Hopper kernel; only where the chooser took
+// it (attention_choice.h).
 void attention_bwd_sm90(const AttentionBwdArgs& args, const Sm90BwdRows& rows);
 
 }  // namespace safeattn::cuda

@@ -106,24 +106,32 @@ void warn_if_hopper_kernels_missing(const at::Tensor& query) {
 #endif
 }
 
-bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
+const char* sm90_inputs_rejects(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
   if (generic_kernels_only()) {
-    return false;
+    return "the generic kernels are forced (safeattn._testing.generic_kernels)";
   }
   const at::ScalarType dtype = query.scalar_type();
   if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return false;
+    return "dtype is not float16 or bfloat16";
   }
   const float scale_log2 = static_cast<float>(scale * 1.4426950408889634);  // as the kernels get it
   if (!(scale > 0.0) || !(scale_log2 > 0.0f) || !std::isfinite(scale_log2)) {
-    return false;
+    return "scale * log2(e) is not positive and finite in float32";
   }
-  if (value.size(3) != query.size(3) || query.numel() == 0 || key.size(2) == 0 || !sizes_fit_int32(query) ||
-      !sizes_fit_int32(key)) {
-    return false;  // empty inputs: the other paths write the empty rows
+  if (value.size(3) != query.size(3)) {
+    return "value's head dim differs from query's (D != Dv)";
+  }
+  if (query.numel() == 0 || key.size(2) == 0) {
+    return "an empty input (the other kernels write its empty rows)";
+  }
+  if (!sizes_fit_int32(query) || !sizes_fit_int32(key)) {
+    return "a size of 2^31 or more";
   }
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
-  return props->major == 9 && props->minor == 0;
+  if (props->major != 9 || props->minor != 0) {
+    return "not an sm_90 GPU (H100/H200)";
+  }
+  return nullptr;
 }
 
 bool smem_fits(size_t bytes, const at::Tensor& t) {

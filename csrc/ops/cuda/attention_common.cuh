@@ -37,12 +37,12 @@ inline bool natural_units(const at::Tensor& mask) {
 // dims are never stepped over, so their strides do not matter.
 bool rows_aligned_16(const at::Tensor& t);
 
-// Host: what both sm_90a kernels (attention_fwd_sm90.cu, attention_bwd_sm90.cu) need of a call,
-// their head dims aside: bf16 / fp16, D == Dv, no empty input, sizes below 2^31, an sm_90 device,
-// and scale > 0 with a scale * log2(e) that neither rounds to 0 nor overflows in float32 (they
-// take each row's max over raw dot products and scale after).
-// False while the generic kernels are forced (cuda::generic_kernels_only, safeattn.h).
-bool sm90_inputs_supported(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale);
+// Host: why both sm_90a kernels (attention_fwd_sm90.cu, attention_bwd_sm90.cu) cannot take a
+// call, their head dims aside, or nullptr when they can: they need bf16 / fp16, D == Dv, no empty
+// input, sizes below 2^31, an sm_90 device, and scale > 0 with a scale * log2(e) that neither
+// rounds to 0 nor overflows in float32 (they take each row's max over raw dot products and scale
+// after); and the generic kernels not forced (cuda::generic_kernels_only, safeattn.h).
+const char* sm90_inputs_rejects(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale);
 
 // Host: on an sm_90 GPU with a build that lacks the sm_90a kernels (built without CUTLASS or with
 // SAFEATTN_SM90=0), a warning, once per process, that names the rebuild command: attention then

@@ -6,9 +6,12 @@
 
 namespace safeattn::cuda {
 
-// Computes a.out and a.lse and returns true when `a` is the decode case: bfloat16 / float16,
-// head dim 64 or 128 (D == Dv), at most 16 query rows per kv head (group * Q), 16-byte aligned
-// rows; returns false, touching nothing, otherwise.
-bool attention_fwd_decode(const AttentionFwdArgs& a);
+// Why the decode kernel cannot take `a` (a static string), or nullptr when it can: bfloat16 /
+// float16, head dim 64 or 128 (D == Dv), at most 16 query rows per kv head (group * Q), 16-byte
+// aligned rows, no float mask. Asked by the chooser (attention_choice.h).
+const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a);
+
+// Computes a.out and a.lse; only where attention_fwd_decode_rejects(a) is nullptr.
+void attention_fwd_decode(const AttentionFwdArgs& a);
 
 }  // namespace safeattn::cuda

@@ -441,22 +441,44 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int
 
 }  // namespace
 
-bool attention_fwd_decode(const AttentionFwdArgs& a) {
+const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a) {
+  const at::ScalarType dtype = a.query.scalar_type();
+  const int64_t q_len = a.query.size(2), head_dim = a.query.size(3), hkv = a.key.size(1);
+  if (a.out.numel() == 0) {
+    return "an empty output";
+  }
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return "dtype is not float16 or bfloat16";
+  }
+  if (!has_head_dim<kDecodeHeadDims>(head_dim) || a.value.size(3) != head_dim) {
+    return "head dim is not 64 or 128 with D == Dv";
+  }
+  if (q_len < 1 || a.query.size(1) / hkv * q_len > kMaxRows) {
+    return "more than 16 query rows per kv head (query heads per kv head x Q)";
+  }
+  if (a.query.size(0) > 65535 || hkv > 65535) {
+    return "batch or kv heads above 65535 (grid y and z)";
+  }
+  if (a.out.stride(3) != 1 || !attn::rows_aligned_16(a.query) || !attn::rows_aligned_16(a.key) ||
+      !attn::rows_aligned_16(a.value)) {
+    return "query, key or value rows not 16-byte aligned, or out's last dim strided";
+  }
+  // A floating mask needs natural score units (attention_common.cuh, exp_of), which this kernel
+  // does not have: the prefill kernel takes those calls.
+  if (attn::natural_units(a.mask)) {
+    return "a float mask (this kernel scores in log2 units only)";
+  }
+  if (!a.lse.is_contiguous() || a.lse.scalar_type() != at::kFloat) {
+    return "lse is not contiguous float32";
+  }
+  return nullptr;
+}
+
+void attention_fwd_decode(const AttentionFwdArgs& a) {
   const at::ScalarType dtype = a.query.scalar_type();
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
   const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
   const int64_t group = hq / hkv;
-  const bool applies = a.out.numel() > 0 && (dtype == at::kHalf || dtype == at::kBFloat16) &&
-                       has_head_dim<kDecodeHeadDims>(head_dim) && a.value.size(3) == head_dim && q_len >= 1 &&
-                       group * q_len <= kMaxRows && batch <= 65535 && hkv <= 65535 && a.out.stride(3) == 1 &&
-                       attn::rows_aligned_16(a.query) && attn::rows_aligned_16(a.key) &&
-                       attn::rows_aligned_16(a.value) &&
-                       // A floating mask needs natural score units (attention_common.cuh, exp_of),
-                       // which this kernel does not have: the prefill kernel takes those calls.
-                       !attn::natural_units(a.mask) && a.lse.is_contiguous() && a.lse.scalar_type() == at::kFloat;
-  if (!applies) {
-    return false;
-  }
   DecodeParams p{};
   p.q = a.query.const_data_ptr();
   p.k = a.key.const_data_ptr();
@@ -481,7 +503,6 @@ bool attention_fwd_decode(const AttentionFwdArgs& a) {
       launch_decode<__half, decltype(dim)::value>(a, p, batch, hkv);
     }
   });
-  return true;
 }
 
 }  // namespace safeattn::cuda

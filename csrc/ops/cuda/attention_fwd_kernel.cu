@@ -1,6 +1,6 @@
 // CUDA forward of safeattn::attention and its CUDA registration.
 //
-// attention_fwd_cuda picks one of four paths:
+// attention_fwd_cuda runs the path choose_attention_fwd (attention_choice.h) picks, in its order:
 //   - the split-KV decode kernels (attention_decode_kernel.cu) for a few query rows per kv head
 //     over a long cache;
 //   - on an H100/H200, the sm_90a TMA + wgmma kernels (attention_fwd_sm90.h) for what they cover;
@@ -24,6 +24,7 @@
 #include "common/cuda_device.h"
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
+#include "ops/cuda/attention_choice.h"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/attention_fwd_sm90.h"
@@ -41,13 +42,6 @@ void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stre
   const bool launched = with_head_dim<kFwdHeadDims>(
       head_dim, [&](auto dim) { attn::launch_attention_fwd<T, decltype(dim)::value>(p, stream); });
   TORCH_INTERNAL_ASSERT(launched, "attention (CUDA): no tensor-core kernel for head dim ", head_dim);
-}
-
-bool use_tensor_cores(const AttentionFwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
-  return (dtype == at::kHalf || dtype == at::kBFloat16) && a.query.size(3) == a.value.size(3) &&
-         has_head_dim<kFwdHeadDims>(a.query.size(3)) && attn::rows_aligned_16(a.out) &&
-         attn::smem_fits(attn::fwd_smem_bytes(a.query.size(3)), a.query);
 }
 
 void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
@@ -83,23 +77,33 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   }
 }
 
+void run_forward(AttentionPath path, const AttentionFwdArgs& args) {
+  switch (path) {
+    case AttentionPath::kDecode:
+      attention_fwd_decode(args);
+      return;
+    case AttentionPath::kSm90a:
+      attention_fwd_sm90(args);
+      return;
+    case AttentionPath::kMmaSync:
+      attention_fwd_tensor_cores(args);
+      return;
+    case AttentionPath::kChunkedAten:
+      attention_forward_chunked(args);  // ops/attention_composite.cpp
+      return;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "attention (CUDA): no forward kernel for the path ", attention_path_name(path));
+  }
+}
+
+// Runs what choose_attention_fwd (attention_choice.h) chose; the arguments are copied only when
+// the key ranges are drawn into the mask.
 void attention_fwd_cuda(const AttentionFwdArgs& args) {
-  if (args.key_ranges.defined()) {  // the sm_90a kernels read them; the others, drawn into the mask
-    if (!attention_fwd_sm90(args)) {
-      attention_fwd_cuda(with_key_ranges_drawn(args));
-    }
-    return;
-  }
-  if (attention_fwd_decode(args)) {  // at most 16 query rows per kv head
-    return;
-  }
-  if (attention_fwd_sm90(args)) {  // Hopper: TMA + wgmma kernels, where they cover the call
-    return;
-  }
-  if (use_tensor_cores(args)) {
-    attention_fwd_tensor_cores(args);
+  const AttentionChoice choice = choose_attention_fwd(args);
+  if (choice.draw_key_ranges) {
+    run_forward(choice.path, with_key_ranges_drawn(args));
   } else {
-    attention_forward_chunked(args);  // the ATen path, ops/attention_composite.cpp
+    run_forward(choice.path, args);
   }
 }
 
@@ -130,6 +134,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
 }
 
 }  // namespace
+
+const char* attention_fwd_mma_sync_rejects(const AttentionFwdArgs& a) {
+  const at::ScalarType dtype = a.query.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return "dtype is not float16 or bfloat16";
+  }
+  if (a.query.size(3) != a.value.size(3)) {
+    return "value's head dim differs from query's (D != Dv)";
+  }
+  if (!has_head_dim<kFwdHeadDims>(a.query.size(3))) {
+    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
+  }
+  if (!attn::rows_aligned_16(a.out)) {
+    return "out's rows are not 16-byte aligned";
+  }
+  if (!attn::smem_fits(attn::fwd_smem_bytes(a.query.size(3)), a.query)) {
+    return "its shared memory does not fit this GPU";
+  }
+  return nullptr;
+}
+
 }  // namespace safeattn::cuda
 
 // The forward only; _attention_backward's CUDA kernel is registered in attention_bwd_kernel.cu.

@@ -1,4 +1,4 @@
-// attention_fwd_sm90 (attention_fwd_sm90.h): which calls the Hopper forward takes, and its
+// attention_fwd_sm90 (attention_fwd_sm90.h): which calls the Hopper forward can take, and its
 // parameters. Host code only, compiled like the other .cu files; the kernels are in
 // ops/cuda/hopper/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
 #include "ops/cuda/attention_fwd_sm90.h"
@@ -29,21 +29,21 @@ cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cu
   return error;
 }
 
-bool takes(const AttentionFwdArgs& a) {
-  // Masks are read in place, bool ones and float ones (a bias) alike.
-  if (!has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
-    return false;
-  }
-  // out is written with 4-byte stores through its strides.
-  return attn::rows_aligned_16(a.out) && attn::sm90_inputs_supported(a.query, a.key, a.value, a.scale);
-}
-
 }  // namespace
 
-bool attention_fwd_sm90(const AttentionFwdArgs& a) {
-  if (!takes(a)) {
-    return false;
+const char* attention_fwd_sm90_rejects(const AttentionFwdArgs& a) {
+  // Masks are read in place, bool ones and float ones (a bias) alike.
+  if (!has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
+    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
   }
+  // out is written with 4-byte stores through its strides.
+  if (!attn::rows_aligned_16(a.out)) {
+    return "out's rows are not 16-byte aligned";
+  }
+  return attn::sm90_inputs_rejects(a.query, a.key, a.value, a.scale);
+}
+
+void attention_fwd_sm90(const AttentionFwdArgs& a) {
   // TMA reads rows in place when they are 16-byte aligned; otherwise from an aligned copy.
   const at::Tensor query = attn::with_aligned_rows(a.query);
   const at::Tensor key = attn::with_aligned_rows(a.key);
@@ -82,7 +82,6 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
                               ? launch_for_head_dim<__nv_bfloat16>(query.size(3), p, stream)
                               : launch_for_head_dim<__half>(query.size(3), p, stream);
   C10_CUDA_CHECK(err);
-  return true;
 }
 
 }  // namespace safeattn::cuda
@@ -91,8 +90,12 @@ bool attention_fwd_sm90(const AttentionFwdArgs& a) {
 
 namespace safeattn::cuda {
 
-bool attention_fwd_sm90(const AttentionFwdArgs&) {
-  return false;
+const char* attention_fwd_sm90_rejects(const AttentionFwdArgs&) {
+  return "this build has no sm_90a kernels (no CUTLASS headers, or SAFEATTN_SM90=0)";
+}
+
+void attention_fwd_sm90(const AttentionFwdArgs&) {
+  TORCH_INTERNAL_ASSERT(false, "attention (CUDA): this build has no sm90 kernels");
 }
 
 }  // namespace safeattn::cuda

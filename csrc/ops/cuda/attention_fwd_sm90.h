@@ -7,11 +7,14 @@
 
 namespace safeattn::cuda {
 
-// Runs the forward on the Hopper kernel and returns true when that kernel takes the call: an
-// sm_90 device, float16 / bfloat16, D == Dv with a compiled head dim (SAFEATTN_ATTN_FWD_SM90_D<D>),
-// no mask or a bool one, no sinks, no softcap, sizes below 2^31. Inputs whose rows TMA cannot
-// read in place are copied to aligned rows first. Returns false, having done nothing, otherwise: the caller takes
-// another path.
-bool attention_fwd_sm90(const AttentionFwdArgs& args);
+// Why the Hopper kernel cannot take the call (a static string), or nullptr when it can: the
+// conditions are in the code, each with its reason (sm90_inputs_rejects holds those both
+// directions share). Masks of either kind, key ranges, softcap and sinks are all read; inputs
+// whose rows TMA cannot read in place are copied to aligned rows first. Asked by the chooser
+// (attention_choice.h); a build without the Hopper kernels always says so.
+const char* attention_fwd_sm90_rejects(const AttentionFwdArgs& args);
+
+// Runs the forward on the Hopper kernel; only where attention_fwd_sm90_rejects(args) is nullptr.
+void attention_fwd_sm90(const AttentionFwdArgs& args);
 
 }  // namespace safeattn::cuda

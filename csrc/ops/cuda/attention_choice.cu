@@ -1,0 +1,81 @@
+// choose_attention_fwd and choose_attention_bwd (attention_choice.h): the order of the CUDA
+// attention kernels, and the registration of the CUDA chooser for attention_path.
+#include "ops/cuda/attention_choice.h"
+
+#include <ATen/Context.h>
+
+#include "ops/cuda/attention_bwd_sm90.h"
+#include "ops/cuda/attention_decode.h"
+#include "ops/cuda/attention_fwd_sm90.h"
+
+namespace safeattn::cuda {
+
+AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args) {
+  AttentionChoice choice;
+  if (args.key_ranges.defined()) {
+    if (choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
+      return choice;
+    }
+    choice.draw_key_ranges = true;
+  }
+  if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args))) {
+    return choice;
+  }
+  // Asked above already when there are key ranges: its answer does not depend on them.
+  if (!args.key_ranges.defined() && choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
+    return choice;
+  }
+  if (choice.offer(AttentionPath::kMmaSync, attention_fwd_mma_sync_rejects(args))) {
+    return choice;
+  }
+  choice.offer(AttentionPath::kChunkedAten, nullptr);
+  return choice;
+}
+
+namespace {
+
+// The sm_90a backward sums dQ (and a batch-shared mask gradient) with float atomics except at
+// the head dims with a dQ pass: under deterministic algorithms it runs only where it is
+// bit-reproducible.
+const char* sm90_bwd_rejects(const AttentionBwdArgs& args) {
+  if (const char* reason = attention_bwd_sm90_rejects(args)) {
+    return reason;
+  }
+  if (at::globalContext().deterministicAlgorithms() && !attention_bwd_sm90_deterministic(args)) {
+    return "deterministic algorithms are on, and it sums dQ (or the mask gradient) with atomics here";
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args) {
+  AttentionChoice choice;
+  if (choice.offer(AttentionPath::kSm90a, sm90_bwd_rejects(args))) {
+    return choice;
+  }
+  choice.draw_key_ranges = args.key_ranges.defined();
+  if (choice.offer(AttentionPath::kMmaSync, attention_bwd_mma_sync_rejects(args))) {
+    return choice;
+  }
+  choice.offer(AttentionPath::kChunkedAten, nullptr);
+  return choice;
+}
+
+bool attention_bwd_sums_batch(const AttentionBwdArgs& args) {
+  return choose_attention_bwd(args).path == AttentionPath::kSm90a;
+}
+
+namespace {
+
+// For attention_path (ops/attention_choice.h); the backward entry point
+// (attention_bwd_kernel.cu) passes attention_bwd_sums_batch too.
+[[maybe_unused]] const bool registered = [] {
+  register_attention_chooser(c10::DeviceType::CUDA,
+                             {&choose_attention_fwd, &choose_attention_bwd, &attention_bwd_sums_batch});
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace safeattn::cuda
