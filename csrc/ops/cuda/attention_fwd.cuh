@@ -141,15 +141,6 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
 
 namespace fwd_detail {
 
-template <typename T>
-__device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[4]) {
-  const uint32_t b0[2] = {b[0], b[1]};
-  const uint32_t b1[2] = {b[2], b[3]};
-  mma_16816<T>(d0, a, b0);
-  mma_16816<T>(d1, a, b1);
-}
-
 // A warp's fragment lanes: ldmatrix row addresses (the A operand and V's .trans share one
 // pattern, K another) and the MMA accumulator's row group g and column pair t.
 struct Lanes {

@@ -25,6 +25,7 @@
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
 #include "ops/cuda/attention_choice.h"
+#include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/attention_fwd_sm90.h"

@@ -34,6 +34,17 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   }
 }
 
+// Two m16n8 tiles side by side: D0 (+)= A @ B[:, 0:8] and D1 (+)= A @ B[:, 8:16], with b the
+// four registers of an ldmatrix_x4 of B (two k16 x n8 fragments).
+template <typename T>
+__device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]};
+  const uint32_t b1[2] = {b[2], b[3]};
+  mma_16816<T>(d0, a, b0);
+  mma_16816<T>(d1, a, b1);
+}
+
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
