@@ -10,8 +10,8 @@
 // For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
 // scale folded into the exponent, natural units, a softcap), comparing out and lse, and fully masked rows (out exactly
-// 0, lse -inf). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups, median of 20),
-// TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
+// 0, lse -inf). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups,
+// median of 20), TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,7 +33,7 @@ using safeattn::cuda::attn::FwdTiles;
 using safeattn::cuda::attn::ScoreRule;
 
 static bool g_profile = false;
-static bool g_checks = true;  // --no-checks: timings only
+static bool g_checks = true;          // --no-checks: timings only
 static const char* g_only = nullptr;  // --only TEXT: the shapes whose name contains TEXT
 
 // The score rule of attention_common.cu's score_rule(): log2 units unless natural.
@@ -236,8 +236,8 @@ static int check_shape(const char* name, bool timing) {
   int per_sm = 0;
   CHECK_CUDA(cudaFuncSetAttribute(attention_fwd_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(smem)));
-  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fwd_kernel<T, Cfg>, Cfg::kWarps * 32,
-                                                           smem));
+  CHECK_CUDA(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fwd_kernel<T, Cfg>, Cfg::kWarps * 32, smem));
   printf("%-28s D %3d  %3dx%-3d %d warps Q %s stages %d: %3d regs, %4zu B spill (local), %5.1f KB smem, %d CTA/SM\n",
          name, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kQInRegs ? "regs" : "smem", Cfg::kStages,
          attr.numRegs, attr.localSizeBytes, smem / 1024.0, per_sm);

@@ -77,7 +77,7 @@ constexpr size_t decode_smem_bytes() {
 
 template <typename T, int kD>
 __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
-  using namespace attn;              // mma, ldmatrix, cp.async, fast_exp2
+  using namespace attn;  // mma, ldmatrix, cp.async, fast_exp2
   constexpr int kStride = padded_row(kD);
   constexpr int kChunks = kD / 8;   // 16-byte chunks per row
   constexpr int kKSteps = kD / 16;  // k16 steps of Q K^T

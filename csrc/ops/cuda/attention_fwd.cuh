@@ -201,9 +201,9 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
 // c < kv_len - j0; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with diag
 // clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
 template <class Cfg>
-__device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p,
-                                          int64_t b, int64_t h, int64_t i0, int64_t j0, int rows, bool read_mask,
-                                          int warp_row0, const Lanes& ln) {
+__device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p, int64_t b,
+                                          int64_t h, int64_t i0, int64_t j0, int rows, bool read_mask, int warp_row0,
+                                          const Lanes& ln) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
   const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
@@ -259,7 +259,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBloc
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(row_max[mt][half], mx);
-      const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
+      const float offset = m_new == -INFINITY ? 0.0f : m_new;            // empty so far: no -inf - -inf
       alpha[mt][half] = fast_exp2((row_max[mt][half] - offset) * unit);  // old max -inf: 0
       rescale |= alpha[mt][half] != 1.0f;
       row_max[mt][half] = m_new;
@@ -425,8 +425,8 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
 
   // Plain scores stay raw dot products and the scale joins the exponent (see the top).
-  const bool fold_scale = !p.score.natural && p.score.softcap_post == 0.0f && p.score.scale > 0.0f &&
-                          p.score.scale < INFINITY;
+  const bool fold_scale =
+      !p.score.natural && p.score.softcap_post == 0.0f && p.score.scale > 0.0f && p.score.scale < INFINITY;
   const float unit = fold_scale ? p.score.scale : p.score.natural ? kLog2e : 1.0f;
 
   // Key tiles [0, n_tiles) may hold a key visible to this query tile; of those, the ones the
@@ -558,8 +558,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
     }
   }
   cp_async_wait<0>();
-  store_tile<T, Cfg>(o_acc, row_max, row_sum, fold_scale ? p.score.scale : 1.0f, p, b, h, i0, rows, s_q, warp_row0,
-                     ln);
+  store_tile<T, Cfg>(o_acc, row_max, row_sum, fold_scale ? p.score.scale : 1.0f, p, b, h, i0, rows, s_q, warp_row0, ln);
 }
 
 #ifndef SAFEATTN_STANDALONE
