@@ -1,6 +1,7 @@
 """python -m safeattn {info,demo,bench} run on the CPU with small sizes and print what they promise."""
 
 import importlib.util
+import math
 import os
 import re
 import struct
@@ -250,6 +251,26 @@ def test_bench_model_tiny_training_step_and_prefill():
     for r in rows:
         assert float(r[4]) > 0 and 0 < float(r[5][:-1]) <= 1.0, f"a time and its ratio to the best: {r}"
     assert "n/a" not in out, f"every case ran:\n{out}"
+
+
+def test_bench_decode_quick_cpu():
+    out = run("bench", "decode", "--device", "cpu", "--quick", "--markdown")
+    assert "WARNING" not in out, f"safeattn agrees with SDPA in every case:\n{out}"
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")
+    ]
+    header, body = rows[0], rows[1:]
+    assert [(r[0], r[1], r[2]) for r in body] == [("1", "256", "32:8"), ("2", "256", "32:8")], out
+    for r in body:
+        cell = dict(zip(header, r, strict=False))
+        assert cell["fastest peer"] == "sdpa", cell
+        ratio = float(cell["vs fastest peer"].rstrip("x"))
+        assert math.isclose(
+            ratio, float(cell["peer us"]) / float(cell["safeattn us"]), rel_tol=0.02, abs_tol=0.006
+        ), cell
+        assert float(cell["paged / contiguous"]) > 0, cell
+    assert re.search(r"host time per small call: safeattn [0-9.]+ us, sdpa [0-9.]+ us", out), out
+    assert "smallest ratio:" in out, out
 
 
 def test_bench_model_each_model_runs_its_own_implementation():

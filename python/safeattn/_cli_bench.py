@@ -8,7 +8,7 @@ Two forms, one suite (each op's cases live in ``_bench_<op>.py``, shared timing 
   (``_bench.time_ms`` per call: CUDA events on the GPU, perf_counter on the CPU). The tables give
   each peer's time divided by safeattn's (> 1: safeattn is faster); the plots (``--plot DIR``,
   one PNG per op) give throughput against sequence length.
-- ``python -m safeattn bench {sdpa_mask,softmax,attention,transformers,model} [options] [--markdown]``:
+- ``python -m safeattn bench {sdpa_mask,softmax,attention,decode,transformers,model} [options] [--markdown]``:
   the fixed, larger shapes of the README's tables, in more detail (each module's docstring says
   what it measures); ``--markdown`` also prints the README's tables from the same run.
 """
@@ -24,7 +24,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _bench_attention, _bench_model, _bench_sdpa_mask, _bench_softmax, _bench_transformers
+from . import (
+    _bench_attention,
+    _bench_decode,
+    _bench_model,
+    _bench_sdpa_mask,
+    _bench_softmax,
+    _bench_transformers,
+)
 from ._bench import Case, Settings, machine_name, time_ms
 
 # The fixed-shape tables: python -m safeattn bench <name> [options].
@@ -32,6 +39,7 @@ TABLES = {
     "sdpa_mask": _bench_sdpa_mask,
     "softmax": _bench_softmax,
     "attention": _bench_attention,
+    "decode": _bench_decode,
     "transformers": _bench_transformers,
     "model": _bench_model,
 }
