@@ -27,6 +27,7 @@ import argparse
 import itertools
 import math
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,9 @@ def _flex():
     if _flex_compiled is None:
         from torch.nn.attention.flex_attention import flex_attention
 
+        # One compiled kernel a shape: the grid's cases would pass dynamo's default recompile
+        # limit (8), after which Flex runs unfused.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _flex_compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: _flex_compiled(q, k, v, enable_gqa=True)
 
@@ -159,7 +163,9 @@ def measure_case(batch, cache, group, dim, dtype, device, args, generator) -> di
     )
     for name, fn in peers.items():
         try:
-            fn(qt, kt, vt)  # a backend that does not take the call raises here
+            with warnings.catch_warnings():  # each declining backend warns why
+                warnings.simplefilter("ignore")
+                fn(qt, kt, vt)  # a backend that does not take the call raises here
         except Exception:  # noqa: BLE001 - the backend declines these inputs: no row for it
             continue
         impls[name] = lambda fn=fn: fn(qt, kt, vt)
