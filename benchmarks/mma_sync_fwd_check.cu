@@ -3,7 +3,7 @@
 // each head dim runs (FwdConfig) and candidates. Build (from the repository root):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
-//        --expt-relaxed-constexpr -Icsrc -Iscripts benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
+//        --expt-relaxed-constexpr -Icsrc benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
 //
 // Run: ./mma_sync_fwd_check [--no-timing] [--only TEXT (shapes whose name contains it)] [--profile (one launch of
 // each shape at the timing sizes, no checks: for ncu)].
@@ -23,7 +23,7 @@
 
 #define SAFEATTN_STANDALONE
 #define SAFEATTN_ATTN_FWD_DEFINE_KERNELS
-#include "hopper_check_common.h"
+#include "check_common.h"
 #include "ops/cuda/attention_fwd.cuh"
 
 using safeattn::cuda::attn::attention_fwd_kernel;

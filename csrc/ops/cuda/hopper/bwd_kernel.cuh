@@ -76,7 +76,7 @@ enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2, kdQPass = 3 
 // S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's product
 // covers whole rows). kdQMode: -1 picks (Bwd::kdQMode), else one of DqMode.
 // kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
-// float2 atomics from registers. kSkipdQ is a measurement switch of scripts/hopper_bwd_check.cu,
+// float2 atomics from registers. kSkipdQ is a measurement switch of benchmarks/hopper_bwd_check.cu,
 // its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQMode_ = -1,
           int kSkipdQ_ = 0>

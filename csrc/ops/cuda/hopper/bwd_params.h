@@ -1,6 +1,6 @@
 // What the sm_90a backward attention kernel (hopper/bwd_kernel.cuh) reads and writes: plain data,
 // no CuTe and no torch, so the dispatch code (attention_bwd_sm90.cu, built for plain sm_90) and
-// the standalone check (scripts/hopper_bwd_check.cu) can both fill it. Semantics: ops/attention.h.
+// the standalone check (benchmarks/hopper_bwd_check.cu) can both fill it. Semantics: ops/attention.h.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // What the sm_90a forward attention kernel (hopper/fwd_kernel.cuh) reads and writes: plain data,
 // no CuTe and no torch, so the dispatch code (attention_fwd_sm90.cu, built for plain sm_90) and
-// the standalone check (scripts/hopper_fwd_check.cu) can both fill it. Semantics: ops/attention.h.
+// the standalone check (benchmarks/hopper_fwd_check.cu) can both fill it. Semantics: ops/attention.h.
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
-//        scripts/hopper_fwd_check.cu -o hopper_fwd_check
+//        benchmarks/hopper_fwd_check.cu -o hopper_fwd_check
 //
 // (-DHOPPER_CHECK_D96 or -DHOPPER_CHECK_D256: that head dim's candidates alone.)
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
@@ -29,7 +29,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "hopper_check_common.h"
+#include "check_common.h"
 #include "ops/cuda/hopper/fwd_kernel.cuh"
 
 using safeattn::cuda::hopper::FwdConfig;

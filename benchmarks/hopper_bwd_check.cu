@@ -3,7 +3,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
-//        scripts/hopper_bwd_check.cu -o hopper_bwd_check
+//        benchmarks/hopper_bwd_check.cu -o hopper_bwd_check
 //
 // (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
 // the dispatched variants alone, a shorter build.)
@@ -32,7 +32,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "hopper_check_common.h"
+#include "check_common.h"
 #include "ops/cuda/hopper/bwd_kernel.cuh"
 
 using safeattn::cuda::hopper::BwdConfig;

@@ -1,6 +1,7 @@
-// What the standalone checks of the sm_90a attention kernels (scripts/hopper_fwd_check.cu and
-// scripts/hopper_bwd_check.cu) share: error checking, 16-bit conversions, the test cases' shape
-// and storage layouts, and device-side random inputs for the timings. No torch.
+// What the standalone checks of the attention kernels (benchmarks/hopper_fwd_check.cu,
+// benchmarks/hopper_bwd_check.cu, benchmarks/mma_sync_fwd_check.cu) share: error checking, 16-bit
+// conversions, the test cases' shape and storage layouts, and device-side random inputs for the
+// timings. No torch.
 #pragma once
 
 #include <cstdint>
