@@ -273,6 +273,25 @@ def test_bench_decode_quick_cpu():
     assert "smallest ratio:" in out, out
 
 
+def test_bench_serving_tiny_cpu():
+    import transformers
+
+    if not hasattr(transformers, "ContinuousBatchingConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no continuous batching config")
+    out = run("bench", "serving", "--tiny", "--device", "cpu", "--markdown")
+    lines = {
+        m.group(1): m
+        for m in re.finditer(
+            r"^(paged\|\w+) +([0-9.]+) s +([0-9]+) tokens/s .* same tokens: (\w+)$", out, re.M
+        )
+    }
+    assert set(lines) == {"paged|sdpa", "paged|safeattn"}, out
+    for impl, m in lines.items():
+        assert float(m.group(2)) > 0 and int(m.group(3)) > 0, f"{impl}: a time and a rate\n{out}"
+        assert m.group(4) == "True", f"{impl}: greedy tokens equal paged|sdpa's\n{out}"
+    assert "| paged\\|safeattn |" in out, f"the README table escapes the pipe:\n{out}"
+
+
 def test_bench_model_each_model_runs_its_own_implementation():
     """The models are built from one config; each must keep the implementation it was built with
     (Transformers 5 writes it into the config it is given: a shared one made every model run the

@@ -8,7 +8,7 @@ Two forms, one suite (each op's cases live in ``_bench_<op>.py``, shared timing 
   (``_bench.time_ms`` per call: CUDA events on the GPU, perf_counter on the CPU). The tables give
   each peer's time divided by safeattn's (> 1: safeattn is faster); the plots (``--plot DIR``,
   one PNG per op) give throughput against sequence length.
-- ``python -m safeattn bench {sdpa_mask,softmax,attention,decode,transformers,model} [options] [--markdown]``:
+- ``python -m safeattn bench {sdpa_mask,softmax,attention,decode,serving,transformers,model} [options] [--markdown]``:
   the fixed, larger shapes of the README's tables, in more detail (each module's docstring says
   what it measures); ``--markdown`` also prints the README's tables from the same run.
 """
@@ -29,6 +29,7 @@ from . import (
     _bench_decode,
     _bench_model,
     _bench_sdpa_mask,
+    _bench_serving,
     _bench_softmax,
     _bench_transformers,
 )
@@ -40,6 +41,7 @@ TABLES = {
     "softmax": _bench_softmax,
     "attention": _bench_attention,
     "decode": _bench_decode,
+    "serving": _bench_serving,
     "transformers": _bench_transformers,
     "model": _bench_model,
 }
