@@ -8,11 +8,11 @@
 //   Q tile   global -> shared (cp.async), then either held in registers (ldmatrix, once) or
 //            re-read from shared memory at every key tile (kQInRegs false).
 //   K/V      tiles of kBlockN keys, global -> shared by cp.async, in one of two pipelines:
-//            kStages = 2, double buffered: tile j + 1's K and V fly while tile j is computed;
+//            kStages >= 2 buffers: tiles j + 1 .. j + kStages - 1 fly while tile j is computed;
 //            kStages = 1, one buffer each: V_j flies during S = Q K_j^T and the softmax, K_j+1
-//            during O += P V_j (FlashAttention-2's order; half the shared memory, so two CTAs of
-//            4 warps fit an SM at D = 128). Rows are padded by 16 bytes (kStride = D + 8), so
-//            the 8 rows an ldmatrix reads fall in 8 different bank groups.
+//            during O += P V_j (FlashAttention-2's order, in half the shared memory of two
+//            stages). Rows are padded by 16 bytes (kStride = D + 8), so the 8 rows an ldmatrix
+//            reads fall in 8 different bank groups.
 //   S = Q K^T  mma.sync.m16n8k16 (16-bit in, fp32 accumulators), K fragments by ldmatrix; with
 //            two 16-row tiles per warp each fragment feeds two MMAs.
 //   softmax  online, in registers, in the log2 domain: p = exp2((s - m) * u). Plain scores (no
