@@ -32,10 +32,14 @@ echo "== pytest"
 # first spread over the workers.
 python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1 "$@"
 
-echo "== pytest, Transformers 4.57 (second environment, same build)"
-(SAFEATTN_REQUIREMENTS=requirements-tf457.txt SAFEATTN_SKIP_BUILD=1 source scripts/env.sh &&
-  python -m pytest tests/test_transformers.py tests/test_transformers_masks.py -q -n "${PYTEST_WORKERS:-2}" \
-    --maxschedchunk 1)
+# The Transformers integration against the 4.57 series (other mask keywords) and the newest
+# release (continuous batching changed in 5.23): environments of their own, the same build.
+for tf in 457 524; do
+  echo "== pytest, requirements-tf$tf.txt (same build)"
+  (SAFEATTN_REQUIREMENTS="requirements-tf$tf.txt" SAFEATTN_SKIP_BUILD=1 source scripts/env.sh &&
+    python -m pytest tests/test_transformers.py tests/test_transformers_masks.py tests/test_transformers_paged.py \
+      -q -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1)
+done
 
 echo "== C++ tests (Catch2 + CTest)"
 # The default ISA only: the C++ suite tests the API from C++, and pytest above ran every ISA

@@ -19,6 +19,7 @@ import safeattn.transformers as safeattn_transformers
 import torch
 import transformers
 from _transformers_models import make_config, make_model
+from packaging.version import Version
 
 _cb_cache = pytest.importorskip(
     "transformers.generation.continuous_batching.cache",
@@ -33,6 +34,11 @@ if not hasattr(transformers, "ContinuousBatchingConfig") or not hasattr(
         "paged|safeattn follows 5.x's API",
         allow_module_level=True,
     )
+
+# Transformers 5.23 dropped the `paged|` prefix: its continuous batching runs paged|eager, sdpa and
+# implementations named flash-something only, and refuses paged|safeattn (after stripping the
+# prefix, "safeattn") with a ValueError. The Hub-kernel route below is the way there from then on.
+TAKES_PAGED_SAFEATTN = Version(transformers.__version__) < Version("5.23")
 
 # Mixed prompt lengths: 1 token, odd lengths, and one longer than a batch's token budget
 # (chunked prefill: a later chunk's queries sit after keys already in the cache).
@@ -62,6 +68,10 @@ def _generate(config, implementation, max_new_tokens=12):
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
 def test_generate_batch_matches_paged_sdpa(cpu_memory, monkeypatch, name):
     config = make_config(name)
+    if not TAKES_PAGED_SAFEATTN:
+        with pytest.raises(ValueError, match="not supported for continuous batching"):
+            _generate(config, safeattn_transformers.PAGED_NAME)
+        return
     calls = []
     forward = safeattn_transformers.paged_attention_forward
 

@@ -5,7 +5,9 @@ composed from a few factories of ``transformers.masking_utils``: ``causal_mask_f
 ``bidirectional_mask_function`` (5.x), ``sliding_window_overlay(w)``,
 ``sliding_window_bidirectional_overlay(w)`` (5.x), ``chunked_overlay(c, left_padding)``,
 ``padding_mask_function(pm)``, ``packed_sequence_mask_function(ids)``,
-``blockwise_overlay(ids)`` (5.x), joined by ``and_masks`` / ``or_masks``. What is not passed to
+``blockwise_overlay(ids)`` (5.x), joined by ``and_masks`` / ``or_masks``; from 5.23 the rules of
+a packed batch are wrapped by ``remap_positions_for_packed_sequence`` (read on position ids, which
+count from each sequence's start). What is not passed to
 the mask interface as data (the window, the chunk size, the padding and sequence-id tensors)
 lives in the closures.
 
@@ -106,6 +108,7 @@ def _add_leaf(factory_name: str, kind: str, freevars: tuple[str, ...], *args) ->
 
 _AND_CODE = _probe_code("and_masks", _mu.causal_mask_function)
 _OR_CODE = _probe_code("or_masks", _mu.causal_mask_function)
+_REMAP_CODE = _probe_code("remap_positions_for_packed_sequence", _mu.causal_mask_function, _DUMMY_IDS)
 _add_leaf("sliding_window_overlay", "sliding", ("sliding_window",), 1)
 _add_leaf("sliding_window_bidirectional_overlay", "sliding_bidirectional", ("sliding_window",), 1)
 _add_leaf("chunked_overlay", "chunked", ("chunk_size", "left_padding"), 1, _DUMMY_LEFT_PADDING)
@@ -179,6 +182,8 @@ def recognised_factories() -> set[str]:
             names.add("and_masks")
         if _OR_CODE is not None:
             names.add("or_masks")
+        if _REMAP_CODE is not None:
+            names.add("remap_positions_for_packed_sequence")
     return names
 
 
@@ -203,7 +208,7 @@ class _Form:
     one chunking. ``None`` fields are absent.
     """
 
-    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "block_ored", "padding")
+    __slots__ = ("causal", "sliding", "chunk", "packed", "block", "block_ored", "padding", "remapped")
 
     def __init__(self):
         self.causal = False
@@ -215,6 +220,9 @@ class _Form:
         # is a different mask): False for the bare overlay, True once an OR has absorbed it.
         self.block_ored = False
         self.padding = None  # list of [B, L] padding masks, ANDed
+        # The causal and window rules read position ids (remap_positions_for_packed_sequence):
+        # the same rules on indices inside each packed sequence, whose positions step by 1.
+        self.remapped = False
 
     def has_inner(self) -> bool:
         """True when the form constrains more than padding (so nothing may be ORed past it)."""
@@ -271,6 +279,7 @@ def _and_forms(forms: list[_Form]) -> _Form | NotRecognised:
         if form.padding is not None:
             out.padding = (out.padding or []) + form.padding
         out.causal = out.causal or form.causal
+        out.remapped = out.remapped or form.remapped
         for field in ("sliding", "chunk", "packed"):
             theirs = getattr(form, field)
             if theirs is None:
@@ -304,11 +313,37 @@ def _or_forms(forms: list[_Form]) -> _Form | NotRecognised:
             )
             if block_only and base.block is None and base.padding is None:
                 out = _Form()
-                for field in ("causal", "sliding", "chunk", "packed"):
+                for field in ("causal", "sliding", "chunk", "packed", "remapped"):
                     setattr(out, field, getattr(base, field))
                 out.block, out.block_ored = block.block, True
                 return out
     return NotRecognised("or_masks of anything but a mask and one blockwise_overlay")
+
+
+_REMAPPED_ONLY = "positions remapped for packing around more than causal and window rules"
+
+
+def _read_remapped(fn, depth: int) -> _Form | NotRecognised:
+    """remap_positions_for_packed_sequence(mask_function, position_ids): mask_function on each
+    packed sequence's own positions. Causal and window rules depend on q - kv alone, which the
+    positions keep inside a sequence (Transformers splits the packing where they do not step by
+    1), so they read as on indices once ANDed with the packed ids (_describe checks that). A
+    chunking counts from position 0 and padding is indexed by position: not read."""
+    cells = _cells(fn)
+    if isinstance(cells, NotRecognised):
+        return cells
+    form = _read(cells.get("mask_function"), depth + 1)
+    if isinstance(form, NotRecognised):
+        return form
+    if (
+        form.chunk is not None
+        or form.padding is not None
+        or form.packed is not None
+        or form.block is not None
+    ):
+        return NotRecognised(_REMAPPED_ONLY)
+    form.remapped = True
+    return form
 
 
 def _read(fn, depth: int) -> _Form | NotRecognised:
@@ -317,6 +352,8 @@ def _read(fn, depth: int) -> _Form | NotRecognised:
     if not callable(fn):
         return NotRecognised(f"a mask function that is not callable ({type(fn).__name__})")
     code = getattr(fn, "__code__", None)
+    if code is not None and code is _REMAP_CODE:
+        return _read_remapped(fn, depth)
     if code is not None and (code is _AND_CODE or code is _OR_CODE):
         cells = _cells(fn)
         if isinstance(cells, NotRecognised):
@@ -338,6 +375,8 @@ def _describe(form: _Form) -> MaskDescription | NotRecognised:
     """The description of a read composition, or why the native op cannot build it."""
     if form.block is not None and not form.block_ored:
         return NotRecognised("a blockwise_overlay not ORed onto a mask")
+    if form.remapped and form.packed is None:
+        return NotRecognised("positions remapped for packed sequences without their packed mask")
     sliding_window = None
     if form.sliding is not None:
         kind, window = form.sliding
