@@ -24,6 +24,8 @@ Environment switches:
                                 (csrc/ops/cuda/hopper/*.cu, built for sm_90a, SAFEATTN_WITH_SM90)
                                 need: a build that targets 9.0 without them stops (NO_CUTLASS)
   SAFEATTN_DEBUG_INFO=1         keep debug info (-g) in _C; release builds have none (-g0)
+  SAFEATTN_BUILD_TEMP=dir       where the object files go (default: setuptools', a temporary
+                                directory for an editable install; scripts/env.sh: build/temp)
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
   SAFEATTN_LOCAL_VERSION=auto   a binary wheel's version names its torch, CUDA and C++ ABI
                                 (0.1.0+cu130torch2.14.1cxx11abiTRUE; see package_version)
@@ -426,6 +428,14 @@ def build_config():
 class Build(BuildExtension):
     """Compiles each CPU kernel once per ISA with its own flags, then links everything; writes
     _build_config.py next to _C (in the source tree for in-place and editable builds)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        # SAFEATTN_BUILD_TEMP: the object files' directory. An editable install otherwise gets a
+        # fresh temporary one from setuptools at every build; scripts/env.sh puts it in the tree,
+        # so that ccache sees the same paths relative to it from every clone.
+        if os.environ.get("SAFEATTN_BUILD_TEMP"):
+            self.build_temp = os.environ["SAFEATTN_BUILD_TEMP"]
 
     def run(self):
         super().run()

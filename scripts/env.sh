@@ -24,9 +24,9 @@ fi
 # shellcheck disable=SC1091
 source "$SAFEATTN_VENV/bin/activate"
 # ccache, where installed (scripts/test.sh installs it for CI): compiled objects are kept outside
-# the clone (next to the environments), keyed by the compiler, its flags and the preprocessed
-# source, so a build after a change recompiles only the files the change reaches. Paths inside the
-# clone are hashed relative to it (a fresh clone elsewhere hits the same entries). nvcc goes
+# the clone (next to the environments), keyed by the compiler, its flags and the source, so a
+# build after a change recompiles only the files the change reaches. Paths inside the clone are
+# hashed relative to it (a fresh clone elsewhere hits the same entries). nvcc goes
 # through it by torch's PYTORCH_NVCC, the C++ compiler by ccache's compiler links on PATH.
 if command -v ccache >/dev/null && [ -d /usr/lib/ccache ] && [ "${SAFEATTN_CCACHE:-1}" != "0" ]; then
   export CCACHE_DIR="${CCACHE_DIR:-${SAFEATTN_CACHE:-$HOME/.cache/safeattn}/ccache}"
@@ -78,7 +78,11 @@ else
     echo "== building safeattn ($(python -c 'import torch; print("torch", torch.__version__)'))"
     rm -f "$SAFEATTN_VENV/.build-stamp" "$SAFEATTN_VENV/.build-sources"
     _log="$(mktemp)"
-    (cd "$_root" && python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
+    # Objects in the tree (build/temp): ninja compiles from there, so every path ccache hashes is
+    # relative to the clone (an editable install's temporary build directory would bring the
+    # clone's own path into them), and a rebuild of a few files keeps the others.
+    (cd "$_root" && SAFEATTN_BUILD_TEMP="${SAFEATTN_BUILD_TEMP:-$_root/build/temp}" \
+      python -m pip install -q --no-build-isolation --no-deps -e .) >"$_log" 2>&1 || { cat "$_log"; exit 1; }
     python -c "import safeattn" && echo "$_stamp" >"$SAFEATTN_VENV/.build-stamp" &&
       _build_stamp >"$SAFEATTN_VENV/.build-sources"
   fi
