@@ -122,9 +122,8 @@ def test_hopper_forward_takes_sm90a(not_generic, dtype, head_dim, mask):
     path = attention_path(q, k, v, **kwargs)
     assert path.kernel == "sm90a", f"D={head_dim} {dtype} {mask}: took {path}"
     assert not path.key_ranges_drawn, f"{mask}: sm90a reads key ranges, yet they were drawn: {path}"
-    # With key ranges sm90a is asked first; else decode is, and declines 8 x 256 query rows.
-    expected = [] if mask in ("described", "key_ranges") else ["decode"]
-    assert _names(path) == expected, f"{mask}: asked before sm90a: {path.rejected}"
+    # decode is asked first, key ranges or not, and declines 8 x 256 query rows.
+    assert _names(path) == ["decode"], f"{mask}: asked before sm90a: {path.rejected}"
 
 
 @NEEDS_SM90A
@@ -213,6 +212,22 @@ def test_one_query_row_over_a_long_cache_takes_decode(dtype, head_dim, hq, hkv):
 
 
 @NEEDS_GPU
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_length", [1, 2])
+def test_a_kv_cache_with_key_ranges_takes_decode(dtype, head_dim, q_length):
+    """attention_with_kvcache's call: a few query rows, each batch row's filled length as key
+    ranges. decode reads them: nothing is drawn, and no prefill kernel walks the whole cache."""
+    q, k, v = _qkv(3, 32, 8, q_length, 8192, head_dim, dtype, "cuda")
+    lengths = torch.tensor([8192, 17, 4000], device="cuda")[:, None]
+    hi = lengths - (q_length - 1) + torch.arange(q_length, device="cuda")  # causal, bottom-right
+    ranges = torch.stack((torch.zeros_like(hi), hi), -1).to(torch.int32)
+    path = attention_path(q, k, v, enable_gqa=True, key_ranges=ranges)
+    assert path.kernel == "decode" and not path.key_ranges_drawn, f"D={head_dim} Sq={q_length}: took {path}"
+    assert path.rejected == [], f"decode is asked first: {path.rejected}"
+
+
+@NEEDS_GPU
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("mask", ["none", "causal", "described"])
 def test_float32_takes_chunked_aten(backward, mask):
@@ -220,8 +235,6 @@ def test_float32_takes_chunked_aten(backward, mask):
     path = attention_path(q, k, v, backward=backward, **_cuda_mask_kwargs(mask, torch.float32))
     assert path.kernel == "chunked_aten", f"float32, {mask}, backward={backward}: took {path}"
     asked = ["sm90a", "mma_sync"] if backward else ["decode", "sm90a", "mma_sync"]
-    if mask == "described" and not backward:
-        asked = ["sm90a", "decode", "mma_sync"]  # sm90a first: it alone reads key ranges
     assert _names(path) == asked, f"float32: asked {path.rejected}"
     assert "float16" in dict(path.rejected)["mma_sync"], f"mma_sync declined float32 for: {path.rejected}"
 

@@ -12,19 +12,12 @@ namespace safeattn::cuda {
 
 AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args) {
   AttentionChoice choice;
-  if (args.key_ranges.defined()) {
-    if (choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
-      return choice;
-    }
-    choice.draw_key_ranges = true;
-  }
-  if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args))) {
+  // decode and sm90a read key ranges; the kernels after them get them drawn into the mask.
+  if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args)) ||
+      choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
     return choice;
   }
-  // Asked above already when there are key ranges: its answer does not depend on them.
-  if (!args.key_ranges.defined() && choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
-    return choice;
-  }
+  choice.draw_key_ranges = args.key_ranges.defined();
   if (choice.offer(AttentionPath::kMmaSync, attention_fwd_mma_sync_rejects(args))) {
     return choice;
   }

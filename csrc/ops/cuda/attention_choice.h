@@ -2,9 +2,8 @@
 // ops/attention_choice.h). Plain C++: no CUDA header, so ops/attention_choice.h's users need none.
 //
 // Forward (choose_attention_fwd), the first kernel that can take the call:
-//   - with key ranges, sm90a first, the only kernel that reads them; when it cannot, they are
-//     drawn into the mask (with_key_ranges_drawn) and the list below goes on without sm90a;
-//   - decode (attention_decode.h), sm90a (attention_fwd_sm90.h), mma_sync (attention_fwd.cuh),
+//   - decode (attention_decode.h) and sm90a (attention_fwd_sm90.h), key ranges read;
+//   - else key ranges drawn into the mask (with_key_ranges_drawn): mma_sync (attention_fwd.cuh),
 //     chunked_aten (ops/attention_composite.h), which takes everything.
 // Backward (choose_attention_bwd):
 //   - sm90a (attention_bwd_sm90.h), key ranges read, where it can take the call and, under
@@ -12,8 +11,8 @@
 //     (attention_bwd_sm90_deterministic);
 //   - else key ranges drawn into the mask: mma_sync (attention_bwd.cuh), chunked_aten.
 // Drawing keeps the mask's kind (a float mask stays float; none or a bool one becomes bool), and
-// no predicate but sm90a's reads the key ranges, so every kernel is asked about the arguments as
-// given: the choice is made once, before any mask is drawn.
+// no predicate reads the key ranges, so every kernel is asked about the arguments as given: the
+// choice is made once, before any mask is drawn.
 #pragma once
 
 #include "ops/attention.h"

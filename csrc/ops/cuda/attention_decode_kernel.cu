@@ -8,6 +8,8 @@
 //   1. split kernel: one CTA per (KV split, kv head, batch) holds every query row of the kv
 //      head's group (rows = group * Q <= 16: one MMA row tile, padded with zero rows) and walks
 //      its split's keys in tiles of 64, double buffered by cp.async as in the prefill forward.
+//      The splits share the keys some row sees (with key ranges, the union of the rows' ranges:
+//      a KV cache's filled length, a window), so a cache's unused slots are never read.
 //      Each of the 4 warps takes 16 keys of every tile with its own online softmax state:
 //      S = Q K^T and O += P V by mma.sync (K and V read once per kv head, a few instructions per
 //      16 keys), no cross-warp step inside the loop. At the end the warps' states are merged
@@ -36,6 +38,7 @@ namespace safeattn::cuda {
 namespace {
 
 using attn::Causal;
+using attn::KeyRangeView;
 using attn::kLn2;
 using attn::kLog2e;
 using attn::MaskView;
@@ -61,13 +64,25 @@ struct DecodeParams {
   float* o_part;    // [B * Hq * Q, splits, D]: each split's output, normalised by its own sum
   float* lse_part;  // [B * Hq * Q, splits]: each split's lse, log2 domain (-inf: no visible key)
   int64_t hq, group, q_len;
-  int64_t kv_end;           // keys at or past it are visible to no row (kv_len, or less by causal)
-  int64_t tiles_per_split;  // key tiles of kTileKeys per split
-  int splits;
+  int64_t kv_end;  // keys at or past it are visible to no row (kv_len, or less by causal)
+  int splits;      // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
   int rows;         // group * q_len: row r is query i = r / group of head hk * group + r % group
   ScoreRule score;  // log2 units, a floating mask's values converted to them
   Causal causal;
   MaskView mask;
+  KeyRangeView ranges;  // null: every row's keys are [0, kv_end)
+
+  // Query i of batch b sees keys [lo, hi) within [0, kv_end): its key range and the causal rule
+  // (then the mask, element by element). int32, as key ranges are: kv_end is at most 2^31 - 1
+  // (attention_fwd_decode_rejects), and the causal shift is clamped to [-Q, KV].
+  __device__ __forceinline__ void row_range(int64_t b, int i, int& lo, int& hi) const {
+    lo = 0;
+    hi = static_cast<int>(causal.kv_end(i + 1, kv_end));
+    if (ranges.ptr != nullptr) {
+      lo = max(ranges.lo(b, i), 0);
+      hi = min(ranges.hi(b, i), hi);
+    }
+  }
 };
 
 template <typename T, int kD>
@@ -102,9 +117,26 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
 
   const T* k_base = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
   const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
-  const int64_t n_tiles = (p.kv_end + kTileKeys - 1) / kTileKeys;
-  const int64_t tile_begin = split * p.tiles_per_split;
-  const int64_t tile_end = tile_begin + p.tiles_per_split < n_tiles ? tile_begin + p.tiles_per_split : n_tiles;
+  // The keys some row of this CTA sees, [lo_min, hi_max), and those every row sees, [lo_max,
+  // hi_min): the splits share the first equally, and tiles inside the second need no range test.
+  // Keys at or past hi_max are not read (zero-filled in shared memory): a cache's unused slots,
+  // whatever they hold, never meet a probability, not even a zero one.
+  int lo_min = static_cast<int>(p.kv_end), hi_max = 0, lo_max = 0, hi_min = static_cast<int>(p.kv_end);
+  for (int i = 0; i < p.q_len; ++i) {
+    int lo, hi;
+    p.row_range(b, i, lo, hi);
+    if (lo < hi) {
+      lo_min = min(lo, lo_min);
+      hi_max = max(hi, hi_max);
+    }
+    lo_max = max(lo, lo_max);
+    hi_min = min(hi, hi_min);
+  }
+  const int first_tile = lo_min / kTileKeys;
+  const int n_tiles = lo_min < hi_max ? (hi_max + kTileKeys - 1) / kTileKeys - first_tile : 0;
+  const int per_split = (n_tiles + p.splits - 1) / p.splits;
+  const int tile_begin = first_tile + min(split * per_split, n_tiles);
+  const int tile_end = first_tile + min(split * per_split + per_split, n_tiles);
 
   // Q rows gathered from their (query, head) positions; rows past p.rows are zeros.
   for (int c = tid; c < kMaxRows * kChunks; c += kThreads) {
@@ -116,12 +148,12 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     }
     cp_async_16(s_q + r * kStride + ch * 8, src, valid);
   }
-  auto load_kv = [&](int64_t tile, int stage) {
-    const int64_t j0 = tile * kTileKeys;
+  auto load_kv = [&](int tile, int stage) {
+    const int j0 = tile * kTileKeys;
     load_tile<T, kTileKeys, kD, kThreads>(s_k + stage * kTileKeys * kStride, k_base + j0 * p.k_si, p.k_si,
-                                          p.kv_end - j0, tid);
+                                          hi_max - j0, tid);
     load_tile<T, kTileKeys, kD, kThreads>(s_v + stage * kTileKeys * kStride, v_base + j0 * p.v_si, p.v_si,
-                                          p.kv_end - j0, tid);
+                                          hi_max - j0, tid);
   };
   if (tile_begin < tile_end) {
     load_kv(tile_begin, 0);
@@ -136,15 +168,18 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
   }
 
   // This thread's two rows of the fragment, g and g + 8: their query index and mask row.
-  bool row_ok[2];
-  int64_t row_query[2], row_mask[2];
+  // A row past p.rows sees no key: an empty range.
+  int64_t row_mask[2];
+  int row_lo[2], row_hi[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half;
-    row_ok[half] = r < p.rows;
-    row_query[half] = row_ok[half] ? r / p.group : 0;
-    const int64_t h = hk * p.group + (row_ok[half] ? r % p.group : 0);
-    row_mask[half] = p.mask.kind == attn::MaskKind::kNone ? 0 : p.mask.offset(b, h, row_query[half], 0);
+    const bool row_ok = r < p.rows;
+    const int row_query = row_ok ? r / static_cast<int>(p.group) : 0;
+    p.row_range(b, row_query, row_lo[half], row_hi[half]);
+    row_hi[half] = row_ok ? row_hi[half] : 0;
+    const int64_t h = hk * p.group + (row_ok ? r % p.group : 0);
+    row_mask[half] = p.mask.kind == attn::MaskKind::kNone ? 0 : p.mask.offset(b, h, row_query, 0);
   }
 
   float o_acc[kDTiles][4];
@@ -158,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   int stage = 0;
-  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
     if (tile + 1 < tile_end) {
       load_kv(tile + 1, stage ^ 1);  // in flight while this tile is computed
     }
@@ -167,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     __syncthreads();
     const T* k_s = s_k + (stage * kTileKeys + warp * kWarpKeys) * kStride;
     const T* v_s = s_v + (stage * kTileKeys + warp * kWarpKeys) * kStride;
-    const int64_t j0 = tile * kTileKeys + warp * kWarpKeys;  // this warp's first key
+    const int j0 = tile * kTileKeys + warp * kWarpKeys;  // this warp's first key
 
     // ---- S = Q K^T over this warp's 16 keys, in log2 units ----
     float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -178,17 +213,16 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
       mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
     }
     p.score.score_all<8>(&s_acc[0][0]);
-    // Keys past kv_end, the causal rule and the mask: only where one of them can hide a key.
-    if (p.mask.kind != attn::MaskKind::kNone || j0 + kWarpKeys > p.kv_end ||
-        !p.causal.tile_all_visible(0, j0 + kWarpKeys)) {
+    // The rows' key ranges (the causal rule in them) and the mask: only where one can hide a key.
+    if (p.mask.kind != attn::MaskKind::kNone || j0 < lo_max || j0 + kWarpKeys > hi_min) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int64_t j = j0 + nt * 8 + 2 * t + e;
-            const bool visible = row_ok[half] && j < p.kv_end && p.causal.visible(row_query[half], j);
+            const int j = j0 + nt * 8 + 2 * t + e;
+            const bool visible = row_lo[half] <= j && j < row_hi[half];
             float x = s_acc[nt][2 * half + e];
             if (visible && p.mask.kind != attn::MaskKind::kNone) {
               x = p.score.masked(x, p.mask.additive(row_mask[half] + j * p.mask.stride_kv));
@@ -414,11 +448,12 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
     return std::max(n, 1);
   }();
+  // With key ranges a (batch, kv head) may see fewer keys than kv_end: its splits then share
+  // those (the kernel divides them), and some may get none.
   const int64_t tiles = (p.kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t slots = multiprocessor_count() * resident;
-  const int64_t splits = std::clamp<int64_t>(slots / (batch * hkv), 1, std::clamp<int64_t>(tiles, 1, kMaxSplits));
-  p.tiles_per_split = std::max<int64_t>(1, (tiles + splits - 1) / splits);
-  p.splits = static_cast<int>(std::max<int64_t>(1, (tiles + p.tiles_per_split - 1) / p.tiles_per_split));
+  p.splits = static_cast<int>(
+      std::clamp<int64_t>(slots / (batch * hkv), 1, std::clamp<int64_t>(tiles, 1, kMaxSplits)));
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -458,6 +493,9 @@ const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a) {
   if (a.query.size(0) > 65535 || hkv > 65535) {
     return "batch or kv heads above 65535 (grid y and z)";
   }
+  if (a.key.size(2) > int64_t{1} << 30) {
+    return "more than 2^30 keys (key indices are int32)";
+  }
   if (a.out.stride(3) != 1 || !attn::rows_aligned_16(a.query) || !attn::rows_aligned_16(a.key) ||
       !attn::rows_aligned_16(a.value)) {
     return "query, key or value rows not 16-byte aligned, or out's last dim strided";
@@ -492,6 +530,7 @@ void attention_fwd_decode(const AttentionFwdArgs& a) {
   p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false, /*log2_mask=*/true);
   p.causal = attn::causal_rule(a);
   p.mask = attn::make_mask_view(a.mask);
+  p.ranges = attn::make_key_range_view(a.key_ranges);
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.
   p.kv_end = a.is_causal ? std::clamp<int64_t>(q_len + p.causal.shift, 0, kv_len) : kv_len;
