@@ -392,6 +392,102 @@ def test_cuda_decode_nan_in_unused_slots(paged, dtype):
     assert not out.isnan().any() and not lse.isnan().any(), "NaN in unused cache slots leaked"
 
 
+# The decode kernel's own cases (bf16 / fp16, D 64 / 128, at most 16 query rows per kv head):
+# pages smaller and larger than its 64-key tile, GQA groups, a few query tokens, the window and
+# softcap and sinks, lengths that end inside a tile, and an empty sequence.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(("paged", "page_size"), [(False, 16), (True, 16), (True, 64), (True, 256)])
+@pytest.mark.parametrize(("hq", "hkv", "q_length"), [(8, 8, 1), (32, 8, 1), (16, 2, 2), (8, 2, 4)])
+def test_cuda_decode_kernel_cases(dtype, head_dim, paged, page_size, hq, hkv, q_length):
+    case = _case(
+        [700, 0, 65, 300][: 4 if q_length == 1 else 2],
+        q_length,
+        q_length,
+        hq,
+        hkv,
+        head_dim,
+        dtype,
+        "cuda",
+        paged=paged,
+        page_size=page_size,
+        capacity=768,
+        poison=float("nan"),
+    )
+    _check(*case, causal=True)
+    sinks = torch.randn(hq, device="cuda")
+    _check(*case, window_size=(100, 0), softcap=20.0, sinks=sinks)
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # the first call's one-time work (occupancy, attributes) stays out of the trace
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_decode_step_is_three_kernels(paged):
+    """A decode step with int32 lengths and table: the append, the split kernel reading the
+    cache in place (no gather of the pages, no range arithmetic), the combine."""
+    case = _case([500, 3, 77], 1, 1, 32, 8, 128, torch.bfloat16, "cuda", paged=paged, capacity=512)
+    q, k_cache, v_cache, seqlens, k, v, table = case
+    names = _kernel_names(
+        lambda: safeattn.attention_with_kvcache(q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True)
+    )
+    kinds = ["kvcache_append", "kvcache_append", "attention_decode_split", "attention_decode_combine"]
+    assert len(names) == len(kinds) and all(k in n for k, n in zip(kinds, names, strict=True)), names
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_decode_step_replays_in_a_cuda_graph(paged):
+    """Captured once, replayed with new lengths, queries and tokens written into the same
+    tensors (as a serving loop does): each replay matches the eager call on the same inputs."""
+    case = _case([40, 0, 90], 1, 1, 16, 4, 64, torch.float16, "cuda", paged=paged, capacity=256)
+    q, k_cache, v_cache, seqlens, k, v, table = case
+    kwargs = dict(block_table=table, causal=True, return_lse=True)
+    safeattn.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), seqlens, k, v, **kwargs)  # warm-up
+    graph_k, graph_v = k_cache.clone(), v_cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = safeattn.attention_with_kvcache(q, graph_k, graph_v, seqlens, k, v, **kwargs)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        seqlens.copy_(torch.tensor([41 + step, 1 + step, 120 - step], dtype=torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen))
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+        want_k, want_v = graph_k.clone(), graph_v.clone()
+        want = safeattn.attention_with_kvcache(q, want_k, want_v, seqlens, k, v, **kwargs)
+        graph.replay()
+        torch.testing.assert_close(got, want, msg=f"replay {step}")
+        assert torch.equal(graph_k, want_k) and torch.equal(graph_v, want_v), f"replay {step}: the append"
+
+
+def test_private_op_rejects_what_would_leave_the_cache():
+    """_attention_kvcache is reached through attention_with_kvcache, but a direct call with bad
+    indices still gets an error naming the argument, not a read outside a tensor."""
+    q, kc, vc = torch.randn(2, 1, 4, 8), torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
+    seq = torch.tensor([1, 2], dtype=torch.int32)
+    op = torch.ops.safeattn._attention_kvcache
+    args = (None, None, None, None, False, -1, -1, 0.0, None)
+    with pytest.raises(ValueError, match="cache_seqlens must be a contiguous 1-D int32"):
+        op(q, kc, vc, seq.long(), *args)
+    with pytest.raises(ValueError, match="cache_seqlens must have 2 entries"):
+        op(q, kc, vc, seq[:1], *args)
+    with pytest.raises(ValueError, match="block_table must be a contiguous 2-D int32"):
+        op(q, kc, vc, seq, None, None, torch.zeros(2, 3), *args[3:])
+    with pytest.raises(ValueError, match="do not fit the cache"):
+        op(q, kc, vc, seq, torch.randn(2, 11, 2, 8), torch.randn(2, 11, 2, 8), *args[2:])
+
+
 def _bad_inputs():
     q = torch.randn(2, 1, 4, 8)
     kc, vc = torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)

@@ -1,4 +1,5 @@
-"""The fake of ``sdpa_mask``: its output, with the op's checks run by the C++ code itself.
+"""The fakes of ``sdpa_mask`` and ``_attention_kvcache``: their outputs, with the checks of the
+first run by the C++ code itself.
 
 Every op's checks are written once, in C++, on symbolic sizes (csrc/common/checks.h). The other
 ops' fakes are C++ Meta kernels beside their CPU entry points, so nothing of them is here.
@@ -25,3 +26,13 @@ def _sdpa_mask_fake(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *,
     return torch.empty(
         (batch_size, 1, q_length, kv_length), dtype=torch.bool if dtype is None else dtype, device=device
     )
+
+
+@torch.library.register_fake("safeattn::_attention_kvcache")
+def _attention_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, *args):
+    """``_attention_kvcache``'s outputs (csrc/ops/attention_kvcache.h), on symbolic sizes: its only
+    caller, ``attention_with_kvcache``, has checked the arguments by then."""
+    batch, q_length, heads, _ = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_empty((batch, q_length, heads, v_cache.shape[3]))
+    return out, q.new_empty((batch, heads, q_length), dtype=lse_dtype)

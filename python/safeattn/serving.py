@@ -1,17 +1,23 @@
 """Serving: variable-length (packed) batches and a KV cache, contiguous or paged.
 
-Both functions are Python compositions over ``torch.ops.safeattn.attention``: the packed
-sequences, the cache's filled lengths, causality and the window become the op's ``key_ranges``
-(one interval of keys per query row), computed on the device with torch ops, so no call
-synchronises with the host and ``torch.compile(fullgraph=True, dynamic=True)`` traces them
-without a graph break. The op's safe semantics carry over: a query row that sees no key (a
-sequence with no keys, a window past every key) gives output 0, log-sum-exp ``-inf`` and 0
-gradients.
+``varlen_attention`` is a Python composition over ``torch.ops.safeattn.attention``: the packed
+sequences, causality and the window become the op's ``key_ranges`` (one interval of keys per
+query row), computed on the device with torch ops, so no call synchronises with the host and
+``torch.compile(fullgraph=True, dynamic=True)`` traces it without a graph break.
+``attention_with_kvcache`` checks its arguments here, then, when no gradient is asked for, makes
+one call to the C++ op ``_attention_kvcache`` (csrc/ops/attention_kvcache.h): on CUDA the append
+kernel and the split-KV decode kernel, which reads a paged cache's pages where they are and each
+row's keys from the cache's lengths (three kernels a step, capturable in a CUDA graph); where
+the decode kernel does not apply (float32, other head dims, more than 16 query rows per kv head)
+and on the CPU, the same rules as key ranges over the op. With a gradient it runs that
+composition in Python, so autograd sees the append and the attention. The op's safe semantics
+carry over: a query row that sees no key (a sequence with no keys, a window past every key)
+gives output 0, log-sum-exp ``-inf`` and 0 gradients.
 
-Known costs of this first version: where the op has no tile-skipping kernel for ``key_ranges``
-(every device but the sm_90a one, the CPU included) they are drawn as a dense
-``[1, total_q, total_k]`` mask, so varlen attention takes O(total_q * total_k) memory and work
-there; a paged cache is gathered into a contiguous copy before the attention.
+Known costs: where the op has no tile-skipping kernel for ``key_ranges`` (the generic CUDA
+kernels, the CPU) they are drawn as a dense ``[1, total_q, total_k]`` mask, so varlen attention
+takes O(total_q * total_k) memory and work there; outside the decode kernel a paged cache is
+gathered into a contiguous copy first.
 """
 
 from __future__ import annotations
@@ -229,6 +235,10 @@ def varlen_attention(
     return (out, lse[0]) if return_lse else out
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _write_positions(cache_seqlens: torch.Tensor, new_tokens: int, capacity: int) -> torch.Tensor:
     """Where the new tokens go: ``[B]`` first positions, clamped so that all ``new_tokens`` fit."""
     return cache_seqlens.to(torch.int64).clamp(0, capacity - new_tokens)
@@ -266,10 +276,9 @@ def attention_with_kvcache(
       strided view ``[B, Hkv, S_max, D]``.
     - paged: ``k_cache`` ``[num_blocks, page_size, Hkv, D]`` and ``block_table`` ``[B, max_blocks]``
       int32: position ``p`` of sequence ``b`` is slot ``p % page_size`` of page
-      ``block_table[b, p // page_size]``. This first version gathers each sequence's pages into
-      a contiguous ``[B, max_blocks * page_size, Hkv, D]`` copy before the attention (a known
-      cost: one read and write of every listed page per call); the write goes to the pages
-      directly.
+      ``block_table[b, p // page_size]``. The CUDA decode kernel reads the pages in place;
+      every other route gathers each sequence's pages into a contiguous
+      ``[B, max_blocks * page_size, Hkv, D]`` copy first. The write goes to the pages directly.
 
     Not checked (that would take a host synchronisation), with the behaviour it gets instead,
     never a read or write outside the cache: ``cache_seqlens`` beyond the capacity (``S_max``, or
@@ -359,6 +368,26 @@ def attention_with_kvcache(
     else:
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int64, device=q.device)
     window = _check_window(name, window_size)
+
+    if not _needs_grad(q, k_cache, v_cache, k, v, sinks):
+        # The C++ route (csrc/ops/attention_kvcache.h): one call, the same rules; on CUDA the
+        # decode kernel reads the pages in place.
+        out, lse = torch.ops.safeattn._attention_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens.to(torch.int32),
+            k,
+            v,
+            None if block_table is None else block_table.to(torch.int32),
+            softmax_scale,
+            bool(causal),
+            window[0],
+            window[1],
+            float(softcap or 0.0),
+            sinks,
+        )
+        return (out, lse) if return_lse else out
 
     start = _write_positions(cache_seqlens, new_tokens, capacity)  # [B] int64
     if paged:

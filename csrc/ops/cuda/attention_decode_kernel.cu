@@ -29,6 +29,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "ops/cuda/attention_common.cuh"
+#include "ops/attention_kvcache.h"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
@@ -71,11 +72,19 @@ struct DecodeParams {
   Causal causal;
   MaskView mask;
   KeyRangeView ranges;  // null: every row's keys are [0, kv_end)
+  // A KV cache's rules instead (seqlens non-null: _attention_kvcache): each row's keys, and with a
+  // block table where key j of batch b lives, k + page(b, j) * k_sb + slot(j) * k_si (k_sb the
+  // page stride then).
+  KvCacheView cache;
 
   // Query i of batch b sees keys [lo, hi) within [0, kv_end): its key range and the causal rule
   // (then the mask, element by element). int32, as key ranges are: kv_end is at most 2^31 - 1
   // (attention_fwd_decode_rejects), and the causal shift is clamped to [-Q, KV].
   __device__ __forceinline__ void row_range(int64_t b, int i, int& lo, int& hi) const {
+    if (cache.seqlens != nullptr) {
+      cache.key_range(b, i, lo, hi);
+      return;
+    }
     lo = 0;
     hi = static_cast<int>(causal.kv_end(i + 1, kv_end));
     if (ranges.ptr != nullptr) {
@@ -90,7 +99,9 @@ constexpr size_t decode_smem_bytes() {
   return static_cast<size_t>(kMaxRows + 4 * kTileKeys) * (kD + 8) * sizeof(T);
 }
 
-template <typename T, int kD>
+// kPaged: K and V rows through p.cache's block table (a separate instance: the contiguous one
+// keeps its registers).
+template <typename T, int kD, bool kPaged>
 __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(const DecodeParams p) {
   using namespace attn;  // mma, ldmatrix, cp.async, fast_exp2
   constexpr int kStride = padded_row(kD);
@@ -148,12 +159,26 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     }
     cp_async_16(s_q + r * kStride + ch * 8, src, valid);
   }
+  // A paged cache: each row of the tile from its own page (the table is read through L1).
+  auto load_paged = [&](T* dst, const T* base, int64_t page_stride, int64_t slot_stride, int j0) {
+    for (int c = tid; c < kTileKeys * kChunks; c += kThreads) {
+      const int r = c / kChunks, ch = c % kChunks, j = j0 + r;
+      const bool valid = j < hi_max;
+      const T* from = valid ? base + p.cache.page(b, j) * page_stride + p.cache.slot(j) * slot_stride + ch * 8 : base;
+      cp_async_16(dst + r * kStride + ch * 8, from, valid);
+    }
+  };
   auto load_kv = [&](int tile, int stage) {
     const int j0 = tile * kTileKeys;
-    load_tile<T, kTileKeys, kD, kThreads>(s_k + stage * kTileKeys * kStride, k_base + j0 * p.k_si, p.k_si,
-                                          hi_max - j0, tid);
-    load_tile<T, kTileKeys, kD, kThreads>(s_v + stage * kTileKeys * kStride, v_base + j0 * p.v_si, p.v_si,
-                                          hi_max - j0, tid);
+    T* k_dst = s_k + stage * kTileKeys * kStride;
+    T* v_dst = s_v + stage * kTileKeys * kStride;
+    if constexpr (kPaged) {
+      load_paged(k_dst, static_cast<const T*>(p.k) + hk * p.k_sh, p.k_sb, p.k_si, j0);
+      load_paged(v_dst, static_cast<const T*>(p.v) + hk * p.v_sh, p.v_sb, p.v_si, j0);
+    } else {
+      load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_base + j0 * p.k_si, p.k_si, hi_max - j0, tid);
+      load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_base + j0 * p.v_si, p.v_si, hi_max - j0, tid);
+    }
   };
   if (tile_begin < tile_end) {
     load_kv(tile_begin, 0);
@@ -434,10 +459,20 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   }
 }
 
-template <typename T, int kD>
-void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int64_t hkv) {
+// What the combine kernel writes: out (rows strided, unit inner stride), lse and lse_lo
+// ([B, Hq, Q] float32 contiguous; lse_lo may be null), reading sinks ([Hq] float32, or null).
+struct DecodeOutputs {
+  void* out = nullptr;
+  int64_t o_sb = 0, o_sh = 0, o_si = 0;
+  float* lse = nullptr;
+  float* lse_lo = nullptr;
+  const float* sinks = nullptr;
+};
+
+template <typename T, int kD, bool kPaged>
+void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_t hkv, at::TensorOptions options) {
   constexpr size_t kSmem = decode_smem_bytes<T, kD>();
-  auto kernel = &attention_decode_split_kernel<T, kD>;
+  auto kernel = &attention_decode_split_kernel<T, kD, kPaged>;
   if constexpr (kSmem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   }
@@ -457,7 +492,7 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_rows = batch * p.hq * p.q_len;
-  const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
+  const at::TensorOptions f32 = options.dtype(at::kFloat);
   const at::Tensor o_part = at::empty({total_rows, p.splits, kD}, f32);
   const at::Tensor lse_part = at::empty({total_rows, p.splits}, f32);
   p.o_part = o_part.data_ptr<float>();
@@ -467,34 +502,70 @@ void launch_decode(const AttentionFwdArgs& a, DecodeParams p, int64_t batch, int
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t blocks = (total_rows + kCombineWarps - 1) / kCombineWarps;
   attention_decode_combine_kernel<T, kD><<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(
-      p.o_part, p.lse_part, a.sinks.defined() ? a.sinks.const_data_ptr<float>() : nullptr,
-      static_cast<T*>(a.out.data_ptr()), a.out.stride(0), a.out.stride(1), a.out.stride(2), a.lse.data_ptr<float>(),
-      a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr, total_rows, p.hq, p.q_len, p.splits);
+      p.o_part, p.lse_part, o.sinks, static_cast<T*>(o.out), o.o_sb, o.o_sh, o.o_si, o.lse, o.lse_lo, total_rows, p.hq,
+      p.q_len, p.splits);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, const DecodeOutputs& o, int64_t batch,
+                int64_t hkv, at::TensorOptions options) {
+  with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
+    constexpr int kD = decltype(dim)::value;
+    const bool paged = p.cache.block_table != nullptr;
+    if (dtype == at::kBFloat16) {
+      paged ? launch_decode<__nv_bfloat16, kD, true>(p, o, batch, hkv, options)
+            : launch_decode<__nv_bfloat16, kD, false>(p, o, batch, hkv, options);
+    } else {
+      paged ? launch_decode<__half, kD, true>(p, o, batch, hkv, options)
+            : launch_decode<__half, kD, false>(p, o, batch, hkv, options);
+    }
+  });
+}
+
+// What both routes ask of the call's shape: rows = query rows per kv head (group x Q).
+const char* decode_shape_rejects(at::ScalarType dtype, int64_t head_dim, int64_t dv, int64_t rows, int64_t batch,
+                                 int64_t hkv, int64_t kv_len) {
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return "dtype is not float16 or bfloat16";
+  }
+  if (!has_head_dim<kDecodeHeadDims>(head_dim) || dv != head_dim) {
+    return "head dim is not 64 or 128 with D == Dv";
+  }
+  if (rows < 1 || rows > kMaxRows) {
+    return "more than 16 query rows per kv head (query heads per kv head x Q)";
+  }
+  if (batch > 65535 || hkv > 65535) {
+    return "batch or kv heads above 65535 (grid y and z)";
+  }
+  if (kv_len > int64_t{1} << 30) {
+    return "more than 2^30 keys (key indices are int32)";
+  }
+  return nullptr;
+}
+
+DecodeParams decode_params(const at::Tensor& q, int64_t hq, int64_t q_len, int64_t group, double scale,
+                           double softcap) {
+  DecodeParams p{};
+  p.q = q.const_data_ptr();
+  p.hq = hq;
+  p.group = group;
+  p.q_len = q_len;
+  p.rows = static_cast<int>(group * q_len);
+  p.score = attn::score_rule(scale, softcap, /*natural=*/false, /*log2_mask=*/true);
+  return p;
 }
 
 }  // namespace
 
 const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
-  const int64_t q_len = a.query.size(2), head_dim = a.query.size(3), hkv = a.key.size(1);
   if (a.out.numel() == 0) {
     return "an empty output";
   }
-  if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return "dtype is not float16 or bfloat16";
-  }
-  if (!has_head_dim<kDecodeHeadDims>(head_dim) || a.value.size(3) != head_dim) {
-    return "head dim is not 64 or 128 with D == Dv";
-  }
-  if (q_len < 1 || a.query.size(1) / hkv * q_len > kMaxRows) {
-    return "more than 16 query rows per kv head (query heads per kv head x Q)";
-  }
-  if (a.query.size(0) > 65535 || hkv > 65535) {
-    return "batch or kv heads above 65535 (grid y and z)";
-  }
-  if (a.key.size(2) > int64_t{1} << 30) {
-    return "more than 2^30 keys (key indices are int32)";
+  const int64_t hkv = a.key.size(1);
+  if (const char* reason = decode_shape_rejects(a.query.scalar_type(), a.query.size(3), a.value.size(3),
+                                                a.query.size(1) / hkv * a.query.size(2), a.query.size(0), hkv,
+                                                a.key.size(2))) {
+    return reason;
   }
   if (a.out.stride(3) != 1 || !attn::rows_aligned_16(a.query) || !attn::rows_aligned_16(a.key) ||
       !attn::rows_aligned_16(a.value)) {
@@ -512,35 +583,67 @@ const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a) {
 }
 
 void attention_fwd_decode(const AttentionFwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
-  const int64_t head_dim = a.query.size(3), hkv = a.key.size(1), kv_len = a.key.size(2);
-  const int64_t group = hq / hkv;
-  DecodeParams p{};
-  p.q = a.query.const_data_ptr();
+  const int64_t hkv = a.key.size(1), kv_len = a.key.size(2);
+  DecodeParams p = decode_params(a.query, hq, q_len, hq / hkv, a.scale, a.softcap);
   p.k = a.key.const_data_ptr();
   p.v = a.value.const_data_ptr();
   p.q_sb = a.query.stride(0), p.q_sh = a.query.stride(1), p.q_si = a.query.stride(2);
   p.k_sb = a.key.stride(0), p.k_sh = a.key.stride(1), p.k_si = a.key.stride(2);
   p.v_sb = a.value.stride(0), p.v_sh = a.value.stride(1), p.v_si = a.value.stride(2);
-  p.hq = hq;
-  p.group = group;
-  p.q_len = q_len;
-  p.rows = static_cast<int>(group * q_len);
-  p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false, /*log2_mask=*/true);
   p.causal = attn::causal_rule(a);
   p.mask = attn::make_mask_view(a.mask);
   p.ranges = attn::make_key_range_view(a.key_ranges);
   // Keys at or past kv_end are hidden from every row by the causal rule (the last row, q_len - 1,
   // sees keys j <= q_len - 1 + shift): they are not read.
   p.kv_end = a.is_causal ? std::clamp<int64_t>(q_len + p.causal.shift, 0, kv_len) : kv_len;
-  with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
-    if (dtype == at::kBFloat16) {
-      launch_decode<__nv_bfloat16, decltype(dim)::value>(a, p, batch, hkv);
-    } else {
-      launch_decode<__half, decltype(dim)::value>(a, p, batch, hkv);
-    }
-  });
+  DecodeOutputs o;
+  o.out = a.out.data_ptr();
+  o.o_sb = a.out.stride(0), o.o_sh = a.out.stride(1), o.o_si = a.out.stride(2);
+  o.lse = a.lse.data_ptr<float>();
+  o.lse_lo = a.lse_lo.defined() ? a.lse_lo.data_ptr<float>() : nullptr;
+  o.sinks = a.sinks.defined() ? a.sinks.const_data_ptr<float>() : nullptr;
+  run_decode(a.query.scalar_type(), a.query.size(3), p, o, batch, hkv, a.query.options());
+}
+
+const char* attention_kvcache_decode_rejects(const at::Tensor& q, const at::Tensor& k_cache,
+                                             const at::Tensor& v_cache, int64_t capacity) {
+  if (q.numel() == 0) {
+    return "an empty output";
+  }
+  const int64_t hkv = k_cache.size(2);
+  if (const char* reason = decode_shape_rejects(q.scalar_type(), q.size(3), v_cache.size(3),
+                                                q.size(2) / hkv * q.size(1), q.size(0), hkv, capacity)) {
+    return reason;
+  }
+  if (!attn::rows_aligned_16(q) || !attn::rows_aligned_16(k_cache) || !attn::rows_aligned_16(v_cache)) {
+    return "q, k_cache or v_cache rows not 16-byte aligned";
+  }
+  return nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                                                            const at::Tensor& v_cache, const KvCacheView& cache,
+                                                            double scale, double softcap, const at::Tensor& sinks) {
+  // q [B, Sq, Hq, D]; a contiguous cache [B, S, Hkv, D], a paged one [pages, page_size, Hkv, D].
+  const int64_t batch = q.size(0), q_len = q.size(1), hq = q.size(2), hkv = k_cache.size(2);
+  DecodeParams p = decode_params(q, hq, q_len, hq / hkv, scale, softcap);
+  p.k = k_cache.const_data_ptr();
+  p.v = v_cache.const_data_ptr();
+  p.q_sb = q.stride(0), p.q_sh = q.stride(2), p.q_si = q.stride(1);
+  p.k_sb = k_cache.stride(0), p.k_sh = k_cache.stride(2), p.k_si = k_cache.stride(1);
+  p.v_sb = v_cache.stride(0), p.v_sh = v_cache.stride(2), p.v_si = v_cache.stride(1);
+  p.cache = cache;
+  p.kv_end = cache.capacity;
+  at::Tensor out = at::empty({batch, q_len, hq, v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({batch, hq, q_len}, q.options().dtype(at::kFloat));
+  DecodeOutputs o;
+  o.out = out.data_ptr();
+  o.o_sb = out.stride(0), o.o_sh = out.stride(2), o.o_si = out.stride(1);
+  o.lse = lse.data_ptr<float>();
+  o.sinks = sinks.defined() ? sinks.const_data_ptr<float>() : nullptr;
+  run_decode(q.scalar_type(), q.size(3), p, o, batch, hkv, q.options());
+  return {out, lse};
 }
 
 }  // namespace safeattn::cuda

@@ -1,0 +1,96 @@
+// safeattn::_attention_kvcache: attention over a KV cache, contiguous or paged, with new tokens
+// appended in place first: the C++ route of safeattn.attention_with_kvcache (python/safeattn/
+// serving.py), which checks the arguments and documents the semantics (FlashAttention's
+// flash_attn_with_kvcache). Private: that function calls it when no gradient is asked for.
+//
+// Shapes: q [B, Sq, Hq, D]; k_cache, v_cache [B, S_max, Hkv, D | Dv] (contiguous) or
+// [num_pages, page_size, Hkv, D | Dv] with block_table [B, max_pages] int32 (paged); cache_seqlens
+// [B] int32; k, v [B, Sn, Hkv, D | Dv] or none. Returns out [B, Sq, Hq, Dv] contiguous and lse
+// [B, Hq, Sq] (float32; float64 for float64 inputs).
+//
+// The rules every backend shares (KvCacheView, host and device): the capacity C (S_max, or
+// max_pages * page_size); sequence b's new tokens go to positions s_b .. s_b + Sn - 1 with s_b =
+// clamp(cache_seqlens[b], 0, C - Sn), and it then holds L_b = s_b + Sn tokens; position p lives in
+// slot p % page_size of page clamp(block_table[b, p / page_size], 0, num_pages - 1). Query i sits at
+// key position diag = i + L_b - Sq and sees keys [lo, hi): lo = max(0, diag - left) (left >= 0),
+// hi = min(L_b, diag + right + 1) (right >= 0; causal sets right to 0), empty when hi <= lo.
+// Nothing outside the cache is ever read or written, whatever the lengths and the table hold.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+#include <c10/macros/Macros.h>
+
+namespace safeattn {
+
+struct KvCacheView {
+  const int* seqlens = nullptr;      // [B] int32
+  const int* block_table = nullptr;  // [B, table_stride] int32, or null: contiguous
+  int64_t table_stride = 0;
+  int page_size = 1;
+  int num_pages = 1;
+  int capacity = 0;  // C
+  int new_tokens = 0;
+  int q_len = 0;
+  int left = -1, right = -1;  // the window, -1 unbounded; causal: right 0
+
+  // First position of sequence b's new tokens, s_b.
+  C10_HOST_DEVICE int write_start(int64_t b) const {
+    const int s = seqlens[b];
+    const int top = capacity - new_tokens;
+    return s < 0 ? 0 : (s > top ? top : s);
+  }
+  // Keys [lo, hi) of query i of sequence b (hi <= lo: none).
+  C10_HOST_DEVICE void key_range(int64_t b, int i, int& lo, int& hi) const {
+    const int length = write_start(b) + new_tokens;
+    const int64_t diag = int64_t{i} + length - q_len;
+    int64_t l = 0, h = length;
+    if (right >= 0 && diag + right + 1 < h) {
+      h = diag + right + 1;
+    }
+    if (left >= 0 && diag - left > l) {
+      l = diag - left;
+    }
+    lo = static_cast<int>(l);
+    hi = static_cast<int>(h < l ? l : h);
+  }
+  // The page holding position p of sequence b (contiguous: b), and p's slot in it.
+  C10_HOST_DEVICE int64_t page(int64_t b, int p) const {
+    if (block_table == nullptr) {
+      return b;
+    }
+    const int page = block_table[b * table_stride + p / page_size];
+    return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+  }
+  C10_HOST_DEVICE int slot(int p) const {
+    return block_table == nullptr ? p : p % page_size;
+  }
+};
+
+// The view of these arguments (int32 seqlens and block table, as _attention_kvcache passes them).
+KvCacheView make_kv_cache_view(const at::Tensor& k_cache, const at::Tensor& cache_seqlens,
+                               const std::optional<at::Tensor>& block_table, int64_t new_tokens, int64_t q_len,
+                               bool causal, int64_t window_left, int64_t window_right);
+
+// The backend-independent route: append (at::index_put_; skipped when `append` is false, the
+// caller having written the tokens), the paged cache gathered into a contiguous copy, then
+// safeattn::attention with `key_ranges` ([B, Sq, 2] int32, KvCacheView::key_range of every row,
+// computed by the backend). The CPU kernel, and the CUDA kernel's fallback where the decode
+// kernel cannot take the call.
+std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& block_table, std::optional<double> scale, const at::Tensor& key_ranges,
+    double softcap, const std::optional<at::Tensor>& sinks, bool append);
+
+// Checks what keeps every kernel inside its tensors (the user-facing checks, with their messages,
+// are attention_with_kvcache's): ranks, shapes, dtypes, devices, int32 indices.
+void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k,
+                             const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& block_table,
+                             const std::optional<at::Tensor>& sinks);
+
+}  // namespace safeattn
