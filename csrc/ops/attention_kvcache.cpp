@@ -86,6 +86,9 @@ KvCacheView make_kv_cache_view(const at::Tensor& k_cache, const at::Tensor& cach
     view.block_table = block_table->const_data_ptr<int>();
     view.table_stride = block_table->size(1);
     view.page_size = static_cast<int>(k_cache.size(1));
+    if ((view.page_size & (view.page_size - 1)) == 0) {
+      view.page_shift = __builtin_ctz(static_cast<unsigned>(view.page_size));
+    }
     view.num_pages = static_cast<int>(k_cache.size(0));
     view.capacity = static_cast<int>(block_table->size(1) * k_cache.size(1));
   }

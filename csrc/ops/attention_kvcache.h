@@ -31,6 +31,7 @@ struct KvCacheView {
   const int* block_table = nullptr;  // [B, table_stride] int32, or null: contiguous
   int64_t table_stride = 0;
   int page_size = 1;
+  int page_shift = -1;  // log2(page_size) when a power of two (a shift and a mask, not a division)
   int num_pages = 1;
   int capacity = 0;  // C
   int new_tokens = 0;
@@ -62,11 +63,14 @@ struct KvCacheView {
     if (block_table == nullptr) {
       return b;
     }
-    const int page = block_table[b * table_stride + p / page_size];
+    const int page = block_table[b * table_stride + (page_shift >= 0 ? p >> page_shift : p / page_size)];
     return page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
   }
   C10_HOST_DEVICE int slot(int p) const {
-    return block_table == nullptr ? p : p % page_size;
+    if (block_table == nullptr) {
+      return p;
+    }
+    return page_shift >= 0 ? p & (page_size - 1) : p % page_size;
   }
 };
 

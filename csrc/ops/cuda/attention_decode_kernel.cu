@@ -159,22 +159,30 @@ __global__ void __launch_bounds__(kThreads, 3) attention_decode_split_kernel(con
     }
     cp_async_16(s_q + r * kStride + ch * 8, src, valid);
   }
-  // A paged cache: each row of the tile from its own page (the table is read through L1).
-  auto load_paged = [&](T* dst, const T* base, int64_t page_stride, int64_t slot_stride, int j0) {
-    for (int c = tid; c < kTileKeys * kChunks; c += kThreads) {
-      const int r = c / kChunks, ch = c % kChunks, j = j0 + r;
-      const bool valid = j < hi_max;
-      const T* from = valid ? base + p.cache.page(b, j) * page_stride + p.cache.slot(j) * slot_stride + ch * 8 : base;
-      cp_async_16(dst + r * kStride + ch * 8, from, valid);
-    }
-  };
   auto load_kv = [&](int tile, int stage) {
     const int j0 = tile * kTileKeys;
     T* k_dst = s_k + stage * kTileKeys * kStride;
     T* v_dst = s_v + stage * kTileKeys * kStride;
     if constexpr (kPaged) {
-      load_paged(k_dst, static_cast<const T*>(p.k) + hk * p.k_sh, p.k_sb, p.k_si, j0);
-      load_paged(v_dst, static_cast<const T*>(p.v) + hk * p.v_sh, p.v_sb, p.v_si, j0);
+      // Each row of the tile from its own page: the table entries of this thread's rows are read
+      // first, all in flight together, and serve K and V both.
+      constexpr int kRounds = kTileKeys * kChunks / kThreads;
+      static_assert(kTileKeys * kChunks % kThreads == 0, "decode: whole rounds of 16-byte chunks");
+      int page[kRounds];
+#pragma unroll
+      for (int it = 0; it < kRounds; ++it) {
+        const int j = j0 + (it * kThreads + tid) / kChunks;
+        page[it] = j < hi_max ? p.cache.page(b, j) : -1;
+      }
+#pragma unroll
+      for (int it = 0; it < kRounds; ++it) {
+        const int c = it * kThreads + tid, r = c / kChunks, ch = c % kChunks, slot = p.cache.slot(j0 + r);
+        const bool valid = page[it] >= 0;
+        const int64_t k_off = valid ? page[it] * p.k_sb + slot * p.k_si + hk * p.k_sh + ch * 8 : 0;
+        const int64_t v_off = valid ? page[it] * p.v_sb + slot * p.v_si + hk * p.v_sh + ch * 8 : 0;
+        cp_async_16(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
+        cp_async_16(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
+      }
     } else {
       load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_base + j0 * p.k_si, p.k_si, hi_max - j0, tid);
       load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_base + j0 * p.v_si, p.v_si, hi_max - j0, tid);
