@@ -5,8 +5,8 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
 //        --expt-relaxed-constexpr -Icsrc benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
 //
-// Run: ./mma_sync_fwd_check [--no-timing] [--no-checks] [--only TEXT (shapes whose name contains it)] [--profile (one
-// launch of each shape at the timing sizes, no checks: for ncu)].
+// Run: ./mma_sync_fwd_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name contains one of
+// them)] [--profile (one launch of each shape at the timing sizes, no checks: for ncu)].
 // For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
 // scale folded into the exponent, natural units, a softcap), comparing out and lse, and fully masked rows (out exactly
@@ -34,7 +34,20 @@ using safeattn::cuda::attn::ScoreRule;
 
 static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
-static const char* g_only = nullptr;  // --only TEXT: the shapes whose name contains TEXT
+static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
+
+// Whether `name` contains one of the comma-separated texts of `only`.
+static bool selected(const char* name, const char* only) {
+  std::string list(only);
+  for (size_t start = 0; start <= list.size();) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
+      return true;
+    }
+    start = end + 1;
+  }
+  return false;
+}
 
 // The score rule of attention_common.cu's score_rule(): log2 units unless natural.
 static ScoreRule make_rule(double scale, double softcap, bool natural) {
@@ -225,7 +238,7 @@ static float time_shape(bool causal, int B, int H, int S) {
 
 template <typename T, class Cfg>
 static int check_shape(const char* name, bool timing) {
-  if (g_only != nullptr && strstr(name, g_only) == nullptr) {
+  if (g_only != nullptr && !selected(name, g_only)) {
     return 0;
   }
   int device = 0, opt_in = 0;
