@@ -5,8 +5,8 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
 //        --expt-relaxed-constexpr -Icsrc benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
 //
-// Run: ./mma_sync_fwd_check [--no-timing] [--only TEXT (shapes whose name contains it)] [--profile (one launch of
-// each shape at the timing sizes, no checks: for ncu)].
+// Run: ./mma_sync_fwd_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name contains one of
+// them)] [--profile (one launch of each shape at the timing sizes, no checks: for ncu)].
 // For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
 // scale folded into the exponent, natural units, a softcap), comparing out and lse, and fully masked rows (out exactly
@@ -34,7 +34,20 @@ using safeattn::cuda::attn::ScoreRule;
 
 static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
-static const char* g_only = nullptr;  // --only TEXT: the shapes whose name contains TEXT
+static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
+
+// Whether `name` contains one of the comma-separated texts of `only`.
+static bool selected(const char* name, const char* only) {
+  std::string list(only);
+  for (size_t start = 0; start <= list.size();) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
+      return true;
+    }
+    start = end + 1;
+  }
+  return false;
+}
 
 // The score rule of attention_common.cu's score_rule(): log2 units unless natural.
 static ScoreRule make_rule(double scale, double softcap, bool natural) {
@@ -225,7 +238,7 @@ static float time_shape(bool causal, int B, int H, int S) {
 
 template <typename T, class Cfg>
 static int check_shape(const char* name, bool timing) {
-  if (g_only != nullptr && strstr(name, g_only) == nullptr) {
+  if (g_only != nullptr && !selected(name, g_only)) {
     return 0;
   }
   int device = 0, opt_in = 0;
@@ -238,9 +251,11 @@ static int check_shape(const char* name, bool timing) {
                                   static_cast<int>(smem)));
   CHECK_CUDA(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fwd_kernel<T, Cfg>, Cfg::kWarps * 32, smem));
-  printf("%-28s D %3d  %3dx%-3d %d warps Q %s stages %d: %3d regs, %4zu B spill (local), %5.1f KB smem, %d CTA/SM\n",
+  printf("%-28s D %3d  %3dx%-3d %d warps Q %s K/V stages %d/%d %s rows: %3d regs, %4zu B spill (local), %6zu B "
+         "(%5.1f KB) smem%s, %d CTA/SM\n",
          name, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kQInRegs ? "regs" : "smem", Cfg::kStages,
-         attr.numRegs, attr.localSizeBytes, smem / 1024.0, per_sm);
+         Cfg::kVStages, Cfg::kSwizzle ? "swizzled" : "padded", attr.numRegs, attr.localSizeBytes, smem, smem / 1024.0,
+         smem <= safeattn::cuda::attn::kSmemPerBlockSm86 ? "" : " (over sm_86's 99 KB)", per_sm);
   int failures = 0;
   if (!g_profile && g_checks) {
     std::mt19937 rng(1234);
@@ -270,9 +285,10 @@ static int check_shape(const char* name, bool timing) {
   return failures;
 }
 
-// Candidate shapes: <D, BlockM, BlockN, warps, Q in registers, stages, CTAs per SM>.
-template <int D, int M, int N, int W, bool QR, int S, int MB>
-using Tiles = FwdTiles<D, M, N, W, QR, S, MB>;
+// Candidate shapes: <D, BlockM, BlockN, warps, Q in registers, K stages, CTAs per SM, swizzled rows,
+// V stages>.
+template <int D, int M, int N, int W, bool QR, int S, int MB, bool SW = false, int VS = S>
+using Tiles = FwdTiles<D, M, N, W, QR, S, MB, SW, VS>;
 
 int main(int argc, char** argv) {
   bool timing = true;
@@ -303,6 +319,20 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, true, 2, 1>>("d128 8w qregs n64", timing);
   failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 1, 2>>("d128 4w qsmem n64 1stage", timing);
   failures += check_shape<bf16, Tiles<64, 128, 64, 4, false, 3, 2>>("d64 qsmem 3stage", timing);
+  // D = 128 with 64-key tiles within sm_86's 99 KB: swizzled rows (96 KB), two K buffers and one V
+  // (85 KB), both (80 KB); FlashAttention-2's one K and one V, swizzled (64 KB); the shipped 32-key
+  // shape swizzled (64 KB); 8 warps with Q in registers, swizzled (64 KB).
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 2, 2, true>>("d128 n64 swz", timing);
+  failures += check_shape<__half, Tiles<128, 128, 64, 4, false, 2, 2, true>>("d128 n64 swz fp16", false);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 2, 2, false, 1>>("d128 n64 k2v1", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 2, 2, true, 1>>("d128 n64 swz k2v1", timing);
+  failures += check_shape<__half, Tiles<128, 128, 64, 4, false, 2, 2, true, 1>>("d128 n64 swz k2v1 fp16", false);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 4, false, 1, 2, true, 1>>("d128 n64 swz 1stage", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 32, 4, false, 2, 2, true>>("d128 n32 swz", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, true, 2, 1, true>>("d128 8w qregs n64 swz", timing);
+  // Swizzled rows at the other power-of-two head dims.
+  failures += check_shape<bf16, Tiles<64, 128, 64, 4, true, 2, 2, true>>("d64 swz", timing);
+  failures += check_shape<bf16, Tiles<256, 128, 32, 8, false, 2, 1, true>>("d256 swz", false);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

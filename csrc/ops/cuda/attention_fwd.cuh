@@ -8,10 +8,12 @@
 //   Q tile   global -> shared (cp.async), then either held in registers (ldmatrix, once) or
 //            re-read from shared memory at every key tile (kQInRegs false).
 //   K/V      tiles of kBlockN keys, global -> shared by cp.async, in one of two pipelines:
-//            kStages >= 2 buffers: tiles j + 1 .. j + kStages - 1 fly while tile j is computed;
-//            kStages = 1, one buffer each: V_j flies during S = Q K_j^T and the softmax, K_j+1
-//            during O += P V_j (FlashAttention-2's order, in half the shared memory of two
-//            stages). Rows are padded by 16 bytes (kStride = D + 8), so the 8 rows an ldmatrix
+//            staged, kStages >= 2 buffers of K and V: tiles j + 1 .. j + kStages - 1 fly while
+//            tile j is computed; interleaved, one V buffer (kVStages = 1): V_j flies during
+//            S = Q K_j^T and the softmax, and K_j+1 during O += P V_j with one K buffer
+//            (FlashAttention-2's order, in half the shared memory of two stages) or during all of
+//            tile j with two (three quarters of it). Rows are padded by 16 bytes (D + 8) or
+//            unpadded with their 16-byte chunks swizzled (SmemRows), so the 8 rows an ldmatrix
 //            reads fall in 8 different bank groups.
 //   S = Q K^T  mma.sync.m16n8k16 (16-bit in, fp32 accumulators), K fragments by ldmatrix; with
 //            two 16-row tiles per warp each fragment feeds two MMAs.
@@ -80,40 +82,68 @@ struct FwdParams {
 };
 
 // A forward tile shape: kBlockM queries x kBlockN keys a CTA, kWarps warps of kMTiles 16-row MMA
-// tiles each, Q in registers or not, kStages K/V buffers (see the top), and the CTAs per SM the
-// register budget is set for (__launch_bounds__). Registers per thread (fp32 accumulators): S
+// tiles each, Q in registers or not, kStages K buffers and kVStages V buffers (the pipelines at
+// the top), the CTAs per SM the register budget is set for (__launch_bounds__), and the rows of
+// every shared tile padded or swizzled (SmemRows). Registers per thread (fp32 accumulators): S
 // kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kStages_, int kMinBlocks_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kStages_, int kMinBlocks_,
+          bool kSwizzle_ = false, int kVStages_ = kStages_>
 struct FwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
-  static constexpr bool kQInRegs = kQInRegs_;
-  static constexpr int kStages = kStages_, kMinBlocks = kMinBlocks_;
+  static constexpr bool kQInRegs = kQInRegs_, kSwizzle = kSwizzle_;
+  static constexpr int kStages = kStages_, kVStages = kVStages_, kMinBlocks = kMinBlocks_;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);
+  using Rows = SmemRows<kHeadDim, kSwizzle>;  // every shared tile's rows: Q, K, V, the output staging
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0 && kBlockM % (16 * kWarps) == 0, "bad tile shape");
   static_assert(kStages >= 1 && kStages <= 4, "one to four K/V buffers");
+  // Staged (kVStages = kStages >= 2): K and V of a tile share a stage. Interleaved (kVStages = 1):
+  // one V buffer, V_j flying during S = Q K_j^T, and one K buffer (K_j+1 flying during P V_j) or
+  // two (K_j+1 flying during all of tile j).
+  static constexpr bool kInterleaved = kVStages == 1;
+  static_assert(kVStages == kStages || (kInterleaved && kStages <= 2), "staged K/V, or one V buffer and 1-2 K");
   // Double buffered with Q in registers, Q's shared tile is free once loaded, so the second K/V
   // stage reuses it (and the output staging reuses it at the end). Otherwise every buffer has
-  // its own rows: Q, then K and V of each stage.
-  static constexpr bool kAliasQ = kQInRegs && kStages == 2;
+  // its own rows: Q, then K and V of each stage (staged) or the K buffers then V (interleaved).
+  static constexpr bool kAliasQ = kQInRegs && kStages == 2 && !kInterleaved;
   static constexpr int kQRows = kAliasQ && 2 * kBlockN > kBlockM ? 2 * kBlockN : kBlockM;
-  static constexpr int kSmemRows = kQRows + (kAliasQ ? 2 : 2 * kStages) * kBlockN;
+  static constexpr int kSmemRows = kQRows + (kAliasQ ? 2 : kStages + kVStages) * kBlockN;
+  // How tile loads address global memory (load_tile's kWalk): the swizzled shapes and the one of
+  // two K buffers with one V walk their rows (D = 128, 64-key tiles: 324 -> 132 bytes of spills
+  // interleaved, 112 -> 88 swizzled, nvcc 13.0 sm_90); the padded shapes keep an offset per
+  // round, which spills less there (FwdConfig<128>: 28 bytes against 44).
+  static constexpr bool kWalkLoads = kSwizzle || (kInterleaved && kStages == 2);
   static constexpr size_t smem_bytes(size_t element_size) {
-    return static_cast<size_t>(kSmemRows) * padded_row(kHeadDim) * element_size;
+    return static_cast<size_t>(kSmemRows) * Rows::kStride * element_size;
   }
 };
 
+// The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB; sm_80 and
+// sm_87 allow 163 KB, sm_90 227 KB).
+constexpr size_t kSmemPerBlockSm86 = 99 * 1024;
+
 // The shape each head dim runs (measured on an H200 against the other shapes of
 // benchmarks/mma_sync_fwd_check.cu). Shared memory must fit the 99 KB a block may have on sm_86 /
-// sm_89 / sm_120 at D <= 128 (163 KB on sm_80): smem_fits sends a call elsewhere when it does not.
+// sm_89 / sm_120 at D <= 128 (asserted below; 163 KB on sm_80): smem_fits sends a call elsewhere
+// when it does not.
 //   D <= 64: 4 warps of 32 rows (each K / V fragment feeds two MMAs), Q held in registers, 64-key
 //     tiles double buffered in 36 KB.
-//   D = 128: 4 warps of 32 rows, Q re-read from shared memory, 32-key tiles double buffered: 68 KB,
-//     two CTAs an SM. 64-key tiles ran 6% faster but take 102 KB; Q in registers spilled.
+//   D = 128 (FwdConfig<128> below): 4 warps of 32 rows, Q re-read from shared memory, 32-key tiles
+//     double buffered: 68 KB, two CTAs an SM. 64-key tiles ran 6% faster but take 102 KB with
+//     padded rows; Q in registers spilled. The 64-key candidates within 99 KB: swizzled rows (96
+//     KB), two K buffers and one V (85 KB), both (80 KB).
 //   D = 80 / 96: 8 warps of 16 rows, Q in registers, 64-key tiles (68 KB at D = 96).
 //   D = 256: O alone takes 128 registers, so 8 warps of 16 rows, Q from shared memory, 32-key
 //     tiles (135 KB).
 template <int D, bool kFourWarps = D <= 64 || D == 128>
-struct FwdConfig : FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)> {};
+struct FwdConfig : FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)> {
+  static_assert(D > 128 || FwdConfig::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
+};
+// The one line that picks D = 128's shape (FwdTiles<D, BlockM, BlockN, Warps, QInRegs, Stages,
+// MinBlocks, Swizzle, VStages>).
+template <>
+struct FwdConfig<128> : FwdTiles<128, 128, 32, 4, false, 2, 2> {
+  static_assert(FwdConfig::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
+};
 
 // Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
 inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
@@ -158,7 +188,9 @@ struct Lanes {
 template <typename T, class Cfg, class QFrag>
 __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const QFrag& q_frag,
                                            const T* s_q, const T* k_s, int warp_row0, const Lanes& ln) {
-  constexpr int kStride = padded_row(Cfg::kHeadDim);
+  using Rows = typename Cfg::Rows;
+  const uint32_t q_lane = smem_address(s_q + Rows::offset(warp_row0 + ln.a_row, ln.a_col));
+  const uint32_t k_lane = smem_address(k_s + Rows::offset(ln.k_row, ln.k_col));
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
@@ -180,13 +212,13 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
           a[mt][e] = q_frag[mt][kk][e];
         }
       } else {
-        ldmatrix_x4(a[mt], s_q + (warp_row0 + mt * 16 + ln.a_row) * kStride + kk * 16 + ln.a_col);
+        ldmatrix_x4(a[mt], Rows::moved(q_lane, mt * 16, kk * 16));
       }
     }
 #pragma unroll
     for (int np = 0; np < Cfg::kBlockN / 16; ++np) {
       uint32_t kb[4];
-      ldmatrix_x4(kb, k_s + (np * 16 + ln.k_row) * kStride + kk * 16 + ln.k_col);
+      ldmatrix_x4(kb, Rows::moved(k_lane, np * 16, kk * 16));
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
         mma_pair<T>(s[mt][2 * np], s[mt][2 * np + 1], a[mt], kb);
@@ -295,7 +327,8 @@ template <typename T, class Cfg>
 __device__ __forceinline__ void accumulate_pv(float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
                                               const float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const T* v_s,
                                               const Lanes& ln) {
-  constexpr int kStride = padded_row(Cfg::kHeadDim);
+  using Rows = typename Cfg::Rows;
+  const uint32_t v_lane = smem_address(v_s + Rows::offset(ln.a_row, ln.a_col));
 #pragma unroll
   for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
     uint32_t pa[Cfg::kMTiles][4];
@@ -309,7 +342,7 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[Cfg::kMTiles][Cfg::kHea
 #pragma unroll
     for (int dp = 0; dp < Cfg::kHeadDim / 16; ++dp) {
       uint32_t vb[4];
-      ldmatrix_x4_trans(vb, v_s + (kk * 16 + ln.a_row) * kStride + dp * 16 + ln.a_col);
+      ldmatrix_x4_trans(vb, Rows::moved(v_lane, kk * 16, dp * 16));
 #pragma unroll
       for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
         mma_pair<T>(o[mt][2 * dp], o[mt][2 * dp + 1], pa[mt], vb);
@@ -319,14 +352,16 @@ __device__ __forceinline__ void accumulate_pv(float (&o)[Cfg::kMTiles][Cfg::kHea
 }
 
 // The end of the tile: rows normalised, lse written (one thread per row), the output staged in
-// shared memory (s_out, kBlockM padded rows) and stored with 16-byte writes through out's strides.
+// shared memory (s_out, kBlockM rows laid out as Cfg::Rows) and stored with 16-byte writes through
+// out's strides.
 template <typename T, class Cfg>
 __device__ __forceinline__ void store_tile(float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
                                            const float (&row_max)[Cfg::kMTiles][2],
                                            const float (&row_sum)[Cfg::kMTiles][2], float max_unit, const FwdParams& p,
                                            int64_t b, int64_t h, int64_t i0, int rows, T* s_out, int warp_row0,
                                            const Lanes& ln) {
-  constexpr int D = Cfg::kHeadDim, kStride = padded_row(D), kChunks = D / 8, kThreads = Cfg::kWarps * 32;
+  using Rows = typename Cfg::Rows;
+  constexpr int D = Cfg::kHeadDim, kChunks = D / 8, kThreads = Cfg::kWarps * 32;
   const int tid = threadIdx.x;
   const bool warp_active = warp_row0 < rows;
   const int64_t bh = b * p.heads + h;
@@ -361,10 +396,11 @@ __device__ __forceinline__ void store_tile(float (&o)[Cfg::kMTiles][Cfg::kHeadDi
     for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        T* row = s_out + (warp_row0 + mt * 16 + ln.g + 8 * half) * kStride + 2 * ln.t;
+        const int r = warp_row0 + mt * 16 + ln.g + 8 * half;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          *reinterpret_cast<uint32_t*>(row + dt * 8) = pack2<T>(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(s_out + Rows::offset(r, dt * 8 + 2 * ln.t)) =
+              pack2<T>(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]);
         }
       }
     }
@@ -378,7 +414,7 @@ __device__ __forceinline__ void store_tile(float (&o)[Cfg::kMTiles][Cfg::kHeadDi
     const int r = c / kChunks, ch = c % kChunks;
     if ((kOutChunks % kThreads == 0 || c < kOutChunks) && r < rows) {
       *reinterpret_cast<uint4*>(o_base + r * p.o_si + ch * 8) =
-          *reinterpret_cast<const uint4*>(s_out + r * kStride + ch * 8);
+          *reinterpret_cast<const uint4*>(s_out + Rows::offset(r, ch * 8));
     }
   }
 }
@@ -391,20 +427,30 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   constexpr int D = Cfg::kHeadDim;
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kMTiles = Cfg::kMTiles;
   constexpr int kThreads = Cfg::kWarps * 32;
-  constexpr int kStride = padded_row(D);
+  using Rows = typename Cfg::Rows;
+  constexpr int kStride = Rows::kStride;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // [kQRows][kStride]: Q, then (kAliasQ) stage 1's K and V, then the output staging.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // 1024: SmemRows::moved
+  // [kQRows] rows: Q, then (kAliasQ) stage 1's K and V, then the output staging.
   T* s_q = reinterpret_cast<T*>(smem_raw);
-  // Stage s's K tile ([kBlockN][kStride]), V right after it; stage 1 in Q's rows when kAliasQ.
+  // Stage s's K tile ([kBlockN] rows). Staged: V right after each K, stage 1 in Q's rows when
+  // kAliasQ. Interleaved: the kStages K buffers, then the one V buffer.
   auto s_k = [&](int stage) -> T* {
     if constexpr (Cfg::kAliasQ) {
       return stage == 0 ? s_q + Cfg::kQRows * kStride : s_q;
+    } else if constexpr (Cfg::kInterleaved) {
+      return s_q + (Cfg::kQRows + stage * kBlockN) * kStride;
     } else {
       return s_q + (Cfg::kQRows + 2 * stage * kBlockN) * kStride;
     }
   };
-  auto s_v = [&](int stage) -> T* { return s_k(stage) + kBlockN * kStride; };
+  auto s_v = [&](int stage) -> T* {
+    if constexpr (Cfg::kInterleaved) {
+      return s_q + (Cfg::kQRows + Cfg::kStages * kBlockN) * kStride;
+    } else {
+      return s_k(stage) + kBlockN * kStride;
+    }
+  };
 
   const int tid = threadIdx.x, warp = tid / 32;
   const Lanes ln(tid % 32);
@@ -441,21 +487,25 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   };
   // The strides pass through opaque(): each chunk's offset is recomputed per tile (a few integer
   // instructions) instead of held in registers across the loop (spills at D = 128).
+  constexpr int kKvRounds = load_rounds(kBlockN, D, kThreads), kQRounds = load_rounds(kBlockM, D, kThreads);
+  constexpr bool kWalk = Cfg::kWalkLoads;
   auto load_k = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si), p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si),
+                                                               p.kv_len - j0, tid);
   };
   auto load_v = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si), p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si),
+                                                               p.kv_len - j0, tid);
   };
 
-  // In flight before the loop: Q and the first tile's K (kStages = 1), or Q and the first
+  // In flight before the loop: Q and the first tile's K (interleaved), or Q and the first
   // kStages - 1 tiles' K and V, one commit group a tile (Q in the first).
-  load_tile<T, kBlockM, D, kThreads>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
+  load_tile<T, kBlockM, D, kThreads, kQRounds, Rows, kWalk>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
   int64_t tile = next_tile(0);
-  int64_t fetch = tile;  // the next tile whose K and V are loaded (kStages > 1)
-  if constexpr (Cfg::kStages == 1) {
+  int64_t fetch = tile;  // the next tile whose K and V are loaded (staged)
+  if constexpr (Cfg::kInterleaved) {
     if (tile < n_tiles) {
       load_k(tile, 0);
     }
@@ -480,7 +530,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        ldmatrix_x4(q_frag[mt][kk], s_q + (warp_row0 + mt * 16 + ln.a_row) * kStride + kk * 16 + ln.a_col);
+        ldmatrix_x4(q_frag[mt][kk], s_q + Rows::offset(warp_row0 + mt * 16 + ln.a_row, kk * 16 + ln.a_col));
       }
     }
     if constexpr (Cfg::kAliasQ) {
@@ -506,8 +556,8 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   int stage = 0;
   while (tile < n_tiles) {
     const int64_t j0 = tile * kBlockN;
-    int64_t next = 0;  // kStages = 1: the tile after this one
-    if constexpr (Cfg::kStages > 1) {
+    int64_t next = 0;  // interleaved: the tile after this one
+    if constexpr (!Cfg::kInterleaved) {
       // The stage computed last iteration is refilled with the tile kStages - 1 ahead.
       if (fetch < n_tiles) {
         const int refill = stage == 0 ? Cfg::kStages - 1 : stage - 1;
@@ -520,10 +570,16 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       __syncthreads();
     } else {
       next = next_tile(tile + 1);
-      cp_async_wait<0>();  // K (and Q) here; every warp is past the last tile's P V
+      cp_async_wait<0>();  // K (and Q) here; every warp is past the last tile's P V (and S)
       __syncthreads();
       load_v(tile, 0);  // in flight during S = Q K^T and the softmax
       cp_async_commit();
+      if constexpr (Cfg::kStages == 2) {
+        if (next < n_tiles) {
+          load_k(next, stage ^ 1);  // in flight during all of this tile
+        }
+        cp_async_commit();
+      }
     }
 
     float s_acc[kMTiles][kBlockN / 8][4];
@@ -538,22 +594,25 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       }
       softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
-    if constexpr (Cfg::kStages == 1) {
-      cp_async_wait<0>();  // V here; every warp is past S = Q K^T
+    if constexpr (Cfg::kInterleaved) {
+      cp_async_wait<Cfg::kStages - 1>();  // V here (the next K may fly); every warp is past S = Q K^T
       __syncthreads();
-      if (next < n_tiles) {
-        load_k(next, 0);  // in flight during P V
+      if constexpr (Cfg::kStages == 1) {
+        if (next < n_tiles) {
+          load_k(next, 0);  // in flight during P V
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
     }
     if (warp_active) {
       accumulate_pv<T, Cfg>(o_acc, s_acc, s_v(stage), ln);
     }
-    if constexpr (Cfg::kStages > 1) {
+    if constexpr (!Cfg::kInterleaved) {
       __syncthreads();  // every warp is done with this stage before it is refilled
       stage = stage + 1 == Cfg::kStages ? 0 : stage + 1;
       tile = next_tile(tile + 1);
     } else {
+      stage ^= Cfg::kStages - 1;
       tile = next;
     }
   }

@@ -1,7 +1,8 @@
 // The building blocks of the mma.sync kernels (sm_80 and later; the generic forward, backward and
-// decode kernels): tensor-core and ldmatrix wrappers, cp.async tile loads into padded shared
-// rows, and the special-function and packing helpers of the online softmax. Device code only, no
-// torch, so the standalone checks (benchmarks/*_check.cu) include the kernels without it.
+// decode kernels): tensor-core and ldmatrix wrappers, cp.async tile loads into padded (or
+// swizzled) shared rows, and the special-function and packing helpers of the online softmax.
+// Device code only, no torch, so the standalone checks (benchmarks/*_check.cu) include the
+// kernels without it.
 #pragma once
 
 #include <cmath>
@@ -49,18 +50,25 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+// Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8 (a
+// pointer, or a shared-memory address as smem_address gives).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
+               : "r"(row));
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  ldmatrix_x4(r, smem_address(row));
 }
 
 // The same, each matrix transposed (B operands stored row-major in K, such as V).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(row)));
+               : "r"(row));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  ldmatrix_x4_trans(r, smem_address(row));
 }
 
 // 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so
@@ -83,26 +91,82 @@ constexpr int padded_row(int elements) {
   return elements + 8;
 }
 
+// Where element (row, col) of a [rows][kElements] 16-bit tile lies in shared memory (an offset in
+// elements). Padded (the default): rows padded_row(kElements) apart, as stored. Swizzled: rows
+// kElements apart, unpadded, and 16-byte chunk k of row r stored at chunk k ^ (r % 8), so the
+// eight rows an ldmatrix reads (eight consecutive rows, one chunk each) still fall in eight
+// different bank groups, in 16 bytes a row less (6% of the tile at D = 128). The swizzle permutes
+// chunks within each aligned group of eight (128 bytes): kElements must be a multiple of 64.
+// Every caller's rows are some base row plus a multiple of 8 or 16, so row % 8 is the lane's and
+// the compiler keeps one XOR per distinct (chunk, lane) pair of a loop.
+template <int kElements, bool kSwizzled = false>
+struct SmemRows {
+  static_assert(!kSwizzled || (kElements % 64 == 0 && (kElements & (kElements - 1)) == 0),
+                "swizzled rows: a power of two, at least 64 elements");
+  static constexpr bool kSwizzle = kSwizzled;
+  static constexpr int kStride = kSwizzled ? kElements : padded_row(kElements);
+  static __device__ __forceinline__ int offset(int row, int col) {
+    if constexpr (kSwizzled) {
+      return row * kStride + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+    } else {
+      return row * kStride + col;
+    }
+  }
+  // The shared-memory address a lane gives ldmatrix, moved from `lane` (the address of the lane's
+  // own row and column, col 0 or 8) by `rows` (a multiple of 8: row % 8 stays) and `cols` (a
+  // multiple of 16). Swizzled, the chunk bits of col and cols do not overlap, so the move is an
+  // XOR of the address with a constant: one instruction, and no register per (rows, cols). That
+  // holds where the tile starts on a whole row of kElements * 2 bytes, as every tile of a kernel
+  // whose shared memory is aligned to 1024 bytes does (kElements <= 512); kElements a power of
+  // two keeps cols < kElements clear of the row's bits.
+  static __device__ __forceinline__ uint32_t moved(uint32_t lane, int rows, int cols) {
+    if constexpr (kSwizzled) {
+      return (lane ^ static_cast<uint32_t>(cols * 2)) + rows * kStride * 2;
+    } else {
+      return lane + (rows * kStride + cols) * 2;
+    }
+  }
+};
+
+// The rounds of kThreads 16-byte chunks a kRows x kHeadDim tile load takes.
+constexpr int load_rounds(int rows, int head_dim, int threads) {
+  return (rows * head_dim / 8 + threads - 1) / threads;
+}
+
 // A kRows x kHeadDim tile from global memory (rows `row_stride` elements apart) to shared memory
-// (rows padded_row(kHeadDim) apart), one 16-byte cp.async per chunk; rows at or past valid_rows
-// are zero-filled (their source is not read). kUnroll rounds of kThreads chunks are unrolled
-// (default: all of them; the register-bound backward takes 1).
-template <typename T, int kRows, int kHeadDim, int kThreads,
-          int kUnroll = (kRows * kHeadDim / 8 + kThreads - 1) / kThreads>
+// (laid out as Rows says: padded rows by default), one 16-byte cp.async per chunk; rows at or past
+// valid_rows are zero-filled (their source is not read). kUnroll rounds of kThreads chunks are
+// unrolled (default: all of them; the register-bound backward takes 1). kWalk, where every round
+// is whole rows: a thread keeps its column and walks its rows with one pointer, kThreads /
+// kChunks rows a step, instead of an offset per round (which the compiler may compute once and
+// hold in registers across a kernel's loop, or spill).
+template <typename T, int kRows, int kHeadDim, int kThreads, int kUnroll = load_rounds(kRows, kHeadDim, kThreads),
+          class Rows = SmemRows<kHeadDim>, bool kWalk = false>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
   constexpr int kChunks = kHeadDim / 8;
-  constexpr int kStride = padded_row(kHeadDim);
   constexpr int kTotal = kRows * kChunks;
+  if constexpr (kWalk && kThreads % kChunks == 0 && kTotal % kThreads == 0) {
+    constexpr int kStep = kThreads / kChunks;
+    const int r0 = tid / kChunks, col = tid % kChunks * 8;
+    const T* from = src + r0 * row_stride + col;
 #pragma unroll kUnroll
-  for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
-    const int c = it * kThreads + tid;
-    if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
-      break;
+    for (int it = 0; it < kTotal / kThreads; ++it) {
+      const bool valid = r0 + it * kStep < valid_rows;
+      cp_async_16(dst + Rows::offset(r0 + it * kStep, col), valid ? from : src, valid);
+      from += kStep * row_stride;
     }
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = r < valid_rows;
-    const T* from = valid ? src + r * row_stride + ch * 8 : src;
-    cp_async_16(dst + r * kStride + ch * 8, from, valid);
+  } else {
+#pragma unroll kUnroll
+    for (int it = 0; it < (kTotal + kThreads - 1) / kThreads; ++it) {
+      const int c = it * kThreads + tid;
+      if (kTotal % kThreads != 0 && c >= kTotal) {  // head dims such as 80: a ragged last round
+        break;
+      }
+      const int r = c / kChunks, ch = c % kChunks;
+      const bool valid = r < valid_rows;
+      const T* from = valid ? src + r * row_stride + ch * 8 : src;
+      cp_async_16(dst + Rows::offset(r, ch * 8), from, valid);
+    }
   }
 }
 
