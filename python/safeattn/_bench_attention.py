@@ -672,6 +672,7 @@ def readme_tables(tables: dict) -> str:
     if "prefill" in tables:
         header = ["case", "D", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s"]
         out.append(markdown_table(header, tables["prefill"]))
+    if tables.get("decode"):  # not measured with --generic-kernels
         kv_lengths = list(dict.fromkeys(row[1] for row in tables["decode"]))
         decode = {}
         for name, kv_len, us, gbs in tables["decode"]:
@@ -683,7 +684,8 @@ def readme_tables(tables: dict) -> str:
                 [[name] + [c for kv in kv_lengths for c in cells[kv]] for name, cells in decode.items()],
             )
         )
-    out.append(markdown_table(["call", "us"], tables["overhead"]))
+    if tables.get("overhead"):
+        out.append(markdown_table(["call", "us"], tables["overhead"]))
     return "\n\n".join(out)
 
 
