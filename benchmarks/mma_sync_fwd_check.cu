@@ -251,11 +251,12 @@ static int check_shape(const char* name, bool timing) {
                                   static_cast<int>(smem)));
   CHECK_CUDA(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_fwd_kernel<T, Cfg>, Cfg::kWarps * 32, smem));
-  printf("%-28s D %3d  %3dx%-3d %d warps Q %s K/V stages %d/%d %s rows: %3d regs, %4zu B spill (local), %6zu B "
-         "(%5.1f KB) smem%s, %d CTA/SM\n",
-         name, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kQInRegs ? "regs" : "smem", Cfg::kStages,
-         Cfg::kVStages, Cfg::kSwizzle ? "swizzled" : "padded", attr.numRegs, attr.localSizeBytes, smem, smem / 1024.0,
-         smem <= safeattn::cuda::attn::kSmemPerBlockSm86 ? "" : " (over sm_86's 99 KB)", per_sm);
+  printf(
+      "%-28s D %3d  %3dx%-3d %d warps Q %s K/V stages %d/%d %s rows: %3d regs, %4zu B spill (local), %6zu B "
+      "(%5.1f KB) smem%s, %d CTA/SM\n",
+      name, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kQInRegs ? "regs" : "smem", Cfg::kStages,
+      Cfg::kVStages, Cfg::kSwizzle ? "swizzled" : "padded", attr.numRegs, attr.localSizeBytes, smem, smem / 1024.0,
+      smem <= safeattn::cuda::attn::kSmemPerBlockSm86 ? "" : " (over sm_86's 99 KB)", per_sm);
   int failures = 0;
   if (!g_profile && g_checks) {
     std::mt19937 rng(1234);

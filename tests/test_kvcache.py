@@ -439,7 +439,9 @@ def test_cuda_decode_step_is_three_kernels(paged):
     case = _case([500, 3, 77], 1, 1, 32, 8, 128, torch.bfloat16, "cuda", paged=paged, capacity=512)
     q, k_cache, v_cache, seqlens, k, v, table = case
     names = _kernel_names(
-        lambda: safeattn.attention_with_kvcache(q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True)
+        lambda: safeattn.attention_with_kvcache(
+            q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True
+        )
     )
     kinds = ["kvcache_append", "kvcache_append", "attention_decode_split", "attention_decode_combine"]
     assert len(names) == len(kinds) and all(k in n for k, n in zip(kinds, names, strict=True)), names

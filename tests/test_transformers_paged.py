@@ -66,7 +66,9 @@ def _generate(config, implementation, max_new_tokens=12):
     # The models are on the CPU: on a host with a GPU, Transformers would otherwise turn CUDA
     # graphs on for the flash-style routes (no attention mask) and capture CPU work.
     no_graphs = {"use_cuda_graph": False} if _TAKES_USE_CUDA_GRAPH else {}
-    cb_config = transformers.ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=32, **no_graphs)
+    cb_config = transformers.ContinuousBatchingConfig(
+        block_size=16, num_blocks=64, max_batch_tokens=32, **no_graphs
+    )
     out = model.generate_batch(
         PROMPTS, generation_config=generation_config, continuous_batching_config=cb_config
     )

@@ -17,15 +17,15 @@ namespace {
 
 void check_float(const at::Tensor& t, const char* name, const at::Tensor& q) {
   TORCH_CHECK_VALUE(t.dim() == 4, "_attention_kvcache: ", name, " must be 4-D, got ", t.dim(), "-D");
-  TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), "_attention_kvcache: ", name, " has dtype ",
-                    t.scalar_type(), " but q has ", q.scalar_type());
+  TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), "_attention_kvcache: ", name, " has dtype ", t.scalar_type(),
+                    " but q has ", q.scalar_type());
   TORCH_CHECK_VALUE(t.device() == q.device(), "_attention_kvcache: ", name, " is on ", t.device(), " but q is on ",
                     q.device());
 }
 
 void check_index(const at::Tensor& t, const char* name, int64_t rank, const at::Tensor& q) {
-  TORCH_CHECK_VALUE(t.dim() == rank && t.scalar_type() == at::kInt && t.is_contiguous(), "_attention_kvcache: ",
-                    name, " must be a contiguous ", rank, "-D int32 tensor, got ", t.dim(), "-D ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == rank && t.scalar_type() == at::kInt && t.is_contiguous(), "_attention_kvcache: ", name,
+                    " must be a contiguous ", rank, "-D int32 tensor, got ", t.dim(), "-D ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == q.device(), "_attention_kvcache: ", name, " is on ", t.device(), " but q is on ",
                     q.device());
 }
@@ -43,11 +43,10 @@ void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t batch = q.size(0), heads = q.size(2), head_dim = q.size(3), kv_heads = k_cache.size(2);
   TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3) && k_cache.size(3) == head_dim &&
                         kv_heads > 0 && heads % kv_heads == 0,
-                    "_attention_kvcache: k_cache ", k_cache.sizes(), " and v_cache ", v_cache.sizes(),
-                    " do not fit q ", q.sizes());
+                    "_attention_kvcache: k_cache ", k_cache.sizes(), " and v_cache ", v_cache.sizes(), " do not fit q ",
+                    q.sizes());
   check_index(cache_seqlens, "cache_seqlens", 1, q);
-  TORCH_CHECK_VALUE(cache_seqlens.size(0) == batch, "_attention_kvcache: cache_seqlens must have ", batch,
-                    " entries");
+  TORCH_CHECK_VALUE(cache_seqlens.size(0) == batch, "_attention_kvcache: cache_seqlens must have ", batch, " entries");
   int64_t capacity = k_cache.size(1);
   if (block_table.has_value()) {
     check_index(*block_table, "block_table", 2, q);
@@ -141,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
     keys.masked_fill_(unused, 0);
     values.masked_fill_(unused, 0);
   }
-  auto [out, lse] = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), std::nullopt, 0.0,
-                              false, scale, /*enable_gqa=*/true, 0, 0, softcap, sinks, key_ranges);
+  auto [out, lse] = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), std::nullopt, 0.0, false,
+                              scale, /*enable_gqa=*/true, 0, 0, softcap, sinks, key_ranges);
   return {out.transpose(1, 2), lse};  // out is stored [B, Sq, Hq, Dv]: contiguous
 }
 

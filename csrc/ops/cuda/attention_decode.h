@@ -20,8 +20,8 @@ void attention_fwd_decode(const AttentionFwdArgs& a);
 // The same kernel over a KV cache (ops/attention_kvcache.h: q [B, Sq, Hq, D], a contiguous or
 // paged cache, each row's keys and pages by `cache`), for _attention_kvcache. Why it cannot take
 // the call (as above, `capacity` the cache's tokens per sequence), or nullptr.
-const char* attention_kvcache_decode_rejects(const at::Tensor& q, const at::Tensor& k_cache,
-                                             const at::Tensor& v_cache, int64_t capacity);
+const char* attention_kvcache_decode_rejects(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             int64_t capacity);
 // Returns out [B, Sq, Hq, Dv] contiguous and lse [B, Hq, Sq] float32; sinks undefined or [Hq]
 // float32 contiguous.
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_decode(const at::Tensor& q, const at::Tensor& k_cache,

@@ -28,8 +28,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "ops/cuda/attention_common.cuh"
 #include "ops/attention_kvcache.h"
+#include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
 #include "ops/cuda/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
@@ -65,8 +65,8 @@ struct DecodeParams {
   float* o_part;    // [B * Hq * Q, splits, D]: each split's output, normalised by its own sum
   float* lse_part;  // [B * Hq * Q, splits]: each split's lse, log2 domain (-inf: no visible key)
   int64_t hq, group, q_len;
-  int64_t kv_end;  // keys at or past it are visible to no row (kv_len, or less by causal)
-  int splits;      // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
+  int64_t kv_end;   // keys at or past it are visible to no row (kv_len, or less by causal)
+  int splits;       // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
   int rows;         // group * q_len: row r is query i = r / group of head hk * group + r % group
   ScoreRule score;  // log2 units, a floating mask's values converted to them
   Causal causal;
@@ -495,8 +495,7 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
   // those (the kernel divides them), and some may get none.
   const int64_t tiles = (p.kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t slots = multiprocessor_count() * resident;
-  p.splits = static_cast<int>(
-      std::clamp<int64_t>(slots / (batch * hkv), 1, std::clamp<int64_t>(tiles, 1, kMaxSplits)));
+  p.splits = static_cast<int>(std::clamp<int64_t>(slots / (batch * hkv), 1, std::clamp<int64_t>(tiles, 1, kMaxSplits)));
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -570,9 +569,9 @@ const char* attention_fwd_decode_rejects(const AttentionFwdArgs& a) {
     return "an empty output";
   }
   const int64_t hkv = a.key.size(1);
-  if (const char* reason = decode_shape_rejects(a.query.scalar_type(), a.query.size(3), a.value.size(3),
-                                                a.query.size(1) / hkv * a.query.size(2), a.query.size(0), hkv,
-                                                a.key.size(2))) {
+  if (const char* reason =
+          decode_shape_rejects(a.query.scalar_type(), a.query.size(3), a.value.size(3),
+                               a.query.size(1) / hkv * a.query.size(2), a.query.size(0), hkv, a.key.size(2))) {
     return reason;
   }
   if (a.out.stride(3) != 1 || !attn::rows_aligned_16(a.query) || !attn::rows_aligned_16(a.key) ||
@@ -614,8 +613,8 @@ void attention_fwd_decode(const AttentionFwdArgs& a) {
   run_decode(a.query.scalar_type(), a.query.size(3), p, o, batch, hkv, a.query.options());
 }
 
-const char* attention_kvcache_decode_rejects(const at::Tensor& q, const at::Tensor& k_cache,
-                                             const at::Tensor& v_cache, int64_t capacity) {
+const char* attention_kvcache_decode_rejects(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                             int64_t capacity) {
   if (q.numel() == 0) {
     return "an empty output";
   }
