@@ -2,11 +2,7 @@
 // ops/cuda/score_rule.cuh, every other kernel through ops/attention.h.
 #pragma once
 
-#if defined(__CUDACC__)
-#define SAFEATTN_HOST_DEVICE __host__ __device__
-#else
-#define SAFEATTN_HOST_DEVICE
-#endif
+#include "common/host_device.h"
 
 namespace safeattn {
 

@@ -1,0 +1,646 @@
+// Split-KV decode forward of safeattn::attention (see attention_decode.h; host code in
+// attention_decode_kernel.cu). Semantics: those of ops/attention.h, as the tensor-core forward
+// (attention_fwd.cuh) gives them; the float64 reference is python/safeattn/reference.py.
+//
+// Decoding reads the whole KV cache for a few query rows per head: the work is bytes, not flops.
+// The prefill forward spends a 128-row query tile on those rows and reads each kv head once per
+// query head of its group, one CTA per (batch, head) walking the whole cache. Here instead:
+//   1. split kernel: one CTA per (KV split, kv head, batch) holds every query row of the kv
+//      head's group (rows = group * Q <= 16: one MMA row tile, padded with zero rows) and walks
+//      its split's keys in tiles of 64, kStages tiles in flight by cp.async. The splits share the
+//      keys some row sees (with key ranges, the union of the rows' ranges: a KV cache's filled
+//      length, a window), so a cache's unused slots are never read. Each of the 4 warps takes 16
+//      keys of every tile with its own online softmax state: S = Q K^T and O += P V by mma.sync
+//      (K and V read once per kv head, a few instructions per 16 keys), no cross-warp step inside
+//      the loop. At the end the warps' states are merged through shared memory; with one split
+//      the CTA writes out and lse itself. Else each split's normalised output and lse are merged
+//      by their lse (with the sink logit in the denominator when there are sinks):
+//   2. on sm_90 for short caches with few (batch, kv head) pairs (decode_launch), inside the
+//      split kernel: kMaxClusterSplits splits are one thread block cluster, each keeps its
+//      partials in shared memory and merges a share of the rows from every split's (distributed
+//      shared memory): one kernel a step, no workspace;
+//   3. else in the combine kernel, one warp per row, from an fp32 workspace.
+// The split count fills the GPU once: CTAs resident per SM (occupancy) x SMs over B x Hkv.
+// Numerics as in the tensor-core forward: a row (or split, or warp) with no visible key keeps
+// m = -inf and uses 0 as its exponent offset, so it contributes exactly 0 and never NaN; a masked
+// element is -inf whatever its score; a NaN score makes its row's out and lse NaN.
+//
+// No torch: the standalone check benchmarks/decode_check.cu compiles this header as it is.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/score_rule.cuh"
+#include "ops/kv_cache_view.h"
+
+namespace safeattn::cuda::decode {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxRows = 16;   // query rows per kv head (group * Q): one MMA row tile
+constexpr int kWarpKeys = 16;  // keys of a tile per warp: one k16 step of P V
+constexpr int kTileKeys = kWarpKeys * kWarps;
+constexpr int kMaxSplits = 256;
+constexpr int kCombineWarps = 4;
+// The most splits that merge inside a thread block cluster (sm_90: through distributed shared
+// memory, no workspace and no combine kernel); the portable cluster size.
+constexpr int kMaxClusterSplits = 8;
+
+// The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
+// one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
+template <int kStages_, int kMinBlocks_>
+struct DecodeTiles {
+  static_assert(kStages_ >= 2, "decode: at least double buffering");
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
+  // loads that read them, so that no load waits for the block table.
+  static constexpr int kPageSlots = kStages + 1;
+  template <typename T, int kD>
+  static constexpr size_t smem_bytes() {
+    return static_cast<size_t>(kMaxRows + 2 * kStages * kTileKeys) * attn::padded_row(kD) * sizeof(T) +
+           kPageSlots * kTileKeys * sizeof(int);
+  }
+};
+
+// The shape each head dim runs.
+template <int kD>
+using DecodeConfig = DecodeTiles<2, 3>;
+
+// What the step writes when it has one split (else the combine kernel writes it): out (rows
+// strided, unit inner stride), lse and lse_lo ([B, Hq, Q] float32 contiguous; lse_lo may be
+// null), reading sinks ([Hq] float32, or null).
+struct DecodeOutputs {
+  void* out = nullptr;
+  int64_t o_sb = 0, o_sh = 0, o_si = 0;
+  float* lse = nullptr;
+  float* lse_lo = nullptr;
+  const float* sinks = nullptr;
+};
+
+struct DecodeParams {
+  const void* q;  // [B, Hq, Q, D], unit inner stride, 16-byte aligned rows
+  const void* k;  // [B, Hkv, KV, D]
+  const void* v;  // [B, Hkv, KV, D]
+  int64_t q_sb, q_sh, q_si;
+  int64_t k_sb, k_sh, k_si;
+  int64_t v_sb, v_sh, v_si;
+  // With splits > 1: each split's output, normalised by its own sum, [B * Hq * Q, splits, D], and
+  // lse, [B * Hq * Q, splits], log2 domain (-inf: no visible key). Unused with one split.
+  float* o_part;
+  float* lse_part;
+  DecodeOutputs out;  // written here with one split
+  int64_t hq, group, q_len;
+  int64_t kv_end;   // keys at or past it are visible to no row (kv_len, or less by causal)
+  int splits;       // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
+  int rows;         // group * q_len: row r is query i = r / group of head hk * group + r % group
+  attn::ScoreRule score;  // log2 units, a floating mask's values converted to them
+  attn::Causal causal;
+  attn::MaskView mask;
+  attn::KeyRangeView ranges;  // null: every row's keys are [0, kv_end)
+  // A KV cache's rules instead (seqlens non-null: _attention_kvcache): each row's keys, and with a
+  // block table where key j of batch b lives, k + page(b, j) * k_sb + slot(j) * k_si (k_sb the
+  // page stride then).
+  KvCacheView cache;
+
+  // Query i of batch b sees keys [lo, hi) within [0, kv_end): its key range and the causal rule
+  // (then the mask, element by element). int32, as key ranges are: kv_end is at most 2^30
+  // (decode_shape_rejects), and the causal shift is clamped to [-Q, KV].
+  __device__ __forceinline__ void row_range(int64_t b, int i, int& lo, int& hi) const {
+    if (cache.seqlens != nullptr) {
+      cache.key_range(b, i, lo, hi);
+      return;
+    }
+    lo = 0;
+    hi = static_cast<int>(causal.kv_end(i + 1, kv_end));
+    if (ranges.ptr != nullptr) {
+      lo = max(ranges.lo(b, i), 0);
+      hi = min(ranges.hi(b, i), hi);
+    }
+  }
+};
+
+// How a step runs: `splits` CTAs per (batch, kv head), merged inside the split kernel as a thread
+// block cluster or by the combine kernel (one split: neither).
+struct DecodeLaunch {
+  int splits;
+  bool cluster;
+};
+
+// Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, each split at
+// least one key tile, at most kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head)
+// pairs (a one-wave split count above kMaxClusterSplits) over a short cache (at most cap_tiles
+// key tiles a split at kMaxClusterSplits splits) takes kMaxClusterSplits splits as one cluster:
+// there the combine kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1
+// KV1024 13.8 -> 11.3 us, KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6
+// splits a cluster took 320 us against 281 with the combine kernel.
+inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
+                                  int64_t cap_tiles = 8) {
+  const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
+  const int64_t most = tiles < 1 ? 1 : (tiles > kMaxSplits ? kMaxSplits : tiles);
+  const int64_t even = slots / (batch * hkv);
+  const int splits = static_cast<int>(even < 1 ? 1 : (even > most ? most : even));
+  if (clusters && splits > kMaxClusterSplits && tiles <= kMaxClusterSplits * cap_tiles) {
+    return {kMaxClusterSplits, true};
+  }
+  return {splits, false};
+}
+
+// Launches the split kernel over (splits, hkv, batch), the splits of each (batch, kv head) one
+// cluster when `cluster`.
+template <class Kernel>
+inline cudaError_t launch_split_kernel(Kernel kernel, const DecodeParams& p, int64_t batch, int64_t hkv, size_t smem,
+                                       cudaStream_t stream, bool cluster) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(p.splits), static_cast<unsigned>(hkv), static_cast<unsigned>(batch));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(p.splits);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = cluster ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+// The final lse of a row (log2 units) from its lse over the keys: the sink logit joins the
+// denominator; NaN stays NaN.
+__device__ __forceinline__ float with_sink(float row_lse2, const float* sinks, int64_t h) {
+  if (sinks == nullptr || row_lse2 != row_lse2) {
+    return row_lse2;
+  }
+  return attn::log2_add_exp2(row_lse2, sinks[h] * attn::kLog2e);
+}
+
+// lse (natural units) of a row and, where asked, lse_lo: the product's rounding error (log2 units:
+// no row here is huge, see natural_units).
+__device__ __forceinline__ void store_lse(const DecodeOutputs& o, int64_t row, float lse2) {
+  o.lse[row] = lse2 * attn::kLn2;
+  if (o.lse_lo != nullptr) {
+    o.lse_lo[row] = lse2 == -INFINITY || lse2 != lse2 ? 0.0f : fmaf(lse2, attn::kLn2, -o.lse[row]);
+  }
+}
+
+// Merges one row's splits (split s: its lse, log2 units, -inf when it saw no key, and its output
+// normalised by its own sum, kD floats at row_of(s)) and writes out and lse (with the sink logit
+// in the denominator when there are sinks): lse = log-sum-exp of the splits' lse, out = sum over
+// splits of 2^(lse_split - lse) * out_split. One warp: lane s holds the lse and weight of splits
+// s, s + 32, ... (each read once) and broadcasts them; each lane owns kD / 32 consecutive output
+// columns, read with one vector load per split, eight splits in flight at a time.
+template <typename T, int kD, class LseOf, class RowOf>
+__device__ __forceinline__ void combine_row(const DecodeOutputs& o, int splits, LseOf lse_of, RowOf row_of,
+                                            int64_t row, int64_t b, int64_t h, int64_t i) {
+  static_assert(kD == 64 || kD == 128, "decode combine: a float2 or float4 per lane");
+  constexpr int kVec = kD / 32;
+  constexpr int kLaneSplits = kMaxSplits / 32;
+  using Vec = std::conditional_t<kVec == 4, float4, float2>;
+  const int lane = threadIdx.x % 32;
+  float x[kLaneSplits];
+  float mx = -INFINITY;
+  bool nan = false;
+#pragma unroll
+  for (int k = 0; k < kLaneSplits; ++k) {
+    const int s = lane + 32 * k;
+    x[k] = s < splits ? lse_of(s) : -INFINITY;
+    nan |= x[k] != x[k];
+    mx = fmaxf(mx, x[k]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+  }
+  nan = __any_sync(0xffffffffu, nan);
+  float total = 0.0f;
+  if (mx != -INFINITY) {
+#pragma unroll
+    for (int k = 0; k < kLaneSplits; ++k) {
+      total += exp2f(x[k] - mx);  // an empty split (or none): exp2(-inf) = 0
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    total += __shfl_xor_sync(0xffffffffu, total, offset);
+  }
+  const float row_lse2 = nan ? NAN : (mx == -INFINITY ? -INFINITY : mx + log2f(total));
+  const float lse2 = with_sink(row_lse2, o.sinks, h);
+  const bool empty = row_lse2 == -INFINITY;
+
+  float acc[kVec] = {};
+  if (!empty) {
+#pragma unroll
+    for (int k = 0; k < kLaneSplits; ++k) {
+      if (32 * k >= splits) {
+        break;
+      }
+      const float lane_weight = x[k] == -INFINITY ? 0.0f : exp2f(x[k] - lse2);
+      const int n = splits - 32 * k < 32 ? splits - 32 * k : 32;
+#pragma unroll 8
+      for (int s = 0; s < n; ++s) {
+        const float w = __shfl_sync(0xffffffffu, lane_weight, s);
+        const Vec v = *reinterpret_cast<const Vec*>(row_of(32 * k + s) + lane * kVec);  // an empty split's row is 0
+        acc[0] = fmaf(w, v.x, acc[0]);
+        acc[1] = fmaf(w, v.y, acc[1]);
+        if constexpr (kVec == 4) {
+          acc[2] = fmaf(w, v.z, acc[2]);
+          acc[3] = fmaf(w, v.w, acc[3]);
+        }
+      }
+    }
+  }
+  T* out = static_cast<T*>(o.out) + b * o.o_sb + h * o.o_sh + i * o.o_si + lane * kVec;
+#pragma unroll
+  for (int e = 0; e < kVec; e += 2) {
+    *reinterpret_cast<uint32_t*>(out + e) = attn::pack2<T>(acc[e], acc[e + 1]);  // an empty row is exactly 0
+  }
+  if (lane == 0) {
+    store_lse(o, row, lse2);
+  }
+}
+
+// Warp w's online-softmax state of its 16 keys per tile: two rows (g, g + 8) per thread.
+template <int kD>
+struct WarpState {
+  float o[kD / 8][4];
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.0f, 0.0f};
+};
+
+// The end of the split kernel: the warps' states merged per row through `scratch` (shared memory,
+// free by now), then, with one split, out and lse; else the split's partials: to the workspace
+// for the combine kernel, or (kCluster: the splits are one thread block cluster) to shared memory,
+// where each split merges its share of the rows from every split's.
+template <typename T, int kD, bool kCluster>
+__device__ __forceinline__ void merge_warps(const DecodeParams& p, const WarpState<kD>& st, float* scratch, int64_t b,
+                                            int64_t hk, int split) {
+  constexpr int kDTiles = kD / 8;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* stat = scratch;                      // [2][kWarps][kMaxRows]: m, then l
+  float* o_s = stat + 2 * kWarps * kMaxRows;  // [kWarps][kMaxRows][kD], unnormalised
+  float* part_lse = o_s + kWarps * kMaxRows * kD;  // kCluster: [kMaxRows], then
+  float* part_o = part_lse + kMaxRows;             // [kMaxRows][kD] (16-byte aligned)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float l = st.sum[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      stat[warp * kMaxRows + r] = st.max[half];
+      stat[(kWarps + warp) * kMaxRows + r] = l;
+    }
+    float* o_row = o_s + (warp * kMaxRows + r) * kD + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      o_row[dt * 8] = st.o[dt][2 * half];
+      o_row[dt * 8 + 1] = st.o[dt][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  const bool direct = !kCluster && p.splits == 1;
+  // Per row: a warp counts unless its sum is 0 (no visible key; NaN counts), with exponent offset
+  // m (0 when m = -inf); weights 2^(offset - top) replace the m slots, and slot 0 of l gets the
+  // output's factor: 1 / l (with the sink's share taken out when the CTA writes out itself).
+  if (tid < kMaxRows) {
+    const int r = tid;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float m = stat[w * kMaxRows + r], l = stat[(kWarps + w) * kMaxRows + r];
+      top = l == 0.0f ? top : fmaxf(top, m == -INFINITY ? 0.0f : m);
+    }
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float m = stat[w * kMaxRows + r], l = stat[(kWarps + w) * kMaxRows + r];
+      const float weight = l == 0.0f ? 0.0f : exp2f((m == -INFINITY ? 0.0f : m) - top);
+      stat[w * kMaxRows + r] = weight;
+      total += weight * l;
+    }
+    const bool empty = top == -INFINITY;
+    const float row_lse2 = empty ? -INFINITY : top + log2f(total);
+    float factor = empty ? 0.0f : 1.0f / total;
+    if (r < p.rows) {
+      const int64_t h = hk * p.group + r % p.group, i = r / p.group;
+      const int64_t row = (b * p.hq + h) * p.q_len + i;
+      if (direct) {
+        const float lse2 = with_sink(row_lse2, p.out.sinks, h);
+        if (p.out.sinks != nullptr && !empty) {
+          factor *= exp2f(row_lse2 - lse2);
+        }
+        store_lse(p.out, row, lse2);
+      } else if (kCluster) {
+        part_lse[r] = row_lse2;
+      } else {
+        p.lse_part[row * p.splits + split] = row_lse2;
+      }
+    }
+    stat[kWarps * kMaxRows + r] = factor;
+  }
+  __syncthreads();
+  for (int c = tid; c < p.rows * kD / 2; c += kThreads) {
+    const int r = c / (kD / 2), col = c % (kD / 2) * 2;
+    float acc[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = stat[w * kMaxRows + r];
+      const float* o_w = o_s + (w * kMaxRows + r) * kD + col;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        acc[e] += weight == 0.0f ? 0.0f : weight * o_w[e];  // 0, not 0 * NaN
+      }
+    }
+    const float factor = stat[kWarps * kMaxRows + r];
+    const int64_t h = hk * p.group + r % p.group, i = r / p.group;
+    if (direct) {
+      T* o = static_cast<T*>(p.out.out) + b * p.out.o_sb + h * p.out.o_sh + i * p.out.o_si + col;
+      *reinterpret_cast<uint32_t*>(o) = attn::pack2<T>(acc[0] * factor, acc[1] * factor);  // an empty row: 0
+    } else {
+      const int64_t row = (b * p.hq + h) * p.q_len + i;
+      float* o = kCluster ? part_o + r * kD + col : p.o_part + (row * p.splits + split) * kD + col;
+      o[0] = acc[0] * factor;
+      o[1] = acc[1] * factor;
+    }
+  }
+  if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    cluster.sync();  // every split's partials are in its shared memory
+    for (int r = split + p.splits * warp; r < p.rows; r += p.splits * kWarps) {
+      const int64_t h = hk * p.group + r % p.group, i = r / p.group;
+      combine_row<T, kD>(
+          p.out, p.splits, [&](int s) { return cluster.map_shared_rank(part_lse, s)[r]; },
+          [&](int s) { return cluster.map_shared_rank(part_o, s) + r * kD; }, (b * p.hq + h) * p.q_len + i, b, h, i);
+    }
+    cluster.sync();  // no split leaves while another reads its shared memory
+#else
+    __trap();  // launched as a cluster on sm_90 and later only
+#endif
+  }
+}
+
+// kPaged: K and V rows through p.cache's block table (a separate instance: the contiguous one
+// keeps its registers). kCluster: launched with the splits of each (batch, kv head) as one thread
+// block cluster (sm_90), which merge their partials themselves (merge_warps).
+template <typename T, int kD, bool kPaged, bool kCluster, class Tiles = DecodeConfig<kD>>
+__global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_split_kernel(const DecodeParams p) {
+  using namespace attn;  // mma, ldmatrix, cp.async, fast_exp2
+  constexpr int kStages = Tiles::kStages;
+  constexpr int kStride = padded_row(kD);
+  constexpr int kChunks = kD / 8;   // 16-byte chunks per row
+  constexpr int kKSteps = kD / 16;  // k16 steps of Q K^T
+  constexpr int kDTiles = kD / 8;   // n8 tiles of an output row
+  static_assert(kD % 16 == 0, "decode: head dim");
+  // The warps' merge reuses the K/V buffers: m and l per (warp, row), then O per (warp, row).
+  static_assert(((2 + kD) * kWarps + kD + 1) * kMaxRows * sizeof(float) <= 2 * kStages * kTileKeys * kStride * sizeof(T),
+                "decode: the merge scratch must fit in the K/V buffers");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* s_q = reinterpret_cast<T*>(smem_raw);      // [kMaxRows][kStride]
+  T* s_k = s_q + kMaxRows * kStride;            // [kStages][kTileKeys][kStride]
+  T* s_v = s_k + kStages * kTileKeys * kStride;  // [kStages][kTileKeys][kStride]
+  int* s_page = reinterpret_cast<int*>(s_v + kStages * kTileKeys * kStride);  // [kPageSlots][kTileKeys]
+
+  const int split = blockIdx.x;
+  const int64_t hk = blockIdx.y;
+  const int64_t b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;  // the MMA fragment's row group and column pair
+  const int a_row = (lane % 8) + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
+  const int k_row = (lane % 8) + 8 * (lane / 16), k_col = 8 * ((lane / 8) % 2);
+
+  const T* k_base = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
+  const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  // The keys some row of this CTA sees, [lo_min, hi_max), and those every row sees, [lo_max,
+  // hi_min): the splits share the first equally, and tiles inside the second need no range test.
+  // Keys at or past hi_max are not read (zero-filled in shared memory): a cache's unused slots,
+  // whatever they hold, never meet a probability, not even a zero one.
+  int lo_min = static_cast<int>(p.kv_end), hi_max = 0, lo_max = 0, hi_min = static_cast<int>(p.kv_end);
+  for (int i = 0; i < p.q_len; ++i) {
+    int lo, hi;
+    p.row_range(b, i, lo, hi);
+    if (lo < hi) {
+      lo_min = min(lo, lo_min);
+      hi_max = max(hi, hi_max);
+    }
+    lo_max = max(lo, lo_max);
+    hi_min = min(hi, hi_min);
+  }
+  const int first_tile = lo_min / kTileKeys;
+  const int n_tiles = lo_min < hi_max ? (hi_max + kTileKeys - 1) / kTileKeys - first_tile : 0;
+  const int per_split = (n_tiles + p.splits - 1) / p.splits;
+  const int tile_begin = first_tile + min(split * per_split, n_tiles);
+  const int tile_end = first_tile + min(split * per_split + per_split, n_tiles);
+
+  // Paged: the page of each key of `tile` into its slot of s_page, as this thread's part of the
+  // next commit group (rows past the split's keys are not looked up).
+  auto fetch_pages = [&](int tile) {
+    if (kPaged && tid < kTileKeys) {
+      const int j = tile * kTileKeys + tid;
+      if (tile < tile_end && j < hi_max) {
+        cp_async_4(s_page + (tile - tile_begin) % Tiles::kPageSlots * kTileKeys + tid, p.cache.table_entry(b, j));
+      }
+    }
+  };
+  // Q rows gathered from their (query, head) positions; rows past p.rows are zeros. Q (and, paged,
+  // the pages of the first kStages tiles) is a commit group of its own, ahead of the tiles'.
+  for (int c = tid; c < kMaxRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = r < p.rows;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid) {
+      src += b * p.q_sb + (hk * p.group + r % p.group) * p.q_sh + (r / p.group) * p.q_si + ch * 8;
+    }
+    cp_async_16(s_q + r * kStride + ch * 8, src, valid);
+  }
+  if constexpr (kPaged) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      fetch_pages(tile_begin + s);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // the first tiles' loads need their pages
+    __syncthreads();
+  } else {
+    cp_async_commit();
+  }
+  // A tile's K and V rows (rows at or past hi_max zero-filled, not read), and, paged, the pages of
+  // the tile kStages ahead, in one commit group.
+  auto load_kv = [&](int tile, int stage) {
+    const int j0 = tile * kTileKeys;
+    T* k_dst = s_k + stage * kTileKeys * kStride;
+    T* v_dst = s_v + stage * kTileKeys * kStride;
+    if constexpr (kPaged) {
+      const int* pages = s_page + (tile - tile_begin) % Tiles::kPageSlots * kTileKeys;
+      constexpr int kRounds = kTileKeys * kChunks / kThreads;
+      static_assert(kTileKeys * kChunks % kThreads == 0, "decode: whole rounds of 16-byte chunks");
+#pragma unroll
+      for (int it = 0; it < kRounds; ++it) {
+        const int c = it * kThreads + tid, r = c / kChunks, ch = c % kChunks, slot = p.cache.slot(j0 + r);
+        const bool valid = j0 + r < hi_max;
+        const int64_t page = valid ? p.cache.clamp_page(pages[r]) : 0;
+        const int64_t k_off = valid ? page * p.k_sb + slot * p.k_si + hk * p.k_sh + ch * 8 : 0;
+        const int64_t v_off = valid ? page * p.v_sb + slot * p.v_si + hk * p.v_sh + ch * 8 : 0;
+        cp_async_16(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
+        cp_async_16(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
+      }
+      fetch_pages(tile + kStages);
+    } else {
+      load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_base + j0 * p.k_si, p.k_si, hi_max - j0, tid);
+      load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_base + j0 * p.v_si, p.v_si, hi_max - j0, tid);
+    }
+  };
+  // The first kStages - 1 tiles, a commit group each (empty past the split's end).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile_begin + s < tile_end) {
+      load_kv(tile_begin + s, s);
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<kStages - 1>();  // Q's group
+  __syncthreads();
+  uint32_t q_frag[kKSteps][4];
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    ldmatrix_x4(q_frag[kk], s_q + a_row * kStride + kk * 16 + a_col);
+  }
+
+  // This thread's two rows of the fragment, g and g + 8: their query index and mask row.
+  // A row past p.rows sees no key: an empty range.
+  int64_t row_mask[2];
+  int row_lo[2], row_hi[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    const bool row_ok = r < p.rows;
+    const int row_query = row_ok ? r / static_cast<int>(p.group) : 0;
+    p.row_range(b, row_query, row_lo[half], row_hi[half]);
+    row_hi[half] = row_ok ? row_hi[half] : 0;
+    const int64_t h = hk * p.group + (row_ok ? r % p.group : 0);
+    row_mask[half] = p.mask.kind == attn::MaskKind::kNone ? 0 : p.mask.offset(b, h, row_query, 0);
+  }
+
+  WarpState<kD> st;
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      st.o[dt][e] = 0.0f;
+    }
+  }
+
+  int stage = 0;
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    // The tile kStages - 1 ahead goes to the stage the last tile used: every warp is past it.
+    if (tile + kStages - 1 < tile_end) {
+      load_kv(tile + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+    }
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // this tile's group complete; the later ones may fly
+    __syncthreads();
+    const T* k_s = s_k + (stage * kTileKeys + warp * kWarpKeys) * kStride;
+    const T* v_s = s_v + (stage * kTileKeys + warp * kWarpKeys) * kStride;
+    const int j0 = tile * kTileKeys + warp * kWarpKeys;  // this warp's first key
+
+    // ---- S = Q K^T over this warp's 16 keys, in log2 units ----
+    float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_s + k_row * kStride + kk * 16 + k_col);
+      mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
+    }
+    p.score.score_all<8>(&s_acc[0][0]);
+    // The rows' key ranges (the causal rule in them) and the mask: only where one can hide a key.
+    if (p.mask.kind != attn::MaskKind::kNone || j0 < lo_max || j0 + kWarpKeys > hi_min) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = j0 + nt * 8 + 2 * t + e;
+            const bool visible = row_lo[half] <= j && j < row_hi[half];
+            float x = s_acc[nt][2 * half + e];
+            if (visible && p.mask.kind != attn::MaskKind::kNone) {
+              x = p.score.masked(x, p.mask.additive(row_mask[half] + j * p.mask.stride_kv));
+            }
+            s_acc[nt][2 * half + e] = visible ? x : -INFINITY;
+          }
+        }
+      }
+    }
+
+    // ---- online softmax (the four threads of a quad hold one row) ----
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx =
+          fmaxf(fmaxf(s_acc[0][2 * half], s_acc[0][2 * half + 1]), fmaxf(s_acc[1][2 * half], s_acc[1][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(st.max[half], mx);
+      const float offset = m_new == -INFINITY ? 0.0f : m_new;  // empty so far: no -inf - -inf
+      const float alpha = fast_exp2(st.max[half] - offset);    // old max -inf: 0
+      st.max[half] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pr = fast_exp2(s_acc[nt][2 * half + e] - offset);
+          s_acc[nt][2 * half + e] = pr;
+          sum += pr;
+        }
+      }
+      st.sum[half] = st.sum[half] * alpha + sum;  // per thread; quad-summed at the end
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        st.o[dt][2 * half] *= alpha;
+        st.o[dt][2 * half + 1] *= alpha;
+      }
+    }
+
+    // ---- O += P V: P in registers is the A operand ----
+    const uint32_t pa[4] = {pack2<T>(s_acc[0][0], s_acc[0][1]), pack2<T>(s_acc[0][2], s_acc[0][3]),
+                            pack2<T>(s_acc[1][0], s_acc[1][1]), pack2<T>(s_acc[1][2], s_acc[1][3])};
+#pragma unroll
+    for (int dp = 0; dp < kD / 16; ++dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, v_s + a_row * kStride + dp * 16 + a_col);
+      mma_pair<T>(st.o[2 * dp], st.o[2 * dp + 1], pa, vb);
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  merge_warps<T, kD, kCluster>(p, st, reinterpret_cast<float*>(s_k), b, hk, split);
+}
+
+// One warp per query row (b, h, i) of the step: the splits' partials from the workspace.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
+                                    const DecodeOutputs o, int64_t total_rows, int64_t hq, int64_t q_len, int splits) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  if (row >= total_rows) {
+    return;
+  }
+  const float* lse_row = lse_part + row * splits;
+  const float* o_row = o_part + row * splits * kD;
+  combine_row<T, kD>(
+      o, splits, [&](int s) { return lse_row[s]; }, [&](int s) { return o_row + s * kD; }, row, row / (q_len * hq),
+      (row / q_len) % hq, row % q_len);
+}
+
+}  // namespace safeattn::cuda::decode
