@@ -460,6 +460,10 @@ int main(int argc, char** argv) {
   g_cap_tiles = 16;
   failures += run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> cap 16", false, timing, flush, flush_bytes);
   g_cap_tiles = 8;
+  // Candidates: L2 prefetch of whole rows with each load.
+  failures += run_shape<bf16, 128, DecodeTiles<2, 3, 256>>("d128 prefetch 256", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128>>("d128 prefetch 128", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeTiles<2, 3, 128>>("d64 prefetch 128", checks, timing, flush, flush_bytes);
   // Candidates: more tiles in flight per CTA, fewer CTAs.
   failures += run_shape<bf16, 128, DecodeTiles<3, 2>>("d128 3stage 2cta", checks, false, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<4, 1>>("d128 4stage 1cta", checks, false, flush, flush_bytes);

@@ -53,7 +53,6 @@ def test_decode_kernels_run_for_at_most_16_rows_per_kv_head():
 
     names = _cuda_kernel_names(lambda: call(16, 1))
     assert any("attention_decode_split" in n for n in names), f"no decode split kernel among {names}"
-    assert any("attention_decode_combine" in n for n in names), f"no decode combine kernel among {names}"
     names = _cuda_kernel_names(lambda: call(16, 2))  # 32 rows per kv head: the prefill kernel
     assert not any("attention_decode" in n for n in names), f"decode kernels ran for 32 rows: {names}"
 

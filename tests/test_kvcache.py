@@ -433,19 +433,23 @@ def _kernel_names(fn):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
-def test_cuda_decode_step_is_three_kernels(paged):
+@pytest.mark.parametrize(
+    ("seqlens", "capacity", "cluster"), [([500, 3, 77], 4608, False), ([500, 70], 1024, True)]
+)
+def test_cuda_decode_step_kernels(paged, seqlens, capacity, cluster):
     """A decode step with int32 lengths and table: the append, the split kernel reading the
     cache in place (no gather of the pages, no range arithmetic), then the combine kernel, except
-    on sm_90 where this short cache's splits merge in a thread block cluster."""
-    case = _case([500, 3, 77], 1, 1, 32, 8, 128, torch.bfloat16, "cuda", paged=paged, capacity=512)
-    q, k_cache, v_cache, seqlens, k, v, table = case
+    where the splits merge in a thread block cluster: on sm_90, a short cache with few (batch,
+    kv head) pairs."""
+    case = _case(seqlens, 1, 1, 32, 8, 128, torch.bfloat16, "cuda", paged=paged, capacity=capacity)
+    q, k_cache, v_cache, cache_seqlens, k, v, table = case
     names = _kernel_names(
         lambda: safeattn.attention_with_kvcache(
-            q, k_cache, v_cache, seqlens, k, v, block_table=table, causal=True
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True
         )
     )
     kinds = ["kvcache_append", "kvcache_append", "attention_decode_split", "attention_decode_combine"]
-    if torch.cuda.get_device_capability()[0] >= 9:
+    if cluster and torch.cuda.get_device_capability()[0] >= 9:
         kinds = kinds[:3]
     assert len(names) == len(kinds) and all(k in n for k, n in zip(kinds, names, strict=True)), names
 

@@ -55,11 +55,14 @@ constexpr int kMaxClusterSplits = 8;
 
 // The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
 // one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
-template <int kStages_, int kMinBlocks_>
+// kPrefetch: the L2 prefetch size (0, 128 or 256 bytes) each K/V row load asks for.
+template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0>
 struct DecodeTiles {
   static_assert(kStages_ >= 2, "decode: at least double buffering");
+  static_assert(kPrefetch_ == 0 || kPrefetch_ == 128 || kPrefetch_ == 256, "decode: L2 prefetch size");
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kPrefetch = kPrefetch_;
   // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
   // loads that read them, so that no load waits for the block table.
   static constexpr int kPageSlots = kStages + 1;
@@ -70,9 +73,12 @@ struct DecodeTiles {
   }
 };
 
-// The shape each head dim runs.
+// The shape each head dim runs. Measured with benchmarks/decode_check.cu (H200, GQA 4, bf16): 3, 4
+// or 6 stages (2 or 1 CTAs an SM) ran no faster than 2 (B8 KV131072: 4.10 TB/s each); asking L2
+// for 128 bytes with each row's loads did (B128 KV32768 4398 -> 4064 us, B8 KV32768 281 -> 274),
+// 256 bytes less so.
 template <int kD>
-using DecodeConfig = DecodeTiles<2, 3>;
+using DecodeConfig = DecodeTiles<2, 3, 128>;
 
 // What the step writes when it has one split (else the combine kernel writes it): out (rows
 // strided, unit inner stride), lse and lse_lo ([B, Hq, Q] float32 contiguous; lse_lo may be
@@ -98,9 +104,9 @@ struct DecodeParams {
   float* lse_part;
   DecodeOutputs out;  // written here with one split
   int64_t hq, group, q_len;
-  int64_t kv_end;   // keys at or past it are visible to no row (kv_len, or less by causal)
-  int splits;       // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
-  int rows;         // group * q_len: row r is query i = r / group of head hk * group + r % group
+  int64_t kv_end;         // keys at or past it are visible to no row (kv_len, or less by causal)
+  int splits;             // CTAs per (batch, kv head), sharing the tiles of the keys its rows see
+  int rows;               // group * q_len: row r is query i = r / group of head hk * group + r % group
   attn::ScoreRule score;  // log2 units, a floating mask's values converted to them
   attn::Causal causal;
   attn::MaskView mask;
@@ -136,8 +142,9 @@ struct DecodeLaunch {
 
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, each split at
 // least one key tile, at most kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head)
-// pairs (a one-wave split count above kMaxClusterSplits) over a short cache (at most cap_tiles
-// key tiles a split at kMaxClusterSplits splits) takes kMaxClusterSplits splits as one cluster:
+// pairs (one wave would give each more than kMaxClusterSplits splits) over a short cache (at most
+// cap_tiles key tiles a split at kMaxClusterSplits splits) takes at most kMaxClusterSplits splits,
+// one cluster:
 // there the combine kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1
 // KV1024 13.8 -> 11.3 us, KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6
 // splits a cluster took 320 us against 281 with the combine kernel.
@@ -147,8 +154,8 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
   const int64_t most = tiles < 1 ? 1 : (tiles > kMaxSplits ? kMaxSplits : tiles);
   const int64_t even = slots / (batch * hkv);
   const int splits = static_cast<int>(even < 1 ? 1 : (even > most ? most : even));
-  if (clusters && splits > kMaxClusterSplits && tiles <= kMaxClusterSplits * cap_tiles) {
-    return {kMaxClusterSplits, true};
+  if (clusters && even > kMaxClusterSplits && tiles > 1 && tiles <= kMaxClusterSplits * cap_tiles) {
+    return {static_cast<int>(most < kMaxClusterSplits ? most : kMaxClusterSplits), true};
   }
   return {splits, false};
 }
@@ -171,6 +178,21 @@ inline cudaError_t launch_split_kernel(Kernel kernel, const DecodeParams& p, int
   config.attrs = attribute;
   config.numAttrs = cluster ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+// 16 bytes of a K or V row, global -> shared, zeros where not valid; kPrefetch: the L2 prefetch
+// size asked with it.
+template <int kPrefetch>
+__device__ __forceinline__ void copy_16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  const uint32_t dst = attn::smem_address(smem);
+  if constexpr (kPrefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  } else if constexpr (kPrefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  } else {
+    attn::cp_async_16(smem, gmem, valid);
+  }
 }
 
 // The final lse of a row (log2 units) from its lse over the keys: the sink logit joins the
@@ -198,8 +220,8 @@ __device__ __forceinline__ void store_lse(const DecodeOutputs& o, int64_t row, f
 // s, s + 32, ... (each read once) and broadcasts them; each lane owns kD / 32 consecutive output
 // columns, read with one vector load per split, eight splits in flight at a time.
 template <typename T, int kD, class LseOf, class RowOf>
-__device__ __forceinline__ void combine_row(const DecodeOutputs& o, int splits, LseOf lse_of, RowOf row_of,
-                                            int64_t row, int64_t b, int64_t h, int64_t i) {
+__device__ __forceinline__ void combine_row(const DecodeOutputs& o, int splits, LseOf lse_of, RowOf row_of, int64_t row,
+                                            int64_t b, int64_t h, int64_t i) {
   static_assert(kD == 64 || kD == 128, "decode combine: a float2 or float4 per lane");
   constexpr int kVec = kD / 32;
   constexpr int kLaneSplits = kMaxSplits / 32;
@@ -284,8 +306,8 @@ __device__ __forceinline__ void merge_warps(const DecodeParams& p, const WarpSta
                                             int64_t hk, int split) {
   constexpr int kDTiles = kD / 8;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  float* stat = scratch;                      // [2][kWarps][kMaxRows]: m, then l
-  float* o_s = stat + 2 * kWarps * kMaxRows;  // [kWarps][kMaxRows][kD], unnormalised
+  float* stat = scratch;                           // [2][kWarps][kMaxRows]: m, then l
+  float* o_s = stat + 2 * kWarps * kMaxRows;       // [kWarps][kMaxRows][kD], unnormalised
   float* part_lse = o_s + kWarps * kMaxRows * kD;  // kCluster: [kMaxRows], then
   float* part_o = part_lse + kMaxRows;             // [kMaxRows][kD] (16-byte aligned)
 #pragma unroll
@@ -401,13 +423,14 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   constexpr int kDTiles = kD / 8;   // n8 tiles of an output row
   static_assert(kD % 16 == 0, "decode: head dim");
   // The warps' merge reuses the K/V buffers: m and l per (warp, row), then O per (warp, row).
-  static_assert(((2 + kD) * kWarps + kD + 1) * kMaxRows * sizeof(float) <= 2 * kStages * kTileKeys * kStride * sizeof(T),
-                "decode: the merge scratch must fit in the K/V buffers");
+  static_assert(
+      ((2 + kD) * kWarps + kD + 1) * kMaxRows * sizeof(float) <= 2 * kStages * kTileKeys * kStride * sizeof(T),
+      "decode: the merge scratch must fit in the K/V buffers");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* s_q = reinterpret_cast<T*>(smem_raw);      // [kMaxRows][kStride]
-  T* s_k = s_q + kMaxRows * kStride;            // [kStages][kTileKeys][kStride]
-  T* s_v = s_k + kStages * kTileKeys * kStride;  // [kStages][kTileKeys][kStride]
+  T* s_q = reinterpret_cast<T*>(smem_raw);                                    // [kMaxRows][kStride]
+  T* s_k = s_q + kMaxRows * kStride;                                          // [kStages][kTileKeys][kStride]
+  T* s_v = s_k + kStages * kTileKeys * kStride;                               // [kStages][kTileKeys][kStride]
   int* s_page = reinterpret_cast<int*>(s_v + kStages * kTileKeys * kStride);  // [kPageSlots][kTileKeys]
 
   const int split = blockIdx.x;
@@ -490,13 +513,23 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
         const int64_t page = valid ? p.cache.clamp_page(pages[r]) : 0;
         const int64_t k_off = valid ? page * p.k_sb + slot * p.k_si + hk * p.k_sh + ch * 8 : 0;
         const int64_t v_off = valid ? page * p.v_sb + slot * p.v_si + hk * p.v_sh + ch * 8 : 0;
-        cp_async_16(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
-        cp_async_16(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
+        copy_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
+        copy_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
       }
       fetch_pages(tile + kStages);
-    } else {
+    } else if constexpr (Tiles::kPrefetch == 0) {
       load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_base + j0 * p.k_si, p.k_si, hi_max - j0, tid);
       load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_base + j0 * p.v_si, p.v_si, hi_max - j0, tid);
+    } else {
+      constexpr int kRounds = kTileKeys * kChunks / kThreads;
+#pragma unroll
+      for (int it = 0; it < kRounds; ++it) {
+        const int c = it * kThreads + tid, r = c / kChunks, ch = c % kChunks;
+        const bool valid = j0 + r < hi_max;
+        const int64_t row = valid ? j0 + r : 0;
+        copy_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, k_base + row * p.k_si + ch * 8, valid);
+        copy_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, v_base + row * p.v_si + ch * 8, valid);
+      }
     }
   };
   // The first kStages - 1 tiles, a commit group each (empty past the split's end).
