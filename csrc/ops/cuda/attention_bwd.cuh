@@ -618,9 +618,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       }
     }
     if constexpr (!Cfg::kPInRegs) {
-      __syncthreads();  // every warp's P^T and dS'^T are in p_s and ds_s
-                        // dV += P^T dO and dK += dS'^T Q over the step's queries, for this warp's keys x columns: A
-                        // from p_s / ds_s, B = dO / Q loaded transposed.
+      // dV += P^T dO and dK += dS'^T Q over the step's queries, for this warp's keys x columns: A
+      // from p_s / ds_s, B = dO / Q loaded transposed. First every warp's P^T and dS'^T are in
+      // shared memory.
+      __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < kQueries / 16; ++kk) {
         uint32_t a_p[kDkvMTiles][4], a_ds[kDkvMTiles][4];
