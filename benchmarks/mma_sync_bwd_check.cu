@@ -552,6 +552,10 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<128, 64, 32, 4, 2, 16, 2, true, 2, 2>>("d128 k64 q32 4w 2x2 psmem 2st", timing);
   failures += check_shape<bf16, Tiles<128, 64, 64, 8, 2, 32, 1, true, 4, 1>>("d128 k64 8w 4x2 psmem", timing);
   failures += check_shape<bf16, Tiles<128, 64, 64, 4, 1, 32, 1, true, 1, 2>>("d128 k64 4w pregs swz 1st", timing);
+  // Occupancy: 8 warps held to 128 registers so that two CTAs share an SM (16 warps), scoring 16
+  // queries at a time (83 KB each; 32 at a time spilled 68 bytes).
+  failures +=
+      check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2>>("d128 k64 8w 4x2 psmem sub16 2cta", timing);
   // FlashAttention-2's H100 shape at D = 128 (128 keys x 64 queries, 8 warps 4 x 2, P^T in shared
   // memory, 166 KB): over sm_86's 99 KB, timed to show what the layout gives.
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 2, true, 2, 1>>("d128 k128 8w 4x2 psmem >99KB", timing);
@@ -562,6 +566,9 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<64, 64, 64, 4, 2, 32, 2, true, 2, 2>>("d64 k64 4w 2x2 psmem", timing);
   failures += check_shape<__half, Tiles<64, 64, 64, 4, 2, 32, 2, true, 2, 2>>("d64 k64 4w 2x2 psmem fp16", false);
   failures += check_shape<bf16, Tiles<64, 128, 64, 8, 1, 64, 2, true>>("d64 pregs swz", timing);
+  // D = 64, 64-key tiles, 8 warps 4 x 2 (16 keys x 32 queries; dK/dV 16 keys x 32 columns) held to
+  // 128 registers, two Q/dO buffers (68 KB): two or three CTAs an SM.
+  failures += check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2>>("d64 k64 8w 4x2 psmem 2cta", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }
