@@ -509,9 +509,9 @@ static int check_shape(const char* name, bool timing) {
 }
 
 // Candidate shapes: <D, keys, queries, warps, warps across queries, sub-queries, Q/dO stages,
-// swizzled rows, warps across the head dim for dK/dV, CTAs per SM> (BwdTiles).
-template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1>
-using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB>;
+// swizzled rows, warps across the head dim for dK/dV, CTAs per SM, scale folded> (BwdTiles).
+template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1, bool FS = false>
+using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS>;
 
 int main(int argc, char** argv) {
   bool timing = true;
@@ -569,6 +569,16 @@ int main(int argc, char** argv) {
   // D = 64, 64-key tiles, 8 warps 4 x 2 (16 keys x 32 queries; dK/dV 16 keys x 32 columns) held to
   // 128 registers, two Q/dO buffers (68 KB): two or three CTAs an SM.
   failures += check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2>>("d64 k64 8w 4x2 psmem 2cta", timing);
+  // The scale folded into the exponent (kFoldScale) on the shipped shapes and on candidates above
+  // (the 4-warp D = 128 shape scoring 32 queries at a time spilled 96 bytes with it).
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 1, 32, 2, false, 1, 1, true>>("d128 shipped fold", timing);
+  failures += failures +=
+      check_shape<bf16, Tiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true>>("d128 k64 4w 2x2 psmem sub16 fold", timing);
+  failures += check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2, true>>(
+      "d128 k64 8w 4x2 psmem sub16 2cta fold", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 64, 8, 1, 64, 2, false, 1, 1, true>>("d64 shipped fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2, true>>("d64 k64 8w 4x2 psmem 2cta fold", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -152,15 +152,19 @@ constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
 //   kSwizzle    rows unpadded and swizzled (SmemRows) instead of padded by 16 bytes.
 //   kDkvCols    (P^T in shared memory) warps across the head dim for dK and dV.
 //   kMinBlocks  CTAs an SM the registers are budgeted for (__launch_bounds__).
+//   kFoldScale  on plain tiles (plain_tile) in log2 units without softcap, p = 2^(dot * scale -
+//               shift) in one FMA and d score / d dot the constant scale, the rest of exp2_arg's
+//               tests and branches left out of the element loop.
 // Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
 // 2 * kWarpKeys x kSubQueries / 32.
 template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
-          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1>
+          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false>
 struct BwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kKeys = kKeys_, kQueries = kQueries_, kWarps = kWarps_;
   static constexpr int kWarpsQ = kWarpsQ_, kSubQueries = kSubQueries_, kStages = kStages_;
   static constexpr bool kSwizzle = kSwizzle_;
   static constexpr int kDkvCols = kDkvCols_, kMinBlocks = kMinBlocks_;
+  static constexpr bool kFoldScale = kFoldScale_;
   static constexpr int kThreads = kWarps * 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static_assert(kStages == 1 || kStages == 2, "one or two Q / dO buffers");
@@ -525,6 +529,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const int64_t q_tile = step_q_tile(step);
     const int64_t i0 = q_tile * kQueries;
     const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
+    const bool folded = plain && !p.score.natural && p.score.softcap_post == 0.0f;  // kFoldScale's case
     const T* q_buf = q_s + buf * kQueries * kStride;
     const T* do_buf = do_s + buf * kQueries * kStride;
 
@@ -557,19 +562,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       paired_score_products<T, Rows, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, lane);
 
       // P^T and dS'^T in place (st holds p, dpt holds dS').
+      if (Cfg::kFoldScale && folded) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
+        for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-        for (int t = 0; t < kQTiles; ++t) {
+          for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = t * 8 + 2 * tig + (e & 1);
-            const int64_t i = i0 + q0 + col;
-            const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
-            float dscore;
-            const float prob = fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
-            st[mt][t][e] = prob;
-            dpt[mt][t][e] = prob * (dpt[mt][t][e] - delta_t[col]) * dscore;
+            for (int e = 0; e < 4; ++e) {
+              const int col = t * 8 + 2 * tig + (e & 1);
+              const float prob = fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
+              st[mt][t][e] = prob;
+              dpt[mt][t][e] = prob * (dpt[mt][t][e] - delta_t[col]) * p.score.natural_scale;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = t * 8 + 2 * tig + (e & 1);
+              const int64_t i = i0 + q0 + col;
+              const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
+              float dscore;
+              const float prob = fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
+              st[mt][t][e] = prob;
+              dpt[mt][t][e] = prob * (dpt[mt][t][e] - delta_t[col]) * dscore;
+            }
           }
         }
       }
