@@ -166,16 +166,18 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   auto v_at = [&](int b, int h, int j, int d) { return double(to_f(hv[b * vs[0] + h * vs[1] + j * vs[2] + d])); };
   auto do_at = [&](int b, int h, int i, int d) { return double(to_f(hdo[b * dos[0] + h * dos[1] + i * dos[2] + d])); };
 
-  // Forward in float64: P and d score / d dot per element, then what the rows pre-pass gives the
-  // kernels (row shift and lo in their units, Delta from O as the forward rounds it).
-  std::vector<double> P(size_t(rows) * cs.kv_len), dscore(size_t(rows) * cs.kv_len), delta_ref(rows);
+  // Per query row in float64: the forward (P), what the rows pre-pass gives the kernels (row shift
+  // and lo in their units, Delta from O as the forward rounds it), and dS' = P (dP - Delta) d score
+  // / d dot.
+  std::vector<double> P(size_t(rows) * cs.kv_len), dsp(size_t(rows) * cs.kv_len);
   std::vector<float> row_shift(rows), row_lo(rows), delta(rows);
+  std::vector<char> row_seen(rows, 0);
 #pragma omp parallel for schedule(dynamic)
   for (int64_t r = 0; r < rows; ++r) {
     const int b = static_cast<int>(r / (int64_t{H} * cs.q_len)), h = static_cast<int>(r / cs.q_len % H);
     const int i = static_cast<int>(r % cs.q_len), hk = h / group;
     double* prow = P.data() + size_t(r) * cs.kv_len;
-    double* drow = dscore.data() + size_t(r) * cs.kv_len;
+    double* drow = dsp.data() + size_t(r) * cs.kv_len;  // d score / d dot, then dS'
     double m = -INFINITY;
     for (int j = 0; j < cs.kv_len; ++j) {
       double dot = 0;
@@ -207,11 +209,16 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
       dsum += do_at(b, h, i, d) * o;
       dsum_rounded += do_at(b, h, i, d) * double(to_f(from_f<T>(float(o))));  // O as the forward wrote it
     }
-    for (int j = 0; j < cs.kv_len && l > 0; ++j) {
-      prow[j] /= l;
+    const double lse = m + std::log(l), delta_ref = l > 0 ? dsum - glse[r] : 0.0;
+    row_seen[r] = l > 0;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      prow[j] = l > 0 ? prow[j] / l : 0.0;
+      double dp = 0;
+      for (int d = 0; d < D && prow[j] != 0.0; ++d) {
+        dp += do_at(b, h, i, d) * v_at(b, hk, j, d);
+      }
+      drow[j] = prow[j] == 0.0 ? 0.0 : prow[j] * (dp - delta_ref) * drow[j];
     }
-    const double lse = m + std::log(l);
-    delta_ref[r] = l > 0 ? dsum - glse[r] : 0.0;
     delta[r] = l > 0 ? float(dsum_rounded) - glse[r] : 0.0f;
     if (l == 0) {
       row_shift[r] = INFINITY, row_lo[r] = 0.0f;
@@ -223,42 +230,36 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     }
   }
 
-  // Reference gradients in float64: dS' = P (dP - Delta) d score / d dot; GQA summed over the group.
-  std::vector<double> ref_dq(size_t(rows) * D, 0.0), ref_dk(size_t(B) * Hkv * cs.kv_len * D, 0.0),
-      ref_dv(size_t(B) * Hkv * cs.kv_len * D, 0.0);
-  std::vector<char> row_seen(rows, 0), key_seen(size_t(B) * Hkv * cs.kv_len, 0);
+  // Reference gradients: dQ = dS' K per row; dK = dS'^T Q and dV = P^T dO per key, summed over the
+  // query heads of its group (GQA).
+  const int64_t keys = int64_t{B} * Hkv * cs.kv_len;
+  std::vector<double> ref_dq(size_t(rows) * D, 0.0), ref_dk(size_t(keys) * D, 0.0), ref_dv(size_t(keys) * D, 0.0);
+  std::vector<char> key_seen(keys, 0);
 #pragma omp parallel for schedule(dynamic)
-  for (int bk = 0; bk < B * Hkv; ++bk) {
-    const int b = bk / Hkv, hk = bk % Hkv;
-    std::vector<double> dsp(cs.kv_len);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int b = static_cast<int>(r / (int64_t{H} * cs.q_len)), hk = static_cast<int>(r / cs.q_len % H) / group;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      const double ds = dsp[size_t(r) * cs.kv_len + j];
+      for (int d = 0; d < D && ds != 0.0; ++d) {
+        ref_dq[size_t(r) * D + d] += ds * k_at(b, hk, j, d);
+      }
+    }
+  }
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t key = 0; key < keys; ++key) {
+    const int b = static_cast<int>(key / (int64_t{Hkv} * cs.kv_len));
+    const int hk = static_cast<int>(key / cs.kv_len % Hkv), j = static_cast<int>(key % cs.kv_len);
     for (int h = hk * group; h < (hk + 1) * group; ++h) {
       for (int i = 0; i < cs.q_len; ++i) {
-        const int64_t r = (int64_t{b} * H + h) * cs.q_len + i;
-        const double* prow = P.data() + size_t(r) * cs.kv_len;
-        for (int j = 0; j < cs.kv_len; ++j) {
-          dsp[j] = 0.0;
-          if (prow[j] == 0.0) {
-            continue;
-          }
-          row_seen[r] = 1;
-          key_seen[size_t(bk) * cs.kv_len + j] = 1;
-          double dp = 0;
-          for (int d = 0; d < D; ++d) {
-            dp += do_at(b, h, i, d) * v_at(b, hk, j, d);
-          }
-          dsp[j] = prow[j] * (dp - delta_ref[r]) * dscore[size_t(r) * cs.kv_len + j];
-          double* dk = &ref_dk[(size_t(bk) * cs.kv_len + j) * D];
-          double* dv = &ref_dv[(size_t(bk) * cs.kv_len + j) * D];
-          for (int d = 0; d < D; ++d) {
-            dk[d] += dsp[j] * q_at(b, h, i, d);
-            dv[d] += prow[j] * do_at(b, h, i, d);
-          }
+        const size_t r = (size_t(b) * H + h) * cs.q_len + i;
+        const double pij = P[r * cs.kv_len + j], ds = dsp[r * cs.kv_len + j];
+        if (pij == 0.0) {
+          continue;
         }
-        double* dq = &ref_dq[size_t(r) * D];
-        for (int j = 0; j < cs.kv_len; ++j) {
-          for (int d = 0; d < D && dsp[j] != 0.0; ++d) {
-            dq[d] += dsp[j] * k_at(b, hk, j, d);
-          }
+        key_seen[key] = 1;
+        for (int d = 0; d < D; ++d) {
+          ref_dk[size_t(key) * D + d] += ds * q_at(b, h, i, d);
+          ref_dv[size_t(key) * D + d] += pij * do_at(b, h, i, d);
         }
       }
     }
