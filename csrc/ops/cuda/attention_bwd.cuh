@@ -336,6 +336,17 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk
   a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
+// Every float of an accumulator array (float[...][4], any rank) set to 0.
+template <class Acc>
+__device__ __forceinline__ void zero_fill(Acc& acc) {
+  static_assert(std::is_same_v<std::remove_all_extents_t<Acc>, float>, "float accumulators");
+  float* values = reinterpret_cast<float*>(&acc);
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(Acc) / sizeof(float)); ++k) {
+    values[k] = 0.0f;
+  }
+}
+
 // ---- dK / dV ---------------------------------------------------------------------------------
 
 // The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's keys j of
@@ -356,13 +367,7 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
     const int row0 = 16 * (job / kColBlocks);            // the job's queries within the step
     const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
     float acc[kNTiles][4];
-#pragma unroll
-    for (int t = 0; t < kNTiles; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[t][e] = 0.0f;
-      }
-    }
+    zero_fill(acc);
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKeys / 16; ++kk) {
       // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
@@ -493,17 +498,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
 
   float dk_acc[kDkvMTiles][kDTiles][4];
   float dv_acc[kDkvMTiles][kDTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kDkvMTiles; ++mt) {
-#pragma unroll
-    for (int t = 0; t < kDTiles; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        dk_acc[mt][t][e] = 0.0f;
-        dv_acc[mt][t][e] = 0.0f;
-      }
-    }
-  }
+  zero_fill(dk_acc);
+  zero_fill(dv_acc);
 
   int64_t step = next_step(0);
   if (step < steps) {
@@ -548,21 +544,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       // S^T = K Q^T and dP^T = V dO^T for this warp's keys and the sub-tile's queries.
       float st[kMTiles][kQTiles][4];
       float dpt[kMTiles][kQTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int t = 0; t < kQTiles; ++t) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            st[mt][t][e] = 0.0f;
-            dpt[mt][t][e] = 0.0f;
-          }
-        }
-      }
+      zero_fill(st);
+      zero_fill(dpt);
       paired_score_products<T, Rows, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, lane);
 
-      // P^T and dS'^T in place (st holds p, dpt holds dS').
-      if (Cfg::kFoldScale && folded) {
+      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, col, dscore) gives an
+      // element's p and d score / d dot.
+      auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -570,29 +558,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int col = t * 8 + 2 * tig + (e & 1);
-              const float prob = fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
-              st[mt][t][e] = prob;
-              dpt[mt][t][e] = prob * (dpt[mt][t][e] - delta_t[col]) * p.score.natural_scale;
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-          for (int t = 0; t < kQTiles; ++t) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = t * 8 + 2 * tig + (e & 1);
-              const int64_t i = i0 + q0 + col;
-              const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
               float dscore;
-              const float prob = fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
-              st[mt][t][e] = prob;
-              dpt[mt][t][e] = prob * (dpt[mt][t][e] - delta_t[col]) * dscore;
+              const float pr = prob(mt, t, e, col, dscore);
+              st[mt][t][e] = pr;
+              dpt[mt][t][e] = pr * (dpt[mt][t][e] - delta_t[col]) * dscore;
             }
           }
         }
+      };
+      if (Cfg::kFoldScale && folded) {
+        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+          dscore = p.score.natural_scale;
+          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
+        });
+      } else {
+        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+          const int64_t i = i0 + q0 + col;
+          const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
+          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
+        });
       }
 
       if constexpr (Cfg::kPInRegs) {
@@ -767,13 +751,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   };
 
   float dq_acc[kDTiles][4];
-#pragma unroll
-  for (int t = 0; t < kDTiles; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      dq_acc[t][e] = 0.0f;
-    }
-  }
+  zero_fill(dq_acc);
   float* gm_base = p.grad_mask != nullptr ? p.grad_mask + (b_rel * p.hq + h) * p.q_len * p.kv_len : nullptr;
   // The mask gradient of keys [j_begin, j_end) that no step visits (all masked for these
   // queries): 0.
@@ -824,14 +802,8 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
     float dp_tile[1][kKTiles][4];
     float(&s_acc)[kKTiles][4] = s_tile[0];
     float(&dp_acc)[kKTiles][4] = dp_tile[0];
-#pragma unroll
-    for (int t = 0; t < kKTiles; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s_acc[t][e] = 0.0f;
-        dp_acc[t][e] = 0.0f;
-      }
-    }
+    zero_fill(s_tile);
+    zero_fill(dp_tile);
     paired_score_products<T, typename Tr::Rows, kHeadDim, 1, kKeys>(s_tile, dp_tile, q_s, do_s, query_row, kt, vt,
                                                                     lane);
 
