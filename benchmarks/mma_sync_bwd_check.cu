@@ -557,6 +557,10 @@ int main(int argc, char** argv) {
   // queries at a time (83 KB each; 32 at a time spilled 68 bytes).
   failures +=
       check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2>>("d128 k64 8w 4x2 psmem sub16 2cta", timing);
+  // 128-key tiles within 99 KB (half the dQ atomics of 64-key tiles), P^T in registers, swizzled:
+  // 32-query steps with one Q/dO buffer (91 KB), 16-query steps with two (88 KB).
+  failures += check_shape<bf16, Tiles<128, 128, 32, 8, 1, 32, 1, true>>("d128 k128 q32 pregs swz 1st", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 16, 8, 1, 16, 2, true>>("d128 k128 q16 pregs swz 2st", timing);
   // FlashAttention-2's H100 shape at D = 128 (128 keys x 64 queries, 8 warps 4 x 2, P^T in shared
   // memory, 166 KB): over sm_86's 99 KB, timed to show what the layout gives.
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 2, true, 2, 1>>("d128 k128 8w 4x2 psmem >99KB", timing);
