@@ -291,32 +291,39 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
          p.causal.tile_all_visible(i0, j0 + cols);
 }
 
-// The backward's two score-shaped products at once, kMTiles 16-row blocks of A: acc1 += A1 B1^T
-// and acc2 += A2 B2^T (S and dP: A1, A2 = K, V and B1, B2 = Q, dO in the dK/dV kernel,
-// transposed in the dQ kernel), over the head dim. A rows a_row.. of shared tiles, B kCols rows,
-// both laid out as Rows; accumulators [kMTiles][kCols / 8][4] in the m16n8 layout. Each B
-// fragment feeds kMTiles MMAs of each product.
-template <typename T, class Rows, int kHeadDim, int kMTiles, int kCols>
-__device__ __forceinline__ void paired_score_products(float (&acc1)[kMTiles][kCols / 8][4],
-                                                      float (&acc2)[kMTiles][kCols / 8][4], const T* a1, const T* a2,
-                                                      int a_row, const T* b1, const T* b2, int lane) {
+// Two products of the backward at once, for kMTiles 16-row blocks of A: acc1 += A1 B1 and acc2 +=
+// A2 B2 over kK, accumulators [kMTiles][kN / 8][4] in the m16n8 layout; each B fragment feeds
+// kMTiles MMAs of each product. A1, A2: rows a_row.. of shared tiles laid out as RowsA (row-major
+// [m][k]). B1, B2: shared tiles laid out as RowsB, either [n][k] (kTransB false: B^T row-major, as
+// Q and dO in S^T = K Q^T and dP^T = V dO^T, or K and V in the dQ kernel's S and dP) or [k][n]
+// from column b_col.. (kTransB true, loaded transposed: dO and Q in dV += P^T dO and dK += dS'^T Q).
+template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTiles, int kN>
+__device__ __forceinline__ void paired_products(float (&acc1)[kMTiles][kN / 8][4], float (&acc2)[kMTiles][kN / 8][4],
+                                                const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
+                                                int b_col, int lane) {
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+  for (int ks = 0; ks < kK / 16; ++ks) {
     uint32_t fa1[kMTiles][4], fa2[kMTiles][4];
     const int col = ks * 16 + (lane >> 4) * 8;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       const int row = a_row + mt * 16 + (lane & 15);
-      ldmatrix_x4(fa1[mt], a1 + Rows::offset(row, col));
-      ldmatrix_x4(fa2[mt], a2 + Rows::offset(row, col));
+      ldmatrix_x4(fa1[mt], a1 + RowsA::offset(row, col));
+      ldmatrix_x4(fa2[mt], a2 + RowsA::offset(row, col));
     }
 #pragma unroll
-    for (int np = 0; np < kCols / 16; ++np) {
-      const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
-      const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+    for (int np = 0; np < kN / 16; ++np) {
       uint32_t fb1[4], fb2[4];
-      ldmatrix_x4(fb1, b1 + Rows::offset(b_row, b_col));
-      ldmatrix_x4(fb2, b2 + Rows::offset(b_row, b_col));
+      if constexpr (kTransB) {
+        const int offset =
+            RowsB::offset(ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_col + np * 16 + (lane >> 4) * 8);
+        ldmatrix_x4_trans(fb1, b1 + offset);
+        ldmatrix_x4_trans(fb2, b2 + offset);
+      } else {
+        const int offset = RowsB::offset(np * 16 + (lane & 7) + (lane >> 4) * 8, ks * 16 + ((lane >> 3) & 1) * 8);
+        ldmatrix_x4(fb1, b1 + offset);
+        ldmatrix_x4(fb2, b2 + offset);
+      }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         mma_pair<T>(acc1[mt][2 * np], acc1[mt][2 * np + 1], fa1[mt], fb1);
@@ -546,7 +553,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       float dpt[kMTiles][kQTiles][4];
       zero_fill(st);
       zero_fill(dpt);
-      paired_score_products<T, Rows, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, lane);
+      paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
+                                                                            lane);
 
       // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, col, dscore) gives an
       // element's p and d score / d dot.
@@ -627,29 +635,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       // from p_s / ds_s, B = dO / Q loaded transposed. First every warp's P^T and dS'^T are in
       // shared memory.
       __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < kQueries / 16; ++kk) {
-        uint32_t a_p[kDkvMTiles][4], a_ds[kDkvMTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kDkvMTiles; ++mt) {
-          const int offset = (dkv_key0 + mt * 16 + (lane & 15)) * kPStride + kk * 16 + (lane >> 4) * 8;
-          ldmatrix_x4(a_p[mt], p_s + offset);
-          ldmatrix_x4(a_ds[mt], ds_s + offset);
-        }
-        const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-        for (int dp = 0; dp < Cfg::kDkvWarpCols / 16; ++dp) {
-          const int b_col = dkv_col0 + dp * 16 + (lane >> 4) * 8;
-          uint32_t b_do[4], b_q[4];
-          ldmatrix_x4_trans(b_do, do_buf + Rows::offset(b_row, b_col));
-          ldmatrix_x4_trans(b_q, q_buf + Rows::offset(b_row, b_col));
-#pragma unroll
-          for (int mt = 0; mt < kDkvMTiles; ++mt) {
-            mma_pair<T>(dv_acc[mt][2 * dp], dv_acc[mt][2 * dp + 1], a_p[mt], b_do);
-            mma_pair<T>(dk_acc[mt][2 * dp], dk_acc[mt][2 * dp + 1], a_ds[mt], b_q);
-          }
-        }
-      }
+      paired_products<T, SmemRows<kQueries>, Rows, true, kQueries, kDkvMTiles, Cfg::kDkvWarpCols>(
+          dv_acc, dk_acc, p_s, ds_s, dkv_key0, do_buf, q_buf, dkv_col0, lane);
     } else if constexpr (kAtomicDq) {
       __syncthreads();  // every warp's dS'^T is in ds_s
     }
@@ -804,8 +791,8 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
     float(&dp_acc)[kKTiles][4] = dp_tile[0];
     zero_fill(s_tile);
     zero_fill(dp_tile);
-    paired_score_products<T, typename Tr::Rows, kHeadDim, 1, kKeys>(s_tile, dp_tile, q_s, do_s, query_row, kt, vt,
-                                                                    lane);
+    paired_products<T, typename Tr::Rows, typename Tr::Rows, false, kHeadDim, 1, kKeys>(s_tile, dp_tile, q_s, do_s,
+                                                                                        query_row, kt, vt, 0, lane);
 
     // dS (the mask gradient) and dS' (dp_acc, in place).
 #pragma unroll
