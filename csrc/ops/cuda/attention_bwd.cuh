@@ -343,6 +343,24 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk
   a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
+// The top of a step of a kStages-buffered loop: the next step's loads (prefetch(next, buf ^ 1),
+// two buffers) go in flight, this step's are waited for, and the CTA syncs.
+template <int kStages, class Prefetch>
+__device__ __forceinline__ void begin_step(int64_t next, int64_t steps, int buf, Prefetch&& prefetch) {
+  if constexpr (kStages == 2) {
+    if (next < steps) {
+      prefetch(next, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
 // Every float of an accumulator array (float[...][4], any rank) set to 0.
 template <class Acc>
 __device__ __forceinline__ void zero_fill(Acc& acc) {
@@ -515,18 +533,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   cp_async_commit();
   for (int buf = 0; step < steps; buf = kStages == 2 ? buf ^ 1 : 0) {
     const int64_t next = next_step(step + 1);
-    if constexpr (kStages == 2) {
-      if (next < steps) {
-        prefetch(next, buf ^ 1);
-        cp_async_commit();
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    begin_step<kStages>(next, steps, buf, prefetch);
 
     const int64_t h = step_head(step);
     const int64_t q_tile = step_q_tile(step);
@@ -771,14 +778,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   cp_async_commit();
   for (int buf = 0; step < steps; buf ^= 1) {
     const int64_t next = next_step(step + 1);
-    if (next < steps) {
-      prefetch(next, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    begin_step<2>(next, steps, buf, prefetch);
 
     const T* kt = k_s + buf * kKeys * kStride;
     const T* vt = v_s + buf * kKeys * kStride;
