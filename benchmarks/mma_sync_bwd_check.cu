@@ -515,6 +515,7 @@ template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, i
 using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS>;
 
 int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it comes, also into a pipe or a file
   bool timing = true;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--no-timing")) {
