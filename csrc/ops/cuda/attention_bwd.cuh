@@ -34,22 +34,43 @@
 // tile sizes): fully masked tiles are skipped without loading their operands or the mask, and
 // all-visible interior tiles (like the tiles below the causal diagonal) take no per-element test.
 //
-// Shared-memory tiles are row-major with rows padded by 16 bytes, so that the eight rows an
-// ldmatrix reads fall in distinct banks. Out-of-range rows are zero-filled by cp.async; their
-// scores are forced to -inf (keys) or their lse to +inf (queries), so they contribute exactly 0.
+// The dK/dV kernel's tile shape is a BwdTiles type (DkvConfig: the shape each head dim runs).
+// Two layouts of its warps:
+//   - P^T in registers (kWarpsQ = 1, 16 keys a warp): each warp scores its own 16 keys against
+//     the whole query step and keeps P^T and dS'^T in registers as the A operands of dV and dK,
+//     which it owns for its keys over the whole head dim;
+//   - P^T through shared memory (FlashAttention-2's layout): the warps tile S^T as kWarpsK x
+//     kWarpsQ blocks (more keys and fewer queries a warp: each ldmatrix'd fragment feeds more
+//     MMAs), store P^T and dS'^T to shared memory, and then own dK and dV by blocks of keys x
+//     head-dim columns (kDkvCols warps across the head dim).
+//
+// Shared-memory tiles are row-major with rows padded by 16 bytes, or unpadded with their 16-byte
+// chunks swizzled (SmemRows), so that the eight rows an ldmatrix reads fall in distinct banks.
+// Out-of-range rows are zero-filled by cp.async; their scores are forced to -inf (keys) or their
+// lse to +inf (queries), so they contribute exactly 0.
+//
+// No torch in the kernels: with SAFEATTN_STANDALONE defined, the header declares the kernels
+// without the torch-checked launchers (benchmarks/mma_sync_bwd_check.cu).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/score_rule.cuh"
+
+#ifndef SAFEATTN_STANDALONE
+#include <c10/cuda/CUDAException.h>
+
+#include "ops/cuda/attention_common.cuh"
+#endif
 
 namespace safeattn::cuda::attn {
 
@@ -94,47 +115,103 @@ struct BwdParams {
 // The dQ kernel's shape for one head dim: 4 warps, each owning 16 queries; the key step is
 // smaller for large head dims so that the dQ accumulator (head_dim floats per thread) plus the
 // two score tiles stay in registers.
-template <int kHeadDim>
+template <int kHeadDim_>
 struct DqConfig {
+  static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStride = padded_row(kHeadDim);
+  using Rows = SmemRows<kHeadDim>;
+  static constexpr int kStride = Rows::kStride;
   // kDqQueries queries per CTA, kDqKeys keys per step.
   static constexpr int kDqQueries = 16 * kWarps;
   static constexpr int kDqKeys = kHeadDim <= 64 ? 64 : 32;
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
-// The dK/dV kernel's shape: 8 warps of 16 keys each (128 keys per CTA, one CTA per SM) step over
-// 64 queries at a time (FlashAttention-2's 128 keys x 64 queries): each step loads Q and dO once
-// for the CTA's keys. Per thread it holds dK and dV (2 x head_dim floats) and the step's two score
-// tiles. Measured against the 4-warp, 64-key shape it replaced (H100, B=4 H=16 S=4096 bf16 causal,
-// fwd+bwd): 163 vs 148 TFLOP/s at D=128, 108 vs 104 at D=64, 185 vs 164 with causal + padding.
-template <int kHeadDim>
-struct DkvConfig {
-  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
-  static constexpr int kWarps = 8;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStride = padded_row(kHeadDim);
-  static constexpr int kKeys = 16 * kWarps;
-  static constexpr int kQueries = 64;
-  // The step's queries are scored kSubQueries at a time: at D > 64 a 64-query score tile pair
-  // next to dK and dV would spill (nvcc 13.0, sm_90: 88 bytes at 255 registers, 8 warps, D=128).
-  static constexpr int kSubQueries = kHeadDim <= 64 ? kQueries : 32;
-  // Atomic dQ: dS'^T of a step in smem, [kKeys][kDsStride]; warp w computes dQ of the step's
-  // queries [16 * (w / kDqWarpsPerRows), +16) and head-dim columns [kDqCols * (w %
-  // kDqWarpsPerRows), +kDqCols), so every warp does the same work.
-  static constexpr int kDsStride = padded_row(kQueries);
-  static constexpr int kDqWarpsPerRows = kWarps / (kQueries / 16);
-  static constexpr int kDqCols = kHeadDim / kDqWarpsPerRows;
-  static_assert(kDqWarpsPerRows * (kQueries / 16) == kWarps && kDqCols % 16 == 0, "atomic dQ: warp split");
+// The head-dim columns of one job of the atomic mode's dQ (16 queries x that many columns): the
+// head dim split over the warps a 16-query block gets, at most 64 columns (32 accumulators).
+constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
+  int cols = warps >= row_blocks ? head_dim / (warps / row_blocks) : head_dim;
+  while (cols > 64 && cols % 32 == 0) {
+    cols /= 2;
+  }
+  return cols;
+}
 
-  // K, V; Q and dO double-buffered; row shift, row lo and Delta double-buffered; (atomic dQ) dS'^T.
-  static constexpr size_t kSmem =
-      sizeof(uint16_t) * kStride * (2 * kKeys + 2 * 2 * kQueries) + sizeof(float) * 3 * 2 * kQueries;
-  static constexpr size_t kAtomicDqSmem = kSmem + sizeof(uint16_t) * kKeys * kDsStride;
+// A dK/dV tile shape: kKeys keys a CTA (its K and V stay in shared memory) stepping over kQueries
+// queries at a time, kWarps warps.
+//   kWarpsQ     warps across the queries of the step's S^T tile (kWarps / kWarpsQ across its
+//               keys). 1 with 16 keys a warp and kDkvCols 1: P^T and dS'^T stay in registers
+//               (kPInRegs, see the top); otherwise they pass through shared memory.
+//   kSubQueries queries a warp scores at a time (registers: two score tiles of 16 keys x
+//               kSubQueries, or of the warp's keys x kSubQueries), so that the score tiles beside
+//               dK and dV fit in registers.
+//   kStages     Q / dO buffers: 2, the next step's Q and dO load during this one; 1, they load
+//               after it (other CTAs on the SM overlap it).
+//   kSwizzle    rows unpadded and swizzled (SmemRows) instead of padded by 16 bytes.
+//   kDkvCols    (P^T in shared memory) warps across the head dim for dK and dV.
+//   kMinBlocks  CTAs an SM the registers are budgeted for (__launch_bounds__).
+//   kFoldScale  on plain tiles (plain_tile) in log2 units without softcap, p = 2^(dot * scale -
+//               shift) in one FMA and d score / d dot the constant scale, the rest of exp2_arg's
+//               tests and branches left out of the element loop.
+// Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
+// 2 * kWarpKeys x kSubQueries / 32.
+template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
+          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false>
+struct BwdTiles {
+  static constexpr int kHeadDim = kHeadDim_, kKeys = kKeys_, kQueries = kQueries_, kWarps = kWarps_;
+  static constexpr int kWarpsQ = kWarpsQ_, kSubQueries = kSubQueries_, kStages = kStages_;
+  static constexpr bool kSwizzle = kSwizzle_;
+  static constexpr int kDkvCols = kDkvCols_, kMinBlocks = kMinBlocks_;
+  static constexpr bool kFoldScale = kFoldScale_;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
+  static_assert(kStages == 1 || kStages == 2, "one or two Q / dO buffers");
+  using Rows = SmemRows<kHeadDim, kSwizzle>;  // K, V, Q and dO rows
+  static constexpr int kStride = Rows::kStride;
+
+  // The S^T tile's warp blocks: kWarpKeys keys x kWarpQueries queries, scored kSubQueries at a time.
+  static constexpr int kWarpsK = kWarps / kWarpsQ;
+  static constexpr int kWarpKeys = kKeys / kWarpsK;
+  static constexpr int kWarpQueries = kQueries / kWarpsQ;
+  static_assert(kWarpsK * kWarpsQ == kWarps && kWarpKeys * kWarpsK == kKeys && kWarpKeys % 16 == 0,
+                "S^T tile: warps x 16-key blocks");
+  static_assert(kWarpQueries % kSubQueries == 0 && kSubQueries % 16 == 0, "S^T tile: 16-query sub-tiles");
+  static constexpr bool kPInRegs = kWarpsQ == 1 && kWarpKeys == 16 && kDkvCols == 1;
+  // dK and dV: warp blocks of kDkvWarpKeys keys x kDkvWarpCols head-dim columns.
+  static constexpr int kDkvWarpKeys = kKeys / (kWarps / kDkvCols);
+  static constexpr int kDkvWarpCols = kHeadDim / kDkvCols;
+  static_assert(kDkvWarpKeys % 16 == 0 && kDkvWarpCols % 16 == 0 && kWarps % kDkvCols == 0, "dK/dV: warp blocks");
+  // P^T and dS'^T of a step in shared memory, [kKeys][kPStride] (keys along rows).
+  static constexpr int kPStride = padded_row(kQueries);
+  // Atomic dQ: the step's dQ in jobs of 16 queries x kDqCols head-dim columns, kDqJobs / kWarps a warp.
+  static constexpr int kDqCols = bwd_dq_cols(kHeadDim, kWarps, kQueries / 16);
+  static constexpr int kDqJobs = kQueries / 16 * (kHeadDim / kDqCols);
+  static_assert(kHeadDim % kDqCols == 0 && kDqCols % 16 == 0 && kDqJobs % kWarps == 0, "atomic dQ: warp split");
+
+  // K, V; Q and dO (kStages buffers); row shift, row lo and Delta (kStages); then P^T (unless in
+  // registers) and dS'^T (unless in registers without atomic dQ).
+  static constexpr size_t kTilesSmem =
+      sizeof(uint16_t) * kStride * (2 * kKeys + 2 * kStages * kQueries) + sizeof(float) * 3 * kStages * kQueries;
+  static constexpr size_t smem_bytes(bool atomic_dq) {
+    const int score_tiles = kPInRegs ? (atomic_dq ? 1 : 0) : 2;
+    return kTilesSmem + sizeof(uint16_t) * score_tiles * kKeys * kPStride;
+  }
 };
+
+// The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB).
+constexpr size_t kBwdSmemSm86 = 99 * 1024;
+
+// The dK/dV shape each head dim runs: 8 warps of 16 keys each (128 keys per CTA, one CTA per SM)
+// step over 64 queries at a time (FlashAttention-2's 128 keys x 64 queries): each step loads Q
+// and dO once for the CTA's keys. Above D = 64 the step is scored 32 queries at a time: a
+// 64-query score tile pair next to dK and dV spilled (nvcc 13.0, sm_90: 88 bytes at 255
+// registers, 8 warps, D = 128). Measured against the 4-warp, 64-key shape it replaced (H100,
+// B=4 H=16 S=4096 bf16 causal, fwd+bwd): 163 vs 148 TFLOP/s at D=128, 108 vs 104 at D=64, 185 vs
+// 164 with causal + padding. benchmarks/mma_sync_bwd_check.cu times the candidates beside it.
+template <int D>
+struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2> {};
 
 // Host: the (query, key) tile sizes of the dK/dV kernel and of the dQ kernel for head dim d, for
 // the mask summaries; false when d has no tensor-core backward in this build.
@@ -155,7 +232,7 @@ inline size_t bwd_smem_bytes(int64_t d) {
   size_t bytes = 0;
   with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    bytes = std::max(DkvConfig<D>::kAtomicDqSmem, DqConfig<D>::kDqSmem);
+    bytes = std::max(DkvConfig<D>::smem_bytes(true), DqConfig<D>::kDqSmem);
   });
   return bytes;
 }
@@ -179,10 +256,10 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
 namespace bwd_detail {
 
 // Rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements) into
-// shared memory; rows at or past `len` become zeros.
-template <typename T, int kHeadDim, int kRows, int kThreads>
+// shared memory laid out as Rows; rows at or past `len` become zeros.
+template <typename T, class Rows, int kHeadDim, int kRows, int kThreads>
 __device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride_s, int64_t row0, int64_t len) {
-  load_tile<T, kRows, kHeadDim, kThreads, 1>(smem, base + row0 * stride_s, stride_s, len - row0, threadIdx.x);
+  load_tile<T, kRows, kHeadDim, kThreads, 1, Rows>(smem, base + row0 * stride_s, stride_s, len - row0, threadIdx.x);
 }
 
 // The exponent of p = 2^x for (query i, key j) from the raw dot product and the row's shift and lo
@@ -214,33 +291,44 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
          p.causal.tile_all_visible(i0, j0 + cols);
 }
 
-// The backward's two score-shaped products at once, one warp's 16 rows: acc1 += A1 B1^T and
-// acc2 += A2 B2^T (S and dP: A1, A2 = K, V and B1, B2 = Q, dO in the dK/dV kernel, transposed in
-// the dQ kernel), over the head dim. A rows a_row.. of shared tiles, B kCols rows; row stride
-// padded_row(kHeadDim) (load_tile's); accumulators [kCols / 8][4] in the m16n8 layout.
-template <typename T, int kHeadDim, int kCols>
-__device__ __forceinline__ void paired_score_products(float (&acc1)[kCols / 8][4], float (&acc2)[kCols / 8][4],
-                                                      const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
-                                                      int lane) {
-  constexpr int kStride = padded_row(kHeadDim);
+// Two products of the backward at once, for kMTiles 16-row blocks of A: acc1 += A1 B1 and acc2 +=
+// A2 B2 over kK, accumulators [kMTiles][kN / 8][4] in the m16n8 layout; each B fragment feeds
+// kMTiles MMAs of each product. A1, A2: rows a_row.. of shared tiles laid out as RowsA (row-major
+// [m][k]). B1, B2: shared tiles laid out as RowsB, either [n][k] (kTransB false: B^T row-major, as
+// Q and dO in S^T = K Q^T and dP^T = V dO^T, or K and V in the dQ kernel's S and dP) or [k][n]
+// from column b_col.. (kTransB true, loaded transposed: dO and Q in dV += P^T dO and dK += dS'^T Q).
+template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTiles, int kN>
+__device__ __forceinline__ void paired_products(float (&acc1)[kMTiles][kN / 8][4], float (&acc2)[kMTiles][kN / 8][4],
+                                                const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
+                                                int b_col, int lane) {
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-    uint32_t fa1[4], fa2[4];
-    const int row = a_row + (lane & 15);
+  for (int ks = 0; ks < kK / 16; ++ks) {
+    uint32_t fa1[kMTiles][4], fa2[kMTiles][4];
     const int col = ks * 16 + (lane >> 4) * 8;
-    ldmatrix_x4(fa1, a1 + row * kStride + col);
-    ldmatrix_x4(fa2, a2 + row * kStride + col);
 #pragma unroll
-    for (int np = 0; np < kCols / 16; ++np) {
-      const int b_row = np * 16 + (lane & 7) + (lane >> 4) * 8;
-      const int b_col = ks * 16 + ((lane >> 3) & 1) * 8;
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      const int row = a_row + mt * 16 + (lane & 15);
+      ldmatrix_x4(fa1[mt], a1 + RowsA::offset(row, col));
+      ldmatrix_x4(fa2[mt], a2 + RowsA::offset(row, col));
+    }
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
       uint32_t fb1[4], fb2[4];
-      ldmatrix_x4(fb1, b1 + b_row * kStride + b_col);
-      ldmatrix_x4(fb2, b2 + b_row * kStride + b_col);
-      mma_16816<T>(acc1[2 * np], fa1, {fb1[0], fb1[1]});
-      mma_16816<T>(acc1[2 * np + 1], fa1, {fb1[2], fb1[3]});
-      mma_16816<T>(acc2[2 * np], fa2, {fb2[0], fb2[1]});
-      mma_16816<T>(acc2[2 * np + 1], fa2, {fb2[2], fb2[3]});
+      if constexpr (kTransB) {
+        const int offset =
+            RowsB::offset(ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_col + np * 16 + (lane >> 4) * 8);
+        ldmatrix_x4_trans(fb1, b1 + offset);
+        ldmatrix_x4_trans(fb2, b2 + offset);
+      } else {
+        const int offset = RowsB::offset(np * 16 + (lane & 7) + (lane >> 4) * 8, ks * 16 + ((lane >> 3) & 1) * 8);
+        ldmatrix_x4(fb1, b1 + offset);
+        ldmatrix_x4(fb2, b2 + offset);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        mma_pair<T>(acc1[mt][2 * np], acc1[mt][2 * np + 1], fa1[mt], fb1);
+        mma_pair<T>(acc2[mt][2 * np], acc2[mt][2 * np + 1], fa2[mt], fb2);
+      }
     }
   }
 }
@@ -255,91 +343,130 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk
   a[3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
 }
 
+// The top of a step of a kStages-buffered loop: the next step's loads (prefetch(next, buf ^ 1),
+// two buffers) go in flight, this step's are waited for, and the CTA syncs.
+template <int kStages, class Prefetch>
+__device__ __forceinline__ void begin_step(int64_t next, int64_t steps, int buf, Prefetch&& prefetch) {
+  if constexpr (kStages == 2) {
+    if (next < steps) {
+      prefetch(next, buf ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
+// Every float of an accumulator array (float[...][4], any rank) set to 0.
+template <class Acc>
+__device__ __forceinline__ void zero_fill(Acc& acc) {
+  static_assert(std::is_same_v<std::remove_all_extents_t<Acc>, float>, "float accumulators");
+  float* values = reinterpret_cast<float*>(&acc);
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(Acc) / sizeof(float)); ++k) {
+    values[k] = 0.0f;
+  }
+}
+
 // ---- dK / dV ---------------------------------------------------------------------------------
 
-// The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's 64 keys j of
-// dS'[m, j] K[j, :], for the step's queries m < kDkvQueries of query head h, added into
+// The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's keys j of
+// dS'[m, j] K[j, :], for the step's queries m < Cfg::kQueries of query head h, added into
 // p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
-// ds_s: dS'^T [kDkvKeys][kDsStride] (keys along rows); k_s: K [kDkvKeys][kStride]. dS' already
-// holds d score / d(q.k) (the scale, the softcap's derivative): no scale here.
-template <typename T, int kHeadDim>
+// ds_s: dS'^T [kKeys][kPStride] (keys along rows); k_s: K [kKeys] rows laid out as Cfg::Rows.
+// dS' already holds d score / d(q.k) (the scale, the softcap's derivative): no scale here. The
+// work is Cfg::kDqJobs jobs of 16 queries x kDqCols head-dim columns, dealt round the warps.
+template <typename T, class Cfg>
 __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
                                             int64_t i0, int warp, int lane) {
-  using Tr = DkvConfig<kHeadDim>;
-  constexpr int kNTiles = Tr::kDqCols / 8;
-  const int row0 = 16 * (warp / Tr::kDqWarpsPerRows);           // this warp's queries within the step
-  const int col0 = Tr::kDqCols * (warp % Tr::kDqWarpsPerRows);  // and head-dim columns
-  float acc[kNTiles][4];
-#pragma unroll
-  for (int t = 0; t < kNTiles; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[t][e] = 0.0f;
-    }
-  }
-#pragma unroll
-  for (int kk = 0; kk < Tr::kKeys / 16; ++kk) {
-    // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
-    // l / 8 is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A.
-    uint32_t a_ds[4];
-    const int a_key = kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
-    const int a_query = row0 + ((lane >> 3) & 1) * 8;
-    ldmatrix_x4_trans(a_ds, ds_s + a_key * Tr::kDsStride + a_query);
-    // B = K [keys x head dim] loaded transposed, as the dQ kernel does.
-    const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-#pragma unroll
-    for (int dp = 0; dp < Tr::kDqCols / 16; ++dp) {
-      const int b_col = col0 + dp * 16 + (lane >> 4) * 8;
-      uint32_t b_k[4];
-      ldmatrix_x4_trans(b_k, k_s + b_row * Tr::kStride + b_col);
-      mma_16816<T>(acc[2 * dp], a_ds, {b_k[0], b_k[1]});
-      mma_16816<T>(acc[2 * dp + 1], a_ds, {b_k[2], b_k[3]});
-    }
-  }
-  // Rows g and g + 8 of the warp's 16 queries, columns 2 * tig (+1) of every n-tile.
+  using Rows = typename Cfg::Rows;
+  constexpr int kNTiles = Cfg::kDqCols / 8;
+  constexpr int kColBlocks = Cfg::kHeadDim / Cfg::kDqCols;
   const int g = lane / 4, tig = lane % 4;
-  float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * kHeadDim;
+  float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * Cfg::kHeadDim;
+  auto job_dq = [&](int job) {
+    const int row0 = 16 * (job / kColBlocks);            // the job's queries within the step
+    const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
+    float acc[kNTiles][4];
+    zero_fill(acc);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t i = i0 + row0 + g + half * 8;
-    if (i >= p.q_len) {
-      continue;
+    for (int kk = 0; kk < Cfg::kKeys / 16; ++kk) {
+      // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
+      // l / 8 is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A.
+      uint32_t a_ds[4];
+      const int a_key = kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
+      const int a_query = row0 + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4_trans(a_ds, ds_s + a_key * Cfg::kPStride + a_query);
+      // B = K [keys x head dim] loaded transposed, as the dQ kernel does.
+      const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int dp = 0; dp < Cfg::kDqCols / 16; ++dp) {
+        const int b_col = col0 + dp * 16 + (lane >> 4) * 8;
+        uint32_t b_k[4];
+        ldmatrix_x4_trans(b_k, k_s + Rows::offset(b_row, b_col));
+        mma_pair<T>(acc[2 * dp], acc[2 * dp + 1], a_ds, b_k);
+      }
     }
-    float* dq_row = dq + i * kHeadDim + col0 + 2 * tig;
+    // Rows g and g + 8 of the job's 16 queries, columns 2 * tig (+1) of every n-tile.
 #pragma unroll
-    for (int t = 0; t < kNTiles; ++t) {
-      // The result unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90.
+    for (int half = 0; half < 2; ++half) {
+      const int64_t i = i0 + row0 + g + half * 8;
+      if (i >= p.q_len) {
+        continue;
+      }
+      float* dq_row = dq + i * Cfg::kHeadDim + col0 + 2 * tig;
+#pragma unroll
+      for (int t = 0; t < kNTiles; ++t) {
+        // The result unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      atomicAdd(reinterpret_cast<float2*>(dq_row + t * 8), make_float2(acc[t][2 * half], acc[t][2 * half + 1]));
+        atomicAdd(reinterpret_cast<float2*>(dq_row + t * 8), make_float2(acc[t][2 * half], acc[t][2 * half + 1]));
 #else
-      atomicAdd(dq_row + t * 8, acc[t][2 * half]);
-      atomicAdd(dq_row + t * 8 + 1, acc[t][2 * half + 1]);
+        atomicAdd(dq_row + t * 8, acc[t][2 * half]);
+        atomicAdd(dq_row + t * 8 + 1, acc[t][2 * half + 1]);
 #endif
+      }
+    }
+  };
+  if constexpr (Cfg::kDqJobs == Cfg::kWarps) {
+    job_dq(warp);
+  } else {
+#pragma unroll 1
+    for (int job = warp; job < Cfg::kDqJobs; job += Cfg::kWarps) {
+      job_dq(job);
     }
   }
 }
 
-// kAtomicDq: also dQ of every step, added into p.dq_accum (the atomic mode, see the top).
-template <typename T, int kHeadDim, bool kAtomicDq>
-__global__ void __launch_bounds__(DkvConfig<kHeadDim>::kThreads) attention_bwd_dkdv_kernel(const BwdParams p) {
-  using Tr = DkvConfig<kHeadDim>;
-  constexpr int kStride = Tr::kStride;
-  constexpr int kKeys = Tr::kKeys;
-  constexpr int kQueries = Tr::kQueries;
-  constexpr int kSubQueries = Tr::kSubQueries;
-  constexpr int kQTiles = kSubQueries / 8;  // n-tiles of the score tile
-  constexpr int kDTiles = kHeadDim / 8;     // n-tiles of the dK / dV accumulators
+// One CTA per (key tile, kv head, batch) in the shape Cfg (BwdTiles); kAtomicDq: also dQ of every
+// step, added into p.dq_accum (the atomic mode, see the top).
+template <typename T, class Cfg, bool kAtomicDq>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_dkdv_kernel(const BwdParams p) {
+  using Rows = typename Cfg::Rows;
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kStride = Cfg::kStride, kPStride = Cfg::kPStride;
+  constexpr int kKeys = Cfg::kKeys, kQueries = Cfg::kQueries, kSubQueries = Cfg::kSubQueries;
+  constexpr int kStages = Cfg::kStages, kThreads = Cfg::kThreads;
+  constexpr int kMTiles = Cfg::kWarpKeys / 16;        // 16-key blocks of a warp's S^T block
+  constexpr int kQTiles = kSubQueries / 8;            // n-tiles of the score tiles
+  constexpr int kDkvMTiles = Cfg::kDkvWarpKeys / 16;  // 16-key blocks of a warp's dK / dV
+  constexpr int kDTiles = Cfg::kDkvWarpCols / 8;      // n-tiles of the dK / dV accumulators
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* k_s = reinterpret_cast<T*>(smem_raw);
   T* v_s = k_s + kKeys * kStride;
-  T* q_s = v_s + kKeys * kStride;                                          // [2][kQueries][kStride]
-  T* do_s = q_s + 2 * kQueries * kStride;                                  // [2][kQueries][kStride]
-  float* lse_s = reinterpret_cast<float*>(do_s + 2 * kQueries * kStride);  // [2][kQueries] row shift
-  float* lo_s = lse_s + 2 * kQueries;                                      // [2][kQueries] row lo
-  float* delta_s = lo_s + 2 * kQueries;                                    // [2][kQueries]
-  // kAtomicDq: dS'^T of the step, [kKeys][kDsStride] (past Tr::kSmem, 16-byte aligned).
-  T* ds_s = reinterpret_cast<T*>(delta_s + 2 * kQueries);
+  T* q_s = v_s + kKeys * kStride;                                                // [kStages][kQueries] rows
+  T* do_s = q_s + kStages * kQueries * kStride;                                  // [kStages][kQueries] rows
+  float* lse_s = reinterpret_cast<float*>(do_s + kStages * kQueries * kStride);  // [kStages][kQueries] row shift
+  float* lo_s = lse_s + kStages * kQueries;                                      // [kStages][kQueries] row lo
+  float* delta_s = lo_s + kStages * kQueries;                                    // [kStages][kQueries]
+  // dS'^T of the step, [kKeys][kPStride] (past Cfg::kTilesSmem, 16-byte aligned): with P^T in
+  // shared memory or atomic dQ. Then P^T, the same shape, with P^T in shared memory.
+  T* ds_s = reinterpret_cast<T*>(delta_s + kStages * kQueries);
+  T* p_s = ds_s + kKeys * kPStride;
 
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
   const int64_t hk = blockIdx.y;
@@ -347,11 +474,17 @@ __global__ void __launch_bounds__(DkvConfig<kHeadDim>::kThreads) attention_bwd_d
   const int64_t group = p.hq / p.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
+  // This warp's block of S^T (keys key_row0.., queries query0.. of the step) and of dK / dV (keys
+  // dkv_key0.., head-dim columns dkv_col0..); with P^T in registers, 16 keys and every column.
+  const int key_row0 = warp % Cfg::kWarpsK * Cfg::kWarpKeys;
+  const int query0 = warp / Cfg::kWarpsK * Cfg::kWarpQueries;
+  const int dkv_key0 = warp / Cfg::kDkvCols * Cfg::kDkvWarpKeys;
+  const int dkv_col0 = warp % Cfg::kDkvCols * Cfg::kDkvWarpCols;
 
   const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
   const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
-  load_rows<T, kHeadDim, kKeys, Tr::kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
-  load_rows<T, kHeadDim, kKeys, Tr::kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
+  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
+  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
   cp_async_commit();
 
   // Queries before first_query(j0) see no key of this tile (j0 is its smallest key).
@@ -376,11 +509,11 @@ __global__ void __launch_bounds__(DkvConfig<kHeadDim>::kThreads) attention_bwd_d
     const int64_t i0 = step_q_tile(step) * kQueries;
     const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
     const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
-    load_rows<T, kHeadDim, kQueries, Tr::kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
-    load_rows<T, kHeadDim, kQueries, Tr::kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
-                                                   p.q_len);
+    load_rows<T, Rows, kHeadDim, kQueries, kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
+    load_rows<T, Rows, kHeadDim, kQueries, kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
+                                                     p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
-    for (int r = threadIdx.x; r < kQueries; r += Tr::kThreads) {
+    for (int r = threadIdx.x; r < kQueries; r += kThreads) {
       const bool valid = i0 + r < p.q_len;
       lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
       lo_s[buf * kQueries + r] = valid && p.score.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
@@ -388,131 +521,165 @@ __global__ void __launch_bounds__(DkvConfig<kHeadDim>::kThreads) attention_bwd_d
     }
   };
 
-  float dk_acc[kDTiles][4];
-  float dv_acc[kDTiles][4];
-#pragma unroll
-  for (int t = 0; t < kDTiles; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      dk_acc[t][e] = 0.0f;
-      dv_acc[t][e] = 0.0f;
-    }
-  }
+  float dk_acc[kDkvMTiles][kDTiles][4];
+  float dv_acc[kDkvMTiles][kDTiles][4];
+  zero_fill(dk_acc);
+  zero_fill(dv_acc);
 
-  const int key_row = warp * 16;  // this warp's keys within the tile
   int64_t step = next_step(0);
   if (step < steps) {
     prefetch(step, 0);
   }
   cp_async_commit();
-  for (int buf = 0; step < steps; buf ^= 1) {
+  for (int buf = 0; step < steps; buf = kStages == 2 ? buf ^ 1 : 0) {
     const int64_t next = next_step(step + 1);
-    if (next < steps) {
-      prefetch(next, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    begin_step<kStages>(next, steps, buf, prefetch);
 
     const int64_t h = step_head(step);
     const int64_t q_tile = step_q_tile(step);
     const int64_t i0 = q_tile * kQueries;
     const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
+    const bool folded = plain && !p.score.natural && p.score.softcap_post == 0.0f;  // kFoldScale's case
+    const T* q_buf = q_s + buf * kQueries * kStride;
+    const T* do_buf = do_s + buf * kQueries * kStride;
 
-    // The step's queries in sub-tiles of kSubQueries, so that the two score tiles of one
+    // The warp's queries in sub-tiles of kSubQueries, so that the two score tiles of one
     // sub-tile are all the registers the scores take (not unrolled: the same registers serve
     // every sub-tile).
 #pragma unroll 1
-    for (int sub = 0; sub < kQueries / kSubQueries; ++sub) {
-      const int q0 = sub * kSubQueries;  // the sub-tile's first query within the step
-      const T* qt = q_s + (buf * kQueries + q0) * kStride;
-      const T* dot = do_s + (buf * kQueries + q0) * kStride;
+    for (int sub = 0; sub < Cfg::kWarpQueries / kSubQueries; ++sub) {
+      const int q0 = query0 + sub * kSubQueries;  // the sub-tile's first query within the step
+      const T* qt = q_buf + q0 * kStride;
+      const T* dot = do_buf + q0 * kStride;
       const float* lse_t = lse_s + buf * kQueries + q0;
       const float* lo_t = lo_s + buf * kQueries + q0;
       const float* delta_t = delta_s + buf * kQueries + q0;
 
-      // S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys and the sub-tile's queries.
-      float st[kQTiles][4];
-      float dpt[kQTiles][4];
-#pragma unroll
-      for (int t = 0; t < kQTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          st[t][e] = 0.0f;
-          dpt[t][e] = 0.0f;
-        }
-      }
-      paired_score_products<T, kHeadDim, kSubQueries>(st, dpt, k_s, v_s, key_row, qt, dot, lane);
+      // S^T = K Q^T and dP^T = V dO^T for this warp's keys and the sub-tile's queries.
+      float st[kMTiles][kQTiles][4];
+      float dpt[kMTiles][kQTiles][4];
+      zero_fill(st);
+      zero_fill(dpt);
+      paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
+                                                                            lane);
 
-      // P^T and dS'^T in place (st holds p, dpt holds dS').
+      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, col, dscore) gives an
+      // element's p and d score / d dot.
+      auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
-      for (int t = 0; t < kQTiles; ++t) {
+        for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = t * 8 + 2 * tig + (e & 1);
+          for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = t * 8 + 2 * tig + (e & 1);
+              float dscore;
+              const float pr = prob(mt, t, e, col, dscore);
+              st[mt][t][e] = pr;
+              dpt[mt][t][e] = pr * (dpt[mt][t][e] - delta_t[col]) * dscore;
+            }
+          }
+        }
+      };
+      if (Cfg::kFoldScale && folded) {
+        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+          dscore = p.score.natural_scale;
+          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
+        });
+      } else {
+        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
           const int64_t i = i0 + q0 + col;
-          const int64_t j = j0 + key_row + g + (e >> 1) * 8;
-          float dscore;
-          const float prob = fast_exp2(exp2_arg(p, plain, st[t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
-          st[t][e] = prob;
-          dpt[t][e] = prob * (dpt[t][e] - delta_t[col]) * dscore;
-        }
+          const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
+          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
+        });
       }
 
-      // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
+      if constexpr (Cfg::kPInRegs) {
+        // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
 #pragma unroll
-      for (int kk = 0; kk < kSubQueries / 16; ++kk) {
-        uint32_t a_p[4], a_ds[4];
-        a_fragment<T>(st, kk, a_p);
-        a_fragment<T>(dpt, kk, a_ds);
-        if constexpr (kAtomicDq) {
-          // dS'^T as the registers hold it: rows key_row + g (+8), columns q0 + 2 * tig (+1) of
-          // the n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
-          T* ds_row = ds_s + (key_row + g) * Tr::kDsStride + q0 + kk * 16 + 2 * tig;
-          *reinterpret_cast<uint32_t*>(ds_row) = a_ds[0];
-          *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride) = a_ds[1];
-          *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
-          *reinterpret_cast<uint32_t*>(ds_row + 8 * Tr::kDsStride + 8) = a_ds[3];
+        for (int kk = 0; kk < kSubQueries / 16; ++kk) {
+          uint32_t a_p[4], a_ds[4];
+          a_fragment<T>(st[0], kk, a_p);
+          a_fragment<T>(dpt[0], kk, a_ds);
+          if constexpr (kAtomicDq) {
+            // dS'^T as the registers hold it: rows key_row0 + g (+8), columns q0 + 2 * tig (+1) of
+            // the n-tiles 2 * kk and 2 * kk + 1, one 32-bit pair per store.
+            T* ds_row = ds_s + (key_row0 + g) * kPStride + q0 + kk * 16 + 2 * tig;
+            *reinterpret_cast<uint32_t*>(ds_row) = a_ds[0];
+            *reinterpret_cast<uint32_t*>(ds_row + 8 * kPStride) = a_ds[1];
+            *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
+            *reinterpret_cast<uint32_t*>(ds_row + 8 * kPStride + 8) = a_ds[3];
+          }
+          const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+          for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+            const int b_col = dp * 16 + (lane >> 4) * 8;
+            uint32_t b_do[4], b_q[4];
+            ldmatrix_x4_trans(b_do, dot + Rows::offset(b_row, b_col));
+            ldmatrix_x4_trans(b_q, qt + Rows::offset(b_row, b_col));
+            mma_pair<T>(dv_acc[0][2 * dp], dv_acc[0][2 * dp + 1], a_p, b_do);
+            mma_pair<T>(dk_acc[0][2 * dp], dk_acc[0][2 * dp + 1], a_ds, b_q);
+          }
         }
-        const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      } else {
+        // P^T and dS'^T to shared memory: rows key_row0 + 16 mt + g (+8), columns q0 + 8 t +
+        // 2 tig (+1), one 32-bit pair per store.
 #pragma unroll
-        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-          const int b_col = dp * 16 + (lane >> 4) * 8;
-          uint32_t b_do[4], b_q[4];
-          ldmatrix_x4_trans(b_do, dot + b_row * kStride + b_col);
-          ldmatrix_x4_trans(b_q, qt + b_row * kStride + b_col);
-          mma_16816<T>(dv_acc[2 * dp], a_p, {b_do[0], b_do[1]});
-          mma_16816<T>(dv_acc[2 * dp + 1], a_p, {b_do[2], b_do[3]});
-          mma_16816<T>(dk_acc[2 * dp], a_ds, {b_q[0], b_q[1]});
-          mma_16816<T>(dk_acc[2 * dp + 1], a_ds, {b_q[2], b_q[3]});
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int t = 0; t < kQTiles; ++t) {
+            const int offset = (key_row0 + mt * 16 + g) * kPStride + q0 + t * 8 + 2 * tig;
+            *reinterpret_cast<uint32_t*>(p_s + offset) = pack2<T>(st[mt][t][0], st[mt][t][1]);
+            *reinterpret_cast<uint32_t*>(p_s + offset + 8 * kPStride) = pack2<T>(st[mt][t][2], st[mt][t][3]);
+            *reinterpret_cast<uint32_t*>(ds_s + offset) = pack2<T>(dpt[mt][t][0], dpt[mt][t][1]);
+            *reinterpret_cast<uint32_t*>(ds_s + offset + 8 * kPStride) = pack2<T>(dpt[mt][t][2], dpt[mt][t][3]);
+          }
         }
       }
+    }
+    if constexpr (!Cfg::kPInRegs) {
+      // dV += P^T dO and dK += dS'^T Q over the step's queries, for this warp's keys x columns: A
+      // from p_s / ds_s, B = dO / Q loaded transposed. First every warp's P^T and dS'^T are in
+      // shared memory.
+      __syncthreads();
+      paired_products<T, SmemRows<kQueries>, Rows, true, kQueries, kDkvMTiles, Cfg::kDkvWarpCols>(
+          dv_acc, dk_acc, p_s, ds_s, dkv_key0, do_buf, q_buf, dkv_col0, lane);
+    } else if constexpr (kAtomicDq) {
+      __syncthreads();  // every warp's dS'^T is in ds_s
     }
     if constexpr (kAtomicDq) {
-      __syncthreads();  // every warp's dS'^T is in ds_s
-      add_step_dq<T, kHeadDim>(p, ds_s, k_s, b, h, i0, warp, lane);
+      add_step_dq<T, Cfg>(p, ds_s, k_s, b, h, i0, warp, lane);
     }
-    __syncthreads();  // this buffer (and ds_s) is refilled by the next step
+    __syncthreads();  // this buffer (and p_s, ds_s) is refilled by the next step
+    if constexpr (kStages == 1) {
+      if (next < steps) {
+        prefetch(next, 0);
+      }
+      cp_async_commit();
+    }
     step = next;
   }
   cp_async_wait<0>();
 
-  // Rows g and g + 8 of this warp's keys, columns 2 * tig (+1) of every n-tile.
+  // Rows g and g + 8 of each of this warp's 16-key blocks, columns 2 * tig (+1) of every n-tile.
   T* gk = static_cast<T*>(p.grad_key) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
   T* gv = static_cast<T*>(p.grad_value) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t j = j0 + key_row + g + half * 8;
-    if (j >= p.kv_len) {
-      continue;
-    }
+  for (int mt = 0; mt < kDkvMTiles; ++mt) {
 #pragma unroll
-    for (int t = 0; t < kDTiles; ++t) {
-      const int col = t * 8 + 2 * tig;
-      *reinterpret_cast<uint32_t*>(gk + j * kHeadDim + col) = pack2<T>(dk_acc[t][2 * half], dk_acc[t][2 * half + 1]);
-      *reinterpret_cast<uint32_t*>(gv + j * kHeadDim + col) = pack2<T>(dv_acc[t][2 * half], dv_acc[t][2 * half + 1]);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t j = j0 + dkv_key0 + mt * 16 + g + half * 8;
+      if (j >= p.kv_len) {
+        continue;
+      }
+#pragma unroll
+      for (int t = 0; t < kDTiles; ++t) {
+        const int col = dkv_col0 + t * 8 + 2 * tig;
+        *reinterpret_cast<uint32_t*>(gk + j * kHeadDim + col) =
+            pack2<T>(dk_acc[mt][t][2 * half], dk_acc[mt][t][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(gv + j * kHeadDim + col) =
+            pack2<T>(dv_acc[mt][t][2 * half], dv_acc[mt][t][2 * half + 1]);
+      }
     }
   }
 }
@@ -549,8 +716,8 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
   const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
   const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
-  load_rows<T, kHeadDim, kQueries, Tr::kThreads>(q_s, q_base, p.q_stride_s, i0, p.q_len);
-  load_rows<T, kHeadDim, kQueries, Tr::kThreads>(do_s, do_base, p.do_stride_s, i0, p.q_len);
+  load_rows<T, typename Tr::Rows, kHeadDim, kQueries, Tr::kThreads>(q_s, q_base, p.q_stride_s, i0, p.q_len);
+  load_rows<T, typename Tr::Rows, kHeadDim, kQueries, Tr::kThreads>(do_s, do_base, p.do_stride_s, i0, p.q_len);
   cp_async_commit();
 
   const int query_row = warp * 16;  // this warp's queries within the tile
@@ -571,20 +738,14 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   const int64_t steps = (kv_end + kKeys - 1) / kKeys;
 
   auto prefetch = [&](int64_t step, int buf) {
-    load_rows<T, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s, step * kKeys,
-                                                p.kv_len);
-    load_rows<T, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s, step * kKeys,
-                                                p.kv_len);
+    load_rows<T, typename Tr::Rows, kHeadDim, kKeys, Tr::kThreads>(k_s + buf * kKeys * kStride, k_base, p.k_stride_s,
+                                                                   step * kKeys, p.kv_len);
+    load_rows<T, typename Tr::Rows, kHeadDim, kKeys, Tr::kThreads>(v_s + buf * kKeys * kStride, v_base, p.v_stride_s,
+                                                                   step * kKeys, p.kv_len);
   };
 
   float dq_acc[kDTiles][4];
-#pragma unroll
-  for (int t = 0; t < kDTiles; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      dq_acc[t][e] = 0.0f;
-    }
-  }
+  zero_fill(dq_acc);
   float* gm_base = p.grad_mask != nullptr ? p.grad_mask + (b_rel * p.hq + h) * p.q_len * p.kv_len : nullptr;
   // The mask gradient of keys [j_begin, j_end) that no step visits (all masked for these
   // queries): 0.
@@ -617,31 +778,21 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   cp_async_commit();
   for (int buf = 0; step < steps; buf ^= 1) {
     const int64_t next = next_step(step + 1);
-    if (next < steps) {
-      prefetch(next, buf ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    begin_step<2>(next, steps, buf, prefetch);
 
     const T* kt = k_s + buf * kKeys * kStride;
     const T* vt = v_s + buf * kKeys * kStride;
     const int64_t j0 = step * kKeys;
     const bool plain = plain_tile(p, p.tiles_dq.at(b, h, q_tile, step), i0, kQueries, j0, kKeys);
 
-    float s_acc[kKTiles][4];
-    float dp_acc[kKTiles][4];
-#pragma unroll
-    for (int t = 0; t < kKTiles; ++t) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s_acc[t][e] = 0.0f;
-        dp_acc[t][e] = 0.0f;
-      }
-    }
-    paired_score_products<T, kHeadDim, kKeys>(s_acc, dp_acc, q_s, do_s, query_row, kt, vt, lane);
+    float s_tile[1][kKTiles][4];
+    float dp_tile[1][kKTiles][4];
+    float(&s_acc)[kKTiles][4] = s_tile[0];
+    float(&dp_acc)[kKTiles][4] = dp_tile[0];
+    zero_fill(s_tile);
+    zero_fill(dp_tile);
+    paired_products<T, typename Tr::Rows, typename Tr::Rows, false, kHeadDim, 1, kKeys>(s_tile, dp_tile, q_s, do_s,
+                                                                                        query_row, kt, vt, 0, lane);
 
     // dS (the mask gradient) and dS' (dp_acc, in place).
 #pragma unroll
@@ -713,28 +864,29 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   }
 }
 
-// The dK/dV kernel of one shape; params.dq_accum set: the atomic mode, dQ added by this kernel
+#ifndef SAFEATTN_STANDALONE
+// The dK/dV kernel of shape Cfg; params.dq_accum set: the atomic mode, dQ added by this kernel
 // (the caller then skips the dQ kernel).
-template <typename T, int kHeadDim>
+template <typename T, class Cfg>
 void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
-  using Tr = DkvConfig<kHeadDim>;
   const bool atomic_dq = params.dq_accum != nullptr;
-  auto* kernel =
-      atomic_dq ? &attention_bwd_dkdv_kernel<T, kHeadDim, true> : &attention_bwd_dkdv_kernel<T, kHeadDim, false>;
-  const size_t smem = atomic_dq ? Tr::kAtomicDqSmem : Tr::kSmem;
+  auto* kernel = atomic_dq ? &attention_bwd_dkdv_kernel<T, Cfg, true> : &attention_bwd_dkdv_kernel<T, Cfg, false>;
+  const size_t smem = Cfg::smem_bytes(atomic_dq);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>((params.kv_len + Tr::kKeys - 1) / Tr::kKeys), static_cast<unsigned>(params.hkv),
-                  static_cast<unsigned>(batch));
-  kernel<<<grid, Tr::kThreads, smem, stream>>>(params);
+  const dim3 grid(static_cast<unsigned>((params.kv_len + Cfg::kKeys - 1) / Cfg::kKeys),
+                  static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
+#endif
 
 }  // namespace bwd_detail
 
+#ifndef SAFEATTN_STANDALONE
 template <typename T, int kHeadDim>
 void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cudaStream_t stream) {
   if (launch.run_dkdv) {
-    bwd_detail::launch_dkdv<T, kHeadDim>(params, launch.batch, stream);
+    bwd_detail::launch_dkdv<T, DkvConfig<kHeadDim>>(params, launch.batch, stream);
   }
   if (launch.run_dq) {
     using Tr = DqConfig<kHeadDim>;
@@ -747,6 +899,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
+#endif
 
 #endif  // SAFEATTN_ATTN_BWD_DEFINE_KERNELS
 

@@ -385,22 +385,23 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   }
 }
 
+// f(T{}) with T the 16-bit element type of t (bfloat16, else float16).
+template <typename F>
+void with_16bit_type(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) {
+    f(__nv_bfloat16{});
+  } else {
+    f(__half{});
+  }
+}
+
 void run_backward(AttentionPath path, const AttentionBwdArgs& args) {
-  const bool bf16 = args.query.scalar_type() == at::kBFloat16;
   switch (path) {
     case AttentionPath::kSm90a:
-      if (bf16) {
-        attention_bwd_hopper<__nv_bfloat16>(args);
-      } else {
-        attention_bwd_hopper<__half>(args);
-      }
+      with_16bit_type(args.query, [&](auto type) { attention_bwd_hopper<decltype(type)>(args); });
       return;
     case AttentionPath::kMmaSync:
-      if (bf16) {
-        attention_bwd_tensor_core<__nv_bfloat16>(args);
-      } else {
-        attention_bwd_tensor_core<__half>(args);
-      }
+      with_16bit_type(args.query, [&](auto type) { attention_bwd_tensor_core<decltype(type)>(args); });
       return;
     case AttentionPath::kChunkedAten: {
       AttentionBwdArgs cleaned = args;

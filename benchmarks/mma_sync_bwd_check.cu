@@ -1,0 +1,590 @@
+// Standalone check and timing of the generic (mma.sync) backward attention kernels
+// (csrc/ops/cuda/attention_bwd.cuh), without torch, for dK/dV tile shapes side by side: the shape
+// each head dim runs (DkvConfig) and candidates (BwdTiles). Build (from the repository root):
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
+//        --expt-relaxed-constexpr -Icsrc -Xcompiler -fopenmp -lgomp \
+//        benchmarks/mma_sync_bwd_check.cu -o mma_sync_bwd_check
+//
+// (add -Xptxas -v for each kernel's registers, spills and static shared memory.)
+// Run: ./mma_sync_bwd_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name contains one of
+// them)] [--deterministic (also time the deterministic mode: dK/dV kernel + dQ kernel)] [--profile (one launch of
+// each shape at the timing sizes, no checks: for ncu)].
+// For each shape: random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN, the kernels given row
+// shift, row lo and Delta as the rows pre-pass makes them (from a float64 forward), then a float64 CPU reference of
+// dQ, dK, dV over odd shapes (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties
+// every row; log2 units, natural units, a softcap; contiguous, transposed-view and padded input strides), in both dQ
+// modes (atomics from the dK/dV kernel into a float32 buffer, and the deterministic dQ kernel): relative L2 error
+// and max error against the largest reference value, no NaN, and exact zeros where the contract says 0 (dQ of rows
+// with no visible key, dK and dV of keys no row sees). Then B=4 H=16 S=4096 at the shape's head dim, causal and not,
+// timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV kernel and dQ's
+// conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5 forwards and
+// causal as half. Exit status 1 when any check fails.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#define SAFEATTN_STANDALONE
+#define SAFEATTN_ATTN_BWD_DEFINE_KERNELS
+#include "check_common.h"
+#include "ops/cuda/attention_bwd.cuh"
+
+using safeattn::cuda::attn::BwdParams;
+using safeattn::cuda::attn::BwdTiles;
+using safeattn::cuda::attn::DkvConfig;
+using safeattn::cuda::attn::DqConfig;
+using safeattn::cuda::attn::kBwdSmemSm86;
+using safeattn::cuda::attn::ScoreRule;
+using safeattn::cuda::attn::bwd_detail::attention_bwd_dkdv_kernel;
+using safeattn::cuda::attn::bwd_detail::attention_bwd_dq_kernel;
+
+static bool g_profile = false;
+static bool g_checks = true;          // --no-checks: timings only
+static bool g_deterministic = false;  // --deterministic: also time the dK/dV kernel + dQ kernel
+static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
+
+// Whether `name` contains one of the comma-separated texts of `only`.
+static bool selected(const char* name, const char* only) {
+  std::string list(only);
+  for (size_t start = 0; start <= list.size();) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
+      return true;
+    }
+    start = end + 1;
+  }
+  return false;
+}
+
+// The score rule of attention_common.cu's score_rule(): log2 units unless natural.
+static ScoreRule make_rule(double scale, double softcap, bool natural) {
+  const double unit = natural ? 1.0 : 1.4426950408889634;
+  ScoreRule r;
+  r.scale = static_cast<float>(scale * unit);
+  if (softcap > 0.0) {
+    r.softcap_pre = static_cast<float>(scale / softcap);
+    r.softcap_post = static_cast<float>(softcap * unit);
+  }
+  r.natural_scale = static_cast<float>(scale);
+  r.natural = natural;
+  return r;
+}
+
+// dq_accum (float32) rounded to grad_query's dtype, as the extension's copy_ does.
+template <typename T>
+__global__ void convert_dq(const float* __restrict__ from, T* __restrict__ to, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    to[i] = from_f<T>(from[i]);
+  }
+}
+
+// The dK/dV kernel of shape Cfg over `batch` batches; atomic: dQ added into p.dq_accum.
+template <typename T, class Cfg>
+static void launch_dkdv(const BwdParams& p, int batch, bool atomic) {
+  auto kernel = atomic ? &attention_bwd_dkdv_kernel<T, Cfg, true> : &attention_bwd_dkdv_kernel<T, Cfg, false>;
+  const size_t smem = Cfg::smem_bytes(atomic);
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>((p.kv_len + Cfg::kKeys - 1) / Cfg::kKeys), static_cast<unsigned>(p.hkv),
+                  static_cast<unsigned>(batch));
+  kernel<<<grid, Cfg::kThreads, smem>>>(p);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+// The deterministic dQ kernel of head dim D over `batch` batches.
+template <typename T, int D>
+static void launch_dq(const BwdParams& p, int batch) {
+  using Tr = DqConfig<D>;
+  auto kernel = &attention_bwd_dq_kernel<T, D>;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
+  const dim3 grid(static_cast<unsigned>((p.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries), static_cast<unsigned>(p.hq),
+                  static_cast<unsigned>(batch));
+  kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(p);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+struct GradError {
+  double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
+  long nan = 0, bad_zero = 0;
+  void add(double got, double ref) {
+    if (!(got == got)) {
+      ++nan;
+      return;
+    }
+    err2 += (got - ref) * (got - ref);
+    ref2 += ref * ref;
+    max_abs = std::max(max_abs, std::fabs(got - ref));
+    max_ref = std::max(max_ref, std::fabs(ref));
+  }
+  double rel() const {
+    return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  }
+  double max_rel() const {
+    return max_ref > 0 ? max_abs / max_ref : max_abs;
+  }
+};
+
+struct SmallCase {
+  int q_len, kv_len;
+  bool causal;
+  int64_t shift;
+  int mode;    // 0: log2 units, 1: natural units, 2: softcap 5 (log2 units)
+  int layout;  // of Q, K, V, dO: check_common.h's make_strides
+};
+
+// One case, both dQ modes against one float64 reference; false when either fails.
+template <typename T, class Cfg>
+static bool run_case(const SmallCase& cs, std::mt19937& rng) {
+  constexpr int D = Cfg::kHeadDim;
+  const int B = 2, H = 2, Hkv = 1, group = H / Hkv;
+  const double scale = 1.0 / std::sqrt(double(D)), softcap = cs.mode == 2 ? 5.0 : 0.0;
+  const bool natural = cs.mode == 1;
+  int64_t qs[3], ks[3], vs[3], dos[3];
+  const size_t qn = make_strides(cs.layout, B, H, cs.q_len, D, qs);
+  const size_t kn = make_strides(cs.layout, B, Hkv, cs.kv_len, D, ks);
+  const size_t vn = make_strides(cs.layout, B, Hkv, cs.kv_len, D, vs);
+  const size_t don = make_strides(cs.layout, B, H, cs.q_len, D, dos);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::vector<T> hq(qn), hk(kn), hv(vn), hdo(don);
+  for (auto* vec : {&hq, &hk, &hv, &hdo}) {
+    for (auto& x : *vec) {
+      x = from_f<T>(uni(rng));
+    }
+  }
+  const int64_t rows = int64_t{B} * H * cs.q_len;
+  std::vector<float> glse(rows);
+  for (auto& x : glse) {
+    x = 0.5f * uni(rng);
+  }
+  auto q_at = [&](int b, int h, int i, int d) { return double(to_f(hq[b * qs[0] + h * qs[1] + i * qs[2] + d])); };
+  auto k_at = [&](int b, int h, int j, int d) { return double(to_f(hk[b * ks[0] + h * ks[1] + j * ks[2] + d])); };
+  auto v_at = [&](int b, int h, int j, int d) { return double(to_f(hv[b * vs[0] + h * vs[1] + j * vs[2] + d])); };
+  auto do_at = [&](int b, int h, int i, int d) { return double(to_f(hdo[b * dos[0] + h * dos[1] + i * dos[2] + d])); };
+
+  // Per query row in float64: the forward (P), what the rows pre-pass gives the kernels (row shift
+  // and lo in their units, Delta from O as the forward rounds it), and dS' = P (dP - Delta) d score
+  // / d dot.
+  std::vector<double> P(size_t(rows) * cs.kv_len), dsp(size_t(rows) * cs.kv_len);
+  std::vector<float> row_shift(rows), row_lo(rows), delta(rows);
+  std::vector<char> row_seen(rows, 0);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int b = static_cast<int>(r / (int64_t{H} * cs.q_len)), h = static_cast<int>(r / cs.q_len % H);
+    const int i = static_cast<int>(r % cs.q_len), hk = h / group;
+    double* prow = P.data() + size_t(r) * cs.kv_len;
+    double* drow = dsp.data() + size_t(r) * cs.kv_len;  // d score / d dot, then dS'
+    double m = -INFINITY;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      double dot = 0;
+      for (int d = 0; d < D; ++d) {
+        dot += q_at(b, h, i, d) * k_at(b, hk, j, d);
+      }
+      double s = dot * scale;
+      drow[j] = scale;
+      if (softcap > 0.0) {
+        const double t = std::tanh(s / softcap);
+        s = softcap * t;
+        drow[j] = scale * (1.0 - t * t);
+      }
+      prow[j] = cs.causal && j > i + cs.shift ? -INFINITY : s;
+      m = std::max(m, prow[j]);
+    }
+    double l = 0;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      prow[j] = prow[j] == -INFINITY ? 0.0 : std::exp(prow[j] - m);
+      l += prow[j];
+    }
+    double dsum = 0, dsum_rounded = 0;
+    for (int d = 0; d < D && l > 0; ++d) {
+      double o = 0;
+      for (int j = 0; j < cs.kv_len; ++j) {
+        o += prow[j] * v_at(b, hk, j, d);
+      }
+      o /= l;
+      dsum += do_at(b, h, i, d) * o;
+      dsum_rounded += do_at(b, h, i, d) * double(to_f(from_f<T>(float(o))));  // O as the forward wrote it
+    }
+    const double lse = m + std::log(l), delta_ref = l > 0 ? dsum - glse[r] : 0.0;
+    row_seen[r] = l > 0;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      prow[j] = l > 0 ? prow[j] / l : 0.0;
+      double dp = 0;
+      for (int d = 0; d < D && prow[j] != 0.0; ++d) {
+        dp += do_at(b, h, i, d) * v_at(b, hk, j, d);
+      }
+      drow[j] = prow[j] == 0.0 ? 0.0 : prow[j] * (dp - delta_ref) * drow[j];
+    }
+    delta[r] = l > 0 ? float(dsum_rounded) - glse[r] : 0.0f;
+    if (l == 0) {
+      row_shift[r] = INFINITY, row_lo[r] = 0.0f;
+    } else if (natural) {
+      row_shift[r] = float(lse);
+      row_lo[r] = float((lse - double(float(lse))) * 1.4426950408889634);
+    } else {
+      row_shift[r] = float(lse * 1.4426950408889634), row_lo[r] = 0.0f;
+    }
+  }
+
+  // Reference gradients: dQ = dS' K per row; dK = dS'^T Q and dV = P^T dO per key, summed over the
+  // query heads of its group (GQA).
+  const int64_t keys = int64_t{B} * Hkv * cs.kv_len;
+  std::vector<double> ref_dq(size_t(rows) * D, 0.0), ref_dk(size_t(keys) * D, 0.0), ref_dv(size_t(keys) * D, 0.0);
+  std::vector<char> key_seen(keys, 0);
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int b = static_cast<int>(r / (int64_t{H} * cs.q_len)), hk = static_cast<int>(r / cs.q_len % H) / group;
+    for (int j = 0; j < cs.kv_len; ++j) {
+      const double ds = dsp[size_t(r) * cs.kv_len + j];
+      for (int d = 0; d < D && ds != 0.0; ++d) {
+        ref_dq[size_t(r) * D + d] += ds * k_at(b, hk, j, d);
+      }
+    }
+  }
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t key = 0; key < keys; ++key) {
+    const int b = static_cast<int>(key / (int64_t{Hkv} * cs.kv_len));
+    const int hk = static_cast<int>(key / cs.kv_len % Hkv), j = static_cast<int>(key % cs.kv_len);
+    for (int h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int i = 0; i < cs.q_len; ++i) {
+        const size_t r = (size_t(b) * H + h) * cs.q_len + i;
+        const double pij = P[r * cs.kv_len + j], ds = dsp[r * cs.kv_len + j];
+        if (pij == 0.0) {
+          continue;
+        }
+        key_seen[key] = 1;
+        for (int d = 0; d < D; ++d) {
+          ref_dk[size_t(key) * D + d] += ds * q_at(b, h, i, d);
+          ref_dv[size_t(key) * D + d] += pij * do_at(b, h, i, d);
+        }
+      }
+    }
+  }
+
+  T *dq_in = upload(hq), *dk_in = upload(hk), *dv_in = upload(hv), *ddo = upload(hdo);
+  float *dshift = upload(row_shift), *dlo = upload(row_lo), *ddelta = upload(delta), *dq_accum;
+  const size_t dq_n = size_t(rows) * D, dkv_n = size_t(B) * Hkv * cs.kv_len * D;
+  T *gq, *gk, *gv;
+  CHECK_CUDA(cudaMalloc(&dq_accum, dq_n * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&gq, dq_n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&gk, dkv_n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&gv, dkv_n * sizeof(T)));
+
+  BwdParams p{};
+  p.query = dq_in, p.key = dk_in, p.value = dv_in, p.grad_out = ddo;
+  p.q_stride_b = qs[0], p.q_stride_h = qs[1], p.q_stride_s = qs[2];
+  p.k_stride_b = ks[0], p.k_stride_h = ks[1], p.k_stride_s = ks[2];
+  p.v_stride_b = vs[0], p.v_stride_h = vs[1], p.v_stride_s = vs[2];
+  p.do_stride_b = dos[0], p.do_stride_h = dos[1], p.do_stride_s = dos[2];
+  p.row_shift = dshift, p.row_lo = natural ? dlo : nullptr, p.delta = ddelta;
+  p.grad_query = gq, p.grad_key = gk, p.grad_value = gv;
+  p.causal.enabled = cs.causal, p.causal.shift = cs.shift;
+  p.score = make_rule(scale, softcap, natural);
+  p.hq = H, p.hkv = Hkv, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
+
+  bool ok = true;
+  for (bool atomic : {true, false}) {
+    CHECK_CUDA(cudaMemset(gq, 0xff, dq_n * sizeof(T)));  // NaN in both 16-bit formats
+    CHECK_CUDA(cudaMemset(gk, 0xff, dkv_n * sizeof(T)));
+    CHECK_CUDA(cudaMemset(gv, 0xff, dkv_n * sizeof(T)));
+    if (atomic) {
+      CHECK_CUDA(cudaMemset(dq_accum, 0, dq_n * sizeof(float)));
+      p.dq_accum = dq_accum;
+      launch_dkdv<T, Cfg>(p, B, true);
+      convert_dq<T><<<256, 256>>>(dq_accum, gq, dq_n);
+      CHECK_CUDA(cudaGetLastError());
+    } else {
+      p.dq_accum = nullptr;
+      launch_dkdv<T, Cfg>(p, B, false);
+      launch_dq<T, D>(p, B);
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<T> hgq(dq_n), hgk(dkv_n), hgv(dkv_n);
+    CHECK_CUDA(cudaMemcpy(hgq.data(), gq, dq_n * sizeof(T), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hgk.data(), gk, dkv_n * sizeof(T), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(hgv.data(), gv, dkv_n * sizeof(T), cudaMemcpyDeviceToHost));
+    GradError eq, ek, ev;
+    long empty_rows = 0, unseen_keys = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      empty_rows += !row_seen[r];
+      for (int d = 0; d < D; ++d) {
+        const float got = to_f(hgq[size_t(r) * D + d]);
+        if (!row_seen[r]) {
+          eq.bad_zero += !(got == 0.0f);
+        } else {
+          eq.add(got, ref_dq[size_t(r) * D + d]);
+        }
+      }
+    }
+    for (size_t kj = 0; kj < key_seen.size(); ++kj) {
+      unseen_keys += !key_seen[kj];
+      for (int d = 0; d < D; ++d) {
+        const float got_k = to_f(hgk[kj * D + d]), got_v = to_f(hgv[kj * D + d]);
+        if (!key_seen[kj]) {
+          ek.bad_zero += !(got_k == 0.0f);
+          ev.bad_zero += !(got_v == 0.0f);
+        } else {
+          ek.add(got_k, ref_dk[kj * D + d]);
+          ev.add(got_v, ref_dv[kj * D + d]);
+        }
+      }
+    }
+    // P and dS' are rounded to 16 bits before their products, as in every flash backward.
+    const bool bf16 = std::is_same_v<T, __nv_bfloat16>;
+    const double tol_rel = bf16 ? 2e-2 : 4e-3, tol_max = bf16 ? 6e-2 : 1.5e-2;
+    bool case_ok = true;
+    for (const GradError* e : {&eq, &ek, &ev}) {
+      case_ok = case_ok && e->rel() <= tol_rel && e->max_rel() <= tol_max && e->nan == 0 && e->bad_zero == 0;
+    }
+    if (!case_ok) {
+      printf(
+          "  FAIL %s dQ, q %d kv %d causal %d shift %lld mode %d layout %d: dq %.2e/%.2e dk %.2e/%.2e dv %.2e/%.2e "
+          "nan %ld/%ld/%ld zero-bad %ld/%ld/%ld (empty rows %ld, unseen keys %ld)\n",
+          atomic ? "atomic" : "deterministic", cs.q_len, cs.kv_len, cs.causal, static_cast<long long>(cs.shift),
+          cs.mode, cs.layout, eq.rel(), eq.max_rel(), ek.rel(), ek.max_rel(), ev.rel(), ev.max_rel(), eq.nan, ek.nan,
+          ev.nan, eq.bad_zero, ek.bad_zero, ev.bad_zero, empty_rows, unseen_keys);
+    }
+    ok = ok && case_ok;
+  }
+  for (void* ptr :
+       {static_cast<void*>(dq_in), static_cast<void*>(dk_in), static_cast<void*>(dv_in), static_cast<void*>(ddo),
+        static_cast<void*>(dshift), static_cast<void*>(dlo), static_cast<void*>(ddelta), static_cast<void*>(dq_accum),
+        static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv)}) {
+    CHECK_CUDA(cudaFree(ptr));
+  }
+  return ok;
+}
+
+// The backward of B x H x S x S at head dim Cfg::kHeadDim: median ms of 20 (after 3 warm-ups).
+template <typename T, class Cfg>
+static float time_shape(bool causal, bool deterministic, int B, int H, int S) {
+  constexpr int D = Cfg::kHeadDim;
+  const size_t n = size_t(B) * H * S * D, rows = size_t(B) * H * S;
+  T* buf[4];  // q, k, v, dO
+  for (int t = 0; t < 4; ++t) {
+    CHECK_CUDA(cudaMalloc(&buf[t], n * sizeof(T)));
+    fill_uniform<T><<<1024, 256>>>(buf[t], n, 1234 + t, 1.0f);
+    CHECK_CUDA(cudaGetLastError());
+  }
+  float *shift, *delta, *dq_accum;
+  CHECK_CUDA(cudaMalloc(&shift, rows * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&delta, rows * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dq_accum, n * sizeof(float)));
+  fill_uniform<float><<<1024, 256>>>(delta, rows, 99, 0.1f);
+  // Scores of unit-uniform inputs are O(1): a row shift near log2(S) keeps p in range.
+  fill_uniform<float><<<1024, 256>>>(shift, rows, 98, 0.5f);
+  CHECK_CUDA(cudaGetLastError());
+  {
+    std::vector<float> h(rows);
+    CHECK_CUDA(cudaMemcpy(h.data(), shift, rows * sizeof(float), cudaMemcpyDeviceToHost));
+    for (auto& x : h) {
+      x += float(std::log2(double(S)));
+    }
+    CHECK_CUDA(cudaMemcpy(shift, h.data(), rows * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  T *gq, *gk, *gv;
+  CHECK_CUDA(cudaMalloc(&gq, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&gk, n * sizeof(T)));
+  CHECK_CUDA(cudaMalloc(&gv, n * sizeof(T)));
+  BwdParams p{};
+  p.query = buf[0], p.key = buf[1], p.value = buf[2], p.grad_out = buf[3];
+  p.q_stride_b = p.k_stride_b = p.v_stride_b = p.do_stride_b = int64_t{H} * S * D;
+  p.q_stride_h = p.k_stride_h = p.v_stride_h = p.do_stride_h = int64_t{S} * D;
+  p.q_stride_s = p.k_stride_s = p.v_stride_s = p.do_stride_s = D;
+  p.row_shift = shift, p.delta = delta;
+  p.grad_query = gq, p.grad_key = gk, p.grad_value = gv;
+  p.causal.enabled = causal;
+  p.score = make_rule(1.0 / std::sqrt(double(D)), 0.0, false);
+  p.hq = H, p.hkv = H, p.q_len = S, p.kv_len = S;
+  p.dq_accum = deterministic ? nullptr : dq_accum;
+  auto run = [&]() {
+    if (deterministic) {
+      launch_dkdv<T, Cfg>(p, B, false);
+      launch_dq<T, D>(p, B);
+    } else {
+      CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, n * sizeof(float)));  // the rows pre-pass's share
+      launch_dkdv<T, Cfg>(p, B, true);
+      convert_dq<T><<<1024, 256>>>(dq_accum, gq, n);
+      CHECK_CUDA(cudaGetLastError());
+    }
+  };
+  float median = 0.0f;
+  if (g_profile) {
+    run();
+  } else {
+    std::vector<float> ms;
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    for (int it = 0; it < 23; ++it) {
+      CHECK_CUDA(cudaEventRecord(e0));
+      run();
+      CHECK_CUDA(cudaEventRecord(e1));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0.0f;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      if (it >= 3) {
+        ms.push_back(t);
+      }
+    }
+    std::sort(ms.begin(), ms.end());
+    median = ms[ms.size() / 2];
+    CHECK_CUDA(cudaEventDestroy(e0));
+    CHECK_CUDA(cudaEventDestroy(e1));
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+  for (int t = 0; t < 4; ++t) {
+    CHECK_CUDA(cudaFree(buf[t]));
+  }
+  for (void* ptr : {static_cast<void*>(shift), static_cast<void*>(delta), static_cast<void*>(dq_accum),
+                    static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv)}) {
+    CHECK_CUDA(cudaFree(ptr));
+  }
+  return median;
+}
+
+template <typename T, class Cfg>
+static int check_shape(const char* name, bool timing) {
+  if (g_only != nullptr && !selected(name, g_only)) {
+    return 0;
+  }
+  const size_t smem = Cfg::smem_bytes(true);
+  int opt_in = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  if (smem > static_cast<size_t>(opt_in)) {
+    printf("%-30s skipped: %zu B of shared memory, the device allows %d\n", name, smem, opt_in);
+    return 0;
+  }
+  cudaFuncAttributes attr{};
+  CHECK_CUDA(cudaFuncGetAttributes(&attr, attention_bwd_dkdv_kernel<T, Cfg, true>));
+  int per_sm = 0;
+  CHECK_CUDA(cudaFuncSetAttribute(attention_bwd_dkdv_kernel<T, Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem)));
+  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attention_bwd_dkdv_kernel<T, Cfg, true>,
+                                                           Cfg::kThreads, smem));
+  printf(
+      "%-30s D %3d  %3d keys x %2d queries, %d warps (S^T %dx%d, sub %d; dK/dV %dx%d), P^T %s, Q/dO stages %d, %s "
+      "rows: "
+      "%3d regs, %3zu B spill (local), %6zu B (%5.1f KB) smem%s, %d CTA/SM\n",
+      name, Cfg::kHeadDim, Cfg::kKeys, Cfg::kQueries, Cfg::kWarps, Cfg::kWarpKeys, Cfg::kWarpQueries, Cfg::kSubQueries,
+      Cfg::kDkvWarpKeys, Cfg::kDkvWarpCols, Cfg::kPInRegs ? "regs" : "smem", Cfg::kStages,
+      Cfg::kSwizzle ? "swizzled" : "padded", attr.numRegs, attr.localSizeBytes, smem, smem / 1024.0,
+      smem <= kBwdSmemSm86 ? "" : " (over sm_86's 99 KB)", per_sm);
+  int failures = 0;
+  if (!g_profile && g_checks) {
+    std::mt19937 rng(1234);
+    int layout = 0;
+    for (int ql : {1, 97, 300}) {
+      for (int kl : {17, 300}) {
+        for (int mode = 0; mode < 3; ++mode) {
+          failures += !run_case<T, Cfg>({ql, kl, false, 0, mode, layout++ % 3}, rng);
+          for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
+            failures += !run_case<T, Cfg>({ql, kl, true, shift, mode, layout++ % 3}, rng);
+          }
+        }
+      }
+    }
+    printf("  checks: %s\n", failures == 0 ? "ok" : "FAILED");
+  }
+  if (timing || g_profile) {
+    for (bool deterministic : {false, true}) {
+      if (deterministic && !g_deterministic) {
+        continue;
+      }
+      for (bool causal : {true, false}) {
+        const int B = 4, H = 16, S = 4096;
+        const float ms = time_shape<T, Cfg>(causal, deterministic, B, H, S);
+        if (!g_profile) {
+          const double flops = 2.5 * 4.0 * B * H * double(S) * S * Cfg::kHeadDim * (causal ? 0.5 : 1.0);
+          printf("  TIME %-30s D %3d %-9s %s B4 H16 S4096 bwd: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
+                 causal ? "causal" : "noncausal", deterministic ? "determ." : "atomic ", ms, flops / ms / 1e9);
+        }
+      }
+    }
+  }
+  return failures;
+}
+
+// Candidate shapes: <D, keys, queries, warps, warps across queries, sub-queries, Q/dO stages,
+// swizzled rows, warps across the head dim for dK/dV, CTAs per SM, scale folded> (BwdTiles).
+template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1, bool FS = false>
+using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS>;
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it comes, also into a pipe or a file
+  bool timing = true;
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--no-timing")) {
+      timing = false;
+    } else if (!strcmp(argv[i], "--no-checks")) {
+      g_checks = false;
+    } else if (!strcmp(argv[i], "--deterministic")) {
+      g_deterministic = true;
+    } else if (!strcmp(argv[i], "--profile")) {
+      g_profile = true;
+    } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
+      g_only = argv[++i];
+    }
+  }
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  using bf16 = __nv_bfloat16;
+  int failures = 0;
+  // The shape each head dim runs.
+  failures += check_shape<bf16, DkvConfig<32>>("DkvConfig<32>", false);
+  failures += check_shape<bf16, DkvConfig<64>>("DkvConfig<64>", timing);
+  failures += check_shape<__half, DkvConfig<64>>("DkvConfig<64> fp16", false);
+  failures += check_shape<bf16, DkvConfig<96>>("DkvConfig<96>", false);
+  failures += check_shape<bf16, DkvConfig<128>>("DkvConfig<128>", timing);
+  failures += check_shape<__half, DkvConfig<128>>("DkvConfig<128> fp16", false);
+  // Candidates within sm_86's 99 KB. D = 128: 64-key tiles with P^T in shared memory
+  // (FlashAttention-2's layout): 4 warps as 2 x 2 blocks of 32 keys x 32 queries, dK/dV 32 keys x
+  // 64 columns a warp, one Q/dO buffer, two CTAs an SM (83 KB); the same scored 16 queries at a
+  // time; 32-query steps with two Q/dO buffers (75 KB); 8 warps as 4 x 2 blocks of 16 x 32 with
+  // dK/dV 32 keys x 32 columns (83 KB); the shipped layout (P^T in registers) on 64 keys, swizzled,
+  // one Q/dO buffer (75 KB).
+  failures += check_shape<bf16, Tiles<128, 64, 64, 4, 2, 32, 1, true, 2, 2>>("d128 k64 4w 2x2 psmem", timing);
+  failures += check_shape<__half, Tiles<128, 64, 64, 4, 2, 32, 1, true, 2, 2>>("d128 k64 4w 2x2 psmem fp16", false);
+  failures += check_shape<bf16, Tiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2>>("d128 k64 4w 2x2 psmem sub16", timing);
+  failures += check_shape<bf16, Tiles<128, 64, 32, 4, 2, 16, 2, true, 2, 2>>("d128 k64 q32 4w 2x2 psmem 2st", timing);
+  failures += check_shape<bf16, Tiles<128, 64, 64, 8, 2, 32, 1, true, 4, 1>>("d128 k64 8w 4x2 psmem", timing);
+  failures += check_shape<bf16, Tiles<128, 64, 64, 4, 1, 32, 1, true, 1, 2>>("d128 k64 4w pregs swz 1st", timing);
+  // Occupancy: 8 warps held to 128 registers so that two CTAs share an SM (16 warps), scoring 16
+  // queries at a time (83 KB each; 32 at a time spilled 68 bytes).
+  failures +=
+      check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2>>("d128 k64 8w 4x2 psmem sub16 2cta", timing);
+  // 128-key tiles within 99 KB (half the dQ atomics of 64-key tiles), P^T in registers, swizzled:
+  // 32-query steps with one Q/dO buffer (91 KB), 16-query steps with two (88 KB).
+  failures += check_shape<bf16, Tiles<128, 128, 32, 8, 1, 32, 1, true>>("d128 k128 q32 pregs swz 1st", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 16, 8, 1, 16, 2, true>>("d128 k128 q16 pregs swz 2st", timing);
+  // FlashAttention-2's H100 shape at D = 128 (128 keys x 64 queries, 8 warps 4 x 2, P^T in shared
+  // memory, 166 KB): over sm_86's 99 KB, timed to show what the layout gives.
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 2, true, 2, 1>>("d128 k128 8w 4x2 psmem >99KB", timing);
+  // D = 64: 128-key tiles with P^T in shared memory, 8 warps 4 x 2 (32 keys x 32 queries, dK/dV 32
+  // x 32), one Q/dO buffer (86 KB); 64-key tiles, 4 warps 2 x 2, two Q/dO buffers (68 KB); the
+  // shipped shape in swizzled rows (84 KB).
+  failures += check_shape<bf16, Tiles<64, 128, 64, 8, 2, 32, 1, true, 2, 1>>("d64 k128 8w 4x2 psmem", timing);
+  failures += check_shape<bf16, Tiles<64, 64, 64, 4, 2, 32, 2, true, 2, 2>>("d64 k64 4w 2x2 psmem", timing);
+  failures += check_shape<__half, Tiles<64, 64, 64, 4, 2, 32, 2, true, 2, 2>>("d64 k64 4w 2x2 psmem fp16", false);
+  failures += check_shape<bf16, Tiles<64, 128, 64, 8, 1, 64, 2, true>>("d64 pregs swz", timing);
+  // D = 64, 64-key tiles, 8 warps 4 x 2 (16 keys x 32 queries; dK/dV 16 keys x 32 columns) held to
+  // 128 registers, two Q/dO buffers (68 KB): two or three CTAs an SM.
+  failures += check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2>>("d64 k64 8w 4x2 psmem 2cta", timing);
+  // The scale folded into the exponent (kFoldScale) on the shipped shapes and on candidates above
+  // (the 4-warp D = 128 shape scoring 32 queries at a time spilled 96 bytes with it).
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 1, 32, 2, false, 1, 1, true>>("d128 shipped fold", timing);
+  failures += failures +=
+      check_shape<bf16, Tiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true>>("d128 k64 4w 2x2 psmem sub16 fold", timing);
+  failures += check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2, true>>(
+      "d128 k64 8w 4x2 psmem sub16 2cta fold", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 64, 8, 1, 64, 2, false, 1, 1, true>>("d64 shipped fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2, true>>("d64 k64 8w 4x2 psmem 2cta fold", timing);
+  printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
+  return failures == 0 ? 0 : 1;
+}
