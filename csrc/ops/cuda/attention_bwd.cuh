@@ -207,11 +207,17 @@ constexpr size_t kBwdSmemSm86 = 99 * 1024;
 // step over 64 queries at a time (FlashAttention-2's 128 keys x 64 queries): each step loads Q
 // and dO once for the CTA's keys. Above D = 64 the step is scored 32 queries at a time: a
 // 64-query score tile pair next to dK and dV spilled (nvcc 13.0, sm_90: 88 bytes at 255
-// registers, 8 warps, D = 128). Measured against the 4-warp, 64-key shape it replaced (H100,
-// B=4 H=16 S=4096 bf16 causal, fwd+bwd): 163 vs 148 TFLOP/s at D=128, 108 vs 104 at D=64, 185 vs
-// 164 with causal + padding. benchmarks/mma_sync_bwd_check.cu times the candidates beside it.
+// registers, 8 warps, D = 128). The scale folded into the exponent on plain tiles (kFoldScale):
+// benchmarks/mma_sync_bwd_check.cu on an H200, B=4 H=16 S=4096 bf16, causal, atomic dQ: D=64
+// 3.98 -> 2.22 ms, D=128 5.14 -> 3.87 ms.
 template <int D>
-struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2> {};
+struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true> {};
+// D = 128 within sm_86 / sm_89's 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps
+// 2 x 2 over the S^T tile scoring 16 queries at a time, P^T and dS'^T through shared memory,
+// dK / dV split by head dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.92 ms
+// causal, 7.10 non-causal, against 3.87 / 6.98 for the 155 KB shape with the same folding.
+template <>
+struct DkvConfig<128> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
 
 // Host: the (query, key) tile sizes of the dK/dV kernel and of the dQ kernel for head dim d, for
 // the mask summaries; false when d has no tensor-core backward in this build.
