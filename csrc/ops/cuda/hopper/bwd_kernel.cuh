@@ -32,8 +32,7 @@
 //               dS has two buffers, so a warpgroup may write the next tile's while the other
 //               still reads this one's. The float32 dQ product goes to a shared-memory stage
 //               in register order and one thread adds the whole stage into dq_accum with a bulk
-//               reduce-add (kdQBulk; else float2 atomics from registers: many small L2
-//               operations).
+//               reduce-add.
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 // Past head dim 128 (bwd_dq_pass, DqMode kdQPass) there is no dQ product here: the dQ pass
@@ -64,30 +63,22 @@ namespace safeattn::cuda::hopper {
 // How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
 //   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
 //                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
-//   kdQOwnKeys    each over its own 64 keys for whole rows, both adding a partial dQ;
 //   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
 //                 step, and the other warpgroup goes on to the next step meanwhile;
 //   kdQPass       none: dQ is the dQ pass's (bwd_dq_pass, hopper/bwd_dq_kernel.cuh), and the
 //                 dK/dV kernel keeps only dS^T's store (its dK product reads it).
-enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2, kdQPass = 3 };
+enum DqMode : int { kdQSplit, kdQAlternate, kdQPass };
 
 // Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
 // warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
 // S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's product
-// covers whole rows). kdQMode: -1 picks (Bwd::kdQMode), else one of DqMode.
-// kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
-// float2 atomics from registers. kSkipdQ is a measurement switch of benchmarks/hopper_bwd_check.cu,
-// its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQMode_ = -1,
-          int kSkipdQ_ = 0>
+// covers whole rows).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kdQMode = kdQMode_;
-  static constexpr int kSkipdQ = kSkipdQ_;
-  static constexpr bool kdQBulk = kdQBulk_;
 };
 
 static_assert(kBwdRowPad % 128 == 0, "every kBlockM divides the row padding (bwd_params.h)");
@@ -111,7 +102,7 @@ struct DefaultBwdConfig<128> {
 // fill the shared memory, no room is left for a dQ stage).
 template <>
 struct DefaultBwdConfig<256> {
-  using type = BwdConfig<256, 64, bwd_key_tile(256), 2, false, kdQPass>;
+  using type = BwdConfig<256, 64, bwd_key_tile(256), 2>;
 };
 
 namespace detail {
@@ -169,22 +160,20 @@ struct Bwd {
   static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;    // S^T's query rows per warpgroup
   static constexpr int kdKVCols = kSharedKeys ? kHeadDim / kMmaWGs : kHeadDim;  // dK's, dV's head dim per warpgroup
   static_assert(kBlockM == 64 || kBlockM == 128);
-  // The dQ product's sharing (DqMode): split where the tile allows it, else alternate (at D = 64
-  // on an H200 fwd+bwd 335 -> 359 TFLOP/s against own keys: half the reduce-adds per step).
+  // The dQ product's sharing (DqMode): the dQ pass's head dims have none, else split where the
+  // tile allows it, else alternate (at D = 64 on an H200 fwd+bwd 335 -> 359 TFLOP/s against each
+  // warpgroup multiplying its own 64 keys: half the reduce-adds per step).
   static constexpr int kdQMode =
-      Config::kdQMode >= 0 ? Config::kdQMode
-                           : (kBlockM == 128 || kHeadDim % 128 == 0 ? hopper::kdQSplit : hopper::kdQAlternate);
-  static constexpr bool kdQOwnKeys = kdQMode == hopper::kdQOwnKeys;
+      bwd_dq_pass(kHeadDim) ? hopper::kdQPass
+                            : (kBlockM == 128 || kHeadDim % 128 == 0 ? hopper::kdQSplit : hopper::kdQAlternate);
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
-  static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
   static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
   static constexpr int kdQWarpgroupsN = kdQWholeRows ? 1 : kMmaWGs / kdQWarpgroupsM;
-  static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
-  // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
-  // w did, with kdQOwnKeys; 1 + step % 2 with kdQAlternate); 3 + w: warpgroup w staged its dQ.
+  // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + step % 2
+  // with kdQAlternate); 3 + w: warpgroup w staged its dQ.
   static constexpr int kDsBarrier = 1;
   static constexpr int kdQStagedBarrier = 3;
   static constexpr int kPBarrier = 5;  // kSharedKeys: both consumer warpgroups wrote their P^T
@@ -192,23 +181,19 @@ struct Bwd {
   // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
   // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
   // keeps that order per tile (dq_tile_offset; the conversion kernel reads it back). Two stage
-  // buffers: the bulk read of one overlaps the next tile.
-  static constexpr bool kdQBulk = Config::kdQBulk;
+  // buffers: the bulk read of one overlaps the next tile. With the dQ pass there is no stage (a
+  // 16-byte placeholder).
   static constexpr int kdQTileElems = 64 * (kHeadDim / kdQWarpgroupsN);
-  static constexpr int kdQStageElems = kdQBulk ? 2 * kMmaWGs * kdQTileElems : 4;
+  static constexpr int kdQStageElems = kdQPass ? 4 : 2 * kMmaWGs * kdQTileElems;
 
   // Where dQ element (r, c) of a kBlockM-row tile sits in dq_accum's tile.
   static __host__ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
-    if constexpr (!kdQBulk) {
-      return r * kHeadDim + c;
-    } else {
-      constexpr int kN = kHeadDim / kdQWarpgroupsN;
-      const int region = kdQWholeRows ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
-      const int rr = r % 64, cc = c % kN;
-      const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
-      const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
-      return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
-    }
+    constexpr int kN = kHeadDim / kdQWarpgroupsN;
+    const int region = kdQWholeRows ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
+    const int rr = r % 64, cc = c % kN;
+    const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
+    const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
+    return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
   }
 
   // How the warpgroups split S^T, dP^T, dK and dV: by keys (M), or with kSharedKeys by query
@@ -230,7 +215,7 @@ struct Bwd {
   // dQ = dS K: A = dS (M = query rows, K = keys) stored query-contiguous (MN-major), B = K^T
   // (N = head dim, K = keys), head dim contiguous (MN-major).
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kdQWarpgroupsN>, Int<kdQKeys>>,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kdQWarpgroupsN>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
 
@@ -489,23 +474,8 @@ struct Bwd {
     Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);    // (MMA, 1, D / 16, stage)
     Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, 1, M / 16, stage)
     Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);    // (MMA, 1, M / 16, stage)
-    // kdQOwnKeys: this warpgroup's 64 keys of dS and K^T; else all of them.
-    auto dq_keys = [&](auto tensor) {
-      if constexpr (kdQOwnKeys) {
-        return local_tile(tensor, Shape<Int<kBlockM>, _64, Int<kDsBuffers>>{}, make_coord(_0{}, wg, _0{}));
-      } else {
-        return tensor;
-      }
-    };
-    auto dq_keys_t = [&](auto tensor) {
-      if constexpr (kdQOwnKeys) {
-        return local_tile(tensor, Shape<Int<kHeadDim>, _64>{}, make_coord(_0{}, wg));
-      } else {
-        return tensor;
-      }
-    };
-    Tensor tdQrdS = wg_dq.partition_fragment_A(dq_keys(sdS));    // (MMA, 1, keys / 16, buffer)
-    Tensor tdQrKt = wg_dq.partition_fragment_B(dq_keys_t(sKt));  // (MMA, 1, keys / 16)
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);    // (MMA, 1, N / 16, buffer)
+    Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);    // (MMA, 1, N / 16)
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -546,8 +516,6 @@ struct Bwd {
     const int key_base = (kSharedKeys ? 0 : 64 * wg) + row_base;
     const int query_base = (kSharedKeys ? kSdPRows * wg : 0) + col_base;
     const int dkv_col_base = (kSharedKeys ? kdKVCols * wg : 0) + col_base;
-    const int dq_row_base = (kdQWarpgroupsM == 2 ? 64 * wg : 0) + row_base;
-    const int dq_col_base = (kdQWarpgroupsN == 2 ? wg * (kHeadDim / 2) : 0) + col_base;
     static_assert(decltype(size(tdVrdV))::value == kdKVCols / 2);
     static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQWholeRows ? 128 : kMmaThreads));
 
@@ -621,13 +589,13 @@ struct Bwd {
       }
       return keep;
     };
-    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: with kdQBulk
+    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum:
     // stored to its stage buffer (dq_stage_slot) at the step's end, while dK runs, and added by
     // one bulk reduce-add (add_dq_stage) during the warpgroup's next step (alternating: one
     // without a dQ product of its own), once that step's S^T and dP^T are issued, so that the
     // fence, the barrier and the bulk copy's issue overlap the tensor cores instead of
     // lengthening the step they belong to (storing there too made ptxas wait for S^T and dP^T
-    // before reading the dQ registers: 27% slower at D = 64); else by float2 atomics.
+    // before reading the dQ registers: 27% slower at D = 64).
     auto dq_stage_slot = [&](int visit, int buffer) {
       const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
       return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
@@ -654,24 +622,13 @@ struct Bwd {
         tma_store_wait<1>();  // the previous tile's stage buffer has been read
       }
     };
-    auto add_dq_atomics = [&](int head, int row0) {
-      // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
-      // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
-      float* dq = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim +
-                  dq_row_base * kHeadDim + dq_col_base;
-#pragma unroll
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
-                  make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
-      }
-    };
     int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
     struct PendingdQ {
       int head, row0, visit;  // head < 0: none
     };
-    PendingdQ pending{-1, 0, 0};  // kdQBulk: this warpgroup's dQ stored, not yet added
+    PendingdQ pending{-1, 0, 0};  // this warpgroup's dQ stored, not yet added
     auto add_pending = [&] {
-      if constexpr (kdQBulk && Config::kSkipdQ == 0) {
+      if constexpr (!kdQPass) {
         if (pending.head >= 0) {
           add_dq_stage(pending.head, pending.row0, pending.visit, pending.visit % 2);
           pending.head = -1;
@@ -826,33 +783,28 @@ struct Bwd {
       }
       convert_fragment<Element>(tdPrdP, tdKrdS);
 
-      if constexpr (Config::kSkipdQ < 2) {
-        // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
-        copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
-        cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
-        if constexpr (kdQOwnKeys) {
-          named_barrier_sync(kDsBarrier + wg, 128);
-        } else if constexpr (kdQAlternate) {
-          // Only the warpgroup that multiplies dQ waits for the other's dS; the other arrives
-          // and goes on. Barrier ids alternate with the step: the arriving warpgroup multiplies
-          // the next step's dQ, so its wait there (the other id) needs this step's dQ warpgroup
-          // to have finished this step, dQ product included; that orders both the dS buffer's
-          // reuse two steps on and a fast warpgroup's next arrival on this id.
-          if (dq_here) {
-            named_barrier_sync(kDsBarrier + buffer, kMmaThreads);
-          } else {
-            named_barrier_arrive(kDsBarrier + buffer, kMmaThreads);
-          }
+      // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
+      copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+      if constexpr (kdQAlternate) {
+        // Only the warpgroup that multiplies dQ waits for the other's dS; the other arrives
+        // and goes on. Barrier ids alternate with the step: the arriving warpgroup multiplies
+        // the next step's dQ, so its wait there (the other id) needs this step's dQ warpgroup
+        // to have finished this step, dQ product included; that orders both the dS buffer's
+        // reuse two steps on and a fast warpgroup's next arrival on this id.
+        if (dq_here) {
+          named_barrier_sync(kDsBarrier + buffer, kMmaThreads);
         } else {
-          named_barrier_sync(kDsBarrier, kMmaThreads);
+          named_barrier_arrive(kDsBarrier + buffer, kMmaThreads);
         }
-        if (!kdQPass && dq_here) {
-          wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
-        }
+      } else {
+        named_barrier_sync(kDsBarrier, kMmaThreads);
+      }
+      if (!kdQPass && dq_here) {
+        wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
       }
       // dK after dQ: dQ's staging below runs while the tensor cores do dK.
       if constexpr (kSharedKeys) {
-        static_assert(Config::kSkipdQ < 2, "dK reads dS^T from shared memory");
         wgmma_batch<false>(mma_dkv, shared_a(_, _, _, buffer), tdKrQ(_, _, _, read_q.index()), tdKrdK);
       } else {
         wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
@@ -861,20 +813,16 @@ struct Bwd {
       warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
       pipe_do.consumer_release(read_do);
       ++read_do;
-      if (Config::kSkipdQ == 0 && !kdQPass && dq_here) {
-        if constexpr (kdQBulk) {
-          store_dq_stage(visit, buffer);
-          pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
-        } else {
-          add_dq_atomics(head, row0);
-        }
+      if (!kdQPass && dq_here) {
+        store_dq_stage(visit, buffer);
+        pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
       }
       warpgroup_wait<0>();  // dK done: its Q can go
       pipe_q.consumer_release(read_q);
       ++read_q;
     }
     add_pending();
-    if constexpr (kdQBulk && Config::kSkipdQ == 0) {
+    if constexpr (!kdQPass) {
       if (mma_thread % 128 == 0 && steps > 0) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every reduce-add done
       }
@@ -1025,15 +973,16 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   }
   if constexpr (Kernel::kdQPass) {
     return launch_bwd_dq_pass<T, D, kMasked, kSoftcap, kBias>(a, stream);
+  } else {
+    const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
+    const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
+    auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
+    const bool vec16 = reinterpret_cast<uintptr_t>(a.grad_q) % 16 == 0 && aligned16(a.dq_sb) && aligned16(a.dq_sh) &&
+                       aligned16(a.dq_si);
+    detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(
+        a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, runs, vec16);
+    return cudaGetLastError();
   }
-  const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
-  const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
-  auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
-  const bool vec16 =
-      reinterpret_cast<uintptr_t>(a.grad_q) % 16 == 0 && aligned16(a.dq_sb) && aligned16(a.dq_sh) && aligned16(a.dq_si);
-  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(
-      a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, runs, vec16);
-  return cudaGetLastError();
 }
 
 // The variant with the mask's code when a.mask_tiles holds a summary (a float mask's: kBias), with
@@ -1063,7 +1012,6 @@ cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
   using Config = typename DefaultBwdConfig<kHeadDim>::type;
-  static_assert((Config::kdQMode == kdQPass) == bwd_dq_pass(kHeadDim), "bwd_dq_pass names the dQ pass's head dims");
   return launch_bwd_config<T, Config>(params, stream);
 }
 

@@ -60,7 +60,7 @@ struct BwdParams {
   // (+inf / 0 for empty rows and the padding, as above).
   const float* row_lo = nullptr;
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
-  // tile of rows is the kernel's own), zeroed by the caller, added into with atomics or bulk
+  // tile of rows is the kernel's own), zeroed by the caller, added into with bulk
   // reduce-adds; the launcher converts it into grad_q after the kernel. Unused (null) where
   // bwd_dq_pass(D): the dQ pass writes grad_q itself.
   float* dq_accum = nullptr;

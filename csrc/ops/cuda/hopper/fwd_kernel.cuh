@@ -68,8 +68,7 @@ namespace safeattn::cuda::hopper {
 
 // Tile shape and schedule of one kernel variant. Shared memory: Q kBlockM x D, K and V kStages x
 // kBlockN x D each (16-bit); registers per consumer thread: S kBlockN / 2, O D / 2, P kBlockN / 4.
-template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2,
-          int kExpPolyEvery_ = 0>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMmaWGs_, bool kPingPong_, int kQStages_ = 2>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMmaWGs = kMmaWGs_;
@@ -79,10 +78,6 @@ struct FwdConfig {
   static constexpr bool kPingPong = kPingPong_;
   // Q buffers: with 2 the next tile's Q loads while the current one is still in use.
   static constexpr int kQStages = kQStages_;
-  // Softmax exponentials of every kExpPolyEvery-th column group (8 columns) by exp2_poly on the
-  // FMA pipes instead of ex2 on the MUFU (0: none): for head dims where the exponentials, not the
-  // tensor cores, bound a key tile (an experiment of the standalone check; no default uses it).
-  static constexpr int kExpPolyEvery = kExpPolyEvery_;
 };
 
 // The variant each head dim runs (measured on an H100, benchmarks/notes_attention_cuda.md).
@@ -179,22 +174,6 @@ __device__ __forceinline__ float log2_approx(float x) {  // lg2.approx.ftz: 0 ->
   return y;
 }
 
-// 2^x for the softmax's exponents (x <= 0, -inf, NaN) on the FMA pipes, the idea of
-// FlashAttention-4's software exponential: x = j + f with j = round(x) and f in [-0.5, 0.5],
-// 2^f by a degree-4 polynomial (relative error 2.7e-6 over that range, fitted here to 2^f), 2^j
-// written into a float's exponent bits. Below -127 (-inf included) it gives 0, as ex2.approx.ftz
-// does; NaN stays NaN (NaN times any 2^j).
-__device__ __forceinline__ float exp2_poly(float x) {
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: x + kRound rounds x to an integer
-  const float clamped = x < -127.0f ? -127.0f : x;
-  const float t = clamped + kRound;
-  const float f = clamped - (t - kRound);
-  const float p =
-      fmaf(fmaf(fmaf(fmaf(9.570022e-3f, f, 5.591768e-2f), f, 2.4024744e-1f), f, 6.9312185e-1f), f, 9.999993e-1f);
-  const int j = __float_as_int(t) - __float_as_int(kRound);  // round(x), in [-127, 0]
-  return p * __int_as_float((j + 127) << 23);
-}
-
 // A tile the walk over a mask summary visits: its position in the walk's order (outside the walk's
 // range: the walk has ended), class and, for a kTileDiagonal one, its diagonal. In both kernels the
 // producer walks and hands each visit to the consumers through shared memory with a load's
@@ -214,52 +193,6 @@ __device__ __forceinline__ TileVisit read_visit(const TileVisit& slot) {
   const auto& in = reinterpret_cast<const volatile TileVisit&>(slot);
   return TileVisit{in.position, in.tile_class, in.diagonal};
 }
-
-// Per-tile timestamps of the standalone check's --trace build (-DSAFEATTN_FWD_TRACE; compiled out
-// otherwise): consumer thread 0 of warpgroup 0 writes, for each of its CTA's first kFwdTraceTiles
-// tiles, a record of the fields FwdTraceField names (fwd_params.h).
-struct TileTrace {
-#ifdef SAFEATTN_FWD_TRACE
-  unsigned long long* record = nullptr;
-  int tiles = 0, visits = 0;
-  __device__ void begin(unsigned long long* trace, bool writer, int index) {
-    record = trace != nullptr && writer && tiles < kFwdTraceTiles
-                 ? trace + (static_cast<size_t>(blockIdx.x) * kFwdTraceTiles + tiles) * kFwdTraceFields
-                 : nullptr;
-    ++tiles;
-    visits = 0;
-    if (record != nullptr) {
-      unsigned long long now;
-      unsigned sm;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      record[kTraceTile] = static_cast<unsigned long long>(index);
-      record[kTraceKnown] = clock64();
-      record[kTraceNs] = now;
-      record[kTraceSm] = sm;
-    }
-  }
-  __device__ void visit() {
-    ++visits;
-  }
-  __device__ void stamp(FwdTraceField field) {
-    if (record != nullptr) {
-      record[field] = clock64();
-    }
-  }
-  __device__ void end() {
-    if (record != nullptr) {
-      record[kTraceWritten] = clock64();
-      record[kTraceVisits] = static_cast<unsigned long long>(visits);
-    }
-  }
-#else
-  __device__ void begin(unsigned long long*, bool, int) {}
-  __device__ void visit() {}
-  __device__ void stamp(FwdTraceField) {}
-  __device__ void end() {}
-#endif
-};
 
 // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
@@ -329,10 +262,6 @@ struct Fwd {
   static constexpr int kQStages = Config::kQStages;
   static constexpr int kMmaWGs = Config::kMmaWGs;
   static constexpr bool kPingPong = Config::kPingPong && kMmaWGs > 1;
-  // Whether the softmax's column group c (8 columns) takes exp2_poly (Config::kExpPolyEvery).
-  static constexpr bool exp2_on_fma(int c) {
-    return Config::kExpPolyEvery > 0 && c % (Config::kExpPolyEvery > 0 ? Config::kExpPolyEvery : 1) == 0;
-  }
   static constexpr int kMmaThreads = 128 * kMmaWGs;
   static constexpr int kThreads = kMmaThreads + 128;
   // Registers per thread after setmaxnreg (multiples of 8). The CTA starts with the launch bound's
@@ -434,7 +363,6 @@ struct Fwd {
     ShapeQKV shape_bias;               // its head and batch extents are 1 where it broadcasts
     attn::TileSummaryView mask_tiles;  // kFwdMaskTileRows x fwd_key_tile(kHeadDim)
     attn::KeyRangeView key_ranges;     // null, or one interval of keys per row
-    unsigned long long* trace;         // TileTrace (-DSAFEATTN_FWD_TRACE builds only)
     int head_group;                    // FwdParams::head_group, at least 1
     int batch_heads;                   // batch * heads: tiles / m_blocks
   };
@@ -814,7 +742,7 @@ struct Fwd {
           for (int e = 0; e < 2; ++e) {
             const int i = e + 2 * r + 4 * c;
             const float x = fmaf(s(i), unit, -offset);
-            s(i) = exp2_on_fma(c) ? exp2_poly(x) : exp2_approx(x);
+            s(i) = exp2_approx(x);
             sum += s(i);
           }
         }
@@ -872,7 +800,6 @@ struct Fwd {
     auto capped = [&] { return p.score.softcap_post > 0.0f; };
     // The softmax's unit: the scale taking tSrS to log2 units.
     auto unit = [&] { return kBias ? attn::kLog2e : (capped() ? 1.0f : p.score.scale); };
-    TileTrace trace;
     // The visit after key tile n, read once K of tile n has landed (the producer wrote it with
     // that load); without a mask the walk is every tile down to 0.
     auto visit_after_load = [&](int n) -> TileVisit {
@@ -909,7 +836,6 @@ struct Fwd {
       if (index < 0) {
         break;
       }
-      trace.begin(p.trace, mma_thread == 0, index);
       const TileVisit first = read_visit(smem.first_visit[slot]);
       auto& q_empty = smem.q_empty[slot];
       Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
@@ -1001,8 +927,6 @@ struct Fwd {
         uint64_t keep_m = m >= 0 ? mask_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         uint8_t class_m = after.tile_class;
         warpgroup_wait<0>();
-        trace.stamp(kTraceFirstS);
-        trace.visit();
         PipelineState held_k = read_k;  // kBiasTile: the stage holds the bias until mask_scores
         ++read_k;
         if constexpr (!kBiasTile) {
@@ -1051,19 +975,16 @@ struct Fwd {
           m = next;
           keep_m = keep_next;
           class_m = class_next;
-          trace.visit();
         }
         take_turn();
         pipe_v.consumer_wait(read_v);
         wgmma_batch<false>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pass_turn();
         warpgroup_wait<0>();
-        trace.stamp(kTraceLastPV);
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
       store_tile(p, t, tOrO, row_max, row_sum, unit(), row0, lane);
-      trace.end();
     }
   }
 
@@ -1215,7 +1136,6 @@ cudaError_t launch_fwd_variant(const FwdParams& a, cudaStream_t stream) {
   p.mask_tiles = a.mask_tiles;
   p.key_ranges = a.key_ranges;
   p.tile_counter = a.tile_counter;
-  p.trace = a.trace;
   p.batch_heads = a.heads * a.batch;
   const int grid = a.max_ctas > 0 ? std::min(p.tiles, a.max_ctas) : p.tiles;
   // K and V bytes per (batch, query head): a kv head's, shared by heads / kv_heads query heads.

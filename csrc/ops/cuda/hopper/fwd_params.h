@@ -67,23 +67,6 @@ struct FwdParams {
   // (hopper/tile_order.h); 0: fwd_head_group's choice for the grid and l2_bytes; 1: head after head.
   int head_group = 0;
   int64_t l2_bytes = 0;  // the device's L2 cache (0: unknown)
-  // Read only by a kernel built with -DSAFEATTN_FWD_TRACE (the standalone check's --trace): per
-  // CTA, kFwdTraceTiles records of kFwdTraceFields timestamps (fwd_kernel.cuh, TileTrace).
-  unsigned long long* trace = nullptr;
-};
-
-// The trace's layout: per CTA kFwdTraceTiles records, one per tile, of these fields.
-constexpr int kFwdTraceTiles = 64;
-enum FwdTraceField : int {
-  kTraceTile,     // the tile's index in the schedule
-  kTraceVisits,   // key tiles visited
-  kTraceKnown,    // clock64: the tile known to the consumers
-  kTraceFirstS,   // clock64: its first S ready
-  kTraceLastPV,   // clock64: its last P V done
-  kTraceWritten,  // clock64: its output written
-  kTraceNs,       // %globaltimer (ns) at kTraceKnown
-  kTraceSm,       // the SM's id
-  kFwdTraceFields
 };
 
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
