@@ -35,8 +35,8 @@
 #include "check_common.h"
 #include "ops/cuda/hopper/bwd_kernel.cuh"
 
-using safeattn::cuda::hopper::BwdConfig;
-using safeattn::cuda::hopper::BwdParams;
+using safeattn::cuda::hopper::BwdSm90Params;
+using safeattn::cuda::hopper::BwdTileConfig;
 using safeattn::cuda::hopper::kBwdRowPad;
 
 // --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
@@ -47,7 +47,7 @@ static int g_head_group = 0;
 // walks N / kBlockM steps): timings at several N separate a CTA's fixed cost from a step's.
 static int g_q_len = 0;
 
-// The SM count: the backward runs one CTA per SM (BwdParams::resident_ctas).
+// The SM count: the backward runs one CTA per SM (BwdSm90Params::resident_ctas).
 static int resident_ctas() {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -163,7 +163,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemset(gk, 0xff, dkn * sizeof(T)));
   CHECK_CUDA(cudaMemset(gv, 0xff, dvn * sizeof(T)));
 
-  BwdParams p;
+  BwdSm90Params p;
   p.q = dq_in, p.k = dk_in, p.v = dv_in, p.grad_out = ddo;
   p.row_shift = dshift, p.delta = ddelta, p.dq_accum = dq_accum;
   p.grad_q = gq, p.grad_k = gk, p.grad_v = gv;
@@ -335,7 +335,7 @@ static void time_variant(const char* name, bool causal) {
   CHECK_CUDA(cudaMalloc(&gq, n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gk, n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gv, n * sizeof(T)));
-  BwdParams p;
+  BwdSm90Params p;
   p.q = buf[0], p.k = buf[1], p.v = buf[2], p.grad_out = buf[3];
   p.row_shift = shift, p.delta = delta, p.dq_accum = dq_accum;
   p.grad_q = gq, p.grad_k = gk, p.grad_v = gv;
@@ -440,7 +440,7 @@ int main(int argc, char** argv) {
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, query rows per step, keys per CTA, stages)
 #define VARIANT(T, D, M, N, S) \
-  failed += check_variant<T, BwdConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
+  failed += check_variant<T, BwdTileConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128
   VARIANT(bf16, 128, 64, 128, 2);
   VARIANT(__half, 128, 64, 128, 2);

@@ -31,15 +31,15 @@
 #include "check_common.h"
 #include "ops/cuda/hopper/fwd_kernel.cuh"
 
-using safeattn::cuda::hopper::FwdConfig;
-using safeattn::cuda::hopper::FwdParams;
+using safeattn::cuda::hopper::FwdSm90Params;
+using safeattn::cuda::hopper::FwdTileConfig;
 
 // --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
 // head); 0, the default, fwd_head_group's choice, as the extension runs. For the reference checks
 // and the timings alike.
 static int g_head_group = 0;
 
-// The L2's bytes, for the head group rule (FwdParams::l2_bytes), as the extension passes them.
+// The L2's bytes, for the head group rule (FwdSm90Params::l2_bytes), as the extension passes them.
 static int64_t l2_bytes() {
   int bytes = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, 0));
@@ -83,7 +83,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemset(dlse, 0xff, rows * sizeof(float)));
   CHECK_CUDA(cudaMemset(dlo, 0xff, rows * sizeof(float)));
 
-  FwdParams p;
+  FwdSm90Params p;
   p.q = dq, p.k = dk, p.v = dv, p.out = dout, p.lse = dlse, p.lse_lo = dlo;
   p.q_sb = qs[0], p.q_sh = qs[1], p.q_si = qs[2];
   p.k_sb = ks[0], p.k_sh = ks[1], p.k_si = ks[2];
@@ -238,7 +238,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
   int* counter;
   CHECK_CUDA(cudaMalloc(&counter, sizeof(int)));
   auto params = [&](int s) {
-    FwdParams p;
+    FwdSm90Params p;
     p.q = buf[s][0], p.k = buf[s][1], p.v = buf[s][2], p.out = out, p.lse = lse, p.lse_lo = lo;
     // Transformers' layout: [B, S, H, D] storage viewed as [B, H, S, D].
     p.q_sb = p.k_sb = p.v_sb = p.o_sb = int64_t{S} * H * D;
@@ -255,7 +255,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     return p;
   };
   // One call as the op makes it: the counter's memset (dynamic schedule), then the kernel.
-  auto launch = [&](const FwdParams& p) {
+  auto launch = [&](const FwdSm90Params& p) {
     if (p.tile_counter != nullptr) {
       CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), 0));
     }
@@ -268,7 +268,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     launch(params(i % kSets));
   std::vector<float> ms;
   for (int i = 0; i < (g_profile ? 1 : 20); ++i) {
-    const FwdParams p = params(i % kSets);
+    const FwdSm90Params p = params(i % kSets);
     CHECK_CUDA(cudaEventRecord(start));
     launch(p);
     CHECK_CUDA(cudaEventRecord(stop));
@@ -339,17 +339,17 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && !strcmp(argv[1], "--sweep")) {  // per-tile overhead: full tiles of 4 .. 32 key blocks
     for (int kv : {512, 1024, 2048, 4096}) {
-      time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, true, false, kv);
+      time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, true, false, kv);
     }
     for (int kv : {512, 1024, 2048, 4096}) {
-      time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
+      time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
     }
     return 0;
   }
   if (g_profile) {
     printf("head group %d%s\n", g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
-    time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
-    time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
+    time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
+    time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
     return 0;
   }
   cudaDeviceProp prop;
@@ -360,18 +360,19 @@ int main(int argc, char** argv) {
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, key tile, stages, consumer warpgroups, ping-pong)
 #define VARIANT(T, D, N, S, W, PP) \
-  failed += check_variant<T, FwdConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
+  failed +=                        \
+      check_variant<T, FwdTileConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
 #if defined(HOPPER_CHECK_D96)  // head dim 96 alone (64-byte swizzled rows): its candidates
   VARIANT(bf16, 96, 128, 2, 2, true);
   VARIANT(__half, 96, 128, 2, 2, true);
   VARIANT(bf16, 96, 128, 3, 2, true);
   VARIANT(bf16, 96, 128, 3, 3, true);
 #elif defined(HOPPER_CHECK_D256)  // head dim 256 alone (one Q buffer: 64 KB): its candidates
-  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, true, 1>>("bf16 d256 n64 s2 q1", quick, timing);
-  failed += check_variant<__half, FwdConfig<256, 64, 2, 2, true, 1>>("fp16 d256 n64 s2 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 80, 2, 2, true, 1>>("bf16 d256 n80 s2 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 48, 3, 2, true, 1>>("bf16 d256 n48 s3 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, false, 1>>("bf16 d256 n64 s2 q1 no-pp", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 64, 2, 2, true, 1>>("bf16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<__half, FwdTileConfig<256, 64, 2, 2, true, 1>>("fp16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 80, 2, 2, true, 1>>("bf16 d256 n80 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 48, 3, 2, true, 1>>("bf16 d256 n48 s3 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 64, 2, 2, false, 1>>("bf16 d256 n64 s2 q1 no-pp", quick, timing);
 #else
   VARIANT(bf16, 128, 128, 2, 2, true);
   VARIANT(__half, 128, 128, 2, 2, true);
@@ -379,16 +380,16 @@ int main(int argc, char** argv) {
   VARIANT(__half, 64, 128, 4, 3, true);
 #endif
 #if !defined(HOPPER_CHECK_DEFAULTS_ONLY) && !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
-  failed += check_variant<bf16, FwdConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
-  failed += check_variant<__half, FwdConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
+  failed += check_variant<__half, FwdTileConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
   VARIANT(bf16, 64, 128, 5, 3, true);
   VARIANT(bf16, 64, 192, 3, 2, true);
 #endif
 #undef VARIANT
 #if !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
   if (timing && (g_only < 0 || g_only == 99)) {  // the static schedule under causality
-    time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
-    time_variant<bf16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);
+    time_variant<bf16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
+    time_variant<bf16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);
   }
 #endif
   printf("\n%-30s %-7s %-5s %-8s %9s %9s\n", "variant", "mask", "ctas", "schedule", "ms", "TFLOP/s");
