@@ -553,14 +553,12 @@ struct Bwd {
     R2SCopydS r2s_ds;
     auto thr_r2s_ds = r2s_ds.get_slice(mma_thread);
     Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
-    // tdKrdS's (tdVrP's) registers seen in the accumulator's layout (the same order), as the
-    // copy's source.
+    // tdKrdS's (tdVrP's) registers seen in the accumulator's layout, as the copy's source.
     Tensor tdSrdS = thr_r2s_ds.retile_S(make_tensor(tdKrdS.data(), tSrS.layout()));
     Tensor tPrP = thr_r2s_ds.retile_S(make_tensor(tdVrP.data(), tSrS.layout()));
 
-    // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row
-    // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2: a
-    // per-thread base plus a constant once the loops are unrolled.
+    // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row 16 (t / 32) +
+    // (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2 (MaskPolicy::KeyMajor).
     const int row_base = 16 * ((mma_thread % 128) / 32) + (mma_thread % 32) / 4;
     const int col_base = 2 * (mma_thread % 4);
     // S^T, dP^T, dK, dV: keys are the rows; S^T's columns are query rows (query_base), dK's and
@@ -579,10 +577,7 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
-    // The steps the mask summary does not rule out (the producer's walk, read from shared memory
-    // with each Q load), and the mask bits of a mixed or diagonal one (set: visible), one per
-    // accumulator element of S^T, found one step ahead (below). Rows past q_len and keys past
-    // kv_len read nothing and keep their bit (handled below).
+    // The visited steps (the producer's walk, with each Q load) and their mask bits, one step ahead.
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
     int q_reads = 0;
@@ -590,8 +585,7 @@ struct Bwd {
       return MaskKeys::template tile_bits<decltype(size(tSrS))::value>(
           p, visit, steps, batch, kv_head, m_begin, m_count, key0, keys_in_tile, key_base, query_base);
     };
-    // This warpgroup's dQ of a step, stored at the step's end and added during its next one
-    // (dq_stage_slot).
+    // This warpgroup's dQ of a step is stored at the step's end, added during its next one.
     int visited = 0;              // the steps not skipped: dS and the dQ stage alternate over them
     PendingdQ pending{-1, 0, 0};  // this warpgroup's dQ stored, not yet added
     auto add_pending = [&] { add_pending_dq(p, smem, pending, batch, wg, mma_thread); };
