@@ -82,7 +82,6 @@ struct MaskPolicy {
   template <int kBlockN>
   struct QueryMajor {
     static constexpr int kElems = kBlockN / 2;  // accumulator elements per thread
-    static_assert(kElems <= 64);
 
     // The last key each of this thread's rows (row0, row0 + 8) sees, causality and kv_len folded
     // in, clamped to [-1, kv_len - 1].
@@ -155,6 +154,7 @@ struct MaskPolicy {
     template <class P, class T>
     static __device__ __forceinline__ uint64_t gather_mask(const P& p, const T& t, int n_block, int64_t row0,
                                                            int lane) {
+      static_assert(kElems <= 64, "one bit per accumulator element");
       const int col0 = n_block * kBlockN + 2 * (lane % 4);
       const int64_t last_row = p.q_len - 1 - row0;
       uint64_t keep = ~uint64_t{0};
