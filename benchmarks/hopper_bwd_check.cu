@@ -5,8 +5,8 @@
 //        -Icsrc -I"$CUTLASS_INCLUDE" -Xcompiler -fopenmp -lgomp -cudart static \
 //        benchmarks/hopper_bwd_check.cu -o hopper_bwd_check
 //
-// (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_DEFAULTS_ONLY:
-// the dispatched variants alone, a shorter build.)
+// (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_TRY: with D=64's
+// alternative tiles.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
 // causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
@@ -35,8 +35,8 @@
 #include "check_common.h"
 #include "ops/cuda/hopper/bwd_kernel.cuh"
 
-using safeattn::cuda::hopper::BwdConfig;
-using safeattn::cuda::hopper::BwdParams;
+using safeattn::cuda::hopper::BwdSm90Params;
+using safeattn::cuda::hopper::BwdTileConfig;
 using safeattn::cuda::hopper::kBwdRowPad;
 
 // --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
@@ -47,7 +47,7 @@ static int g_head_group = 0;
 // walks N / kBlockM steps): timings at several N separate a CTA's fixed cost from a step's.
 static int g_q_len = 0;
 
-// The SM count: the backward runs one CTA per SM (BwdParams::resident_ctas).
+// The SM count: the backward runs one CTA per SM (BwdSm90Params::resident_ctas).
 static int resident_ctas() {
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -163,7 +163,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemset(gk, 0xff, dkn * sizeof(T)));
   CHECK_CUDA(cudaMemset(gv, 0xff, dvn * sizeof(T)));
 
-  BwdParams p;
+  BwdSm90Params p;
   p.q = dq_in, p.k = dk_in, p.v = dv_in, p.grad_out = ddo;
   p.row_shift = dshift, p.delta = ddelta, p.dq_accum = dq_accum;
   p.grad_q = gq, p.grad_k = gk, p.grad_v = gv;
@@ -335,7 +335,7 @@ static void time_variant(const char* name, bool causal) {
   CHECK_CUDA(cudaMalloc(&gq, n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gk, n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gv, n * sizeof(T)));
-  BwdParams p;
+  BwdSm90Params p;
   p.q = buf[0], p.k = buf[1], p.v = buf[2], p.grad_out = buf[3];
   p.row_shift = shift, p.delta = delta, p.dq_accum = dq_accum;
   p.grad_q = gq, p.grad_k = gk, p.grad_v = gv;
@@ -358,7 +358,7 @@ static void time_variant(const char* name, bool causal) {
   std::vector<float> ms;
   for (int i = 0; i < 10; ++i) {
     CHECK_CUDA(cudaEventRecord(start));
-    if (Config::kdQMode != safeattn::cuda::hopper::kdQPass) {       // the dQ pass has no dq_accum
+    if (!safeattn::cuda::hopper::bwd_dq_pass(D)) {                  // the dQ pass has no dq_accum
       CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, n * sizeof(float)));  // the rows pre-pass's share
     }
     CHECK_CUDA((safeattn::cuda::hopper::launch_bwd_config<T, Config>(p, 0)));
@@ -382,8 +382,6 @@ static void time_variant(const char* name, bool causal) {
 
 template <typename T, class Config>
 static int check_variant(const char* name, bool quick, bool check, bool timing) {
-  // kSkipdQ variants compute a wrong dQ on purpose: timed, never checked.
-  check = check && Config::kSkipdQ == 0;
   if (g_only >= 0 && g_variant++ != g_only) {
     return 0;
   }
@@ -440,13 +438,9 @@ int main(int argc, char** argv) {
          g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
   int failed = 0;
   using bf16 = __nv_bfloat16;
-  // name, dtype, config (head dim, query rows per step, keys per CTA, stages[, dQ by own keys,
-  // dQ left out])
+  // name, dtype, config (head dim, query rows per step, keys per CTA, stages)
 #define VARIANT(T, D, M, N, S) \
-  failed += check_variant<T, BwdConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
-#define VARIANT_X(T, D, M, N, S, BULK, OWN, SKIP)                     \
-  failed += check_variant<T, BwdConfig<D, M, N, S, BULK, OWN, SKIP>>( \
-      #T " d" #D " m" #M " s" #S " bulk" #BULK " own" #OWN " skip" #SKIP, quick, check, timing)
+  failed += check_variant<T, BwdTileConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128
   VARIANT(bf16, 128, 64, 128, 2);
   VARIANT(__half, 128, 64, 128, 2);
@@ -461,23 +455,8 @@ int main(int argc, char** argv) {
 #endif
 #if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 256
   // 64 keys shared by both consumer warpgroups, dQ by its own pass (DefaultBwdConfig<256>).
-  VARIANT_X(bf16, 256, 64, 64, 2, false, 3, 0);
-  VARIANT_X(__half, 256, 64, 64, 2, false, 3, 0);
-#ifdef HOPPER_BWD_CHECK_TRY
-  // dQ by float2 atomics from the dK/dV kernel (the alternative to the dQ pass), and those additions left
-  // out (H200, causal: 2.40 ms against 4.67).
-  VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 0);
-  VARIANT_X(bf16, 256, 64, 64, 2, false, -1, 1);
-#endif
-#endif
-#ifndef HOPPER_BWD_CHECK_DEFAULTS_ONLY
-  // Where the time goes: dQ by atomics instead of bulk reduce-adds, and the dQ
-  // additions (skip 1) or the whole dQ (skip 2) left out.
-  VARIANT_X(bf16, 128, 64, 128, 2, false, -1, 0);
-  VARIANT_X(bf16, 64, 64, 128, 2, false, -1, 0);
-  VARIANT_X(bf16, 128, 64, 128, 2, true, -1, 1);
-  VARIANT_X(bf16, 128, 64, 128, 2, true, -1, 2);
-  VARIANT_X(bf16, 64, 64, 128, 2, true, -1, 1);
+  VARIANT(bf16, 256, 64, 64, 2);
+  VARIANT(__half, 256, 64, 64, 2);
 #endif
 #if defined(HOPPER_BWD_CHECK_TRY) && (!defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 64)
   // Tried for D=64's backward (-DHOPPER_BWD_CHECK_TRY): 128 query rows a step (48 bytes of
@@ -487,7 +466,6 @@ int main(int argc, char** argv) {
   VARIANT(bf16, 64, 64, 128, 3);
 #endif
 #undef VARIANT
-#undef VARIANT_X
   printf("\n%-24s %-7s %9s %9s\n", "variant", "mask", "ms", "TFLOP/s");
   for (const Timing& t : g_timings) {
     printf("%-24s %-7s %9.3f %9.1f\n", t.name.c_str(), t.causal ? "causal" : "full", t.ms, t.tflops);

@@ -8,8 +8,7 @@
 // (-DHOPPER_CHECK_D96 or -DHOPPER_CHECK_D256: that head dim's candidates alone.)
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
 // [--profile (two causal launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
-// tile_order.h)] [--trace (built with -DSAFEATTN_FWD_TRACE: the causal defaults' per-tile timeline, where a launch's
-// time goes)]. For each kernel variant: fresh random
+// tile_order.h)]. For each kernel variant: fresh random
 // inputs (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1,
 // 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
 // strides) comparing out, lse, lse + lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16
@@ -32,15 +31,15 @@
 #include "check_common.h"
 #include "ops/cuda/hopper/fwd_kernel.cuh"
 
-using safeattn::cuda::hopper::FwdConfig;
-using safeattn::cuda::hopper::FwdParams;
+using safeattn::cuda::hopper::FwdSm90Params;
+using safeattn::cuda::hopper::FwdTileConfig;
 
 // --head-group N: at most N heads per group of the causal tile order (tile_order.h; 1: head after
 // head); 0, the default, fwd_head_group's choice, as the extension runs. For the reference checks
 // and the timings alike.
 static int g_head_group = 0;
 
-// The L2's bytes, for the head group rule (FwdParams::l2_bytes), as the extension passes them.
+// The L2's bytes, for the head group rule (FwdSm90Params::l2_bytes), as the extension passes them.
 static int64_t l2_bytes() {
   int bytes = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, 0));
@@ -84,7 +83,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemset(dlse, 0xff, rows * sizeof(float)));
   CHECK_CUDA(cudaMemset(dlo, 0xff, rows * sizeof(float)));
 
-  FwdParams p;
+  FwdSm90Params p;
   p.q = dq, p.k = dk, p.v = dv, p.out = dout, p.lse = dlse, p.lse_lo = dlo;
   p.q_sb = qs[0], p.q_sh = qs[1], p.q_si = qs[2];
   p.k_sb = ks[0], p.k_sh = ks[1], p.k_si = ks[2];
@@ -204,73 +203,6 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
 
 static int g_only = -1, g_variant = 0;  // --only N: run variant N alone (a hang stays in its process)
 static bool g_profile = false;          // --profile: two launches of each default, causal, for ncu
-static bool g_trace = false;            // --trace: one traced causal launch of each default (TileTrace)
-
-// Where a traced launch's time went (fwd_kernel.cuh, TileTrace: warpgroup 0's view of each tile).
-// Per tile: clock64 from the tile known to its output written, split into the wait for its first
-// S, the rest up to its last P V, and the epilogue; between tiles, the wait for the next one. The
-// fit time = a visits + b over all tiles gives the per-key-tile and the fixed per-tile cost; the
-// spread of the CTAs' end times is the tail.
-static void report_trace(const std::vector<unsigned long long>& trace, int ctas, const char* name) {
-  using namespace safeattn::cuda::hopper;  // the record's fields: FwdTraceField
-  constexpr int F = kFwdTraceFields, T = kFwdTraceTiles;
-  auto record = [&](int cta, int k) { return &trace[(size_t(cta) * T + k) * F]; };
-  std::vector<int> count(ctas, 0);  // records per CTA (a written record has its clock set)
-  for (int c = 0; c < ctas; ++c) {
-    while (count[c] < T && record(c, count[c])[kTraceKnown] != 0) {
-      ++count[c];
-    }
-  }
-  double sx = 0, sy = 0, sxx = 0, sxy = 0, first = 0, body = 0, epilogue = 0, gaps = 0;
-  double cycles = 0, ns = 0;  // the clock rate, from each CTA's first tile start to its last
-  long tiles = 0, used = 0, truncated = 0;
-  for (int c = 0; c < ctas; ++c) {
-    for (int k = 0; k < count[c]; ++k) {
-      const unsigned long long* r = record(c, k);
-      const double visits = double(r[kTraceVisits]), dur = double(r[kTraceWritten] - r[kTraceKnown]);
-      sx += visits, sy += dur, sxx += visits * visits, sxy += visits * dur;
-      if (r[kTraceVisits] > 0) {
-        first += double(r[kTraceFirstS] - r[kTraceKnown]), body += double(r[kTraceLastPV] - r[kTraceFirstS]),
-            epilogue += double(r[kTraceWritten] - r[kTraceLastPV]);
-      }
-      if (k > 0) {
-        gaps += double(r[kTraceKnown] - record(c, k - 1)[kTraceWritten]);
-      }
-      ++tiles;
-    }
-    used += count[c] > 0;
-    truncated += count[c] == T;
-    if (count[c] > 1) {
-      cycles += double(record(c, count[c] - 1)[kTraceKnown] - record(c, 0)[kTraceKnown]);
-      ns += double(record(c, count[c] - 1)[kTraceNs] - record(c, 0)[kTraceNs]);
-    }
-  }
-  if (tiles < 2) {
-    printf("trace %s: too few records\n", name);
-    return;
-  }
-  const double ghz = ns > 0 ? cycles / ns : 1.0;  // cycles per ns
-  // Each CTA's end: its last tile's start (globaltimer) plus that tile's clock64 duration.
-  double t0 = 1e300;
-  std::vector<double> ends;
-  for (int c = 0; c < ctas; ++c) {
-    if (count[c] > 0) {
-      const unsigned long long* last = record(c, count[c] - 1);
-      t0 = std::min(t0, double(record(c, 0)[kTraceNs]));
-      ends.push_back(double(last[kTraceNs]) + double(last[kTraceWritten] - last[kTraceKnown]) / ghz);
-    }
-  }
-  std::sort(ends.begin(), ends.end());
-  const double a = (tiles * sxy - sx * sy) / (tiles * sxx - sx * sx), b = (sy - a * sx) / tiles;
-  const double us = 1e-3 / ghz, per_cta = us / double(used);  // microseconds per cycle
-  printf("trace %s: %ld tiles on %ld CTAs%s, clock %.2f GHz, %.1f key tiles a tile\n", name, tiles, used,
-         truncated ? " (some CTAs had more tiles than recorded)" : "", ghz, sx / tiles);
-  printf("  fit per tile: %.3f us a key tile + %.2f us fixed (%.1f key tiles' worth)\n", a * us, b * us, b / a);
-  printf("  per CTA, us: tiles %.1f = first S %.1f + key tiles %.1f + epilogue %.1f; between tiles %.1f\n",
-         sy * per_cta, first * per_cta, body * per_cta, epilogue * per_cta, gaps * per_cta);
-  printf("  CTA end after the first start, us: min %.1f median %.1f max %.1f\n", (ends.front() - t0) * 1e-3,
-         (ends[ends.size() / 2] - t0) * 1e-3, (ends.back() - t0) * 1e-3);
-}
 
 struct Timing {
   std::string name;
@@ -306,7 +238,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
   int* counter;
   CHECK_CUDA(cudaMalloc(&counter, sizeof(int)));
   auto params = [&](int s) {
-    FwdParams p;
+    FwdSm90Params p;
     p.q = buf[s][0], p.k = buf[s][1], p.v = buf[s][2], p.out = out, p.lse = lse, p.lse_lo = lo;
     // Transformers' layout: [B, S, H, D] storage viewed as [B, H, S, D].
     p.q_sb = p.k_sb = p.v_sb = p.o_sb = int64_t{S} * H * D;
@@ -323,7 +255,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     return p;
   };
   // One call as the op makes it: the counter's memset (dynamic schedule), then the kernel.
-  auto launch = [&](const FwdParams& p) {
+  auto launch = [&](const FwdSm90Params& p) {
     if (p.tile_counter != nullptr) {
       CHECK_CUDA(cudaMemsetAsync(p.tile_counter, 0, sizeof(int), 0));
     }
@@ -336,7 +268,7 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     launch(params(i % kSets));
   std::vector<float> ms;
   for (int i = 0; i < (g_profile ? 1 : 20); ++i) {
-    const FwdParams p = params(i % kSets);
+    const FwdSm90Params p = params(i % kSets);
     CHECK_CUDA(cudaEventRecord(start));
     launch(p);
     CHECK_CUDA(cudaEventRecord(stop));
@@ -344,21 +276,6 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
     float t = 0;
     CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
     ms.push_back(t);
-  }
-  if (g_trace) {
-    constexpr size_t kPerCta = size_t(safeattn::cuda::hopper::kFwdTraceTiles) * safeattn::cuda::hopper::kFwdTraceFields;
-    const int ctas = persistent ? sms : B * H * ((S + Config::kMmaWGs * 64 - 1) / (Config::kMmaWGs * 64));
-    unsigned long long* trace;
-    CHECK_CUDA(cudaMalloc(&trace, ctas * kPerCta * sizeof(unsigned long long)));
-    CHECK_CUDA(cudaMemset(trace, 0, ctas * kPerCta * sizeof(unsigned long long)));
-    FwdParams p = params(0);
-    p.trace = trace;
-    launch(p);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    std::vector<unsigned long long> host(ctas * kPerCta);
-    CHECK_CUDA(cudaMemcpy(host.data(), trace, host.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
-    report_trace(host, ctas, name);
-    cudaFree(trace);
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
@@ -419,28 +336,20 @@ int main(int argc, char** argv) {
       g_only = atoi(argv[++i]);
     if (!strcmp(argv[i], "--profile"))
       g_profile = true;
-    if (!strcmp(argv[i], "--trace"))
-      g_trace = true;
   }
-#ifndef SAFEATTN_FWD_TRACE
-  if (g_trace) {
-    fprintf(stderr, "--trace needs a build with -DSAFEATTN_FWD_TRACE\n");
-    return 2;
-  }
-#endif
   if (argc > 1 && !strcmp(argv[1], "--sweep")) {  // per-tile overhead: full tiles of 4 .. 32 key blocks
     for (int kv : {512, 1024, 2048, 4096}) {
-      time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, true, false, kv);
+      time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", false, true, false, kv);
     }
     for (int kv : {512, 1024, 2048, 4096}) {
-      time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
+      time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
     }
     return 0;
   }
-  if (g_profile || g_trace) {
+  if (g_profile) {
     printf("head group %d%s\n", g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
-    time_variant<__nv_bfloat16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
-    time_variant<__nv_bfloat16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
+    time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", true, true, true);
+    time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", true, true, true);
     return 0;
   }
   cudaDeviceProp prop;
@@ -451,18 +360,19 @@ int main(int argc, char** argv) {
   using bf16 = __nv_bfloat16;
   // name, dtype, config (head dim, key tile, stages, consumer warpgroups, ping-pong)
 #define VARIANT(T, D, N, S, W, PP) \
-  failed += check_variant<T, FwdConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
+  failed +=                        \
+      check_variant<T, FwdTileConfig<D, N, S, W, PP>>(#T " d" #D " n" #N " s" #S " wg" #W " pp" #PP, quick, timing)
 #if defined(HOPPER_CHECK_D96)  // head dim 96 alone (64-byte swizzled rows): its candidates
   VARIANT(bf16, 96, 128, 2, 2, true);
   VARIANT(__half, 96, 128, 2, 2, true);
   VARIANT(bf16, 96, 128, 3, 2, true);
   VARIANT(bf16, 96, 128, 3, 3, true);
 #elif defined(HOPPER_CHECK_D256)  // head dim 256 alone (one Q buffer: 64 KB): its candidates
-  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, true, 1>>("bf16 d256 n64 s2 q1", quick, timing);
-  failed += check_variant<__half, FwdConfig<256, 64, 2, 2, true, 1>>("fp16 d256 n64 s2 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 80, 2, 2, true, 1>>("bf16 d256 n80 s2 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 48, 3, 2, true, 1>>("bf16 d256 n48 s3 q1", quick, timing);
-  failed += check_variant<bf16, FwdConfig<256, 64, 2, 2, false, 1>>("bf16 d256 n64 s2 q1 no-pp", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 64, 2, 2, true, 1>>("bf16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<__half, FwdTileConfig<256, 64, 2, 2, true, 1>>("fp16 d256 n64 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 80, 2, 2, true, 1>>("bf16 d256 n80 s2 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 48, 3, 2, true, 1>>("bf16 d256 n48 s3 q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<256, 64, 2, 2, false, 1>>("bf16 d256 n64 s2 q1 no-pp", quick, timing);
 #else
   VARIANT(bf16, 128, 128, 2, 2, true);
   VARIANT(__half, 128, 128, 2, 2, true);
@@ -470,20 +380,16 @@ int main(int argc, char** argv) {
   VARIANT(__half, 64, 128, 4, 3, true);
 #endif
 #if !defined(HOPPER_CHECK_DEFAULTS_ONLY) && !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
-  failed += check_variant<bf16, FwdConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
-  failed += check_variant<__half, FwdConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
+  failed += check_variant<bf16, FwdTileConfig<128, 128, 3, 2, true, 1>>("bf16 d128 n128 s3 wg2 pp q1", quick, timing);
+  failed += check_variant<__half, FwdTileConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
   VARIANT(bf16, 64, 128, 5, 3, true);
   VARIANT(bf16, 64, 192, 3, 2, true);
-  // A share of the softmax's exponentials on the FMA pipes (exp2_poly): every 4th / 2nd column group.
-  failed += check_variant<bf16, FwdConfig<64, 128, 4, 3, true, 2, 4>>("bf16 d64 wg3 exp-poly 1/4", quick, timing);
-  failed += check_variant<bf16, FwdConfig<64, 128, 4, 3, true, 2, 2>>("bf16 d64 wg3 exp-poly 1/2", quick, timing);
-  failed += check_variant<bf16, FwdConfig<128, 128, 2, 2, true, 2, 4>>("bf16 d128 exp-poly 1/4", quick, timing);
 #endif
 #undef VARIANT
 #if !defined(HOPPER_CHECK_D96) && !defined(HOPPER_CHECK_D256)
   if (timing && (g_only < 0 || g_only == 99)) {  // the static schedule under causality
-    time_variant<bf16, FwdConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
-    time_variant<bf16, FwdConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);
+    time_variant<bf16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 n128 s2 wg2 pptrue", true, true, false);
+    time_variant<bf16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 n128 s4 wg3 pptrue", true, true, false);
   }
 #endif
   printf("\n%-30s %-7s %-5s %-8s %9s %9s\n", "variant", "mask", "ctas", "schedule", "ms", "TFLOP/s");

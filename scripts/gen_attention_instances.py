@@ -50,14 +50,14 @@ DIRECTIONS = {
     "fwd_sm90": (
         "sm_90a forward",
         "launch_attention_fwd_sm90",
-        "const FwdParams&, cudaStream_t",
+        "const FwdSm90Params&, cudaStream_t",
         "",
         (64, 96, 128, 256),
     ),
     "bwd_sm90": (
         "sm_90a backward",
         "launch_attention_bwd_sm90",
-        "const BwdParams&, cudaStream_t",
+        "const BwdSm90Params&, cudaStream_t",
         "",
         (64, 96, 128, 256),
     ),

@@ -21,7 +21,7 @@ namespace safeattn::cuda {
 namespace {
 
 template <typename T>
-cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdParams& p, cudaStream_t stream) {
+cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdSm90Params& p, cudaStream_t stream) {
   cudaError_t error = cudaSuccess;
   const bool launched = with_head_dim<kBwdSm90HeadDims>(
       head_dim, [&](auto dim) { error = hopper::launch_attention_bwd_sm90<T, decltype(dim)::value>(p, stream); });
@@ -77,7 +77,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
                                 : rows.dq_accum.size(2) == attention_bwd_sm90_row_pitch(q_len) &&
                                       rows.dq_accum.size(3) == head_dim && rows.dq_accum.is_contiguous());
 
-  hopper::BwdParams p;
+  hopper::BwdSm90Params p;
   p.q = query.const_data_ptr();
   p.k = key.const_data_ptr();
   p.v = value.const_data_ptr();
@@ -119,7 +119,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   // row's first visible key tile (where its walk down stops).
   at::Tensor dq_summary, dq_diagonals, dq_first_visible;
   if (dq_pass && summary.defined()) {
-    hopper::BwdParams dq_fields = p;
+    hopper::BwdSm90Params dq_fields = p;
     attn::set_mask_fields(dq_fields, a.mask, a.key_ranges, hopper::kDqTileRows,
                           hopper::bwd_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals,
                           &dq_first_visible);

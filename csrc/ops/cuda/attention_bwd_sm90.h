@@ -36,7 +36,7 @@ inline int64_t attention_bwd_sm90_row_pitch(int64_t q_len) {
 struct Sm90BwdRows {
   at::Tensor delta;      // [B, Hq, pitch] float32: rowsum(dO * O) - grad_lse; 0 for empty rows and padding
   at::Tensor row_shift;  // [B, Hq, pitch] float32: (lse + lse_lo) log2(e); +inf for empty rows and padding
-  // With a float mask, [B, Hq, pitch] float32 (hopper::BwdParams::row_lo; natural units):
+  // With a float mask, [B, Hq, pitch] float32 (hopper::BwdSm90Params::row_lo; natural units):
   // row_shift = lse and row_lo = lse_lo log2(e). Undefined otherwise.
   at::Tensor row_lo;
   at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed; undefined where hopper::bwd_dq_pass(D)

@@ -21,7 +21,7 @@ namespace safeattn::cuda {
 namespace {
 
 template <typename T>
-cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdParams& p, cudaStream_t stream) {
+cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdSm90Params& p, cudaStream_t stream) {
   cudaError_t error = cudaSuccess;
   const bool launched = with_head_dim<kFwdSm90HeadDims>(
       head_dim, [&](auto dim) { error = hopper::launch_attention_fwd_sm90<T, decltype(dim)::value>(p, stream); });
@@ -48,7 +48,7 @@ void attention_fwd_sm90(const AttentionFwdArgs& a) {
   const at::Tensor query = attn::with_aligned_rows(a.query);
   const at::Tensor key = attn::with_aligned_rows(a.key);
   const at::Tensor value = attn::with_aligned_rows(a.value);
-  hopper::FwdParams p;
+  hopper::FwdSm90Params p;
   attn::set_forward_tensors(p, query, key, value, a);
   p.batch = static_cast<int>(query.size(0));
   p.heads = static_cast<int>(query.size(1));

@@ -4,6 +4,6 @@
 
 namespace safeattn::cuda::hopper {
 
-template cudaError_t launch_attention_bwd_sm90<__half, 64>(const BwdParams&, cudaStream_t);
+template cudaError_t launch_attention_bwd_sm90<__half, 64>(const BwdSm90Params&, cudaStream_t);
 
 }  // namespace safeattn::cuda::hopper

@@ -4,6 +4,6 @@
 
 namespace safeattn::cuda::hopper {
 
-template cudaError_t launch_attention_fwd_sm90<__nv_bfloat16, 256>(const FwdParams&, cudaStream_t);
+template cudaError_t launch_attention_fwd_sm90<__nv_bfloat16, 256>(const FwdSm90Params&, cudaStream_t);
 
 }  // namespace safeattn::cuda::hopper

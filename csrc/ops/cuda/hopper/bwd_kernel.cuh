@@ -32,8 +32,7 @@
 //               dS has two buffers, so a warpgroup may write the next tile's while the other
 //               still reads this one's. The float32 dQ product goes to a shared-memory stage
 //               in register order and one thread adds the whole stage into dq_accum with a bulk
-//               reduce-add (kdQBulk; else float2 atomics from registers: many small L2
-//               operations).
+//               reduce-add.
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
 // Past head dim 128 (bwd_dq_pass, DqMode kdQPass) there is no dQ product here: the dQ pass
@@ -49,70 +48,32 @@
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
 // past q_len are zero-filled by TMA with row_shift +inf and delta 0 from the padding: every dS of
 // theirs is exactly 0 and nothing is written for them. NaN in an input reaches the gradients.
+//
+// The parts: tiles and layouts (hopper/tile_traits.cuh, KeyTileTraits), roles and barriers
+// (pipeline.cuh), the grid's order (tile_scheduler.cuh, KeyTileGrid), the mask (mask.cuh,
+// MaskPolicy::KeyMajor), the stores (epilogue.cuh); this file wires them.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
+#include <cuda_runtime.h>
+
+#include <cutlass/arch/barrier.h>
+#include <cute/tensor.hpp>
+#include <cutlass/pipeline/pipeline.hpp>
+
 #include "ops/cuda/hopper/bwd_dq_kernel.cuh"
 #include "ops/cuda/hopper/bwd_params.h"
-#include "ops/cuda/hopper/fwd_kernel.cuh"
+#include "ops/cuda/hopper/epilogue.cuh"
+#include "ops/cuda/hopper/mask.cuh"
+#include "ops/cuda/hopper/pipeline.cuh"
+#include "ops/cuda/hopper/softmax.cuh"
+#include "ops/cuda/hopper/tile_scheduler.cuh"
+#include "ops/cuda/hopper/tile_traits.cuh"
 
 namespace safeattn::cuda::hopper {
-
-// How the two consumer warpgroups share the dQ product of a step (M = query rows, K = keys):
-//   kdQSplit      both over all the tile's keys, each 64 of 128 rows or a 64-wide head-dim half
-//                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
-//   kdQOwnKeys    each over its own 64 keys for whole rows, both adding a partial dQ;
-//   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
-//                 step, and the other warpgroup goes on to the next step meanwhile;
-//   kdQPass       none: dQ is the dQ pass's (bwd_dq_pass, hopper/bwd_dq_kernel.cuh), and the
-//                 dK/dV kernel keeps only dS^T's store (its dK product reads it).
-enum DqMode : int { kdQSplit = 0, kdQOwnKeys = 1, kdQAlternate = 2, kdQPass = 3 };
-
-// Tile shape of one variant. kBlockM query rows per step, kBlockN keys per CTA (64 per consumer
-// warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2 each,
-// S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's product
-// covers whole rows). kdQMode: -1 picks (Bwd::kdQMode), else one of DqMode.
-// kdQBulk: dQ leaves through shared memory by bulk reduce-adds (cp.reduce.async.bulk), else by
-// float2 atomics from registers. kSkipdQ is a measurement switch of benchmarks/hopper_bwd_check.cu,
-// its dQ wrong: 1 leaves out the dQ additions, 2 the dQ product too; 0 in every dispatched variant.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kdQBulk_ = true, int kdQMode_ = -1,
-          int kSkipdQ_ = 0>
-struct BwdConfig {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = kStages_;
-  static constexpr int kdQMode = kdQMode_;
-  static constexpr int kSkipdQ = kSkipdQ_;
-  static constexpr bool kdQBulk = kdQBulk_;
-};
-
-static_assert(kBwdRowPad % 128 == 0, "every kBlockM divides the row padding (bwd_params.h)");
-
-template <int kHeadDim>
-struct DefaultBwdConfig;
-template <>
-struct DefaultBwdConfig<64> {
-  using type = BwdConfig<64, 64, 128, 2>;
-};
-template <>
-struct DefaultBwdConfig<96> {  // 48 bytes of spills; 348 TFLOP/s causal on an H100
-  using type = BwdConfig<96, 64, 128, 2>;
-};
-template <>
-struct DefaultBwdConfig<128> {
-  using type = BwdConfig<128, 64, 128, 2>;
-};
-// 64 keys shared by the two consumer warpgroups (Bwd::kSharedKeys); dQ in a pass of its own
-// (bwd_dq_pass): added from here by atomics it was half the kernel's time (Q, dO, K, V, P and dS
-// fill the shared memory, no room is left for a dQ stage).
-template <>
-struct DefaultBwdConfig<256> {
-  using type = BwdConfig<256, 64, bwd_key_tile(256), 2, false, kdQPass>;
-};
 
 namespace detail {
 
@@ -126,15 +87,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 }
 
-template <typename Element, class FragS, class FragP>
-__device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
-  constexpr int kN = decltype(size(s))::value;
-  static_assert(kN == decltype(size(p))::value);
-  cutlass::NumericArrayConverter<Element, float, kN> convert;
-  *reinterpret_cast<cutlass::Array<Element, kN>*>(raw_pointer_cast(p.data())) =
-      convert(*reinterpret_cast<const cutlass::Array<float, kN>*>(raw_pointer_cast(s.data())));
-}
-
 // kMasked: the variant that reads a mask and its summary; the other has none of that code (the
 // mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant with
 // a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200). kBias: the mask is a
@@ -143,10 +95,11 @@ __device__ __forceinline__ void convert_fragment(const FragS& s, FragP& p) {
 template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false, bool kBias_ = false>
 struct Bwd {
   using Element = Element_;
-  static constexpr bool kMasked = kMasked_;
+  using Mask = MaskPolicy<kMasked_, kBias_>;
+  static constexpr bool kMasked = Mask::kMasked;
   static constexpr bool kSoftcap = kSoftcap_;
-  static constexpr bool kBias = kBias_;
-  static_assert(!kBias || (kMasked && !kSoftcap), "a bias is a mask, without a softcap");
+  static constexpr bool kBias = Mask::kBias;
+  static_assert(!kBias || !kSoftcap, "a bias is not taken with a softcap");
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
   static constexpr int kBlockN = Config::kBlockN;
@@ -159,112 +112,53 @@ struct Bwd {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
+  using Traits = KeyTileTraits<Element, kHeadDim, kBlockM, kBlockN, kStages>;
+  using Scheduler = KeyTileGrid<kBlockM, kBlockN, kMasked>;
+  using Block = typename Scheduler::Block;
+  using MaskKeys = typename Mask::template KeyMajor<kBlockM, kBlockN>;
   // kSharedKeys, a tile of 64 keys (bwd_key_tile: head dims past 128): both consumer warpgroups
-  // work on the same keys, each on half the step's query rows for S^T and dP^T and on half the
-  // head dim for dK and dV (D / 2 accumulators each for dK and dV would leave no registers for S
-  // and dP); P^T then goes through shared memory as dS^T does, and the dK / dV products read
-  // both from there. Otherwise each consumer warpgroup owns 64 of the tile's keys.
-  static constexpr bool kSharedKeys = kBlockN == 64;
-  static_assert(kBlockN == (kSharedKeys ? 64 : 64 * kMmaWGs));
-  static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;    // S^T's query rows per warpgroup
-  static constexpr int kdKVCols = kSharedKeys ? kHeadDim / kMmaWGs : kHeadDim;  // dK's, dV's head dim per warpgroup
-  static_assert(kBlockM == 64 || kBlockM == 128);
-  // The dQ product's sharing (DqMode): split where the tile allows it, else alternate (at D = 64
-  // on an H200 fwd+bwd 335 -> 359 TFLOP/s against own keys: half the reduce-adds per step).
-  static constexpr int kdQMode =
-      Config::kdQMode >= 0 ? Config::kdQMode
-                           : (kBlockM == 128 || kHeadDim % 128 == 0 ? hopper::kdQSplit : hopper::kdQAlternate);
-  static constexpr bool kdQOwnKeys = kdQMode == hopper::kdQOwnKeys;
+  // work on the same keys (KeyTileTraits); otherwise each owns 64 of the tile's keys.
+  static constexpr bool kSharedKeys = Traits::kSharedKeys;
+  static constexpr int kSdPRows = Traits::kSdPRows;  // S^T's query rows per warpgroup
+  static constexpr int kdKVCols = Traits::kdKVCols;  // dK's, dV's head dim per warpgroup
+  static constexpr int kdQMode = Traits::kdQMode;
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
-  static_assert(!kdQPass || Config::kSkipdQ == 0);
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
-  static constexpr bool kdQWholeRows = kdQMode != hopper::kdQSplit;  // one warpgroup's product covers whole rows
-  static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
-  static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
-  static constexpr int kdQWarpgroupsN = kdQWholeRows ? 1 : kMmaWGs / kdQWarpgroupsM;
-  static constexpr int kdQKeys = kdQOwnKeys ? 64 : kBlockN;
-  // Named barrier 0 is __syncthreads; 1: both consumer warpgroups wrote their dS (1 + w: warpgroup
-  // w did, with kdQOwnKeys; 1 + step % 2 with kdQAlternate); 3 + w: warpgroup w staged its dQ.
-  static constexpr int kDsBarrier = 1;
-  static constexpr int kdQStagedBarrier = 3;
-  static constexpr int kPBarrier = 5;  // kSharedKeys: both consumer warpgroups wrote their P^T
+  static constexpr bool kdQWholeRows = Traits::kdQWholeRows;
+  static constexpr int kdQWarpgroupsM = Traits::kdQWarpgroupsM;
+  static constexpr int kdQWarpgroupsN = Traits::kdQWarpgroupsN;
   // dQ through shared memory: each warpgroup's 64-row product (kdQTileElems floats) is staged in
   // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
   // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
   // keeps that order per tile (dq_tile_offset; the conversion kernel reads it back). Two stage
-  // buffers: the bulk read of one overlaps the next tile.
-  static constexpr bool kdQBulk = Config::kdQBulk;
+  // buffers: the bulk read of one overlaps the next tile. With the dQ pass there is no stage (a
+  // 16-byte placeholder).
   static constexpr int kdQTileElems = 64 * (kHeadDim / kdQWarpgroupsN);
-  static constexpr int kdQStageElems = kdQBulk ? 2 * kMmaWGs * kdQTileElems : 4;
+  static constexpr int kdQStageElems = kdQPass ? 4 : 2 * kMmaWGs * kdQTileElems;
 
   // Where dQ element (r, c) of a kBlockM-row tile sits in dq_accum's tile.
   static __host__ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
-    if constexpr (!kdQBulk) {
-      return r * kHeadDim + c;
-    } else {
-      constexpr int kN = kHeadDim / kdQWarpgroupsN;
-      const int region = kdQWholeRows ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
-      const int rr = r % 64, cc = c % kN;
-      const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
-      const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
-      return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
-    }
+    constexpr int kN = kHeadDim / kdQWarpgroupsN;
+    const int region = kdQWholeRows ? 0 : (kdQWarpgroupsM == 2 ? r / 64 : 0) * kdQWarpgroupsN + c / kN;
+    const int rr = r % 64, cc = c % kN;
+    const int t = (rr / 16) * 32 + (rr % 8) * 4 + (cc % 8) / 2;
+    const int i = (cc / 8) * 4 + ((rr % 16) / 8) * 2 + cc % 2;
+    return region * kdQTileElems + (i / 2) * 256 + 2 * t + i % 2;
   }
 
-  // How the warpgroups split S^T, dP^T, dK and dV: by keys (M), or with kSharedKeys by query
-  // rows for S^T / dP^T and by head dim for dK / dV (N).
-  using WarpgroupLayout = Layout<Shape<Int<kSharedKeys ? 1 : kMmaWGs>, Int<kSharedKeys ? kMmaWGs : 1>, _1>>;
-  // S^T = K Q^T and dP^T = V dO^T: M = keys, N = query rows, K = head dim.
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPRows>, Int<kHeadDim>>>(), WarpgroupLayout{}));
-  // dV += P^T dO and dK += dS^T Q: A from registers (with kSharedKeys from shared memory, query
-  // rows contiguous: K-major), B (N = head dim, K = query rows) is a transposed view of dO / Q,
-  // head dim contiguous: MN-major.
-  using AtomdKV =
-      std::conditional_t<kSharedKeys,
-                         decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>,
-                                                       GMMA::Major::K, GMMA::Major::MN>()),
-                         decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kdKVCols>, Int<kBlockM>>,
-                                                       GMMA::Major::K, GMMA::Major::MN>())>;
-  using TiledMmadKV = decltype(make_tiled_mma(AtomdKV{}, WarpgroupLayout{}));
-  // dQ = dS K: A = dS (M = query rows, K = keys) stored query-contiguous (MN-major), B = K^T
-  // (N = head dim, K = keys), head dim contiguous (MN-major).
-  using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / kdQWarpgroupsN>, Int<kdQKeys>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<Int<kdQWarpgroupsM>, Int<kdQWarpgroupsN>, _1>>{}));
-
-  using SmemLayoutK = decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutQ =
-      decltype(tile_to_shape(k_major_atom<Element, kHeadDim>(), Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  // The same bytes seen as (head dim, rows[, stage]).
-  using SmemLayoutQt =
-      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                                      Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // dS: (query rows, keys, buffer), query rows contiguous; buffers 0 and 1 hold dS, 2 and 3 P
-  // (kSharedKeys).
-  static constexpr int kDsBuffers = kSharedKeys ? 4 : 2;
-  using SmemLayoutdS =
-      decltype(tile_to_shape(mn_major_atom<Element, kBlockM>(), Shape<Int<kBlockM>, Int<kBlockN>, Int<kDsBuffers>>{}));
-  // The same bytes seen as dS^T (keys, query rows, buffer): the S^T accumulator's shape.
-  using SmemLayoutdSt =
-      decltype(composition(SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDsBuffers>>{},
-                                                       Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
-  // dS^T from the accumulator registers into shared memory: stmatrix, four 8 x 8 blocks a call
-  // (each block row is 8 consecutive query rows of one key: 16 contiguous bytes of dS).
-  using R2SCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
-
-  // Global tensors as TMA sees them: (rows, head dim, head, batch), 32-bit sizes, 64-bit strides.
-  using ShapeQKV = TmaShape;
-  using StrideQKV = TmaStride;
-  using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TiledMmaSdP = typename Traits::TiledMmaSdP;  // S^T = K Q^T, dP^T = V dO^T
+  using TiledMmadKV = typename Traits::TiledMmadKV;  // dV += P^T dO, dK += dS^T Q
+  using TiledMmadQ = typename Traits::TiledMmadQ;    // dQ = dS K
+  using SmemLayoutK = typename Traits::SmemLayoutK;
+  using SmemLayoutQ = typename Traits::SmemLayoutQ;
+  using SmemLayoutQt = typename Traits::SmemLayoutQt;
+  using SmemLayoutKt = typename Traits::SmemLayoutKt;
+  static constexpr int kDsBuffers = Traits::kDsBuffers;
+  using SmemLayoutdS = typename Traits::SmemLayoutdS;
+  using SmemLayoutdSt = typename Traits::SmemLayoutdSt;
+  using R2SCopydS = typename Traits::R2SCopydS;
+  using TmaQ = typename Traits::TmaQ;
+  using TmaK = typename Traits::TmaK;
   static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBytesRows;  // + row_shift
   static constexpr uint32_t kBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
@@ -295,30 +189,14 @@ struct Bwd {
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
 
-  struct Params {
-    TmaQ tma_q, tma_do;
-    TmaQ tma_do_clean;          // grad_out_clean, or grad_out again
-    const int* grad_out_dirty;  // null, or nonzero: dO is read through tma_do_clean
-    TmaK tma_k, tma_v;
-    ShapeQKV shape_q, shape_k;
-    const float* row_shift;  // [B, Hq, q_pad]
-    const float* delta;      // [B, Hq, q_pad]
-    const float* row_lo;     // [B, Hq, q_pad]: BwdParams::row_lo (kBias only)
-    float* dq_accum;         // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
+  struct Params : BwdInputParams<TmaQ, TmaK> {  // mask_tiles: kBwdMaskTileRows x bwd_key_tile(D)
+    float* dq_accum;                            // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
     Element* grad_k;
     Element* grad_v;
     int64_t dk_sb, dk_sh, dk_si, dv_sb, dv_sh, dv_si;
-    int heads, group, q_len, q_pad, kv_len, m_blocks;
-    attn::ScoreRule score;  // log2 units; a softcap when score.softcap_post > 0
-    bool causal;
-    int64_t causal_shift;
-    attn::MaskView mask;               // bool, float (a bias), or none
-    attn::TileSummaryView mask_tiles;  // kBwdMaskTileRows x bwd_key_tile(D)
-    attn::KeyRangeView key_ranges;     // null, or one interval of keys per query row
-    float* grad_mask;                  // BwdParams::grad_mask (kBias only)
-    bool grad_mask_sums_batch;         // BwdParams::grad_mask_sums_batch
-    bool batch_inner;                  // BwdParams::batch_inner
-    int head_group;                    // BwdParams::head_group, at least 1
+    float* grad_mask;           // BwdSm90Params::grad_mask (kBias only)
+    bool grad_mask_sums_batch;  // BwdSm90Params::grad_mask_sums_batch
+    bool batch_inner;           // BwdSm90Params::batch_inner
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == bwd_key_tile(kHeadDim)),
                 "a masked step is one tile of the mask summary");
@@ -330,27 +208,6 @@ struct Bwd {
   // first query tiles) costs a few round trips instead of one per step.
   static constexpr int kWalkLoads = 8;
 
-  // The (key tile, kv head, batch) of this CTA. The grid is (key tiles, kv heads, batch) and the
-  // hardware hands its blocks out in linear order; under causality (or a mask) that order is read
-  // as longest_first's over the (batch, kv head)s, so key tile 0 (seen by every query) and the
-  // other long ones go first in each group of heads (tile_order.h); the kv head varies fastest
-  // in that group, or the batch row with BwdParams::batch_inner.
-  struct Block {
-    int n_block, kv_head, batch;
-  };
-  static __device__ __forceinline__ Block block_coords(const Params& p) {
-    const int64_t blocks = int64_t{gridDim.x} * gridDim.y * gridDim.z;
-    if ((!p.causal && !kMasked) || blocks > INT32_MAX) {
-      return Block{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
-    }
-    const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-    const TileRank r =
-        longest_first(linear, static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z), p.head_group);
-    if (p.batch_inner) {
-      return Block{r.rank, r.head / static_cast<int>(gridDim.z), r.head % static_cast<int>(gridDim.z)};
-    }
-    return Block{r.rank, r.head % static_cast<int>(gridDim.y), r.head / static_cast<int>(gridDim.y)};
-  }
   static __device__ TileVisit visit_from(const Params& p, const Block& block, int step, int steps, int m_begin) {
     if constexpr (!kMasked) {
       return TileVisit{step, attn::kTileVisible, 0};
@@ -379,16 +236,6 @@ struct Bwd {
       }
     }
     return TileVisit{steps, attn::kTileMasked, 0};
-  }
-
-  // The query tiles key tile n_block sees: [m_begin, m_blocks) of every head of the group.
-  static __device__ __forceinline__ int first_m_block(const Params& p, int n_block) {
-    if (!p.causal) {
-      return 0;
-    }
-    // Query i sees key j iff j <= i + shift: the tile's first key is seen from i = j0 - shift on.
-    const int64_t first_query = std::max<int64_t>(int64_t{n_block} * kBlockN - p.causal_shift, 0);
-    return first_query >= p.q_len ? p.m_blocks : static_cast<int>(first_query / kBlockM);
   }
 
   // ---- producer ------------------------------------------------------------------------------
@@ -461,51 +308,236 @@ struct Bwd {
 
   // ---- consumers -----------------------------------------------------------------------------
 
+  // kSharedKeys: P^T (buffers 2, 3) and dS^T (0, 1) as the dK / dV products' A, from shared memory
+  // (MMA, 1, M / 16, buffer); otherwise they come from registers.
+  template <class ThrMma, class SmemdSt>
+  static __device__ __forceinline__ auto shared_dkv_operand(ThrMma& wg_dkv, const SmemdSt& sdSt) {
+    if constexpr (kSharedKeys) {
+      return wg_dkv.partition_fragment_A(sdSt);
+    } else {
+      return 0;
+    }
+  }
+
+  // The first step visited, published with K and V (kv_full has been waited for); without a mask
+  // the first step.
+  static __device__ __forceinline__ TileVisit first_visit(SharedStorage& smem, int steps) {
+    TileVisit next{0, attn::kTileVisible, 0};
+    if constexpr (kMasked) {
+      if (steps > 0) {
+        next = read_visit(smem.first_visit);
+      }
+    }
+    return next;
+  }
+
+  // The visit after `step`, once its Q load has landed; without a mask every step is visited.
+  static __device__ __forceinline__ TileVisit visit_after_load(SharedStorage& smem, int& q_reads, int step) {
+    if constexpr (kMasked) {
+      return read_visit(smem.next_visit[q_reads++ % kVisitSlots]);
+    } else {
+      return TileVisit{step + 1, attn::kTileVisible, 0};
+    }
+  }
+
+  // Every bulk reduce-add of this warpgroup done (not only read: the kernel's end).
+  static __device__ __forceinline__ void wait_dq_added(int mma_thread, int steps) {
+    if constexpr (!kdQPass) {
+      if (mma_thread % 128 == 0 && steps > 0) {
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      }
+    }
+  }
+
+  // A warpgroup's dQ stored to its stage, not yet added (head < 0: none).
+  struct PendingdQ {
+    int head, row0, visit;
+  };
+  static __device__ __forceinline__ void add_pending_dq(const Params& p, SharedStorage& smem, PendingdQ& pending,
+                                                        int batch, int wg, int mma_thread) {
+    if constexpr (!kdQPass) {
+      if (pending.head >= 0) {
+        add_dq_stage(p, smem, batch, pending.head, pending.row0, pending.visit, pending.visit % 2, wg, mma_thread);
+        pending.head = -1;
+      }
+    }
+  }
+
+  // dV += P^T dO or dK += dS^T Q: P^T and dS^T from registers, or with kSharedKeys from shared
+  // memory (shared_a's `buffer`).
+  template <class Mma, class SharedA, class RegsA, class B, class C>
+  static __device__ __forceinline__ void dkv_product(Mma& mma, const SharedA& shared_a, int buffer, const RegsA& regs_a,
+                                                     const B& b, C& c) {
+    if constexpr (kSharedKeys) {
+      wgmma_batch<false>(mma, shared_a(_, _, _, buffer), b, c);
+    } else {
+      wgmma_batch<false>(mma, regs_a, b, c);
+    }
+  }
+
+  // Both warpgroups wrote their dS of the step (buffer). Where one warpgroup multiplies dQ per step
+  // (kdQAlternate) only that one waits for the other's dS; the other arrives and goes on. Barrier
+  // ids alternate with the step: the arriving warpgroup multiplies the next step's dQ, so its wait
+  // there (the other id) needs this step's dQ warpgroup to have finished this step, dQ product
+  // included; that orders both the dS buffer's reuse two steps on and a fast warpgroup's next
+  // arrival on this id.
+  static __device__ __forceinline__ void ds_written(bool dq_here, int buffer) {
+    if constexpr (kdQAlternate) {
+      if (dq_here) {
+        named_barrier_sync(kBwdDsWritten + buffer, kMmaThreads);
+      } else {
+        named_barrier_arrive(kBwdDsWritten + buffer, kMmaThreads);
+      }
+    } else {
+      named_barrier_sync(kBwdDsWritten, kMmaThreads);
+    }
+  }
+
+  // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: stored to its stage
+  // buffer (dq_stage_slot) at the step's end, while dK runs, and added by one bulk reduce-add
+  // (add_dq_stage) during the warpgroup's next step (alternating: one without a dQ product of its
+  // own), once that step's S^T and dP^T are issued, so that the fence, the barrier and the bulk
+  // copy's issue overlap the tensor cores instead of lengthening the step they belong to (storing
+  // there too made ptxas wait for S^T and dP^T before reading the dQ registers: 27% slower at
+  // D = 64).
+  static __device__ __forceinline__ float* dq_stage_slot(SharedStorage& smem, int visit, int buffer, int wg) {
+    const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
+    return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
+  }
+  // Thread 0 waits for the previous bulk read in add_dq_stage; a dS barrier this warpgroup waits at
+  // between that and its next stores into the same buffer (every step's; with kdQAlternate that of
+  // its next dQ step) orders the two.
+  template <class FragdQ>
+  static __device__ __forceinline__ void store_dq_stage(const FragdQ& dq, SharedStorage& smem, int visit, int buffer,
+                                                        int wg, int mma_thread) {
+    float* stage = dq_stage_slot(smem, visit, buffer, wg);
+#pragma unroll
+    for (int i = 0; i < size(dq); i += 2) {
+      *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * (mma_thread % 128)) = make_float2(dq(i), dq(i + 1));
+    }
+  }
+  static __device__ __forceinline__ void add_dq_stage(const Params& p, SharedStorage& smem, int batch, int head,
+                                                      int row0, int visit, int buffer, int wg, int mma_thread) {
+    cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
+    named_barrier_sync(kBwdDqStaged + wg, 128);
+    if (mma_thread % 128 == 0) {
+      const int region = kdQWholeRows ? 0 : wg;
+      float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
+      bulk_reduce_add(dq_tile + region * kdQTileElems, dq_stage_slot(smem, visit, buffer, wg),
+                      kdQTileElems * sizeof(float));
+      tma_store_arrive();   // commit
+      tma_store_wait<1>();  // the previous tile's stage buffer has been read
+    }
+  }
+
+  // P^T of a step from its masked scores: p = exp2(s scale log2(e) - row_shift). A float mask
+  // (row_lo): natural units (unit 1 where its values were added, which took the scores there), the
+  // shift subtracted before the change of base, then row_lo (BwdSm90Params::row_lo; a row of huge
+  // biases cancels exactly and keeps lse_lo).
+  template <class FragS>
+  static __device__ __forceinline__ void probabilities(FragS& s, const Params& p, const float* row_shift,
+                                                       const float* row_lo, bool bias_step, int query_base) {
+    if constexpr (kBias) {
+      const float unit = bias_step ? 1.0f : p.score.natural_scale;
+#pragma unroll
+      for (int i = 0; i < size(s); ++i) {
+        const int c = query_base + MaskKeys::acc_col(i);
+        s(i) = exp2_approx(fmaf(fmaf(s(i), unit, -row_shift[c]), attn::kLog2e, -row_lo[c]));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < size(s); ++i) {
+        s(i) = exp2_approx(fmaf(s(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[query_base + MaskKeys::acc_col(i)]));
+      }
+    }
+  }
+
+  // dS^T = scale P^T (dP^T - delta) over dP^T's registers. With a softcap, d score / d dot =
+  // scale (1 - t^2), t = score / softcap_post, the score recovered from p: log2 p + row_shift
+  // (p = 0 contributes nothing, whatever its score). With a float mask's gradient, p (dP - delta)
+  // of the step's elements inside [q_len, kv_len) is stored, or added to the other batches' (a
+  // mask shared by the batch).
+  template <class FragS>
+  static __device__ __forceinline__ void scores_gradient(FragS& dp, const FragS& prob, const Params& p,
+                                                         const float* row_shift, const float* delta, int batch,
+                                                         int head, int row0, int key0, int keys_in_tile, int key_base,
+                                                         int query_base) {
+    if constexpr (kSoftcap) {
+      const float inv_cap = 1.0f / p.score.softcap_post;
+#pragma unroll
+      for (int i = 0; i < size(dp); ++i) {
+        const float pr = prob(i), shift = row_shift[query_base + MaskKeys::acc_col(i)];
+        const float t = (log2_approx(pr) + shift) * inv_cap;
+        const float dscore = pr > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
+        dp(i) = dscore * pr * (dp(i) - delta[query_base + MaskKeys::acc_col(i)]);
+      }
+    } else if (kBias && p.grad_mask != nullptr) {
+      const int last_row = p.q_len - 1 - row0;
+      const bool add = p.grad_mask_sums_batch;
+      float* grad = p.grad_mask + ((int64_t{add ? 0 : batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
+#pragma unroll
+      for (int i = 0; i < size(dp); ++i) {
+        const int key = key_base + MaskKeys::acc_row(i), row = query_base + MaskKeys::acc_col(i);
+        const float ds = prob(i) * (dp(i) - delta[query_base + MaskKeys::acc_col(i)]);
+        if (key < keys_in_tile && row <= last_row) {
+          float* slot = grad + int64_t{row} * p.kv_len + key;
+          if (add) {
+            atomicAdd(slot, ds);
+          } else {
+            *slot = ds;
+          }
+        }
+        dp(i) = p.score.natural_scale * ds;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < size(dp); ++i) {
+        dp(i) = p.score.natural_scale * prob(i) * (dp(i) - delta[query_base + MaskKeys::acc_col(i)]);
+      }
+    }
+  }
+
+  // dK and dV of the tile's keys (zero when no query sees them), rounded, at per-thread bases
+  // plus constant offsets; keys past kv_len are not written.
+  template <class FragKV>
+  static __device__ __forceinline__ void store_dkv(const Params& p, const FragKV& dk_acc, const FragKV& dv_acc,
+                                                   int batch, int kv_head, int key0, int keys_in_tile, int key_base,
+                                                   int dkv_col_base) {
+    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + dkv_col_base;
+    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + dkv_col_base;
+#pragma unroll
+    for (int i = 0; i < size(dk_acc); i += 2) {
+      const int r = MaskKeys::acc_row(i), c = MaskKeys::acc_col(i);
+      if (key_base + r < keys_in_tile) {
+        pair_at(dk + r * p.dk_si + c) = rounded_pair<Element>(dk_acc(i), dk_acc(i + 1));
+        pair_at(dv + r * p.dv_si + c) = rounded_pair<Element>(dv_acc(i), dv_acc(i + 1));
+      }
+    }
+  }
+
   static __device__ void consume(const Params& p, const Block& block, SharedStorage& smem, Pipeline& pipe_q,
                                  Pipeline& pipe_do, int steps, int m_begin) {
     const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
     const int m_count = p.m_blocks - m_begin;
     const int mma_thread = threadIdx.x - 128;
     const int wg = __shfl_sync(0xffffffff, mma_thread / 128, 0);  // warp-uniform to the compiler
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutKt{});
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.d_o.data()), SmemLayoutQt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), SmemLayoutdSt{});
-
+    Tensor sdSt = smem_tensor(smem.ds.data(), SmemLayoutdSt{});
     TiledMmaSdP mma_sdp;
     TiledMmadKV mma_dkv;
     TiledMmadQ mma_dq;
     auto wg_sdp = mma_sdp.get_slice(wg * 128);
     auto wg_dkv = mma_dkv.get_slice(wg * 128);
     auto wg_dq = mma_dq.get_slice(kdQAlternate ? 0 : wg * 128);
-    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, 1, D / 16): this warpgroup's keys
-    Tensor tSrV = wg_sdp.partition_fragment_A(sV);      // (MMA, 1, D / 16)
-    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, 1, D / 16, stage)
-    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);    // (MMA, 1, D / 16, stage)
-    Tensor tdVrdO = wg_dkv.partition_fragment_B(sdOt);  // (MMA, 1, M / 16, stage)
-    Tensor tdKrQ = wg_dkv.partition_fragment_B(sQt);    // (MMA, 1, M / 16, stage)
-    // kdQOwnKeys: this warpgroup's 64 keys of dS and K^T; else all of them.
-    auto dq_keys = [&](auto tensor) {
-      if constexpr (kdQOwnKeys) {
-        return local_tile(tensor, Shape<Int<kBlockM>, _64, Int<kDsBuffers>>{}, make_coord(_0{}, wg, _0{}));
-      } else {
-        return tensor;
-      }
-    };
-    auto dq_keys_t = [&](auto tensor) {
-      if constexpr (kdQOwnKeys) {
-        return local_tile(tensor, Shape<Int<kHeadDim>, _64>{}, make_coord(_0{}, wg));
-      } else {
-        return tensor;
-      }
-    };
-    Tensor tdQrdS = wg_dq.partition_fragment_A(dq_keys(sdS));    // (MMA, 1, keys / 16, buffer)
-    Tensor tdQrKt = wg_dq.partition_fragment_B(dq_keys_t(sKt));  // (MMA, 1, keys / 16)
+    Tensor tSrK = wg_sdp.partition_fragment_A(smem_tensor(smem.k.data(), SmemLayoutK{}));  // (MMA, 1, D / 16): own keys
+    Tensor tSrV = wg_sdp.partition_fragment_A(smem_tensor(smem.v.data(), SmemLayoutK{}));  // (MMA, 1, D / 16)
+    Tensor tSrQ = wg_sdp.partition_fragment_B(smem_tensor(smem.q.data(), SmemLayoutQ{}));  // (MMA, 1, D / 16, stage)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(smem_tensor(smem.d_o.data(), SmemLayoutQ{}));
+    Tensor tdVrdO =
+        wg_dkv.partition_fragment_B(smem_tensor(smem.d_o.data(), SmemLayoutQt{}));  // (MMA, 1, M / 16, stage)
+    Tensor tdKrQ = wg_dkv.partition_fragment_B(smem_tensor(smem.q.data(), SmemLayoutQt{}));
+    Tensor tdQrdS =
+        wg_dq.partition_fragment_A(smem_tensor(smem.ds.data(), SmemLayoutdS{}));             // (MMA, 1, N / 16, buffer)
+    Tensor tdQrKt = wg_dq.partition_fragment_B(smem_tensor(smem.k.data(), SmemLayoutKt{}));  // (MMA, 1, N / 16)
 
     Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
     Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
@@ -514,40 +546,26 @@ struct Bwd {
     Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     // P^T and dS^T as the A operand of the dK/dV products: k block kb holds accumulator elements
     // [8 kb, 8 kb + 8) of S^T (the wgmma accumulator and A-fragment orders agree).
-    using RegLayoutA = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSdPRows / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
-    Tensor tdVrP = make_tensor<Element>(RegLayoutA{});
-    Tensor tdKrdS = make_tensor<Element>(RegLayoutA{});
+    Tensor tdVrP = make_tensor<Element>(typename Traits::RegLayoutP{});
+    Tensor tdKrdS = make_tensor<Element>(typename Traits::RegLayoutP{});
     static_assert(decltype(size(tSrS))::value == kSdPRows / 2 && decltype(size(tdVrP))::value == kSdPRows / 2);
-    // kSharedKeys: P^T (buffers 2, 3) and dS^T (0, 1) as the dK / dV products' A, from shared memory.
-    auto shared_a = [&] {
-      if constexpr (kSharedKeys) {
-        return wg_dkv.partition_fragment_A(sdSt);  // (MMA, 1, M / 16, buffer)
-      } else {
-        return 0;
-      }
-    }();
+    auto shared_a = shared_dkv_operand(wg_dkv, sdSt);
     R2SCopydS r2s_ds;
     auto thr_r2s_ds = r2s_ds.get_slice(mma_thread);
     Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_M, CPY_N, buffer)
-    // tdKrdS's (tdVrP's) registers seen in the accumulator's layout (the same order), as the
-    // copy's source.
+    // tdKrdS's (tdVrP's) registers seen in the accumulator's layout, as the copy's source.
     Tensor tdSrdS = thr_r2s_ds.retile_S(make_tensor(tdKrdS.data(), tSrS.layout()));
     Tensor tPrP = thr_r2s_ds.retile_S(make_tensor(tdVrP.data(), tSrS.layout()));
 
-    // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row
-    // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2: a
-    // per-thread base plus a constant once the loops are unrolled.
+    // Accumulator element i of a 64 x N wgmma (thread t of the warpgroup) sits at row 16 (t / 32) +
+    // (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2 (MaskPolicy::KeyMajor).
     const int row_base = 16 * ((mma_thread % 128) / 32) + (mma_thread % 32) / 4;
     const int col_base = 2 * (mma_thread % 4);
-    auto acc_row = [](int i) { return 8 * ((i / 2) % 2); };
-    auto acc_col = [](int i) { return 8 * (i / 4) + i % 2; };
     // S^T, dP^T, dK, dV: keys are the rows; S^T's columns are query rows (query_base), dK's and
     // dV's the head dim (dkv_col_base).
     const int key_base = (kSharedKeys ? 0 : 64 * wg) + row_base;
     const int query_base = (kSharedKeys ? kSdPRows * wg : 0) + col_base;
     const int dkv_col_base = (kSharedKeys ? kdKVCols * wg : 0) + col_base;
-    const int dq_row_base = (kdQWarpgroupsM == 2 ? 64 * wg : 0) + row_base;
-    const int dq_col_base = (kdQWarpgroupsN == 2 ? wg * (kHeadDim / 2) : 0) + col_base;
     static_assert(decltype(size(tdVrdV))::value == kdKVCols / 2);
     static_assert(decltype(size(tdQrdQ))::value == kBlockM * kHeadDim / (kdQWholeRows ? 128 : kMmaThreads));
 
@@ -559,151 +577,19 @@ struct Bwd {
       smem.kv_full.wait(0);
     }
     PipelineState read_q, read_do;
-    // The steps the mask summary does not rule out (the producer's walk, read from shared memory
-    // with each Q load), and the mask bits of a mixed or diagonal one (set: visible), one per
-    // accumulator element of S^T, found one step ahead (below). Rows past q_len and keys past
-    // kv_len read nothing and keep their bit (handled below).
+    // The visited steps (the producer's walk, with each Q load) and their mask bits, one step ahead.
     auto head_of = [&](int step) { return kv_head * p.group + step / m_count; };
     auto m_block_of = [&](int step) { return m_begin + step % m_count; };
     int q_reads = 0;
-    // The visit after `step`, once its Q load has landed; without a mask every step is visited.
-    auto visit_after_load = [&](int step) -> TileVisit {
-      if constexpr (kMasked) {
-        return read_visit(smem.next_visit[q_reads++ % kVisitSlots]);
-      } else {
-        return TileVisit{step + 1, attn::kTileVisible, 0};
-      }
-    };
     auto mask_bits = [&](const TileVisit& visit) {
-      uint32_t keep = ~0u;
-      if constexpr (kMasked) {
-        const int step = visit.position;
-        if (step < steps && visit.tile_class == attn::kTileDiagonal) {
-          // A compare: query row (tile-relative) r sees the tile's keys c <= r + diagonal.
-          keep = 0;
-#pragma unroll
-          for (int i = 0; i < size(tSrS); ++i) {
-            keep |= uint32_t{key_base + acc_row(i) <= query_base + acc_col(i) + visit.diagonal} << i;
-          }
-        } else if (step < steps && visit.tile_class == attn::kTileMixed) {
-          static_assert(decltype(size(tSrS))::value <= 32);
-          const int row0 = m_block_of(step) * kBlockM;
-          const int last_row = p.q_len - 1 - row0;
-          // Unconditional loads (indices clamped, bounds applied after), all in flight at once. A
-          // float mask's bits are its elements that are not -inf (add_bias adds the values).
-          auto gather = [&](const auto* mask) {
-            mask += p.mask.offset(batch, head_of(step), row0, key0);
-#pragma unroll 8
-            for (int i = 0; i < size(tSrS); ++i) {
-              const int key = key_base + acc_row(i), row = query_base + acc_col(i);
-              const bool visible =
-                  attn::visible(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                     int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
-              if (!visible && key < keys_in_tile && row <= last_row) {
-                keep &= ~(1u << i);
-              }
-            }
-          };
-          if (p.mask.ptr != nullptr) {
-            p.mask.with_elements(gather);
-          }
-          if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys
-#pragma unroll 8
-            for (int i = 0; i < size(tSrS); ++i) {
-              const int key = key0 + key_base + acc_row(i), row = query_base + acc_col(i);
-              const int64_t q = row0 + (row < last_row ? row : last_row);
-              if (key < p.key_ranges.lo(batch, q) || key >= p.key_ranges.hi(batch, q)) {
-                keep &= ~(1u << i);
-              }
-            }
-          }
-        }
-      }
-      return keep;
+      return MaskKeys::template tile_bits<decltype(size(tSrS))::value>(
+          p, visit, steps, batch, kv_head, m_begin, m_count, key0, keys_in_tile, key_base, query_base);
     };
-    // This warpgroup's dQ of a step (rows row0.. of `head`) added into dq_accum: with kdQBulk
-    // stored to its stage buffer (dq_stage_slot) at the step's end, while dK runs, and added by
-    // one bulk reduce-add (add_dq_stage) during the warpgroup's next step (alternating: one
-    // without a dQ product of its own), once that step's S^T and dP^T are issued, so that the
-    // fence, the barrier and the bulk copy's issue overlap the tensor cores instead of
-    // lengthening the step they belong to (storing there too made ptxas wait for S^T and dP^T
-    // before reading the dQ registers: 27% slower at D = 64); else by float2 atomics.
-    auto dq_stage_slot = [&](int visit, int buffer) {
-      const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
-      return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
-    };
-    auto store_dq_stage = [&](int visit, int buffer) {
-      // Thread 0 waits for the previous bulk read in add_dq_stage; a dS barrier this warpgroup
-      // waits at between that and its next stores into the same buffer (every step's; with
-      // kdQAlternate that of its next dQ step) orders the two.
-      float* stage = dq_stage_slot(visit, buffer);
-#pragma unroll
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        *reinterpret_cast<float2*>(stage + (i / 2) * 256 + 2 * (mma_thread % 128)) =
-            make_float2(tdQrdQ(i), tdQrdQ(i + 1));
-      }
-    };
-    auto add_dq_stage = [&](int head, int row0, int visit, int buffer) {
-      cutlass::arch::fence_view_async_shared();  // the stores, visible to the bulk copy
-      named_barrier_sync(kdQStagedBarrier + wg, 128);
-      if (mma_thread % 128 == 0) {
-        const int region = kdQWholeRows ? 0 : wg;
-        float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
-        bulk_reduce_add(dq_tile + region * kdQTileElems, dq_stage_slot(visit, buffer), kdQTileElems * sizeof(float));
-        tma_store_arrive();   // commit
-        tma_store_wait<1>();  // the previous tile's stage buffer has been read
-      }
-    };
-    auto add_dq_atomics = [&](int head, int row0) {
-      // Pairs of adjacent columns, one 8-byte atomic each, at a per-thread base plus constant
-      // offsets (fewer live addresses). Rows past q_len hold 0 and stay in the padding.
-      float* dq = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim +
-                  dq_row_base * kHeadDim + dq_col_base;
-#pragma unroll
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        atomicAdd(reinterpret_cast<float2*>(dq + acc_row(i) * kHeadDim + acc_col(i)),
-                  make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
-      }
-    };
-    int visited = 0;  // the steps not skipped: dS and the dQ stage alternate over them
-    struct PendingdQ {
-      int head, row0, visit;  // head < 0: none
-    };
-    PendingdQ pending{-1, 0, 0};  // kdQBulk: this warpgroup's dQ stored, not yet added
-    auto add_pending = [&] {
-      if constexpr (kdQBulk && Config::kSkipdQ == 0) {
-        if (pending.head >= 0) {
-          add_dq_stage(pending.head, pending.row0, pending.visit, pending.visit % 2);
-          pending.head = -1;
-        }
-      }
-    };
-    TileVisit next{0, attn::kTileVisible, 0};
-    if constexpr (kMasked) {
-      if (steps > 0) {
-        next = read_visit(smem.first_visit);  // kv_full has been waited for
-      }
-    }
-    // A float mask's values of a mixed step added to its scores, which go to natural units (the
-    // exponent below then takes them with unit 1); its -inf elements are masked after, by
-    // mask_bits (NaN behind them does not leak). Loads as in mask_bits: clamped, unconditional;
-    // mask_bits read the same elements a step before, so these mostly hit L1 (reading them once,
-    // here, with the -inf test folded in, measured 1.2 ms slower at D = 128: notes).
-    auto add_bias = [&](int step) {
-      const int row0 = m_block_of(step) * kBlockM;
-      const int last_row = p.q_len - 1 - row0;
-      p.mask.with_values([&](const auto* mask) {
-        mask += p.mask.offset(batch, head_of(step), row0, key0);
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
-          const float bias =
-              attn::to_float(mask[int64_t{row < last_row ? row : last_row} * p.mask.stride_q +
-                                  int64_t{key < keys_in_tile ? key : keys_in_tile - 1} * p.mask.stride_kv]);
-          tSrS(i) = fmaf(tSrS(i), p.score.natural_scale, bias);
-        }
-      });
-    };
+    // This warpgroup's dQ of a step is stored at the step's end, added during its next one.
+    int visited = 0;              // the steps not skipped: dS and the dQ stage alternate over them
+    PendingdQ pending{-1, 0, 0};  // this warpgroup's dQ stored, not yet added
+    auto add_pending = [&] { add_pending_dq(p, smem, pending, batch, wg, mma_thread); };
+    TileVisit next = first_visit(smem, steps);
     uint32_t keep = mask_bits(next);
     uint8_t step_class = next.tile_class;
     // A step's class arrives with the Q load of the step before; its mask bits (a mixed step's
@@ -719,7 +605,7 @@ struct Bwd {
       const int row0 = m_block * kBlockM;
 
       pipe_q.consumer_wait(read_q);
-      next = visit_after_load(step);
+      next = visit_after_load(smem, q_reads, step);
       wgmma_batch<true>(mma_sdp, tSrK, tSrQ(_, _, _, read_q.index()), tSrS);
       pipe_do.consumer_wait(read_do);
       wgmma_batch<true>(mma_sdp, tSrV, tSrdO(_, _, _, read_do.index()), tdPrdP);
@@ -731,192 +617,68 @@ struct Bwd {
       // A mixed step of a float mask: the bias, after the softcap, before the masks.
       const bool bias_step = kBias && step_class == attn::kTileMixed;
       if (bias_step) {
-        add_bias(step);
+        MaskKeys::add_bias(tSrS, p, batch, head, row0, key0, keys_in_tile, key_base, query_base);
       }
 
-      // Masked elements: keys past kv_len, and under causality key > row + shift. limit is the
-      // largest visible (key - row) offset within the tile, clamped to int range.
-      const int64_t diagonal = int64_t{row0} + p.causal_shift - key0;
-      const bool causal_mask = p.causal && diagonal < kBlockN - 1;
-      if (keys_in_tile < kBlockN || causal_mask) {
-        const int limit = static_cast<int>(std::max<int64_t>(std::min<int64_t>(diagonal, kBlockN), -kBlockM - 1));
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
-          if (key >= keys_in_tile || (causal_mask && key - row > limit)) {
-            tSrS(i) = -INFINITY;
-          }
-        }
-      }
-      if (kMasked && ~keep != 0) {
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          if (!((keep >> i) & 1u)) {
-            tSrS(i) = -INFINITY;
-          }
-        }
-      }
+      MaskKeys::mask_tile(tSrS, p, keep, row0, key0, keys_in_tile, key_base, query_base);
       const float* row_shift = smem.row_shift[read_q.index()];
-      if constexpr (kBias) {
-        // A float mask: natural units, the shift subtracted before the change of base, then
-        // row_lo (BwdParams::row_lo; a row of huge biases cancels exactly and keeps lse_lo).
-        const float* row_lo = smem.row_lo[read_q.index()];
-        const float unit = bias_step ? 1.0f : p.score.natural_scale;
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          const int c = query_base + acc_col(i);
-          tSrS(i) = exp2_approx(fmaf(fmaf(tSrS(i), unit, -row_shift[c]), attn::kLog2e, -row_lo[c]));
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < size(tSrS); ++i) {
-          tSrS(i) = exp2_approx(fmaf(tSrS(i), kSoftcap ? 1.0f : p.score.scale, -row_shift[query_base + acc_col(i)]));
-        }
-      }
+      probabilities(tSrS, p, row_shift, kBias ? smem.row_lo[read_q.index()] : nullptr, bias_step, query_base);
       convert_fragment<Element>(tSrS, tdVrP);
       if constexpr (kSharedKeys) {
         // P^T to shared memory (buffer 2 + buffer): each warpgroup's query rows, both read it.
         copy(r2s_ds, tPrP, tdSsdS(_, _, _, 2 + buffer));
         cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(kPBarrier, kMmaThreads);
-        wgmma_batch<false>(mma_dkv, shared_a(_, _, _, 2 + buffer), tdVrdO(_, _, _, read_do.index()), tdVrdV);
-      } else {
-        wgmma_batch<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
+        named_barrier_sync(kBwdPWritten, kMmaThreads);
       }
+      dkv_product(mma_dkv, shared_a, 2 + buffer, tdVrP, tdVrdO(_, _, _, read_do.index()), tdVrdV);
       warpgroup_wait<1>();  // dP^T done, dV may still run
 
       const float* delta = smem.delta[read_do.index()];
-      if constexpr (kSoftcap) {
-        // d score / d dot = scale (1 - t^2), t = score / softcap_post, the score recovered from
-        // p: log2 p + row_shift (p = 0 contributes nothing, whatever its score).
-        const float inv_cap = 1.0f / p.score.softcap_post;
-#pragma unroll
-        for (int i = 0; i < size(tdPrdP); ++i) {
-          const float prob = tSrS(i), shift = row_shift[query_base + acc_col(i)];
-          const float t = (log2_approx(prob) + shift) * inv_cap;
-          const float dscore = prob > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
-          tdPrdP(i) = dscore * prob * (tdPrdP(i) - delta[query_base + acc_col(i)]);
-        }
-      } else if (kBias && p.grad_mask != nullptr) {
-        // The float mask's gradient p (dP - delta) of this step's elements inside [q_len, kv_len):
-        // stored, or added to the other batches' (a mask shared by the batch).
-        const int row0 = m_block_of(step) * kBlockM;
-        const int last_row = p.q_len - 1 - row0;
-        const bool add = p.grad_mask_sums_batch;
-        float* grad = p.grad_mask + ((int64_t{add ? 0 : batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
-#pragma unroll
-        for (int i = 0; i < size(tdPrdP); ++i) {
-          const int key = key_base + acc_row(i), row = query_base + acc_col(i);
-          const float ds = tSrS(i) * (tdPrdP(i) - delta[query_base + acc_col(i)]);
-          if (key < keys_in_tile && row <= last_row) {
-            float* slot = grad + int64_t{row} * p.kv_len + key;
-            if (add) {
-              atomicAdd(slot, ds);
-            } else {
-              *slot = ds;
-            }
-          }
-          tdPrdP(i) = p.score.natural_scale * ds;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < size(tdPrdP); ++i) {
-          tdPrdP(i) = p.score.natural_scale * tSrS(i) * (tdPrdP(i) - delta[query_base + acc_col(i)]);
-        }
-      }
+      scores_gradient(tdPrdP, tSrS, p, row_shift, delta, batch, head, m_block_of(step) * kBlockM, key0, keys_in_tile,
+                      key_base, query_base);
       convert_fragment<Element>(tdPrdP, tdKrdS);
 
-      if constexpr (Config::kSkipdQ < 2) {
-        // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
-        copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
-        cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
-        if constexpr (kdQOwnKeys) {
-          named_barrier_sync(kDsBarrier + wg, 128);
-        } else if constexpr (kdQAlternate) {
-          // Only the warpgroup that multiplies dQ waits for the other's dS; the other arrives
-          // and goes on. Barrier ids alternate with the step: the arriving warpgroup multiplies
-          // the next step's dQ, so its wait there (the other id) needs this step's dQ warpgroup
-          // to have finished this step, dQ product included; that orders both the dS buffer's
-          // reuse two steps on and a fast warpgroup's next arrival on this id.
-          if (dq_here) {
-            named_barrier_sync(kDsBarrier + buffer, kMmaThreads);
-          } else {
-            named_barrier_arrive(kDsBarrier + buffer, kMmaThreads);
-          }
-        } else {
-          named_barrier_sync(kDsBarrier, kMmaThreads);
-        }
-        if (!kdQPass && dq_here) {
-          wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
-        }
+      // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
+      copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
+      cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+      ds_written(dq_here, buffer);
+      if (!kdQPass && dq_here) {
+        wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
       }
       // dK after dQ: dQ's staging below runs while the tensor cores do dK.
-      if constexpr (kSharedKeys) {
-        static_assert(Config::kSkipdQ < 2, "dK reads dS^T from shared memory");
-        wgmma_batch<false>(mma_dkv, shared_a(_, _, _, buffer), tdKrQ(_, _, _, read_q.index()), tdKrdK);
-      } else {
-        wgmma_batch<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
-      }
+      dkv_product(mma_dkv, shared_a, buffer, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
       warpgroup_wait<1>();              // dV and dQ done, dK may still run
       warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
       pipe_do.consumer_release(read_do);
       ++read_do;
-      if (Config::kSkipdQ == 0 && !kdQPass && dq_here) {
-        if constexpr (kdQBulk) {
-          store_dq_stage(visit, buffer);
-          pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
-        } else {
-          add_dq_atomics(head, row0);
-        }
+      if (!kdQPass && dq_here) {
+        store_dq_stage(tdQrdQ, smem, visit, buffer, wg, mma_thread);
+        pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
       }
       warpgroup_wait<0>();  // dK done: its Q can go
       pipe_q.consumer_release(read_q);
       ++read_q;
     }
     add_pending();
-    if constexpr (kdQBulk && Config::kSkipdQ == 0) {
-      if (mma_thread % 128 == 0 && steps > 0) {
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // every reduce-add done
-      }
-    }
+    wait_dq_added(mma_thread, steps);
 
-    // dK and dV of the tile's keys (zero when no query sees them), at per-thread bases plus
-    // constant offsets.
-    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + dkv_col_base;
-    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + dkv_col_base;
-#pragma unroll
-    for (int i = 0; i < size(tdKrdK); i += 2) {
-      if (key_base + acc_row(i) < keys_in_tile) {
-        cutlass::AlignedArray<Element, 2> pair;  // one 4-byte store
-        pair[0] = Element(tdKrdK(i));
-        pair[1] = Element(tdKrdK(i + 1));
-        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dk + acc_row(i) * p.dk_si + acc_col(i)) = pair;
-        pair[0] = Element(tdVrdV(i));
-        pair[1] = Element(tdVrdV(i + 1));
-        *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dv + acc_row(i) * p.dv_si + acc_col(i)) = pair;
-      }
-    }
+    store_dkv(p, tdKrdK, tdVrdV, batch, kv_head, key0, keys_in_tile, key_base, dkv_col_base);
   }
 };
 
+// The dK/dV kernel: a CTA per (key tile, kv head, batch), its block from the grid (KeyTileGrid).
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_constant__ typename Kernel::Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  extern __shared__ char smem_raw[];
-  auto& smem = *reinterpret_cast<typename Kernel::SharedStorage*>(smem_raw);
+  auto& smem = shared_storage<typename Kernel::SharedStorage>();
   using Pipeline = typename Kernel::Pipeline;
-  const int warp = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x) / 32, 0);
-  const bool producer = warp / 4 == 0;
-  const typename Kernel::Block block = Kernel::block_coords(p);
-  const int m_begin = Kernel::first_m_block(p, block.n_block);
+  const bool producer = in_producer_warpgroup();
+  const typename Kernel::Block block = Kernel::Scheduler::block_coords(p);
+  const int m_begin = Kernel::Scheduler::first_m_block(p, block.n_block);
   const int steps = p.group * (p.m_blocks - m_begin);
 
   if (threadIdx.x == 0) {
-    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_do_clean.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    p.prefetch_descriptors();
     smem.kv_full.init(1);
   }
   // dO and delta: the same byte count as Q and row_shift.
@@ -926,19 +688,18 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
     pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
   }
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
-  Pipeline pipe_q(smem.pipe_q, pipe_q_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
-  Pipeline pipe_do(smem.pipe_do, pipe_params, cute::Shape<cute::_1, cute::_1, cute::_1>{});
+  Pipeline pipe_q(smem.pipe_q, pipe_q_params, ClusterShape{});
+  Pipeline pipe_do(smem.pipe_do, pipe_params, ClusterShape{});
   __syncthreads();
 
-  if (producer) {
-    cutlass::arch::warpgroup_reg_dealloc<Kernel::kProducerRegs>();
-    if (threadIdx.x == 0 && steps > 0) {
-      Kernel::produce(p, block, smem, pipe_q, pipe_do, steps, m_begin);
-    }
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<Kernel::kConsumerRegs>();
-    Kernel::consume(p, block, smem, pipe_q, pipe_do, steps, m_begin);
-  }
+  run_roles<Kernel::kProducerRegs, Kernel::kConsumerRegs>(
+      producer,
+      [&] {
+        if (steps > 0) {
+          Kernel::produce(p, block, smem, pipe_q, pipe_do, steps, m_begin);
+        }
+      },
+      [&] { Kernel::consume(p, block, smem, pipe_q, pipe_do, steps, m_begin); });
 #endif
 }
 
@@ -986,7 +747,7 @@ __global__ void __launch_bounds__(256)
 // Host: builds the TMA descriptors and runs the kernel and the dQ conversion (dq_accum arrives
 // zeroed).
 template <typename T, class Config, bool kMasked, bool kSoftcap, bool kBias = false>
-cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
+cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
   using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap, kBias>;
@@ -1025,22 +786,23 @@ cudaError_t launch_bwd_variant(const BwdParams& a, cudaStream_t stream) {
   }
   if constexpr (Kernel::kdQPass) {
     return launch_bwd_dq_pass<T, D, kMasked, kSoftcap, kBias>(a, stream);
+  } else {
+    const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
+    const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
+    auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
+    const bool vec16 = reinterpret_cast<uintptr_t>(a.grad_q) % 16 == 0 && aligned16(a.dq_sb) && aligned16(a.dq_sh) &&
+                       aligned16(a.dq_si);
+    detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(
+        a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, runs, vec16);
+    return cudaGetLastError();
   }
-  const int64_t runs = int64_t{a.batch} * a.heads * a.q_len * (D / 8);
-  const int blocks = static_cast<int>(std::min<int64_t>((runs + 255) / 256, 65536));
-  auto aligned16 = [](int64_t x) { return x % 8 == 0; };  // a stride in 2-byte elements
-  const bool vec16 =
-      reinterpret_cast<uintptr_t>(a.grad_q) % 16 == 0 && aligned16(a.dq_sb) && aligned16(a.dq_sh) && aligned16(a.dq_si);
-  detail::dq_convert_kernel<Kernel><<<blocks, 256, 0, stream>>>(
-      a.dq_accum, static_cast<Element*>(a.grad_q), a.dq_sb, a.dq_sh, a.dq_si, a.heads, a.q_len, p.q_pad, runs, vec16);
-  return cudaGetLastError();
 }
 
 // The variant with the mask's code when a.mask_tiles holds a summary (a float mask's: kBias), with
 // the softcap's when there is one (cudaErrorInvalidValue for a float mask with a softcap, and for
 // a tile shape that does not match the summary's tiles: only the standalone check has those).
 template <typename T, class Config, bool kSoftcap>
-cudaError_t launch_bwd_masking(const BwdParams& a, cudaStream_t stream) {
+cudaError_t launch_bwd_masking(const BwdSm90Params& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
     return launch_bwd_variant<T, Config, false, kSoftcap>(a, stream);
   }
@@ -1055,15 +817,14 @@ cudaError_t launch_bwd_masking(const BwdParams& a, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 template <typename T, class Config>
-cudaError_t launch_bwd_config(const BwdParams& a, cudaStream_t stream) {
+cudaError_t launch_bwd_config(const BwdSm90Params& a, cudaStream_t stream) {
   return a.score.softcap_post > 0.0f ? launch_bwd_masking<T, Config, true>(a, stream)
                                      : launch_bwd_masking<T, Config, false>(a, stream);
 }
 
 template <typename T, int kHeadDim>
-cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream) {
+cudaError_t launch_attention_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Config = typename DefaultBwdConfig<kHeadDim>::type;
-  static_assert((Config::kdQMode == kdQPass) == bwd_dq_pass(kHeadDim), "bwd_dq_pass names the dQ pass's head dims");
   return launch_bwd_config<T, Config>(params, stream);
 }
 

@@ -7,8 +7,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ops/cuda/mask_view.cuh"
-#include "ops/cuda/score_rule.cuh"
+#include "ops/cuda/hopper/sm90_params.h"
 
 namespace safeattn::cuda::hopper {
 
@@ -35,13 +34,12 @@ constexpr bool bwd_dq_pass(int head_dim) {
 // key tile is bwd_key_tile(D).
 constexpr int kDqTileRows = 128;
 
-struct BwdParams {
-  // Element 0 of each tensor; 16-byte aligned, unit inner stride, every other stride a multiple
-  // of 8 elements (what TMA needs); sizes below 2^31.
-  const void* q = nullptr;         // [B, Hq, Q, D]
-  const void* k = nullptr;         // [B, Hkv, KV, D]
-  const void* v = nullptr;         // [B, Hkv, KV, D]
-  const void* grad_out = nullptr;  // [B, Hq, Q, D]
+// Q, K, V and the mask: Sm90Inputs. The mask's summary is for tiles of kBwdMaskTileRows x
+// bwd_key_tile(D) (the kernel's query and key tiles); a float mask with a softcap is not taken (the
+// softcap's dS recovers the capped score from p). head_group 0: head_group_for's choice for
+// resident_ctas CTAs at once.
+struct BwdSm90Params : Sm90Inputs {
+  const void* grad_out = nullptr;  // [B, Hq, Q, D], 16-byte aligned, strides as Q's
   // Null, or a flag the kernel reads on the device: nonzero when grad_out holds a non-finite
   // value in a row with no visible key, and the kernel reads grad_out_clean ([B, Hq, Q, D]
   // contiguous, those rows 0) instead (attention_bwd_sm90.h, Sm90BwdRows).
@@ -60,36 +58,17 @@ struct BwdParams {
   // (+inf / 0 for empty rows and the padding, as above).
   const float* row_lo = nullptr;
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
-  // tile of rows is the kernel's own), zeroed by the caller, added into with atomics or bulk
+  // tile of rows is the kernel's own), zeroed by the caller, added into with bulk
   // reduce-adds; the launcher converts it into grad_q after the kernel. Unused (null) where
   // bwd_dq_pass(D): the dQ pass writes grad_q itself.
   float* dq_accum = nullptr;
-  void* grad_q = nullptr;                // [B, Hq, Q, D] strided, 4-byte aligned rows
-  void* grad_k = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
-  void* grad_v = nullptr;                // [B, Hkv, KV, D] strided, 4-byte aligned rows
-  int64_t q_sb = 0, q_sh = 0, q_si = 0;  // strides in elements
-  int64_t k_sb = 0, k_sh = 0, k_si = 0;
-  int64_t v_sb = 0, v_sh = 0, v_si = 0;
-  int64_t do_sb = 0, do_sh = 0, do_si = 0;
+  void* grad_q = nullptr;                   // [B, Hq, Q, D] strided, 4-byte aligned rows
+  void* grad_k = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
+  void* grad_v = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
+  int64_t do_sb = 0, do_sh = 0, do_si = 0;  // strides in elements
   int64_t dq_sb = 0, dq_sh = 0, dq_si = 0;
   int64_t dk_sb = 0, dk_sh = 0, dk_si = 0;
   int64_t dv_sb = 0, dv_sh = 0, dv_si = 0;
-  int batch = 1, heads = 1, kv_heads = 1;  // query head h reads kv head h / (heads / kv_heads)
-  int q_len = 0, kv_len = 0;
-  // score.scale = scale * log2(e) (log2 units), score.natural_scale = scale > 0; a softcap when
-  // score.softcap_post > 0 (attn::score_rule(scale, softcap, false), as the forward's).
-  attn::ScoreRule score;
-  bool causal = false;
-  // Query i sees key j iff j <= i + causal_shift (q_offset - kv_offset); the host clamps it to
-  // [-q_len - 1, kv_len], which changes no visibility and keeps i + shift in range.
-  int64_t causal_shift = 0;
-  // An attn_mask as a [B, Hq, Q, KV] view (kind kBool, a float kind: a bias added to the scores;
-  // kNone: no mask) and its summary for tiles of kBwdMaskTileRows x bwd_key_tile(D) (the kernel's
-  // query and key tiles): fully masked (query tile, key tile) pairs are skipped, mixed ones read
-  // the mask per element. A float mask with a softcap is not taken (the softcap's dS recovers the
-  // capped score from p).
-  attn::MaskView mask;
-  attn::TileSummaryView mask_tiles;
   // Where bwd_dq_pass(D) and there is a summary: the same mask summarised for the dQ pass's tiles,
   // kDqTileRows x bwd_key_tile(D), with its first_visible record.
   attn::TileSummaryView dq_mask_tiles;
@@ -104,13 +83,6 @@ struct BwdParams {
   // read from memory once for the batch and whose summed gradient's atomics meet in L2 (a
   // learnable [1, 16, 4096, 4096] bias at B = 4, D = 128, H100: the kernel 1.0 ms faster).
   bool batch_inner = false;
-  // Null, or each query row's one interval of keys, ANDed with the mask (as FwdParams::key_ranges;
-  // mask_tiles then summarises both).
-  attn::KeyRangeView key_ranges;
-  // Causal (and masked) key tiles go longest first within groups of at most head_group (batch,
-  // kv head)s (hopper/tile_order.h); 0: head_group_for's choice for resident_ctas CTAs at once;
-  // 1: the grid's own order, head after head, each longest first.
-  int head_group = 0;
   int resident_ctas = 0;  // CTAs that run at once: the SM count (one CTA per SM); 0: unknown
 };
 
@@ -120,6 +92,6 @@ struct BwdParams {
 // bwd_dq_pass(D), the dK/dV kernel and the dQ pass. Returns the
 // first launch error (cudaErrorInvalidValue for a grid it cannot launch).
 template <typename T, int kHeadDim>
-cudaError_t launch_attention_bwd_sm90(const BwdParams& params, cudaStream_t stream);
+cudaError_t launch_attention_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream);
 
 }  // namespace safeattn::cuda::hopper
