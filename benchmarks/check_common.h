@@ -4,9 +4,13 @@
 // timings. No torch.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -82,3 +86,39 @@ __global__ void fill_uniform(T* p, size_t n, uint64_t seed, float amplitude) {
     p[i] = from_f<T>(amplitude * (float(x & 0xFFFFFF) / float(1 << 23) - 1.0f));
   }
 }
+
+// Whether `name` contains one of the comma-separated texts of `only` (a harness's --only).
+static bool selected(const char* name, const char* only) {
+  std::string list(only);
+  for (size_t start = 0; start <= list.size();) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
+      return true;
+    }
+    start = end + 1;
+  }
+  return false;
+}
+
+// A gradient's error against its reference: relative L2, the largest absolute error against the
+// largest reference value, NaN count (and, kept by the caller, values that should be exact zeros).
+struct GradError {
+  double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
+  long nan = 0, bad_zero = 0;
+  void add(double got, double ref) {
+    if (!(got == got)) {
+      ++nan;
+      return;
+    }
+    err2 += (got - ref) * (got - ref);
+    ref2 += ref * ref;
+    max_abs = std::max(max_abs, std::fabs(got - ref));
+    max_ref = std::max(max_ref, std::fabs(ref));
+  }
+  double rel() const {
+    return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  }
+  double max_rel() const {
+    return max_ref > 0 ? max_abs / max_ref : max_abs;
+  }
+};

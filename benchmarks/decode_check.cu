@@ -36,36 +36,6 @@ using namespace safeattn::cuda::decode;
 
 static const char* g_only = nullptr;
 
-static bool selected(const char* name) {
-  if (g_only == nullptr) {
-    return true;
-  }
-  std::string list(g_only);
-  size_t start = 0;
-  while (start <= list.size()) {
-    const size_t end = std::min(list.find(',', start), list.size());
-    if (end > start && std::string(name).find(list.substr(start, end - start)) != std::string::npos) {
-      return true;
-    }
-    start = end + 1;
-  }
-  return false;
-}
-
-// As attention_common.cu's score_rule in log2 units (the decode kernels' units).
-static attn::ScoreRule log2_rule(double scale, double softcap) {
-  const double unit = 1.4426950408889634;
-  attn::ScoreRule r;
-  r.scale = static_cast<float>(scale * unit);
-  if (softcap > 0.0) {
-    r.softcap_pre = static_cast<float>(scale / softcap);
-    r.softcap_post = static_cast<float>(softcap * unit);
-  }
-  r.mask_unit = static_cast<float>(unit);
-  r.natural_scale = static_cast<float>(scale);
-  return r;
-}
-
 static float* g_workspace = nullptr;  // the splits' partials
 static constexpr size_t kWorkspaceFloats = size_t{64} << 20;
 
@@ -211,7 +181,7 @@ static int check_case(const char* shape, const CacheCase& c, std::mt19937& rng) 
   p.k_si = p.v_si = int64_t{c.hkv} * kD;
   p.hq = c.hq, p.group = c.hq / c.hkv, p.q_len = c.q_len, p.rows = (c.hq / c.hkv) * c.q_len;
   p.kv_end = capacity;
-  p.score = log2_rule(scale, c.softcap);
+  p.score = attn::score_rule(scale, c.softcap, false, true);
   p.cache = host;
   p.cache.seqlens = d_seqlens;
   p.cache.block_table = kPaged ? d_table : nullptr;
@@ -357,7 +327,7 @@ static void time_shape(const char* shape, int batch, int len, int page, void* fl
   p.k_si = p.v_si = heads_outer ? kD : int64_t{hkv} * kD;
   p.hq = hq, p.group = hq / hkv, p.q_len = 1, p.rows = hq / hkv;
   p.kv_end = kPaged ? pages_per_seq * page : len;
-  p.score = log2_rule(1.0 / std::sqrt(double(kD)), 0.0);
+  p.score = attn::score_rule(1.0 / std::sqrt(double(kD)), 0.0, false, true);
   p.cache.seqlens = d_seqlens;
   p.cache.block_table = kPaged ? d_table : nullptr;
   p.cache.table_stride = pages_per_seq;
@@ -402,7 +372,7 @@ static void time_shape(const char* shape, int batch, int len, int page, void* fl
 
 template <typename T, int kD, class Tiles>
 static int run_shape(const char* shape, bool checks, bool timing, void* flush, size_t flush_bytes) {
-  if (!selected(shape)) {
+  if (g_only != nullptr && !selected(shape, g_only)) {
     return 0;
   }
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();

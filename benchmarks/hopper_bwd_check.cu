@@ -54,27 +54,6 @@ static int resident_ctas() {
   return sms;
 }
 
-struct GradError {
-  double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
-  long nan = 0, bad_zero = 0;
-  void add(double got, double ref) {
-    if (!(got == got)) {
-      ++nan;
-      return;
-    }
-    err2 += (got - ref) * (got - ref);
-    ref2 += ref * ref;
-    max_abs = std::max(max_abs, std::fabs(got - ref));
-    max_ref = std::max(max_ref, std::fabs(ref));
-  }
-  double rel() const {
-    return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
-  }
-  double max_rel() const {
-    return max_ref > 0 ? max_abs / max_ref : max_abs;
-  }
-};
-
 template <typename T, class Config>
 static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char* name) {
   constexpr int D = Config::kHeadDim;

@@ -49,33 +49,6 @@ static bool g_checks = true;          // --no-checks: timings only
 static bool g_deterministic = false;  // --deterministic: also time the dK/dV kernel + dQ kernel
 static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
 
-// Whether `name` contains one of the comma-separated texts of `only`.
-static bool selected(const char* name, const char* only) {
-  std::string list(only);
-  for (size_t start = 0; start <= list.size();) {
-    const size_t end = std::min(list.find(',', start), list.size());
-    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
-      return true;
-    }
-    start = end + 1;
-  }
-  return false;
-}
-
-// The score rule of attention_common.cu's score_rule(): log2 units unless natural.
-static ScoreRule make_rule(double scale, double softcap, bool natural) {
-  const double unit = natural ? 1.0 : 1.4426950408889634;
-  ScoreRule r;
-  r.scale = static_cast<float>(scale * unit);
-  if (softcap > 0.0) {
-    r.softcap_pre = static_cast<float>(scale / softcap);
-    r.softcap_post = static_cast<float>(softcap * unit);
-  }
-  r.natural_scale = static_cast<float>(scale);
-  r.natural = natural;
-  return r;
-}
-
 // dq_accum (float32) rounded to grad_query's dtype, as the extension's copy_ does.
 template <typename T>
 __global__ void convert_dq(const float* __restrict__ from, T* __restrict__ to, size_t n) {
@@ -107,27 +80,6 @@ static void launch_dq(const BwdParams& p, int batch) {
   kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(p);
   CHECK_CUDA(cudaGetLastError());
 }
-
-struct GradError {
-  double err2 = 0, ref2 = 0, max_abs = 0, max_ref = 0;
-  long nan = 0, bad_zero = 0;
-  void add(double got, double ref) {
-    if (!(got == got)) {
-      ++nan;
-      return;
-    }
-    err2 += (got - ref) * (got - ref);
-    ref2 += ref * ref;
-    max_abs = std::max(max_abs, std::fabs(got - ref));
-    max_ref = std::max(max_ref, std::fabs(ref));
-  }
-  double rel() const {
-    return ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
-  }
-  double max_rel() const {
-    return max_ref > 0 ? max_abs / max_ref : max_abs;
-  }
-};
 
 struct SmallCase {
   int q_len, kv_len;
@@ -283,7 +235,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   p.row_shift = dshift, p.row_lo = natural ? dlo : nullptr, p.delta = ddelta;
   p.grad_query = gq, p.grad_key = gk, p.grad_value = gv;
   p.causal.enabled = cs.causal, p.causal.shift = cs.shift;
-  p.score = make_rule(scale, softcap, natural);
+  p.score = safeattn::cuda::attn::score_rule(scale, softcap, natural);
   p.hq = H, p.hkv = Hkv, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
 
   bool ok = true;
@@ -398,7 +350,7 @@ static float time_shape(bool causal, bool deterministic, int B, int H, int S) {
   p.row_shift = shift, p.delta = delta;
   p.grad_query = gq, p.grad_key = gk, p.grad_value = gv;
   p.causal.enabled = causal;
-  p.score = make_rule(1.0 / std::sqrt(double(D)), 0.0, false);
+  p.score = safeattn::cuda::attn::score_rule(1.0 / std::sqrt(double(D)), 0.0, false);
   p.hq = H, p.hkv = H, p.q_len = S, p.kv_len = S;
   p.dq_accum = deterministic ? nullptr : dq_accum;
   auto run = [&]() {

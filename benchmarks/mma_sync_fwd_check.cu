@@ -36,33 +36,6 @@ static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
 static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
 
-// Whether `name` contains one of the comma-separated texts of `only`.
-static bool selected(const char* name, const char* only) {
-  std::string list(only);
-  for (size_t start = 0; start <= list.size();) {
-    const size_t end = std::min(list.find(',', start), list.size());
-    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
-      return true;
-    }
-    start = end + 1;
-  }
-  return false;
-}
-
-// The score rule of attention_common.cu's score_rule(): log2 units unless natural.
-static ScoreRule make_rule(double scale, double softcap, bool natural) {
-  const double unit = natural ? 1.0 : 1.4426950408889634;
-  ScoreRule r;
-  r.scale = static_cast<float>(scale * unit);
-  if (softcap > 0.0) {
-    r.softcap_pre = static_cast<float>(scale / softcap);
-    r.softcap_post = static_cast<float>(softcap * unit);
-  }
-  r.natural_scale = static_cast<float>(scale);
-  r.natural = natural;
-  return r;
-}
-
 template <typename T, class Cfg>
 static void launch(const FwdParams& p) {
   const size_t smem = Cfg::smem_bytes(sizeof(T));
@@ -113,7 +86,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   p.v_sb = p.k_sb, p.v_sh = p.k_sh, p.v_si = D;
   p.o_sb = p.q_sb, p.o_sh = p.q_sh, p.o_si = D;
   p.heads = H, p.group = H / Hkv, p.batch_heads = int64_t{B} * H, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
-  p.score = make_rule(scale, softcap, cs.mode == 1);
+  p.score = safeattn::cuda::attn::score_rule(scale, softcap, cs.mode == 1);
   p.causal.enabled = cs.causal, p.causal.shift = cs.shift;
   launch<T, Cfg>(p);
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -204,7 +177,7 @@ static float time_shape(bool causal, int B, int H, int S) {
   p.q_sh = p.k_sh = p.v_sh = p.o_sh = int64_t{S} * D;
   p.q_si = p.k_si = p.v_si = p.o_si = D;
   p.heads = H, p.group = 1, p.batch_heads = int64_t{B} * H, p.q_len = S, p.kv_len = S;
-  p.score = make_rule(1.0 / std::sqrt(double(D)), 0.0, false);
+  p.score = safeattn::cuda::attn::score_rule(1.0 / std::sqrt(double(D)), 0.0, false);
   p.causal.enabled = causal;
   float median = 0.0f;
   if (g_profile) {

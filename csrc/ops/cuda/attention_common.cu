@@ -63,20 +63,6 @@ bool rows_aligned_16(const at::Tensor& t) {
   return true;
 }
 
-ScoreRule score_rule(double scale, double softcap, bool natural, bool log2_mask) {
-  const double unit = natural ? 1.0 : 1.4426950408889634;  // log2(e)
-  ScoreRule r;
-  r.scale = static_cast<float>(scale * unit);
-  if (softcap > 0.0) {
-    r.softcap_pre = static_cast<float>(scale / softcap);
-    r.softcap_post = static_cast<float>(softcap * unit);
-  }
-  r.mask_unit = log2_mask && !natural ? static_cast<float>(unit) : 1.0f;
-  r.natural_scale = static_cast<float>(scale);
-  r.natural = natural;
-  return r;
-}
-
 bool sizes_fit_int32(const at::Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) > std::numeric_limits<int32_t>::max()) {

@@ -80,12 +80,6 @@ bool smem_fits(size_t bytes, const at::Tensor& t);
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);
 
-// ---- the score rule --------------------------------------------------------------------------
-
-// Host: the rule for `scale` and `softcap` (0: none) in natural units when `natural` (a floating
-// mask), else log2 units, with a floating mask's values converted to them when `log2_mask`.
-ScoreRule score_rule(double scale, double softcap, bool natural, bool log2_mask = false);
-
 // Host: the causal fields the mma.sync forward's and the decode kernels' parameter structs
 // share. The entry point passed q_offset = causal_shift(...), kv_offset 0.
 inline Causal causal_rule(const AttentionFwdArgs& a) {

@@ -132,4 +132,20 @@ struct ScoreRule {
   }
 };
 
+// Host: the rule for `scale` and `softcap` (0: none) in natural units when `natural` (a floating
+// mask), else log2 units, with a floating mask's values converted to them when `log2_mask`.
+inline ScoreRule score_rule(double scale, double softcap, bool natural, bool log2_mask = false) {
+  const double unit = natural ? 1.0 : 1.4426950408889634;  // log2(e)
+  ScoreRule r;
+  r.scale = static_cast<float>(scale * unit);
+  if (softcap > 0.0) {
+    r.softcap_pre = static_cast<float>(scale / softcap);
+    r.softcap_post = static_cast<float>(softcap * unit);
+  }
+  r.mask_unit = log2_mask && !natural ? static_cast<float>(unit) : 1.0f;
+  r.natural_scale = static_cast<float>(scale);
+  r.natural = natural;
+  return r;
+}
+
 }  // namespace safeattn::cuda::attn
