@@ -38,14 +38,9 @@ void launch_split(const DecodeParams& p, int64_t batch, int64_t hkv, cudaStream_
   using Tiles = decode::DecodeConfig<kD>;
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
   auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, kCluster, Tiles>;
-  static const bool attributes = [&] {
-    if (kSmem > 48 * 1024) {
-      C10_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
-    }
-    return true;
-  }();
-  (void)attributes;
+  if constexpr (kSmem > 48 * 1024) {  // each call: the attribute belongs to the current device
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+  }
   C10_CUDA_CHECK(decode::launch_split_kernel(kernel, p, batch, hkv, kSmem, stream, kCluster));
 }
 
