@@ -494,6 +494,11 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, DkvConfig<96>>("DkvConfig<96>", false);
   failures += check_shape<bf16, DkvConfig<128>>("DkvConfig<128>", timing);
   failures += check_shape<__half, DkvConfig<128>>("DkvConfig<128> fp16", false);
+  // The large shapes (GPUs whose blocks may take more than 99 KB of shared memory).
+  failures += check_shape<bf16, DkvConfig<64, true>>("DkvConfig<64, true>", timing);
+  failures += check_shape<__half, DkvConfig<64, true>>("DkvConfig<64, true> fp16", false);
+  failures += check_shape<bf16, DkvConfig<128, true>>("DkvConfig<128, true>", timing);
+  failures += check_shape<__half, DkvConfig<128, true>>("DkvConfig<128, true> fp16", false);
   // Candidates within sm_86's 99 KB. D = 128: 64-key tiles with P^T in shared memory
   // (FlashAttention-2's layout): 4 warps as 2 x 2 blocks of 32 keys x 32 queries, dK/dV 32 keys x
   // 64 columns a warp, one Q/dO buffer, two CTAs an SM (83 KB); the same scored 16 queries at a
@@ -530,13 +535,32 @@ int main(int argc, char** argv) {
   // The scale folded into the exponent (kFoldScale) on the shipped shapes and on candidates above
   // (the 4-warp D = 128 shape scoring 32 queries at a time spilled 96 bytes with it).
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, 1, 32, 2, false, 1, 1, true>>("d128 shipped fold", timing);
-  failures += failures +=
+  failures +=
       check_shape<bf16, Tiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true>>("d128 k64 4w 2x2 psmem sub16 fold", timing);
   failures += check_shape<bf16, Tiles<128, 64, 64, 8, 2, 16, 1, true, 4, 2, true>>(
       "d128 k64 8w 4x2 psmem sub16 2cta fold", timing);
   failures += check_shape<bf16, Tiles<64, 128, 64, 8, 1, 64, 2, false, 1, 1, true>>("d64 shipped fold", timing);
   failures +=
       check_shape<bf16, Tiles<64, 64, 64, 8, 2, 32, 2, true, 2, 2, true>>("d64 k64 8w 4x2 psmem 2cta fold", timing);
+  // Folded 128-key shapes: the two within 99 KB above, and FlashAttention-2's sm_80 / sm_90 shapes
+  // (over 99 KB, within sm_80's 163 KB): D = 128 with 128 keys x 64 queries, 8 warps 4 x 2; D = 64
+  // with 128 keys x 128 queries, 8 warps 2 x 4 over S^T, dK/dV 4 x 2.
+  failures +=
+      check_shape<bf16, Tiles<128, 128, 32, 8, 1, 32, 1, true, 1, 1, true>>("d128 k128 q32 pregs 1st fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<128, 128, 16, 8, 1, 16, 2, true, 1, 1, true>>("d128 k128 q16 pregs 2st fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 2, true, 2, 1, true>>("d128 k128 8w 4x2 psmem fold", timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 16, 2, true, 2, 1, true>>("d128 k128 8w 4x2 psmem sub16 fold",
+                                                                                    timing);
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 16, 1, true, 2, 1, true>>(
+      "d128 k128 8w 4x2 psmem sub16 1st fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true>>("d64 k128 q128 8w 2x4 fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true>>("d64 k128 q128 8w 2x4 sub16 fold", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 64, 8, 2, 32, 2, true, 2, 1, true>>("d64 k128 8w 4x2 psmem fold", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

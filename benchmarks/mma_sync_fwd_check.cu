@@ -307,6 +307,13 @@ int main(int argc, char** argv) {
   // Swizzled rows at the other power-of-two head dims.
   failures += check_shape<bf16, Tiles<64, 128, 64, 4, true, 2, 2, true>>("d64 swz", timing);
   failures += check_shape<bf16, Tiles<256, 128, 32, 8, false, 2, 1, true>>("d256 swz", false);
+  // D = 64 with FlashAttention-2's 128-key tiles: 4 warps of 32 rows, Q in registers, swizzled
+  // (48 KB double buffered), two or one CTAs an SM; one stage; 8 warps of 16 rows.
+  failures += check_shape<bf16, Tiles<64, 128, 128, 4, true, 2, 2, true>>("d64 n128 swz", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 128, 4, true, 2, 1, true>>("d64 n128 swz 1cta", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 128, 4, true, 1, 2, true>>("d64 n128 swz 1stage", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 128, 8, true, 2, 1, true>>("d64 n128 8w swz", timing);
+  failures += check_shape<bf16, Tiles<64, 128, 64, 8, true, 2, 1, true>>("d64 n64 8w swz", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

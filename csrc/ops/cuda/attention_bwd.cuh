@@ -203,42 +203,67 @@ struct BwdTiles {
 // The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB).
 constexpr size_t kBwdSmemSm86 = 99 * 1024;
 
-// The dK/dV shape each head dim runs: 8 warps of 16 keys each (128 keys per CTA, one CTA per SM)
-// step over 64 queries at a time (FlashAttention-2's 128 keys x 64 queries): each step loads Q
-// and dO once for the CTA's keys. Above D = 64 the step is scored 32 queries at a time: a
-// 64-query score tile pair next to dK and dV spilled (nvcc 13.0, sm_90: 88 bytes at 255
+// The dK/dV shape each head dim runs, on a GPU whose blocks may opt into at most 99 KB of shared
+// memory (kLarge false: sm_86, sm_89, sm_120) or into more (kLarge true: sm_80's 163 KB, sm_90's
+// and sm_100's 227 KB; bwd_large_tiles decides at run time). 8 warps of 16 keys each (128 keys per
+// CTA, one CTA per SM) step over 64 queries at a time (FlashAttention-2's 128 keys x 64 queries):
+// each step loads Q and dO once for the CTA's keys. Above D = 64 the step is scored 32 queries at a
+// time: a 64-query score tile pair next to dK and dV spilled (nvcc 13.0, sm_90: 88 bytes at 255
 // registers, 8 warps, D = 128). The scale folded into the exponent on plain tiles (kFoldScale):
 // benchmarks/mma_sync_bwd_check.cu on an H200, B=4 H=16 S=4096 bf16, causal, atomic dQ: D=64
 // 3.98 -> 2.22 ms, D=128 5.14 -> 3.87 ms.
-template <int D>
+template <int D, bool kLarge = false>
 struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true> {};
-// D = 128 within sm_86 / sm_89's 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps
-// 2 x 2 over the S^T tile scoring 16 queries at a time, P^T and dS'^T through shared memory,
-// dK / dV split by head dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.92 ms
-// causal, 7.10 non-causal, against 3.87 / 6.98 for the 155 KB shape with the same folding.
+// D = 128 within 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps 2 x 2 over the S^T
+// tile scoring 16 queries at a time, P^T and dS'^T through shared memory, dK / dV split by head
+// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.92 ms causal, 7.10 non-causal,
+// against 3.87 / 6.98 for the 155 KB shape with the same folding.
 template <>
-struct DkvConfig<128> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
+struct DkvConfig<128, false> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
+// With more than 99 KB, FlashAttention-2's layouts, P^T and dS'^T through shared memory, swizzled
+// rows, one Q/dO buffer. D = 128: 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps
+// across the head dim (134 KB): H200 causal 3.42 ms with two Q/dO buffers (166 KB, over sm_80's
+// 163) against 3.91 for the 99 KB shape. D = 64: 128 keys x 128 queries, 8 warps 2 x 4 scoring 16
+// queries at a time (135 KB): causal 2.07 ms, non-causal 3.60, against 2.21 / 3.83.
+template <>
+struct DkvConfig<128, true> : BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true> {};
+template <>
+struct DkvConfig<64, true> : BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true> {};
 
-// Host: the (query, key) tile sizes of the dK/dV kernel and of the dQ kernel for head dim d, for
-// the mask summaries; false when d has no tensor-core backward in this build.
+// Host: whether a GPU whose blocks may opt into `smem_optin` bytes runs head dim d's large dK/dV
+// shape (DkvConfig<d, true>).
+inline bool bwd_large_tiles(int64_t d, size_t smem_optin) {
+  bool large = false;
+  with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    large = DkvConfig<D, true>::smem_bytes(true) <= smem_optin;
+  });
+  return large;
+}
+
+// Host: the (query, key) tile sizes of the dK/dV kernel (its large shape when `large`) and of the
+// dQ kernel for head dim d, for the mask summaries; false when d has no tensor-core backward in this build.
 struct BwdTileSizes {
   int dkdv_q = 0, dkdv_kv = 0, dq_q = 0, dq_kv = 0;
 };
-inline bool bwd_tile_sizes(int64_t d, BwdTileSizes& sizes) {
+inline bool bwd_tile_sizes(int64_t d, bool large, BwdTileSizes& sizes) {
   return with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    sizes = {DkvConfig<D>::kQueries, DkvConfig<D>::kKeys, DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys};
+    using Small = DkvConfig<D, false>;
+    using Large = DkvConfig<D, true>;
+    sizes = {large ? Large::kQueries : Small::kQueries, large ? Large::kKeys : Small::kKeys, DqConfig<D>::kDqQueries,
+             DqConfig<D>::kDqKeys};
   });
 }
 
-// Host: the most shared memory the backward kernels of head dim d take (bytes); 0 if none. The
-// dK/dV kernel's tiles at D = 96 and 128 (108 and 138 KB) exceed the 99 KB of sm_86 / sm_89 /
-// sm_120, whose backward at those head dims takes the ATen path (attention_backward_chunked).
+// Host: the shared memory the backward kernels of head dim d need at the least, with the dK/dV
+// kernel's small shape (bytes); 0 if none. At D = 96 (124 KB) it exceeds the 99 KB of sm_86 /
+// sm_89 / sm_120, whose backward at that head dim takes the ATen path (attention_backward_chunked).
 inline size_t bwd_smem_bytes(int64_t d) {
   size_t bytes = 0;
   with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    bytes = std::max(DkvConfig<D>::smem_bytes(true), DqConfig<D>::kDqSmem);
+    bytes = std::max(DkvConfig<D, false>::smem_bytes(true), DqConfig<D>::kDqSmem);
   });
   return bytes;
 }
@@ -249,6 +274,7 @@ struct BwdLaunch {
   int64_t batch_count = 0;  // the dQ kernel's: [params.batch_begin, +batch_count)
   bool run_dkdv = false;
   bool run_dq = false;
+  bool large_tiles = false;  // the dK/dV kernel's large shape (bwd_large_tiles)
 };
 
 // Launches the dK/dV and dQ kernels for one dtype and head dim. Defined (with the kernels) only
@@ -892,7 +918,11 @@ void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cudaStream_t stream) {
   if (launch.run_dkdv) {
-    bwd_detail::launch_dkdv<T, DkvConfig<kHeadDim>>(params, launch.batch, stream);
+    if (launch.large_tiles) {
+      bwd_detail::launch_dkdv<T, DkvConfig<kHeadDim, true>>(params, launch.batch, stream);
+    } else {
+      bwd_detail::launch_dkdv<T, DkvConfig<kHeadDim, false>>(params, launch.batch, stream);
+    }
   }
   if (launch.run_dq) {
     using Tr = DqConfig<kHeadDim>;

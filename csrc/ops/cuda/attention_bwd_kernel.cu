@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -326,10 +327,13 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
+  // The dK/dV kernel's large shape where this GPU's blocks may take its shared memory.
+  const bool large_tiles =
+      attn::bwd_large_tiles(head_dim, at::cuda::getDeviceProperties(query.get_device())->sharedMemPerBlockOptin);
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;
-    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, tiles), "attention backward (CUDA): no tile sizes for ",
-                          head_dim);
+    TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, large_tiles, tiles),
+                          "attention backward (CUDA): no tile sizes for ", head_dim);
     summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
     p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
     // The atomic mode runs no dQ kernel: its summary is not needed.
@@ -352,7 +356,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   // dkdv, dq: which kernels a launch runs; the dK/dV kernel covers every batch, the dQ kernel
   // `count` batches from p.batch_begin.
   auto launch = [&](bool dkdv, bool dq, int64_t count) {
-    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq}, stream);
+    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq, large_tiles}, stream);
   };
   if (atomic_dq) {
     // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such

@@ -126,7 +126,7 @@ constexpr size_t kSmemPerBlockSm86 = 99 * 1024;
 // sm_89 / sm_120 at D <= 128 (asserted below; 163 KB on sm_80): smem_fits sends a call elsewhere
 // when it does not.
 //   D <= 64: 4 warps of 32 rows (each K / V fragment feeds two MMAs), Q held in registers, 64-key
-//     tiles double buffered in 36 KB.
+//     tiles double buffered in 36 KB (D = 64: swizzled rows, 32 KB, below).
 //   D = 128 (FwdConfig<128> below): 4 warps of 32 rows, Q re-read from shared memory, 32-key tiles
 //     double buffered: 68 KB, two CTAs an SM. 64-key tiles ran 6% faster but take 102 KB with
 //     padded rows; Q in registers spilled. The 64-key candidates within 99 KB: swizzled rows (96
@@ -138,6 +138,10 @@ template <int D, bool kFourWarps = D <= 64 || D == 128>
 struct FwdConfig : FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)> {
   static_assert(D > 128 || FwdConfig::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
 };
+// D = 64 in swizzled unpadded rows (32 KB): H200, B4 H16 S4096 bf16, causal 0.639 ms, not 0.679
+// with padded rows (non-causal 0.983 / 1.044); 128-key tiles spilled (0.78 ms), 8 warps 0.71.
+template <>
+struct FwdConfig<64> : FwdTiles<64, 128, 64, 4, true, 2, 2, true> {};
 // The one line that picks D = 128's shape (FwdTiles<D, BlockM, BlockN, Warps, QInRegs, Stages,
 // MinBlocks, Swizzle, VStages>): 64-key tiles in swizzled unpadded rows, 96 KB. H200, B4 H16
 // S4096 bf16 (benchmarks/mma_sync_fwd_check.cu): causal 0.977 ms, not 1.600, where the padded
