@@ -216,15 +216,15 @@ template <int D, bool kLarge = false>
 struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true> {};
 // D = 128 within 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps 2 x 2 over the S^T
 // tile scoring 16 queries at a time, P^T and dS'^T through shared memory, dK / dV split by head
-// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.92 ms causal, 7.10 non-causal,
-// against 3.87 / 6.98 for the 155 KB shape with the same folding.
+// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.52 ms causal, 6.44 non-causal.
 template <>
 struct DkvConfig<128, false> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
 // With more than 99 KB, FlashAttention-2's layouts, P^T and dS'^T through shared memory, swizzled
-// rows, one Q/dO buffer. D = 128: 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps
-// across the head dim (134 KB): H200 causal 3.42 ms with two Q/dO buffers (166 KB, over sm_80's
-// 163) against 3.91 for the 99 KB shape. D = 64: 128 keys x 128 queries, 8 warps 2 x 4 scoring 16
-// queries at a time (135 KB): causal 2.07 ms, non-causal 3.60, against 2.21 / 3.83.
+// rows, one Q/dO buffer. H200 (benchmarks/mma_sync_bwd_check.cu, B4 H16 S4096 bf16, causal /
+// non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps across the
+// head dim (134 KB): 3.30 / 5.94 ms, against 3.52 / 6.44 for the 99 KB shape (two Q/dO buffers,
+// 166 KB, are over sm_80's 163: 3.24 / 5.80). D = 64, 128 keys x 128 queries, 8 warps 2 x 4
+// scoring 16 queries at a time (135 KB): 2.00 / 3.45 ms, against 2.20 / 3.86.
 template <>
 struct DkvConfig<128, true> : BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true> {};
 template <>
@@ -288,10 +288,13 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
 namespace bwd_detail {
 
 // Rows [row0, row0 + kRows) of a [len, kHeadDim] slab (row stride `stride_s` elements) into
-// shared memory laid out as Rows; rows at or past `len` become zeros.
+// shared memory laid out as Rows; rows at or past `len` become zeros. Each thread walks its rows
+// with one pointer (load_tile's kWalk), every round unrolled: an offset computed per 16-byte chunk
+// in a loop took 33 instructions a chunk, 16% of the D = 128 dK/dV kernel's (ncu, H200).
 template <typename T, class Rows, int kHeadDim, int kRows, int kThreads>
 __device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride_s, int64_t row0, int64_t len) {
-  load_tile<T, kRows, kHeadDim, kThreads, 1, Rows>(smem, base + row0 * stride_s, stride_s, len - row0, threadIdx.x);
+  load_tile<T, kRows, kHeadDim, kThreads, load_rounds(kRows, kHeadDim, kThreads), Rows, true>(
+      smem, base + row0 * stride_s, stride_s, len - row0, threadIdx.x);
 }
 
 // The exponent of p = 2^x for (query i, key j) from the raw dot product and the row's shift and lo
@@ -333,28 +336,34 @@ template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTile
 __device__ __forceinline__ void paired_products(float (&acc1)[kMTiles][kN / 8][4], float (&acc2)[kMTiles][kN / 8][4],
                                                 const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
                                                 int b_col, int lane) {
+  // Each lane's ldmatrix row address once; every fragment is that address moved by whole 16-row /
+  // 16-column blocks (SmemRows::moved: an XOR or an add the compiler folds, not an offset per load).
+  const int a_lane_row = a_row + (lane & 15), a_lane_col = (lane >> 4) * 8;
+  const uint32_t a1_lane = smem_address(a1 + RowsA::offset(a_lane_row, a_lane_col));
+  const uint32_t a2_lane = smem_address(a2 + RowsA::offset(a_lane_row, a_lane_col));
+  // B: [n][k] rows (lane & 7) + (lane >> 4) * 8, column ((lane >> 3) & 1) * 8; or [k][n] (loaded
+  // transposed) rows (lane & 7) + ((lane >> 3) & 1) * 8, columns b_col + (lane >> 4) * 8.
+  const int b_lane_row = (lane & 7) + (kTransB ? (lane >> 3) & 1 : lane >> 4) * 8;
+  const int b_lane_col = kTransB ? b_col + (lane >> 4) * 8 : ((lane >> 3) & 1) * 8;
+  const uint32_t b1_lane = smem_address(b1 + RowsB::offset(b_lane_row, b_lane_col));
+  const uint32_t b2_lane = smem_address(b2 + RowsB::offset(b_lane_row, b_lane_col));
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
     uint32_t fa1[kMTiles][4], fa2[kMTiles][4];
-    const int col = ks * 16 + (lane >> 4) * 8;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
-      const int row = a_row + mt * 16 + (lane & 15);
-      ldmatrix_x4(fa1[mt], a1 + RowsA::offset(row, col));
-      ldmatrix_x4(fa2[mt], a2 + RowsA::offset(row, col));
+      ldmatrix_x4(fa1[mt], RowsA::moved(a1_lane, mt * 16, ks * 16));
+      ldmatrix_x4(fa2[mt], RowsA::moved(a2_lane, mt * 16, ks * 16));
     }
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t fb1[4], fb2[4];
       if constexpr (kTransB) {
-        const int offset =
-            RowsB::offset(ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, b_col + np * 16 + (lane >> 4) * 8);
-        ldmatrix_x4_trans(fb1, b1 + offset);
-        ldmatrix_x4_trans(fb2, b2 + offset);
+        ldmatrix_x4_trans(fb1, RowsB::moved(b1_lane, ks * 16, np * 16));
+        ldmatrix_x4_trans(fb2, RowsB::moved(b2_lane, ks * 16, np * 16));
       } else {
-        const int offset = RowsB::offset(np * 16 + (lane & 7) + (lane >> 4) * 8, ks * 16 + ((lane >> 3) & 1) * 8);
-        ldmatrix_x4(fb1, b1 + offset);
-        ldmatrix_x4(fb2, b2 + offset);
+        ldmatrix_x4(fb1, RowsB::moved(b1_lane, np * 16, ks * 16));
+        ldmatrix_x4(fb2, RowsB::moved(b2_lane, np * 16, ks * 16));
       }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
@@ -376,11 +385,12 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[kTiles][4], int kk
 }
 
 // The top of a step of a kStages-buffered loop: the next step's loads (prefetch(next, buf ^ 1),
-// two buffers) go in flight, this step's are waited for, and the CTA syncs.
-template <int kStages, class Prefetch>
-__device__ __forceinline__ void begin_step(int64_t next, int64_t steps, int buf, Prefetch&& prefetch) {
+// two buffers, when there is a next step) go in flight, this step's are waited for, and the CTA
+// syncs.
+template <int kStages, class Step, class Prefetch>
+__device__ __forceinline__ void begin_step(bool has_next, const Step& next, int buf, Prefetch&& prefetch) {
   if constexpr (kStages == 2) {
-    if (next < steps) {
+    if (has_next) {
       prefetch(next, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
@@ -425,21 +435,22 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
     const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
     float acc[kNTiles][4];
     zero_fill(acc);
+    // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when l / 8
+    // is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A. B = K [keys x head
+    // dim] loaded transposed, as the dQ kernel does. Lane addresses once, moved by 16-key blocks.
+    using PRows = SmemRows<Cfg::kQueries>;
+    const uint32_t a_lane =
+        smem_address(ds_s + PRows::offset((lane & 7) + ((lane >> 4) & 1) * 8, row0 + ((lane >> 3) & 1) * 8));
+    const uint32_t b_lane =
+        smem_address(k_s + Rows::offset((lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8));
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKeys / 16; ++kk) {
-      // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when
-      // l / 8 is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A.
       uint32_t a_ds[4];
-      const int a_key = kk * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
-      const int a_query = row0 + ((lane >> 3) & 1) * 8;
-      ldmatrix_x4_trans(a_ds, ds_s + a_key * Cfg::kPStride + a_query);
-      // B = K [keys x head dim] loaded transposed, as the dQ kernel does.
-      const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      ldmatrix_x4_trans(a_ds, PRows::moved(a_lane, kk * 16, 0));
 #pragma unroll
       for (int dp = 0; dp < Cfg::kDqCols / 16; ++dp) {
-        const int b_col = col0 + dp * 16 + (lane >> 4) * 8;
         uint32_t b_k[4];
-        ldmatrix_x4_trans(b_k, k_s + Rows::offset(b_row, b_col));
+        ldmatrix_x4_trans(b_k, Rows::moved(b_lane, kk * 16, dp * 16));
         mma_pair<T>(acc[2 * dp], acc[2 * dp + 1], a_ds, b_k);
       }
     }
@@ -487,7 +498,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   constexpr int kDkvMTiles = Cfg::kDkvWarpKeys / 16;  // 16-key blocks of a warp's dK / dV
   constexpr int kDTiles = Cfg::kDkvWarpCols / 8;      // n-tiles of the dK / dV accumulators
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // 1024: SmemRows::moved
   T* k_s = reinterpret_cast<T*>(smem_raw);
   T* v_s = k_s + kKeys * kStride;
   T* q_s = v_s + kKeys * kStride;                                                // [kStages][kQueries] rows
@@ -525,20 +536,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   const int64_t tiles_per_head = q_tiles - first_tile;
   const int64_t steps = group * tiles_per_head;
 
-  // Step s: query head hk * group + s / tiles_per_head, query tile first_tile + s % tiles_per_head.
-  auto step_head = [&](int64_t step) { return hk * group + step / tiles_per_head; };
-  auto step_q_tile = [&](int64_t step) { return first_tile + step % tiles_per_head; };
-  // The first step from `step` on whose tile the mask summary does not prove fully masked: the
-  // others contribute exactly 0 and are skipped without reading Q, dO or the mask.
-  auto next_step = [&](int64_t step) {
-    while (step < steps && p.tiles_dkdv.at(b, step_head(step), step_q_tile(step), blockIdx.x) == kTileMasked) {
-      ++step;
-    }
-    return step;
+  // Step s: query head hk * group + s / tiles_per_head, query tile first_tile + s % tiles_per_head,
+  // both carried along (no division a step).
+  struct Step {
+    int64_t index, h, q_tile;
   };
-  auto prefetch = [&](int64_t step, int buf) {
-    const int64_t h = step_head(step);
-    const int64_t i0 = step_q_tile(step) * kQueries;
+  auto advance = [&](Step at) {
+    ++at.index;
+    if (++at.q_tile == q_tiles) {
+      at.q_tile = first_tile;
+      ++at.h;
+    }
+    return at;
+  };
+  // The first step from `at` on whose tile the mask summary does not prove fully masked: the
+  // others contribute exactly 0 and are skipped without reading Q, dO or the mask.
+  auto next_step = [&](Step at) {
+    while (steps > at.index && p.tiles_dkdv.at(b, at.h, at.q_tile, blockIdx.x) == kTileMasked) {
+      at = advance(at);
+    }
+    return at;
+  };
+  auto prefetch = [&](const Step& at, int buf) {
+    const int64_t h = at.h;
+    const int64_t i0 = at.q_tile * kQueries;
     const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
     const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
@@ -558,17 +579,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   zero_fill(dk_acc);
   zero_fill(dv_acc);
 
-  int64_t step = next_step(0);
-  if (step < steps) {
+  Step step = next_step(Step{0, hk * group, first_tile});
+  if (steps > step.index) {
     prefetch(step, 0);
   }
   cp_async_commit();
-  for (int buf = 0; step < steps; buf = kStages == 2 ? buf ^ 1 : 0) {
-    const int64_t next = next_step(step + 1);
-    begin_step<kStages>(next, steps, buf, prefetch);
+  for (int buf = 0; steps > step.index; buf = kStages == 2 ? buf ^ 1 : 0) {
+    const Step next = next_step(advance(step));
+    begin_step<kStages>(steps > next.index, next, buf, prefetch);
 
-    const int64_t h = step_head(step);
-    const int64_t q_tile = step_q_tile(step);
+    const int64_t h = step.h;
+    const int64_t q_tile = step.q_tile;
     const int64_t i0 = q_tile * kQueries;
     const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
     const bool folded = plain && !p.score.natural && p.score.softcap_post == 0.0f;  // kFoldScale's case
@@ -627,7 +648,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       }
 
       if constexpr (Cfg::kPInRegs) {
-        // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed.
+        // dV += P^T dO and dK += dS'^T Q: A from the registers above, B = dO / Q loaded transposed
+        // (lane addresses once, moved by 16-query / 16-column blocks).
+        const int b_lane_row = (lane & 7) + ((lane >> 3) & 1) * 8, b_lane_col = (lane >> 4) * 8;
+        const uint32_t do_lane = smem_address(dot + Rows::offset(b_lane_row, b_lane_col));
+        const uint32_t q_lane = smem_address(qt + Rows::offset(b_lane_row, b_lane_col));
 #pragma unroll
         for (int kk = 0; kk < kSubQueries / 16; ++kk) {
           uint32_t a_p[4], a_ds[4];
@@ -642,13 +667,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
             *reinterpret_cast<uint32_t*>(ds_row + 8) = a_ds[2];
             *reinterpret_cast<uint32_t*>(ds_row + 8 * kPStride + 8) = a_ds[3];
           }
-          const int b_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
           for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-            const int b_col = dp * 16 + (lane >> 4) * 8;
             uint32_t b_do[4], b_q[4];
-            ldmatrix_x4_trans(b_do, dot + Rows::offset(b_row, b_col));
-            ldmatrix_x4_trans(b_q, qt + Rows::offset(b_row, b_col));
+            ldmatrix_x4_trans(b_do, Rows::moved(do_lane, kk * 16, dp * 16));
+            ldmatrix_x4_trans(b_q, Rows::moved(q_lane, kk * 16, dp * 16));
             mma_pair<T>(dv_acc[0][2 * dp], dv_acc[0][2 * dp + 1], a_p, b_do);
             mma_pair<T>(dk_acc[0][2 * dp], dk_acc[0][2 * dp + 1], a_ds, b_q);
           }
@@ -684,7 +707,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     }
     __syncthreads();  // this buffer (and p_s, ds_s) is refilled by the next step
     if constexpr (kStages == 1) {
-      if (next < steps) {
+      if (steps > next.index) {
         prefetch(next, 0);
       }
       cp_async_commit();
@@ -727,7 +750,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   constexpr int kKTiles = kKeys / 8;
   constexpr int kDTiles = kHeadDim / 8;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // 1024: SmemRows::moved
   T* q_s = reinterpret_cast<T*>(smem_raw);
   T* do_s = q_s + kQueries * kStride;
   T* k_s = do_s + kQueries * kStride;  // [2][kKeys][kStride]
@@ -810,7 +833,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   cp_async_commit();
   for (int buf = 0; step < steps; buf ^= 1) {
     const int64_t next = next_step(step + 1);
-    begin_step<2>(next, steps, buf, prefetch);
+    begin_step<2>(next < steps, next, buf, prefetch);
 
     const T* kt = k_s + buf * kKeys * kStride;
     const T* vt = v_s + buf * kKeys * kStride;
