@@ -33,8 +33,8 @@
 #include "common/cuda_device.h"
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
-#include "ops/cuda/attention_bwd.cuh"
-#include "ops/cuda/attention_bwd_sm90.h"
+#include "ops/cuda/generic/attention_bwd.cuh"
+#include "ops/cuda/hopper/attention_bwd_sm90.h"
 #include "ops/cuda/attention_choice.h"
 #include "ops/cuda/head_dim_switch.h"
 

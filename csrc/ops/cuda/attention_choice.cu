@@ -4,9 +4,9 @@
 
 #include <ATen/Context.h>
 
-#include "ops/cuda/attention_bwd_sm90.h"
+#include "ops/cuda/hopper/attention_bwd_sm90.h"
 #include "ops/cuda/attention_decode.h"
-#include "ops/cuda/attention_fwd_sm90.h"
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 namespace safeattn::cuda {
 

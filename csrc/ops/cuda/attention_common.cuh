@@ -14,7 +14,7 @@
 
 #include "ops/attention.h"
 #include "ops/cuda/mask_view.cuh"  // MaskView, TileSummaryView, Causal
-#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/score_rule.cuh"  // kLog2e, ScoreRule, finish_row
 
 namespace safeattn::cuda::attn {

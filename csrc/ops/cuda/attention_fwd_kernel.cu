@@ -27,8 +27,8 @@
 #include "ops/cuda/attention_choice.h"
 #include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
-#include "ops/cuda/attention_fwd.cuh"
-#include "ops/cuda/attention_fwd_sm90.h"
+#include "ops/cuda/generic/attention_fwd.cuh"
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 #include "ops/cuda/head_dim_switch.h"
 
 namespace safeattn::cuda {

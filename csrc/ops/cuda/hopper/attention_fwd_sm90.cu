@@ -1,7 +1,8 @@
 // attention_fwd_sm90 (attention_fwd_sm90.h): which calls the Hopper forward can take, and its
 // parameters. Host code only, compiled like the other .cu files; the kernels are in
-// ops/cuda/hopper/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
-#include "ops/cuda/attention_fwd_sm90.h"
+// hopper/instances/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found
+// CUTLASS.
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 #ifdef SAFEATTN_WITH_SM90
 
