@@ -328,7 +328,12 @@ isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
 # The Hopper kernels (wgmma, setmaxnreg) need the sm_90a target and CUTLASS; they are compiled
 # on their own (Build below) so that every other .cu file, their host code in hopper/ included,
 # keeps the generic targets.
-CUDA_DIRS = ("csrc/ops/cuda", "csrc/ops/cuda/generic", "csrc/ops/cuda/generic/instances", "csrc/ops/cuda/hopper")
+CUDA_DIRS = (
+    "csrc/ops/cuda",
+    "csrc/ops/cuda/generic",
+    "csrc/ops/cuda/generic/instances",
+    "csrc/ops/cuda/hopper",
+)
 HOPPER_KERNEL_DIR = "csrc/ops/cuda/hopper/instances"
 hopper_sources = op_filter(rel((ROOT / HOPPER_KERNEL_DIR).glob("*.cu"))) if WANT_SM90 else []
 cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
