@@ -559,6 +559,24 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
   auto grad_v = [&](const Vec& go, const Vec& o, const Vec& dot) {
     return Vec::blendv(o * (go - dot), zero, o == zero);
   };
+  // `count` lanes (V: a whole vector) in acc_t.
+  auto load = [](const T* p, int64_t count) {
+    return count == V ? load_acc<T, acc_t>(p) : load_acc<T, acc_t>(p, count);
+  };
+  // The gradient gr at `count` lanes: scaled into gs, unscaled into gx when asked for (non-null).
+  auto store = [&](T* gs, acc_t* gx, const Vec& gr, int64_t count) {
+    if (count == V) {
+      store_acc<T, acc_t>(gs, gr * vscale);
+      if (gx != nullptr) {
+        gr.store(gx);
+      }
+    } else {
+      store_acc<T, acc_t>(gs, gr * vscale, count);
+      if (gx != nullptr) {
+        gr.store(gx, count);
+      }
+    }
+  };
   if (g.inner == 1) {
     at::parallel_for(0, g.outer, grain_for(n, kElementsPerTask), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -578,20 +596,8 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
         acc_t* gx = grad_x != nullptr ? grad_x + r * n : nullptr;
         for (j = 0; j < n; j += V) {
           const int64_t count = std::min(V, n - j);
-          const Vec go_v = count == V ? load_acc<T, acc_t>(go + j) : load_acc<T, acc_t>(go + j, count);
-          const Vec o_v = count == V ? load_acc<T, acc_t>(o + j) : load_acc<T, acc_t>(o + j, count);
-          const Vec gr = grad_v(go_v, o_v, dot);
-          if (count == V) {
-            store_acc<T, acc_t>(gs + j, gr * vscale);
-            if (gx != nullptr) {
-              gr.store(gx + j);
-            }
-          } else {
-            store_acc<T, acc_t>(gs + j, gr * vscale, count);
-            if (gx != nullptr) {
-              gr.store(gx + j, count);
-            }
-          }
+          const Vec gr = grad_v(load(go + j, count), load(o + j, count), dot);
+          store(gs + j, gx != nullptr ? gx + j : nullptr, gr, count);
         }
       }
     });
@@ -607,26 +613,15 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
       const int64_t c0 = (t % blocks_per_outer) * V;
       const int64_t count = std::min(V, g.inner - c0);
       const int64_t base = o_idx * n * g.inner + c0;
-      auto load = [&](const T* p) { return count == V ? load_acc<T, acc_t>(p) : load_acc<T, acc_t>(p, count); };
       Vec vdot(0);
       for (int64_t d = 0; d < n; ++d) {
         const int64_t at = base + d * g.inner;
-        vdot = vdot + dot_term_v(load(grad_out + at), load(out + at));
+        vdot = vdot + dot_term_v(load(grad_out + at, count), load(out + at, count));
       }
       for (int64_t d = 0; d < n; ++d) {
         const int64_t at = base + d * g.inner;
-        const Vec gr = grad_v(load(grad_out + at), load(out + at), vdot);
-        if (count == V) {
-          store_acc<T, acc_t>(grad_scores + at, gr * vscale);
-          if (grad_x != nullptr) {
-            gr.store(grad_x + at);
-          }
-        } else {
-          store_acc<T, acc_t>(grad_scores + at, gr * vscale, count);
-          if (grad_x != nullptr) {
-            gr.store(grad_x + at, count);
-          }
-        }
+        const Vec gr = grad_v(load(grad_out + at, count), load(out + at, count), vdot);
+        store(grad_scores + at, grad_x != nullptr ? grad_x + at : nullptr, gr, count);
       }
     }
   });
