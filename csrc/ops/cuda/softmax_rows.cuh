@@ -346,6 +346,23 @@ __device__ __forceinline__ void load_packs(Pack<T, VEC> (&p)[kUnroll], const T* 
   }
 }
 
+// f(v, x) for the vectors v = v0 + k * kGroup (k < kUnroll) before `end`, x the values of pack k
+// (values(p[k], v, x)). A function, not a lambda in the kernel: nvcc 13.0's cudafe++ crashed on
+// the generic lambda.
+template <int kGroup, typename acc_t, typename T, int VEC, int kUnroll, typename index_t, typename Values, typename F>
+__device__ __forceinline__ void for_each_vector(const Pack<T, VEC> (&p)[kUnroll], index_t v0, index_t end,
+                                                const Values& values, F&& f) {
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const index_t v = v0 + static_cast<index_t>(k) * kGroup;
+    if (v < end) {
+      acc_t x[VEC];
+      values(p[k], v, x);
+      f(v, x);
+    }
+  }
+}
+
 // ---- forward -----------------------------------------------------------------------------
 
 // kGroup threads per row: kGroup <= 32, several rows per block, one per group of lanes; else
@@ -473,24 +490,12 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
     } else {
       // A running (max, sum of exp(x - max)) per thread, rescaled once per batch of kUnroll
       // vectors. The values are recomputed from the packs rather than kept (registers).
-      // f(v, x) for each vector v of the batch from v0 (the packs p) inside the part, x its values.
-      auto each_vector = [&](const Pack<T, VEC>(&p)[kUnroll], index_t v0, auto&& f) {
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-          const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-          if (v < part_end) {
-            acc_t x[VEC];
-            values(p[k], v, x);
-            f(v, x);
-          }
-        }
-      };
       if (active) {
         for (index_t v0 = part_begin + t; v0 < part_end; v0 += static_cast<index_t>(kUnroll) * kGroup) {
           Pack<T, VEC> p[kUnroll];
           load_packs<kGroup>(p, in, v0, part_end);
           acc_t batch_max = max;
-          each_vector(p, v0, [&](index_t, const acc_t(&x)[VEC]) {
+          for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t, const acc_t(&x)[VEC]) {
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               batch_max = max_nan(batch_max, x[e]);
@@ -498,7 +503,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
           });
           const acc_t shift = exp_shift(batch_max);
           sum *= accurate_exp(max - shift);  // max == -inf: sum is 0 and stays 0
-          each_vector(p, v0, [&](index_t, const acc_t(&x)[VEC]) {
+          for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t, const acc_t(&x)[VEC]) {
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
               sum += element_exp(x[e] - shift);
@@ -534,7 +539,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
       for (index_t v0 = part_begin + t; v0 < part_end; v0 += static_cast<index_t>(kUnroll) * kGroup) {
         Pack<T, VEC> p[kUnroll];
         load_packs<kGroup>(p, in, v0, part_end);
-        each_vector(p, v0, [&](index_t v, const acc_t(&x)[VEC]) {
+        for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t v, const acc_t(&x)[VEC]) {
           Pack<T, VEC> r;
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
@@ -818,15 +823,18 @@ int64_t resident_units(int threads, int split, int device) {
   return units;
 }
 
-// Launches kKernel on `stream` for `units` row groups of `threads` threads (clusters of `split`
-// blocks when split > 1). Single blocks get one block per row group (up to the grid limit; the
-// kernels loop past it): the hardware's scheduler reaches copy bandwidth where a persistent grid
-// of resident blocks does not. Clusters keep the persistent grid, which is the faster of the two
-// for 64k-long rows.
-template <auto kKernel, typename... Args>
-void launch(int64_t units, int threads, int split, int device, cudaStream_t stream, Args&&... args) {
-  const int64_t resident = split > 1 ? resident_units<kKernel>(threads, split, device) : int64_t{INT32_MAX};
-  ClusterLaunch cluster(std::min(units, resident) * split, threads, split);
+// Launches kKernel, instantiated for kGroup threads per row and kSplit blocks per row, on `stream`
+// for `rows` rows: row groups of block_threads<kGroup>() threads (clusters of kSplit blocks when
+// kSplit > 1). Single blocks get one block per row group (up to the grid limit; the kernels loop
+// past it): the hardware's scheduler reaches copy bandwidth where a persistent grid of resident
+// blocks does not. Clusters keep the persistent grid, which is the faster of the two for 64k-long
+// rows.
+template <auto kKernel, int kGroup, int kSplit, typename... Args>
+void launch(int64_t rows, int device, cudaStream_t stream, Args&&... args) {
+  constexpr int kThreads = block_threads<kGroup>();
+  const int64_t units = ceil_div(rows, kThreads / kGroup);
+  const int64_t resident = kSplit > 1 ? resident_units<kKernel>(kThreads, kSplit, device) : int64_t{INT32_MAX};
+  ClusterLaunch cluster(std::min(units, resident) * kSplit, kThreads, kSplit);
   cluster.config.stream = stream;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cluster.config, kKernel, std::forward<Args>(args)...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -949,13 +957,9 @@ void forward_rows_vec(const T* scores, T* out, int64_t rows, int64_t n, const vo
       &softmax_rows_kernel<T, kVec, 256, forward_cache(kVec), kMaxSplit, kMasked>, device);
   const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters, small_forward_cache(kVec));
   with_forward_config<kVec>(c, [&](auto group, auto cache, auto split) {
-    constexpr int kGroup = decltype(group)::value;
-    constexpr int kCache = decltype(cache)::value;
-    constexpr int kSplit = decltype(split)::value;
-    constexpr int kThreads = block_threads<kGroup>();
-    constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_rows_kernel<T, kVec, kGroup, kCache, kSplit, kMasked>>(
-        ceil_div(rows, kRowsPerBlock), kThreads, kSplit, device, stream, scores, out, rows, n, mask, mg, scale);
+    constexpr int kGroup = decltype(group)::value, kSplit = decltype(split)::value;
+    launch<&softmax_rows_kernel<T, kVec, kGroup, decltype(cache)::value, kSplit, kMasked>, kGroup, kSplit>(
+        rows, device, stream, scores, out, rows, n, mask, mg, scale);
   });
 }
 
@@ -968,14 +972,9 @@ void backward_rows_vec(const T* grad_out, const T* out, T* grad_scores, acc_type
       &softmax_backward_rows_kernel<T, kVec, 256, (kVec > 1 ? 32 / kVec : 0), kMaxSplit>, device);
   const RowConfig c = backward_config(n, n / kVec, kVec, clusters);
   with_backward_config<kVec>(c, [&](auto group, auto cache, auto split) {
-    constexpr int kGroup = decltype(group)::value;
-    constexpr int kCache = decltype(cache)::value;
-    constexpr int kSplit = decltype(split)::value;
-    constexpr int kThreads = block_threads<kGroup>();
-    constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, kCache, kSplit>>(ceil_div(rows, kRowsPerBlock), kThreads,
-                                                                           kSplit, device, stream, grad_out, out,
-                                                                           grad_scores, grad_x, rows, n, scale);
+    constexpr int kGroup = decltype(group)::value, kSplit = decltype(split)::value;
+    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, decltype(cache)::value, kSplit>, kGroup, kSplit>(
+        rows, device, stream, grad_out, out, grad_scores, grad_x, rows, n, scale);
   });
 }
 
