@@ -3,7 +3,9 @@
 Sources are found by folder, so adding an op needs no edit here:
   csrc/*.cpp, csrc/common/*.cpp, csrc/ops/*.cpp   compiled once
   csrc/ops/cpu/*_kernel.cpp           compiled once per CPU ISA (see CPU_ISAS)
-  csrc/common/*.cu, csrc/ops/cuda/*.cu            compiled by nvcc when CUDA is enabled
+  csrc/common/*.cu, csrc/ops/cuda/*.cu, csrc/ops/cuda/{generic,hopper}/*.cu and
+  csrc/ops/cuda/generic/instances/*.cu            compiled by nvcc for the CUDA targets
+  csrc/ops/cuda/hopper/instances/*.cu             compiled by nvcc for sm_90a alone
 
 Environment switches:
   SAFEATTN_CUDA=auto|0|1        auto: build CUDA when nvcc and a CUDA build of torch are present
@@ -21,7 +23,7 @@ Environment switches:
                                 64,96,128,256, the common head dims, tested on a GPU
   SAFEATTN_CUTLASS_INCLUDE=dir  the CUTLASS / CuTe headers (default: the nvidia-cutlass package's
                                 cutlass_library/source/include), which the Hopper kernels
-                                (csrc/ops/cuda/hopper/*.cu, built for sm_90a, SAFEATTN_WITH_SM90)
+                                (csrc/ops/cuda/hopper/instances/*.cu, built for sm_90a, SAFEATTN_WITH_SM90)
                                 need: a build that targets 9.0 without them stops (NO_CUTLASS)
   SAFEATTN_DEBUG_INFO=1         keep debug info (-g) in _C; release builds have none (-g0)
   SAFEATTN_BUILD_TEMP=dir       where the object files go (default: setuptools', a temporary
@@ -324,11 +326,19 @@ CUDA_TARGETS, CUDA_TARGETS_FROM, WANT_SM90 = cuda_targets() if WITH_CUDA else ({
 common_sources = rel([p for d in ("csrc", "csrc/common", "csrc/ops") for p in (ROOT / d).glob("*.cpp")])
 isa_sources = op_filter(rel((ROOT / "csrc/ops/cpu").glob("*_kernel.cpp")))
 # The Hopper kernels (wgmma, setmaxnreg) need the sm_90a target and CUTLASS; they are compiled
-# on their own (Build below) so that every other .cu file keeps the generic targets.
-hopper_sources = op_filter(rel((ROOT / "csrc/ops/cuda/hopper").glob("*.cu"))) if WANT_SM90 else []
+# on their own (Build below) so that every other .cu file, their host code in hopper/ included,
+# keeps the generic targets.
+CUDA_DIRS = (
+    "csrc/ops/cuda",
+    "csrc/ops/cuda/generic",
+    "csrc/ops/cuda/generic/instances",
+    "csrc/ops/cuda/hopper",
+)
+HOPPER_KERNEL_DIR = "csrc/ops/cuda/hopper/instances"
+hopper_sources = op_filter(rel((ROOT / HOPPER_KERNEL_DIR).glob("*.cu"))) if WANT_SM90 else []
 cuda_sources, ATTN_HEAD_DIMS = head_dim_filter(
     rel((ROOT / "csrc/common").glob("*.cu"))
-    + op_filter(rel((ROOT / "csrc/ops/cuda").glob("*.cu")))
+    + op_filter(rel(p for d in CUDA_DIRS for p in (ROOT / d).glob("*.cu")))
     + hopper_sources
 )
 CUTLASS_INCLUDE = cutlass_include() if any(p in hopper_sources for p in cuda_sources) else None

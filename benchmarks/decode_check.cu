@@ -1,6 +1,7 @@
-// Standalone check and timing of the split-KV decode kernels (csrc/ops/cuda/attention_decode.cuh),
-// without torch, for their pipeline shapes side by side: the shape each head dim runs
-// (DecodeConfig) and candidates. Build (from the repository root):
+// Standalone check and timing of the split-KV decode kernels
+// (csrc/ops/cuda/generic/attention_decode.cuh), without torch, for their pipeline shapes side by
+// side: the shape each head dim runs (DecodeConfig) and candidates. Build (from the repository
+// root):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 --expt-relaxed-constexpr -Icsrc \
 //        benchmarks/decode_check.cu -o decode_check
@@ -28,7 +29,7 @@
 #include <vector>
 
 #include "check_common.h"
-#include "ops/cuda/attention_decode.cuh"
+#include "ops/cuda/generic/attention_decode.cuh"
 
 namespace attn = safeattn::cuda::attn;
 using safeattn::KvCacheView;

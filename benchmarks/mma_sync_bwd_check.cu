@@ -1,6 +1,7 @@
 // Standalone check and timing of the generic (mma.sync) backward attention kernels
-// (csrc/ops/cuda/attention_bwd.cuh), without torch, for dK/dV tile shapes side by side: the shape
-// each head dim runs (DkvConfig) and candidates (BwdTiles). Build (from the repository root):
+// (csrc/ops/cuda/generic/attention_bwd.cuh), without torch, for dK/dV tile shapes side by side:
+// the shape each head dim runs (DkvConfig) and candidates (BwdTiles). Build (from the repository
+// root):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
 //        --expt-relaxed-constexpr -Icsrc -Xcompiler -fopenmp -lgomp \
@@ -33,7 +34,7 @@
 #define SAFEATTN_STANDALONE
 #define SAFEATTN_ATTN_BWD_DEFINE_KERNELS
 #include "check_common.h"
-#include "ops/cuda/attention_bwd.cuh"
+#include "ops/cuda/generic/attention_bwd.cuh"
 
 using safeattn::cuda::attn::BwdParams;
 using safeattn::cuda::attn::BwdTiles;

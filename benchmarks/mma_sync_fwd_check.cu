@@ -1,6 +1,6 @@
 // Standalone check and timing of the generic (mma.sync) forward attention kernel
-// (csrc/ops/cuda/attention_fwd.cuh), without torch, for its tile shapes side by side: the shape
-// each head dim runs (FwdConfig) and candidates. Build (from the repository root):
+// (csrc/ops/cuda/generic/attention_fwd.cuh), without torch, for its tile shapes side by side: the
+// shape each head dim runs (FwdConfig) and candidates. Build (from the repository root):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90,code=sm_90 \
 //        --expt-relaxed-constexpr -Icsrc benchmarks/mma_sync_fwd_check.cu -o mma_sync_fwd_check
@@ -24,7 +24,7 @@
 #define SAFEATTN_STANDALONE
 #define SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 #include "check_common.h"
-#include "ops/cuda/attention_fwd.cuh"
+#include "ops/cuda/generic/attention_fwd.cuh"
 
 using safeattn::cuda::attn::attention_fwd_kernel;
 using safeattn::cuda::attn::FwdConfig;

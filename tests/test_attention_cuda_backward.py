@@ -1,15 +1,16 @@
-"""The CUDA backward of safeattn.attention (csrc/ops/cuda/attention_bwd*.cu*) against the float64
-reference, on the cases its tensor-core kernels have to get right: every instantiated head dim x
-dtype, partial tiles (1, 17, 97, 1025), causal in both alignments, GQA, masks broadcast over
-batch / heads, bool masks with fully masked rows, structured masks whose tiles are skipped or
-fast-pathed, softcap, sinks, determinism, the two dQ modes (atomics in the dK/dV kernel by
-default; the deterministic dQ kernel under torch.use_deterministic_algorithms(True) or with a
-mask gradient), the sm_90a kernel (taken on an H100/H200 in the atomic mode where it covers the
-call: bf16/fp16, D 64, 96 and 128, no mask, a bool or a float one (its gradient when the mask has
-a head dim, not with a softcap), key ranges, softcap, sinks (and its forward at D 256, whose
-backward is the generic one); the mma.sync kernels take everything
-else, so the cases with softcapped or broadcast learnable biases and other head dims test them),
-and the generic path (float32, head dims without an instantiation, D != Dv, unaligned views).
+"""The CUDA backward of safeattn.attention (csrc/ops/cuda/attention_bwd_kernel.cu, its kernels in
+generic/ and hopper/) against the float64 reference, on the cases its tensor-core kernels have to
+get right: every instantiated head dim x dtype, partial tiles (1, 17, 97, 1025), causal in both
+alignments, GQA, masks broadcast over batch / heads, bool masks with fully masked rows, structured
+masks whose tiles are skipped or fast-pathed, softcap, sinks, determinism, the two dQ modes
+(atomics in the dK/dV kernel by default; the deterministic dQ kernel under
+torch.use_deterministic_algorithms(True) or with a mask gradient), the sm_90a kernel (taken on an
+H100/H200 in the atomic mode where it covers the call: bf16/fp16, D 64, 96 and 128, no mask, a bool
+or a float one (its gradient when the mask has a head dim, not with a softcap), key ranges,
+softcap, sinks (and its forward at D 256, whose backward is the generic one); the mma.sync kernels
+take everything else, so the cases with softcapped or broadcast learnable biases and other head
+dims test them), and the generic path (float32, head dims without an instantiation, D != Dv,
+unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -32,8 +33,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 DEVICE = "cuda"
-# Head dims with tensor-core backward kernels (csrc/ops/cuda/attention_bwd_d<D>_<dtype>.cu); a
-# build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the generic path, still correct.
+# Head dims with tensor-core backward kernels (csrc/ops/cuda/generic/instances/
+# attention_bwd_d<D>_<dtype>.cu); a build with SAFEATTN_ATTN_HEAD_DIMS runs the others on the
+# generic path, still correct.
 TENSOR_CORE_HEAD_DIMS = [32, 64, 96, 128]
 # Head dims of the sm_90a kernels, both ways (scripts/gen_attention_instances.py); 256's tiles
 # are 64 keys (its own forward test below).

@@ -4,6 +4,7 @@
 // image is available" from whichever launch comes first.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,6 +18,8 @@ class OpDeviceGuard {
   explicit OpDeviceGuard(c10::Device device) : guard_(device) {
     check_device_supported(c10::cuda::current_device());
   }
+  // On the device of an op's first tensor argument.
+  explicit OpDeviceGuard(const at::Tensor& tensor) : OpDeviceGuard(tensor.device()) {}
 
  private:
   c10::cuda::CUDAGuard guard_;

@@ -9,15 +9,9 @@
 namespace safeattn::cpu {
 
 const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::DEFAULT:
-      return "DEFAULT";
-    case Isa::AVX2:
-      return "AVX2";
-    case Isa::AVX512:
-      return "AVX512";
-  }
-  return "?";
+  static constexpr const char* kNames[kNumIsas] = {"DEFAULT", "AVX2", "AVX512"};  // by Isa's value
+  const int index = static_cast<int>(isa);
+  return index >= 0 && index < kNumIsas ? kNames[index] : "?";
 }
 
 Isa runtime_isa() {

@@ -450,26 +450,6 @@ void attention_fwd_cpu(const AttentionFwdArgs& args) {
   attention_fwd_cpu_stub().pick()(choice.draw_key_ranges ? with_key_ranges_drawn(args) : args);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_cpu(const at::Tensor& query, const at::Tensor& key,
-                                                 const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                                 double dropout_p, bool is_causal, std::optional<double> scale,
-                                                 bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
-                                                 const std::optional<at::Tensor>& sinks,
-                                                 const std::optional<at::Tensor>& key_ranges) {
-  auto [out, lse, unused] =
-      attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                     softcap, sinks, key_ranges, /*with_lse_lo=*/false, &attention_fwd_cpu);
-  return {out, lse};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
-  return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                        softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cpu);
-}
-
 // The CPU kernels read grad_out with the empty rows dropped, and key ranges drawn into the mask
 // (choose_attention_cpu).
 void attention_bwd_cpu(const AttentionBwdArgs& args) {
@@ -477,16 +457,6 @@ void attention_bwd_cpu(const AttentionBwdArgs& args) {
   AttentionBwdArgs cleaned = choice.draw_key_ranges ? with_key_ranges_drawn(args) : args;
   cleaned.grad_out = grad_out_without_empty_rows(args);
   attention_bwd_cpu_stub().pick()(cleaned);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
-  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cpu);
 }
 
 // The Meta kernels: what torch.compile, torch.export and FakeTensorMode run (sizes may be
@@ -725,9 +695,9 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
-  m.impl("attention", &attention_cpu);
-  m.impl("_attention_forward", &attention_forward_cpu);
-  m.impl("_attention_backward", &attention_backward_cpu);
+  m.impl("attention", &attention_kernel<NoEntry, &attention_fwd_cpu, /*kWithLseLo=*/false>);
+  m.impl("_attention_forward", &attention_kernel<NoEntry, &attention_fwd_cpu, /*kWithLseLo=*/true>);
+  m.impl("_attention_backward", &attention_backward_kernel<NoEntry, &attention_bwd_cpu>);
 }
 
 // Also the fakes: FakeTensorMode runs a C++ Meta kernel for an op that has no Python fake.

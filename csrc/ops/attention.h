@@ -33,6 +33,8 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
@@ -193,6 +195,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
     int64_t mask_grad_budget = kMaskGradBudgetBytes, AttentionBwdSumsBatchFn sums_batch = nullptr);
+
+// What a backend registers for `attention` (kWithLseLo false: out and lse) and
+// `_attention_forward` (true: out, lse and lse_lo): attention_impl with the backend's kernel,
+// inside an Entry made from the query for the call (the CUDA backend's device guard; NoEntry).
+template <class Entry, AttentionFwdFn kKernel, bool kWithLseLo>
+std::conditional_t<kWithLseLo, std::tuple<at::Tensor, at::Tensor, at::Tensor>, std::tuple<at::Tensor, at::Tensor>>
+attention_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                 const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                 std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
+                 const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
+  const Entry entry(query);
+  auto result = attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset,
+                               kv_offset, softcap, sinks, key_ranges, kWithLseLo, kKernel);
+  if constexpr (kWithLseLo) {
+    return result;
+  } else {
+    return {std::get<0>(result), std::get<1>(result)};
+  }
+}
+
+// The same for `_attention_backward`: attention_backward_impl with the backend's kernel and
+// sums_batch question.
+template <class Entry, AttentionBwdFn kKernel, AttentionBwdSumsBatchFn kSumsBatch = nullptr>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
+    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
+    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
+  const Entry entry(query);
+  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
+                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, kKernel,
+                                 kMaskGradBudgetBytes, kSumsBatch);
+}
+
+// The Entry of a backend that opens nothing for a call (CPU).
+struct NoEntry {
+  explicit NoEntry(const at::Tensor& /*query*/) {}
+};
 
 // grad_out with the rows whose lse is -inf (no visible key) set to 0: with p = 0 for every key,
 // a NaN or inf in such a row would still reach dQ (0 * NaN) and, through P^T dO, dV and dK of

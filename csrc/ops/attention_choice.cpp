@@ -2,6 +2,7 @@
 #include "ops/attention_choice.h"
 
 #include <array>
+#include <iterator>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -11,21 +12,11 @@
 namespace safeattn {
 
 const char* attention_path_name(AttentionPath path) {
-  switch (path) {
-    case AttentionPath::kNone:
-      return "none";
-    case AttentionPath::kCpu:
-      return "cpu";
-    case AttentionPath::kDecode:
-      return "decode";
-    case AttentionPath::kSm90a:
-      return "sm90a";
-    case AttentionPath::kMmaSync:
-      return "mma_sync";
-    case AttentionPath::kChunkedAten:
-      return "chunked_aten";
-  }
-  return "unknown";
+  // By AttentionPath's value, in its order.
+  static constexpr const char* kNames[] = {"none", "cpu", "decode", "sm90a", "mma_sync", "chunked_aten"};
+  static_assert(std::size(kNames) == static_cast<size_t>(AttentionPath::kChunkedAten) + 1, "a path without a name");
+  const auto index = static_cast<size_t>(path);
+  return index < std::size(kNames) ? kNames[index] : "unknown";
 }
 
 AttentionChoice choose_attention_cpu(const at::Tensor& key_ranges) {

@@ -25,8 +25,8 @@ enum class AttentionPath : uint8_t {
   kNone,         // no kernel runs: an empty output (or, in the backward, no query or no key)
   kCpu,          // the CPU kernels (ops/cpu/attention_{fwd,bwd}_kernel.cpp), one per ISA
   kDecode,       // CUDA split-KV decode (ops/cuda/attention_decode_kernel.cu), forward only
-  kSm90a,        // CUDA Hopper TMA + wgmma kernels (ops/cuda/attention_{fwd,bwd}_sm90.h)
-  kMmaSync,      // CUDA mma.sync tensor-core kernels, the generic ones (attention_{fwd,bwd}.cuh)
+  kSm90a,        // CUDA Hopper TMA + wgmma kernels (ops/cuda/hopper/attention_{fwd,bwd}_sm90.h)
+  kMmaSync,      // CUDA mma.sync tensor-core kernels, the generic ones (generic/attention_{fwd,bwd}.cuh)
   kChunkedAten,  // ATen ops over chunks of queries (ops/attention_composite.h)
 };
 
@@ -59,7 +59,25 @@ struct AttentionChoice {
     }
     return false;
   }
+
+  // Calls run(path, args) with the arguments the chosen kernel reads: args itself, or a copy
+  // with the key ranges drawn into the mask.
+  template <class Args, class Run>
+  void run(const Args& args, Run&& run) const {
+    if (draw_key_ranges) {
+      run(path, with_key_ranges_drawn(args));
+    } else {
+      run(path, args);
+    }
+  }
 };
+
+// A backend's kernel as attention_kernel and attention_backward_kernel (ops/attention.h) take it:
+// kRun on the path that kChoose chooses, with the arguments that path reads (AttentionChoice::run).
+template <class Args, AttentionChoice (*kChoose)(const Args&), void (*kRun)(AttentionPath, const Args&)>
+void run_chosen(const Args& args) {
+  kChoose(args).run(args, kRun);
+}
 
 // A backend's choosers as attention_path() reaches them: forward, backward, and the sums_batch
 // question its backward entry point passes to attention_backward_impl (nullptr: never).

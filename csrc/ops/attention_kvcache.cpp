@@ -75,9 +75,12 @@ void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, con
   }
 }
 
-KvCacheView make_kv_cache_view(const at::Tensor& k_cache, const at::Tensor& cache_seqlens,
-                               const std::optional<at::Tensor>& block_table, int64_t new_tokens, int64_t q_len,
-                               bool causal, int64_t window_left, int64_t window_right) {
+KvCacheView checked_kv_cache_view(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k,
+                                  const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& block_table,
+                                  bool causal, int64_t window_left, int64_t window_right,
+                                  const std::optional<at::Tensor>& sinks) {
+  check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks);
   KvCacheView view;
   view.seqlens = cache_seqlens.const_data_ptr<int>();
   view.capacity = static_cast<int>(k_cache.size(1));
@@ -91,8 +94,8 @@ KvCacheView make_kv_cache_view(const at::Tensor& k_cache, const at::Tensor& cach
     view.num_pages = static_cast<int>(k_cache.size(0));
     view.capacity = static_cast<int>(block_table->size(1) * k_cache.size(1));
   }
-  view.new_tokens = static_cast<int>(new_tokens);
-  view.q_len = static_cast<int>(q_len);
+  view.new_tokens = static_cast<int>(k.has_value() ? k->size(1) : 0);
+  view.q_len = static_cast<int>(q.size(1));
   // Windows past the capacity are unbounded; int32 from here on.
   auto bound = [&](int64_t w) { return w < 0 || w > view.capacity ? -1 : static_cast<int>(w); };
   view.left = bound(window_left);
@@ -152,10 +155,9 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cpu(
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& block_table, std::optional<double> scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
-  check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks);
+  const KvCacheView view = checked_kv_cache_view(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
+                                                 window_left, window_right, sinks);
   const int64_t batch = q.size(0), q_len = q.size(1);
-  const KvCacheView view = make_kv_cache_view(k_cache, cache_seqlens, block_table, k.has_value() ? k->size(1) : 0,
-                                              q_len, causal, window_left, window_right);
   at::Tensor key_ranges = at::empty({batch, q_len, 2}, cache_seqlens.options());
   int* r = key_ranges.data_ptr<int>();
   for (int64_t b = 0; b < batch; ++b) {

@@ -27,10 +27,13 @@
 
 namespace safeattn {
 
-// The view of these arguments (int32 seqlens and block table, as _attention_kvcache passes them).
-KvCacheView make_kv_cache_view(const at::Tensor& k_cache, const at::Tensor& cache_seqlens,
-                               const std::optional<at::Tensor>& block_table, int64_t new_tokens, int64_t q_len,
-                               bool causal, int64_t window_left, int64_t window_right);
+// The view of _attention_kvcache's arguments (int32 seqlens and block table), checked first
+// (check_attention_kvcache): what every backend's kernel starts from.
+KvCacheView checked_kv_cache_view(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& k,
+                                  const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& block_table,
+                                  bool causal, int64_t window_left, int64_t window_right,
+                                  const std::optional<at::Tensor>& sinks);
 
 // The backend-independent route: append (at::index_put_; skipped when `append` is false, the
 // caller having written the tokens), the paged cache gathered into a contiguous copy, then

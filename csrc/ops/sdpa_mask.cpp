@@ -158,25 +158,17 @@ SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t k
 
 namespace {
 
-at::Tensor sdpa_mask_cpu(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
-                         const std::optional<at::Tensor>& q_positions, bool causal,
-                         std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
-                         const std::optional<at::Tensor>& chunk_left_padding,
-                         const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
-                         const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
-                         bool use_finfo_min, std::optional<c10::Device> device) {
-  const c10::Device where =
-      check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, sliding_window, chunk_size,
-                      chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
-  TORCH_CHECK(where.is_cpu(), kOp, ": the CPU kernel was asked to build on ", where.str());
-  SdpaMaskInputs in =
-      prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
-                        chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids);
-  at::Tensor out =
-      at::empty({batch_size, 1, q_length, kv_length}, at::TensorOptions().dtype(dtype.value_or(at::kBool)));
-  sdpa_mask_cpu_stub().pick()(in.params, out, use_finfo_min);
-  return out;
-}
+// sdpa_mask's CPU kernel (sdpa_mask_kernel): the per-ISA fill.
+struct CpuMaskBackend {
+  c10::Device device;
+
+  explicit CpuMaskBackend(c10::Device where) : device(where) {
+    TORCH_CHECK(where.is_cpu(), kOp, ": the CPU kernel was asked to build on ", where.str());
+  }
+  void fill(const SdpaMaskParams& params, at::Tensor& out, bool use_finfo_min) const {
+    sdpa_mask_cpu_stub().pick()(params, out, use_finfo_min);
+  }
+};
 
 // safeattn::_sdpa_mask_check: the checks alone, for sdpa_mask's fake (python/safeattn/_fake.py),
 // which only adds the output. CompositeImplicitAutograd, so FakeTensorMode runs it on the fake
@@ -256,7 +248,7 @@ TORCH_LIBRARY_IMPL(safeattn, BackendSelect, m) {
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
-  m.impl("sdpa_mask", &sdpa_mask_cpu);
+  m.impl("sdpa_mask", &sdpa_mask_kernel<CpuMaskBackend>);
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CompositeImplicitAutograd, m) {

@@ -24,6 +24,7 @@
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/SymInt.h>
 #include <c10/macros/Macros.h>
 
@@ -199,6 +200,33 @@ SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t k
                                  const std::optional<at::Tensor>& padding_mask,
                                  const std::optional<at::Tensor>& packed_ids,
                                  const std::optional<at::Tensor>& block_ids);
+
+// What each backend registers for sdpa_mask: the checks; a Backend made from the device they
+// name (it refuses another backend's device; CUDA's opens the device guard, so the inputs are
+// converted on that device's current stream) with that device as `device`; the inputs prepared
+// and the output allocated there; then Backend::fill(params, out, use_finfo_min) writes the mask
+// (nothing to write when it is empty).
+template <class Backend>
+at::Tensor sdpa_mask_kernel(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                            int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
+                            std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
+                            const std::optional<at::Tensor>& chunk_left_padding,
+                            const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
+                            const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
+                            bool use_finfo_min, std::optional<c10::Device> device) {
+  const Backend backend(check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions,
+                                        sliding_window, chunk_size, chunk_left_padding, padding_mask, packed_ids,
+                                        block_ids, dtype, use_finfo_min, device));
+  SdpaMaskInputs in =
+      prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
+                        chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids);
+  at::Tensor out = at::empty({batch_size, 1, q_length, kv_length},
+                             at::TensorOptions().dtype(dtype.value_or(at::kBool)).device(backend.device));
+  if (out.numel() > 0) {
+    backend.fill(in.params, out, use_finfo_min);
+  }
+  return out;
+}
 
 // Typed C++ entry point: calls the dispatcher (so it works for every backend and under
 // autograd/tracing exactly as torch.ops.safeattn.sdpa_mask does from Python).

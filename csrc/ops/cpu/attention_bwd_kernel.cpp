@@ -196,7 +196,7 @@ class LowpTiles {
 #endif
 
 template <typename scalar_t, typename Tiles>
-void attention_bwd_run(const AttentionBwdArgs& a) {
+void attention_run(const AttentionBwdArgs& a) {
   using acc_t = typename Tiles::acc_t;
   using Vec = Vectorized<acc_t>;
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -393,26 +393,8 @@ void attention_bwd_run(const AttentionBwdArgs& a) {
   });
 }
 
-template <typename scalar_t>
-void attention_bwd_typed(const AttentionBwdArgs& args) {
-#if defined(SAFEATTN_LOWP_TILES)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-    if (use_lowp_tiles(args.query.scalar_type())) {
-      attention_bwd_run<scalar_t, LowpTiles<scalar_t>>(args);
-      return;
-    }
-  }
-#endif
-  attention_bwd_run<scalar_t, FloatTiles<scalar_t>>(args);
-}
-
-void attention_bwd_kernel(const AttentionBwdArgs& args) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.grad_key.scalar_type(), "attention_bwd_cpu",
-                                  [&] { attention_bwd_typed<scalar_t>(args); });
-}
-
 }  // namespace
 
-SAFEATTN_REGISTER_ISA_KERNEL(attention_bwd_cpu_stub, &attention_bwd_kernel);
+SAFEATTN_REGISTER_ISA_KERNEL(attention_bwd_cpu_stub, &tiled_kernel<AttentionBwdArgs>);
 
 }  // namespace safeattn::cpu

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <ATen/Context.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
@@ -124,25 +125,17 @@ struct MaskView {
     if (!mask.defined()) {
       return;
     }
-    switch (mask.scalar_type()) {
-      case at::kBool:
-        kind = MaskKind::kBool;
-        break;
-      case at::kFloat:
-        kind = MaskKind::kFloat;
-        break;
-      case at::kHalf:
-        kind = MaskKind::kHalf;
-        break;
-      case at::kBFloat16:
-        kind = MaskKind::kBFloat16;
-        break;
-      case at::kDouble:
-        kind = MaskKind::kDouble;
-        break;
-      default:
-        TORCH_CHECK(false, "attention: unexpected attn_mask dtype");
+    // The mask's dtype as the kernels name it.
+    static constexpr std::pair<at::ScalarType, MaskKind> kKinds[] = {
+        {at::kBool, MaskKind::kBool},         {at::kFloat, MaskKind::kFloat},   {at::kHalf, MaskKind::kHalf},
+        {at::kBFloat16, MaskKind::kBFloat16}, {at::kDouble, MaskKind::kDouble},
+    };
+    for (const auto& [dtype, dtype_kind] : kKinds) {
+      if (dtype == mask.scalar_type()) {
+        kind = dtype_kind;
+      }
     }
+    TORCH_CHECK(kind != MaskKind::kNone, "attention: unexpected attn_mask dtype");
     data = mask.data_ptr();
     stride_b = mask.stride(0);
     stride_h = mask.stride(1);
@@ -701,6 +694,38 @@ inline void pack_vnni_tile(T* dst, const float* src, int64_t ld, int64_t rows, i
   }
 }
 #endif
+
+// The tile classes of each kernel file (attention_fwd_kernel.cpp, attention_bwd_kernel.cpp): in
+// the accumulation type, and (the AVX-512 build only, SAFEATTN_LOWP_TILES) in bf16 / fp16.
+template <typename scalar_t>
+class FloatTiles;
+template <typename scalar_t>
+class LowpTiles;
+
+// The tile loop of each direction, defined by its kernel file for its Args.
+template <typename scalar_t, typename Tiles>
+void attention_run(const AttentionFwdArgs& args);
+template <typename scalar_t, typename Tiles>
+void attention_run(const AttentionBwdArgs& args);
+
+// The kernel of one direction that its file registers per ISA (SAFEATTN_REGISTER_ISA_KERNEL):
+// attention_run<scalar_t, Tiles> for the query's dtype (every input and gradient has it:
+// check_attention, check_attention_backward), Tiles LowpTiles<scalar_t> where the call's bf16 /
+// fp16 tiles take the reduced-precision micro-kernel (use_lowp_tiles), else FloatTiles<scalar_t>.
+template <class Args>
+void tiled_kernel(const Args& args) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.query.scalar_type(), "attention_cpu", [&] {
+#if defined(SAFEATTN_LOWP_TILES)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
+      if (use_lowp_tiles(args.query.scalar_type())) {
+        attention_run<scalar_t, LowpTiles<scalar_t>>(args);
+        return;
+      }
+    }
+#endif
+    attention_run<scalar_t, FloatTiles<scalar_t>>(args);
+  });
+}
 
 }  // namespace
 }  // namespace safeattn::cpu

@@ -261,7 +261,7 @@ class LowpTiles {
 #endif
 
 template <typename scalar_t, typename Tiles>
-void attention_fwd_run(const AttentionFwdArgs& a) {
+void attention_run(const AttentionFwdArgs& a) {
   using acc_t = typename Tiles::acc_t;
   using Vec = Vectorized<acc_t>;
   const at::Tensor& query = a.query;
@@ -403,27 +403,9 @@ void attention_fwd_run(const AttentionFwdArgs& a) {
   });
 }
 
-template <typename scalar_t>
-void attention_fwd_typed(const AttentionFwdArgs& args) {
-#if defined(SAFEATTN_LOWP_TILES)
-  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>) {
-    if (use_lowp_tiles(args.query.scalar_type())) {
-      attention_fwd_run<scalar_t, LowpTiles<scalar_t>>(args);
-      return;
-    }
-  }
-#endif
-  attention_fwd_run<scalar_t, FloatTiles<scalar_t>>(args);
-}
-
-void attention_fwd_kernel(const AttentionFwdArgs& args) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, args.query.scalar_type(), "attention_fwd_cpu",
-                                  [&] { attention_fwd_typed<scalar_t>(args); });
-}
-
 }  // namespace
 
-SAFEATTN_REGISTER_ISA_KERNEL(attention_fwd_cpu_stub, &attention_fwd_kernel);
+SAFEATTN_REGISTER_ISA_KERNEL(attention_fwd_cpu_stub, &tiled_kernel<AttentionFwdArgs>);
 SAFEATTN_REGISTER_ISA_KERNEL(attention_cpu_tiles_stub, &lowp_tiles_status);
 
 }  // namespace safeattn::cpu

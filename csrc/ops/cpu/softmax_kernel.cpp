@@ -142,36 +142,10 @@ struct PlainSource {
   }
 };
 
-template <typename T, typename acc_t>
-struct BoolMaskSource {
-  const T* scores;
-  const bool* mask;
-  int64_t mask_stride;
-  acc_t scale;
-  inline Vectorized<acc_t> operator()(int64_t index, int64_t count) const {
-    using Vec = Vectorized<acc_t>;
-    using bits_t = at::vec::int_same_size_t<acc_t>;
-    // Per-lane all-ones / zero select mask built from the bool bytes.
-    __at_align__ bits_t keep[vec_size<acc_t>()] = {};
-    const bool* m = mask + index * mask_stride;
-    if (mask_stride == 1) {
-      for (int64_t i = 0; i < count; ++i) {
-        keep[i] = m[i] ? bits_t(-1) : bits_t(0);
-      }
-    } else {
-      for (int64_t i = 0; i < count; ++i) {
-        keep[i] = m[i * mask_stride] ? bits_t(-1) : bits_t(0);
-      }
-    }
-    const Vec s =
-        count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index) : load_acc<T, acc_t>(scores + index, count);
-    // A select, not an addition: a NaN or inf score at a masked position must not leak.
-    return Vec::blendv(Vec(neg_inf<acc_t>()), s * Vec(scale), Vec::loadu(keep));
-  }
-};
-
+// A bool mask (M = bool: masked lanes -inf) or a floating one (M = T or float: added to the
+// scaled scores).
 template <typename T, typename M, typename acc_t>
-struct FloatMaskSource {
+struct MaskSource {
   const T* scores;
   const M* mask;
   int64_t mask_stride;
@@ -179,20 +153,37 @@ struct FloatMaskSource {
   inline Vectorized<acc_t> operator()(int64_t index, int64_t count) const {
     using Vec = Vectorized<acc_t>;
     const M* m = mask + index * mask_stride;
-    Vec bias;
-    if (mask_stride == 1) {
-      bias = count == vec_size<acc_t>() ? load_acc<M, acc_t>(m) : load_acc<M, acc_t>(m, count);
-    } else {
-      __at_align__ acc_t gathered[vec_size<acc_t>()] = {};
-      for (int64_t i = 0; i < count; ++i) {
-        gathered[i] = static_cast<acc_t>(m[i * mask_stride]);
-      }
-      bias = Vec::loadu(gathered);
-    }
     const Vec s =
         count == vec_size<acc_t>() ? load_acc<T, acc_t>(scores + index) : load_acc<T, acc_t>(scores + index, count);
-    const Vec x = at::vec::fmadd(s, Vec(scale), bias);
-    return count == vec_size<acc_t>() ? x : pad_neg_inf(x, count);
+    if constexpr (std::is_same_v<M, bool>) {
+      using bits_t = at::vec::int_same_size_t<acc_t>;
+      // Per-lane all-ones / zero select mask built from the bool bytes.
+      __at_align__ bits_t keep[vec_size<acc_t>()] = {};
+      if (mask_stride == 1) {
+        for (int64_t i = 0; i < count; ++i) {
+          keep[i] = m[i] ? bits_t(-1) : bits_t(0);
+        }
+      } else {
+        for (int64_t i = 0; i < count; ++i) {
+          keep[i] = m[i * mask_stride] ? bits_t(-1) : bits_t(0);
+        }
+      }
+      // A select, not an addition: a NaN or inf score at a masked position must not leak.
+      return Vec::blendv(Vec(neg_inf<acc_t>()), s * Vec(scale), Vec::loadu(keep));
+    } else {
+      Vec bias;
+      if (mask_stride == 1) {
+        bias = count == vec_size<acc_t>() ? load_acc<M, acc_t>(m) : load_acc<M, acc_t>(m, count);
+      } else {
+        __at_align__ acc_t gathered[vec_size<acc_t>()] = {};
+        for (int64_t i = 0; i < count; ++i) {
+          gathered[i] = static_cast<acc_t>(m[i * mask_stride]);
+        }
+        bias = Vec::loadu(gathered);
+      }
+      const Vec x = at::vec::fmadd(s, Vec(scale), bias);
+      return count == vec_size<acc_t>() ? x : pad_neg_inf(x, count);
+    }
   }
 };
 
@@ -495,11 +486,7 @@ void masked_forward(const T* scores, const M* mask, const MaskGeometry& mg, doub
   if (g.inner == 1) {
     forward_rows<T, acc_t>(g, out, [&](int64_t r) {
       const M* m = mask + mg.outer.offset(r);
-      if constexpr (std::is_same_v<M, bool>) {
-        return BoolMaskSource<T, acc_t>{scores + r * n, m, mg.dim_stride, s};
-      } else {
-        return FloatMaskSource<T, M, acc_t>{scores + r * n, m, mg.dim_stride, s};
-      }
+      return MaskSource<T, M, acc_t>{scores + r * n, m, mg.dim_stride, s};
     });
     return;
   }
@@ -559,6 +546,24 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
   auto grad_v = [&](const Vec& go, const Vec& o, const Vec& dot) {
     return Vec::blendv(o * (go - dot), zero, o == zero);
   };
+  // `count` lanes (V: a whole vector) in acc_t.
+  auto load = [](const T* p, int64_t count) {
+    return count == V ? load_acc<T, acc_t>(p) : load_acc<T, acc_t>(p, count);
+  };
+  // The gradient gr at `count` lanes: scaled into gs, unscaled into gx when asked for (non-null).
+  auto store = [&](T* gs, acc_t* gx, const Vec& gr, int64_t count) {
+    if (count == V) {
+      store_acc<T, acc_t>(gs, gr * vscale);
+      if (gx != nullptr) {
+        gr.store(gx);
+      }
+    } else {
+      store_acc<T, acc_t>(gs, gr * vscale, count);
+      if (gx != nullptr) {
+        gr.store(gx, count);
+      }
+    }
+  };
   if (g.inner == 1) {
     at::parallel_for(0, g.outer, grain_for(n, kElementsPerTask), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
@@ -578,20 +583,8 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
         acc_t* gx = grad_x != nullptr ? grad_x + r * n : nullptr;
         for (j = 0; j < n; j += V) {
           const int64_t count = std::min(V, n - j);
-          const Vec go_v = count == V ? load_acc<T, acc_t>(go + j) : load_acc<T, acc_t>(go + j, count);
-          const Vec o_v = count == V ? load_acc<T, acc_t>(o + j) : load_acc<T, acc_t>(o + j, count);
-          const Vec gr = grad_v(go_v, o_v, dot);
-          if (count == V) {
-            store_acc<T, acc_t>(gs + j, gr * vscale);
-            if (gx != nullptr) {
-              gr.store(gx + j);
-            }
-          } else {
-            store_acc<T, acc_t>(gs + j, gr * vscale, count);
-            if (gx != nullptr) {
-              gr.store(gx + j, count);
-            }
-          }
+          const Vec gr = grad_v(load(go + j, count), load(o + j, count), dot);
+          store(gs + j, gx != nullptr ? gx + j : nullptr, gr, count);
         }
       }
     });
@@ -607,26 +600,15 @@ void backward_typed(const T* grad_out, const T* out, acc_t scale, const SoftmaxG
       const int64_t c0 = (t % blocks_per_outer) * V;
       const int64_t count = std::min(V, g.inner - c0);
       const int64_t base = o_idx * n * g.inner + c0;
-      auto load = [&](const T* p) { return count == V ? load_acc<T, acc_t>(p) : load_acc<T, acc_t>(p, count); };
       Vec vdot(0);
       for (int64_t d = 0; d < n; ++d) {
         const int64_t at = base + d * g.inner;
-        vdot = vdot + dot_term_v(load(grad_out + at), load(out + at));
+        vdot = vdot + dot_term_v(load(grad_out + at, count), load(out + at, count));
       }
       for (int64_t d = 0; d < n; ++d) {
         const int64_t at = base + d * g.inner;
-        const Vec gr = grad_v(load(grad_out + at), load(out + at), vdot);
-        if (count == V) {
-          store_acc<T, acc_t>(grad_scores + at, gr * vscale);
-          if (grad_x != nullptr) {
-            gr.store(grad_x + at);
-          }
-        } else {
-          store_acc<T, acc_t>(grad_scores + at, gr * vscale, count);
-          if (grad_x != nullptr) {
-            gr.store(grad_x + at, count);
-          }
-        }
+        const Vec gr = grad_v(load(grad_out + at, count), load(out + at, count), vdot);
+        store(grad_scores + at, grad_x != nullptr ? grad_x + at : nullptr, gr, count);
       }
     }
   });

@@ -34,10 +34,10 @@
 #include "common/cuda_device.h"
 #include "ops/attention.h"
 #include "ops/attention_composite.h"
-#include "ops/cuda/attention_bwd.cuh"
-#include "ops/cuda/attention_bwd_sm90.h"
 #include "ops/cuda/attention_choice.h"
+#include "ops/cuda/generic/attention_bwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/hopper/attention_bwd_sm90.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -197,14 +197,6 @@ at::Tensor launch_rows(const AttentionBwdArgs& args, RowsArgs a, cudaStream_t st
   return lse;
 }
 
-template <typename T>
-void launch_for_head_dim(int64_t head_dim, const BwdParams& params, const attn::BwdLaunch& launch,
-                         cudaStream_t stream) {
-  const bool launched = with_head_dim<kBwdHeadDims>(
-      head_dim, [&](auto dim) { attn::launch_attention_bwd<T, decltype(dim)::value>(params, launch, stream); });
-  TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no tensor-core kernel for head_dim ", head_dim);
-}
-
 // The per-chunk [bc, Hq, Q, KV] dS reduced to grad_mask_partial's [bc, Hm, Qm, KVm].
 at::Tensor reduce_mask_grad(const at::Tensor& full, const at::Tensor& partial, int64_t hkv) {
   at::Tensor g = full;
@@ -356,7 +348,10 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   // dkdv, dq: which kernels a launch runs; the dK/dV kernel covers every batch, the dQ kernel
   // `count` batches from p.batch_begin.
   auto launch = [&](bool dkdv, bool dq, int64_t count) {
-    launch_for_head_dim<T>(head_dim, p, attn::BwdLaunch{batch, count, dkdv, dq, large_tiles}, stream);
+    attn::launch_for_head_dim<kBwdHeadDims>(head_dim, "attention backward (CUDA, tensor cores)", [&](auto dim) {
+      attn::launch_attention_bwd<T, decltype(dim)::value>(p, attn::BwdLaunch{batch, count, dkdv, dq, large_tiles},
+                                                          stream);
+    });
   };
   if (atomic_dq) {
     // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such
@@ -389,23 +384,13 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   }
 }
 
-// f(T{}) with T the 16-bit element type of t (bfloat16, else float16).
-template <typename F>
-void with_16bit_type(const at::Tensor& t, F&& f) {
-  if (t.scalar_type() == at::kBFloat16) {
-    f(__nv_bfloat16{});
-  } else {
-    f(__half{});
-  }
-}
-
 void run_backward(AttentionPath path, const AttentionBwdArgs& args) {
   switch (path) {
     case AttentionPath::kSm90a:
-      with_16bit_type(args.query, [&](auto type) { attention_bwd_hopper<decltype(type)>(args); });
+      attn::with_16bit_type(args.query, [&](auto type) { attention_bwd_hopper<decltype(type)>(args); });
       return;
     case AttentionPath::kMmaSync:
-      with_16bit_type(args.query, [&](auto type) { attention_bwd_tensor_core<decltype(type)>(args); });
+      attn::with_16bit_type(args.query, [&](auto type) { attention_bwd_tensor_core<decltype(type)>(args); });
       return;
     case AttentionPath::kChunkedAten: {
       AttentionBwdArgs cleaned = args;
@@ -418,42 +403,14 @@ void run_backward(AttentionPath path, const AttentionBwdArgs& args) {
   }
 }
 
-// Runs what choose_attention_bwd (attention_choice.h) chose; the arguments are copied only when
-// the key ranges are drawn into the mask.
-void attention_bwd_cuda(const AttentionBwdArgs& args) {
-  const AttentionChoice choice = choose_attention_bwd(args);
-  if (choice.draw_key_ranges) {
-    run_backward(choice.path, with_key_ranges_drawn(args));
-  } else {
-    run_backward(choice.path, args);
-  }
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
-    int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
-    const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges) {
-  const OpDeviceGuard guard(query.device());
-  return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
-                                 kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &attention_bwd_cuda,
-                                 kMaskGradBudgetBytes, &attention_bwd_sums_batch);
-}
+constexpr AttentionBwdFn kBackward = &run_chosen<AttentionBwdArgs, &choose_attention_bwd, &run_backward>;
 
 }  // namespace
 
 const char* attention_bwd_mma_sync_rejects(const AttentionBwdArgs& a) {
-  const at::ScalarType t = a.query.scalar_type();
-  if (t != at::kHalf && t != at::kBFloat16) {
-    return "dtype is not float16 or bfloat16";
-  }
   const int64_t head_dim = a.query.size(3);
-  if (a.value.size(3) != head_dim) {
-    return "value's head dim differs from query's (D != Dv)";
-  }
-  if (!has_head_dim<kBwdHeadDims>(head_dim)) {
-    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
+  if (const char* reason = attn::mma_sync_inputs_rejects(a.query, a.value, has_head_dim<kBwdHeadDims>(head_dim))) {
+    return reason;
   }
   if (!attn::smem_fits(attn::bwd_smem_bytes(head_dim), a.query)) {
     return "its shared memory does not fit this GPU";
@@ -471,5 +428,8 @@ const char* attention_bwd_mma_sync_rejects(const AttentionBwdArgs& a) {
 }  // namespace safeattn::cuda
 
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
-  m.impl("_attention_backward", &safeattn::cuda::attention_backward_cuda);
+  // The device guard is all the backward opens first (attention_backward_kernel, ops/attention.h).
+  using safeattn::cuda::attention_bwd_sums_batch, safeattn::cuda::kBackward, safeattn::cuda::OpDeviceGuard;
+  m.impl("_attention_backward",
+         &safeattn::attention_backward_kernel<OpDeviceGuard, kBackward, &attention_bwd_sums_batch>);
 }

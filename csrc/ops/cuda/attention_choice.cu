@@ -4,28 +4,22 @@
 
 #include <ATen/Context.h>
 
-#include "ops/cuda/attention_bwd_sm90.h"
 #include "ops/cuda/attention_decode.h"
-#include "ops/cuda/attention_fwd_sm90.h"
+#include "ops/cuda/hopper/attention_bwd_sm90.h"
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 namespace safeattn::cuda {
+namespace {
 
-AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args) {
-  AttentionChoice choice;
-  // decode and sm90a read key ranges; the kernels after them get them drawn into the mask.
-  if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args)) ||
-      choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
-    return choice;
+// The paths after the ones that read key ranges, in both directions: the key ranges drawn into
+// the mask, then the mma.sync kernels (unless `mma_sync_reason`), else the chunked ATen ops.
+AttentionChoice offer_generic(AttentionChoice& choice, const at::Tensor& key_ranges, const char* mma_sync_reason) {
+  choice.draw_key_ranges = key_ranges.defined();
+  if (!choice.offer(AttentionPath::kMmaSync, mma_sync_reason)) {
+    choice.offer(AttentionPath::kChunkedAten, nullptr);
   }
-  choice.draw_key_ranges = args.key_ranges.defined();
-  if (choice.offer(AttentionPath::kMmaSync, attention_fwd_mma_sync_rejects(args))) {
-    return choice;
-  }
-  choice.offer(AttentionPath::kChunkedAten, nullptr);
   return choice;
 }
-
-namespace {
 
 // The sm_90a backward sums dQ (and a batch-shared mask gradient) with float atomics except at
 // the head dims with a dQ pass: under deterministic algorithms it runs only where it is
@@ -42,17 +36,22 @@ const char* sm90_bwd_rejects(const AttentionBwdArgs& args) {
 
 }  // namespace
 
+AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args) {
+  AttentionChoice choice;
+  // decode and sm90a read key ranges; the kernels after them get them drawn into the mask.
+  if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args)) ||
+      choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
+    return choice;
+  }
+  return offer_generic(choice, args.key_ranges, attention_fwd_mma_sync_rejects(args));
+}
+
 AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args) {
   AttentionChoice choice;
   if (choice.offer(AttentionPath::kSm90a, sm90_bwd_rejects(args))) {
     return choice;
   }
-  choice.draw_key_ranges = args.key_ranges.defined();
-  if (choice.offer(AttentionPath::kMmaSync, attention_bwd_mma_sync_rejects(args))) {
-    return choice;
-  }
-  choice.offer(AttentionPath::kChunkedAten, nullptr);
-  return choice;
+  return offer_generic(choice, args.key_ranges, attention_bwd_mma_sync_rejects(args));
 }
 
 bool attention_bwd_sums_batch(const AttentionBwdArgs& args) {

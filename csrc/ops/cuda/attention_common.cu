@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -27,22 +28,20 @@ MaskView make_mask_view(const at::Tensor& mask) {
     return view;
   }
   TORCH_INTERNAL_ASSERT(mask.dim() == 4, "attention (CUDA): the mask view must be 4-D");
-  switch (mask.scalar_type()) {
-    case at::kBool:
-      view.kind = MaskKind::kBool;
-      break;
-    case at::kFloat:
-      view.kind = MaskKind::kFloat;
-      break;
-    case at::kHalf:
-      view.kind = MaskKind::kHalf;
-      break;
-    case at::kBFloat16:
-      view.kind = MaskKind::kBFloat16;
-      break;
-    default:
-      TORCH_CHECK(false, "attention (CUDA): attn_mask of dtype ", mask.scalar_type(), " has no CUDA kernel");
+  // The mask's dtype as the kernels name it (mask_view.cuh).
+  static constexpr std::pair<at::ScalarType, MaskKind> kKinds[] = {
+      {at::kBool, MaskKind::kBool},
+      {at::kFloat, MaskKind::kFloat},
+      {at::kHalf, MaskKind::kHalf},
+      {at::kBFloat16, MaskKind::kBFloat16},
+  };
+  for (const auto& [dtype, kind] : kKinds) {
+    if (dtype == mask.scalar_type()) {
+      view.kind = kind;
+    }
   }
+  TORCH_CHECK(view.kind != MaskKind::kNone, "attention (CUDA): attn_mask of dtype ", mask.scalar_type(),
+              " has no CUDA kernel");
   view.ptr = mask.data_ptr();
   view.stride_b = mask.stride(0);
   view.stride_h = mask.stride(1);
@@ -90,6 +89,20 @@ void warn_if_hopper_kernels_missing(const at::Tensor& query) {
 #else
   (void)query;
 #endif
+}
+
+const char* mma_sync_inputs_rejects(const at::Tensor& query, const at::Tensor& value, bool head_dim_compiled) {
+  const at::ScalarType dtype = query.scalar_type();
+  if (dtype != at::kHalf && dtype != at::kBFloat16) {
+    return "dtype is not float16 or bfloat16";
+  }
+  if (query.size(3) != value.size(3)) {
+    return "value's head dim differs from query's (D != Dv)";
+  }
+  if (!head_dim_compiled) {
+    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
+  }
+  return nullptr;
 }
 
 const char* sm90_inputs_rejects(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {

@@ -11,10 +11,12 @@
 #include <cuda_fp16.h>
 
 #include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 
 #include "ops/attention.h"
-#include "ops/cuda/mask_view.cuh"  // MaskView, TileSummaryView, Causal
-#include "ops/cuda/mma_sync.cuh"
+#include "ops/cuda/generic/mma_sync.cuh"
+#include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/mask_view.cuh"   // MaskView, TileSummaryView, Causal
 #include "ops/cuda/score_rule.cuh"  // kLog2e, ScoreRule, finish_row
 
 namespace safeattn::cuda::attn {
@@ -36,6 +38,22 @@ inline bool natural_units(const at::Tensor& mask) {
 // (cp.async, uint4): unit stride along the last dim and every row on a 16-byte boundary. Size-1
 // dims are never stepped over, so their strides do not matter.
 bool rows_aligned_16(const at::Tensor& t);
+
+// Host: why the mma.sync kernels of either direction cannot take a call, their own conditions
+// aside, or nullptr when they can: bf16 / fp16, D == Dv, and a head dim compiled for them
+// (`head_dim_compiled`, has_head_dim of the direction's head dims).
+const char* mma_sync_inputs_rejects(const at::Tensor& query, const at::Tensor& value, bool head_dim_compiled);
+
+// Host: whether this build has the sm_90a kernels (setup.py defines SAFEATTN_WITH_SM90 when it
+// compiles hopper/instances/); without them the head dims of both are none (head_dim_switch.h),
+// so their host code instantiates no launcher, and they decline every call with kNoSm90Kernels.
+#ifdef SAFEATTN_WITH_SM90
+inline constexpr bool kWithSm90 = true;
+#else
+inline constexpr bool kWithSm90 = false;
+#endif
+inline constexpr const char* kNoSm90Kernels =
+    "this build has no sm_90a kernels (no CUTLASS headers, or SAFEATTN_SM90=0)";
 
 // Host: why both sm_90a kernels (attention_fwd_sm90.cu, attention_bwd_sm90.cu) cannot take a
 // call, their head dims aside, or nullptr when they can: they need bf16 / fp16, D == Dv, no empty
@@ -79,6 +97,31 @@ bool smem_fits(size_t bytes, const at::Tensor& t);
 // Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);
+
+// Host: f(T{}) with T the 16-bit element type of t (__nv_bfloat16 for bfloat16, else __half).
+template <typename F>
+void with_16bit_type(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) {
+    f(__nv_bfloat16{});
+  } else {
+    f(__half{});
+  }
+}
+
+// Host: launch(std::integral_constant<int, D>{}) for D == head_dim, which must be one of kDims, the
+// head dims a kernel family was compiled for (head_dim_switch.h); `family` begins the message
+// otherwise. A launcher that returns its cudaError_t (the sm_90a ones) has it checked here.
+template <uint64_t kDims, typename F>
+void launch_for_head_dim(int64_t head_dim, const char* family, F&& launch) {
+  const bool launched = with_head_dim<kDims>(head_dim, [&](auto dim) {
+    if constexpr (std::is_void_v<decltype(launch(dim))>) {
+      launch(dim);
+    } else {
+      C10_CUDA_CHECK(launch(dim));
+    }
+  });
+  TORCH_INTERNAL_ASSERT(launched, family, ": no kernel for head dim ", head_dim);
+}
 
 // Host: the causal fields the mma.sync forward's and the decode kernels' parameter structs
 // share. The entry point passed q_offset = causal_shift(...), kv_offset 0.

@@ -11,8 +11,8 @@
 
 #include "ops/attention_kvcache.h"
 #include "ops/cuda/attention_common.cuh"
-#include "ops/cuda/attention_decode.cuh"
 #include "ops/cuda/attention_decode.h"
+#include "ops/cuda/generic/attention_decode.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
 

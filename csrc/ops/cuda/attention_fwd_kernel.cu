@@ -27,9 +27,9 @@
 #include "ops/cuda/attention_choice.h"
 #include "ops/cuda/attention_common.cuh"
 #include "ops/cuda/attention_decode.h"
-#include "ops/cuda/attention_fwd.cuh"
-#include "ops/cuda/attention_fwd_sm90.h"
+#include "ops/cuda/generic/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 namespace safeattn::cuda {
 namespace {
@@ -37,13 +37,6 @@ namespace {
 using attn::FwdParams;
 
 // ---- tensor-core path ------------------------------------------------------------------------
-
-template <typename T>
-void launch_for_head_dim(int64_t head_dim, const FwdParams& p, cudaStream_t stream) {
-  const bool launched = with_head_dim<kFwdHeadDims>(
-      head_dim, [&](auto dim) { attn::launch_attention_fwd<T, decltype(dim)::value>(p, stream); });
-  TORCH_INTERNAL_ASSERT(launched, "attention (CUDA): no tensor-core kernel for head dim ", head_dim);
-}
 
 void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   // q / k / v are read in place when their rows are aligned, else from an aligned copy.
@@ -71,11 +64,11 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
     p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (query.scalar_type() == at::kBFloat16) {
-    launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream);
-  } else {
-    launch_for_head_dim<__half>(head_dim, p, stream);
-  }
+  attn::with_16bit_type(query, [&](auto type) {
+    attn::launch_for_head_dim<kFwdHeadDims>(head_dim, "attention (CUDA, tensor cores)", [&](auto dim) {
+      attn::launch_attention_fwd<decltype(type), decltype(dim)::value>(p, stream);
+    });
+  });
 }
 
 void run_forward(AttentionPath path, const AttentionFwdArgs& args) {
@@ -97,55 +90,26 @@ void run_forward(AttentionPath path, const AttentionFwdArgs& args) {
   }
 }
 
-// Runs what choose_attention_fwd (attention_choice.h) chose; the arguments are copied only when
-// the key ranges are drawn into the mask.
-void attention_fwd_cuda(const AttentionFwdArgs& args) {
-  const AttentionChoice choice = choose_attention_fwd(args);
-  if (choice.draw_key_ranges) {
-    run_forward(choice.path, with_key_ranges_drawn(args));
-  } else {
-    run_forward(choice.path, args);
-  }
-}
-
 // ---- registration ----------------------------------------------------------------------------
 
-std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& query, const at::Tensor& key,
-                                                  const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-                                                  double dropout_p, bool is_causal, std::optional<double> scale,
-                                                  bool enable_gqa, int64_t q_offset, int64_t kv_offset, double softcap,
-                                                  const std::optional<at::Tensor>& sinks,
-                                                  const std::optional<at::Tensor>& key_ranges) {
-  const OpDeviceGuard guard(query.device());
-  attn::warn_if_hopper_kernels_missing(query);
-  auto [out, lse, unused] =
-      attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                     softcap, sinks, key_ranges, /*with_lse_lo=*/false, &attention_fwd_cuda);
-  return {out, lse};
-}
+// What attention's and _attention_forward's CUDA kernels open first (attention_kernel,
+// ops/attention.h): the device guard, then the warning on an H100/H200 that this build lacks the
+// sm_90a kernels.
+struct ForwardEntry {
+  OpDeviceGuard guard;
+  explicit ForwardEntry(const at::Tensor& query) : guard(query.device()) {
+    attn::warn_if_hopper_kernels_missing(query);
+  }
+};
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
-    double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa, int64_t q_offset, int64_t kv_offset,
-    double softcap, const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& key_ranges) {
-  const OpDeviceGuard guard(query.device());
-  attn::warn_if_hopper_kernels_missing(query);
-  return attention_impl(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, q_offset, kv_offset,
-                        softcap, sinks, key_ranges, /*with_lse_lo=*/true, &attention_fwd_cuda);
-}
+constexpr AttentionFwdFn kForward = &run_chosen<AttentionFwdArgs, &choose_attention_fwd, &run_forward>;
 
 }  // namespace
 
 const char* attention_fwd_mma_sync_rejects(const AttentionFwdArgs& a) {
-  const at::ScalarType dtype = a.query.scalar_type();
-  if (dtype != at::kHalf && dtype != at::kBFloat16) {
-    return "dtype is not float16 or bfloat16";
-  }
-  if (a.query.size(3) != a.value.size(3)) {
-    return "value's head dim differs from query's (D != Dv)";
-  }
-  if (!has_head_dim<kFwdHeadDims>(a.query.size(3))) {
-    return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
+  if (const char* reason =
+          attn::mma_sync_inputs_rejects(a.query, a.value, has_head_dim<kFwdHeadDims>(a.query.size(3)))) {
+    return reason;
   }
   if (!attn::rows_aligned_16(a.out)) {
     return "out's rows are not 16-byte aligned";
@@ -160,6 +124,7 @@ const char* attention_fwd_mma_sync_rejects(const AttentionFwdArgs& a) {
 
 // The forward only; _attention_backward's CUDA kernel is registered in attention_bwd_kernel.cu.
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
-  m.impl("attention", &safeattn::cuda::attention_cuda);
-  m.impl("_attention_forward", &safeattn::cuda::attention_forward_cuda);
+  using safeattn::attention_kernel, safeattn::cuda::ForwardEntry, safeattn::cuda::kForward;
+  m.impl("attention", &attention_kernel<ForwardEntry, kForward, /*kWithLseLo=*/false>);
+  m.impl("_attention_forward", &attention_kernel<ForwardEntry, kForward, /*kWithLseLo=*/true>);
 }

@@ -96,11 +96,10 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& block_table, std::optional<double> scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
-  check_attention_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, sinks);
   const c10::cuda::CUDAGuard guard(q.device());
+  const KvCacheView cache = checked_kv_cache_view(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
+                                                  window_left, window_right, sinks);
   const int64_t batch = q.size(0), q_len = q.size(1);
-  const KvCacheView cache = make_kv_cache_view(k_cache, cache_seqlens, block_table, k.has_value() ? k->size(1) : 0,
-                                               q_len, causal, window_left, window_right);
   if (k.has_value() && cache.new_tokens > 0) {
     append(cache, *k, k_cache);
     append(cache, *v, v_cache);

@@ -369,46 +369,35 @@ void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
   launch_bytes<sizeof(T)>(p, out, bits_of(on), bits_of(off));
 }
 
-at::Tensor sdpa_mask_cuda(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
-                          const std::optional<at::Tensor>& q_positions, bool causal,
-                          std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
-                          const std::optional<at::Tensor>& chunk_left_padding,
-                          const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& packed_ids,
-                          const std::optional<at::Tensor>& block_ids, std::optional<at::ScalarType> dtype,
-                          bool use_finfo_min, std::optional<c10::Device> device) {
-  c10::Device where =
-      check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, sliding_window, chunk_size,
-                      chunk_left_padding, padding_mask, packed_ids, block_ids, dtype, use_finfo_min, device);
-  TORCH_CHECK(where.is_cuda(), "sdpa_mask: the CUDA kernel was asked to build on ", where.str());
-  if (!where.has_index()) {
-    where = c10::Device(c10::kCUDA, c10::cuda::current_device());
+// sdpa_mask's CUDA kernel (sdpa_mask_kernel): on the named GPU (the current one when no index is
+// given), its guard open while the small inputs are converted and the mask is written.
+struct CudaMaskBackend {
+  c10::Device device;
+  cuda::OpDeviceGuard guard;
+
+  explicit CudaMaskBackend(c10::Device where) : device(with_index(where)), guard(device) {}
+
+  static c10::Device with_index(c10::Device where) {
+    TORCH_CHECK(where.is_cuda(), "sdpa_mask: the CUDA kernel was asked to build on ", where.str());
+    return where.has_index() ? where : c10::Device(c10::kCUDA, c10::cuda::current_device());
   }
-  const cuda::OpDeviceGuard guard(where);
-  // Conversions of the small inputs run on the current stream; nothing waits on the host.
-  SdpaMaskInputs in =
-      prepare_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, q_positions, causal, sliding_window,
-                        chunk_size, chunk_left_padding, padding_mask, packed_ids, block_ids);
-  at::Tensor out = at::empty({batch_size, 1, q_length, kv_length},
-                             at::TensorOptions().dtype(dtype.value_or(at::kBool)).device(where));
-  if (out.numel() == 0) {
-    return out;
+  void fill(const SdpaMaskParams& params, at::Tensor& out, bool use_finfo_min) const {
+    if (out.scalar_type() == at::kBool) {
+      launch<bool>(params, out, true, false);
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sdpa_mask_cuda", [&] {
+      const scalar_t off =
+          use_finfo_min ? std::numeric_limits<scalar_t>::lowest() : -std::numeric_limits<scalar_t>::infinity();
+      launch<scalar_t>(params, out, scalar_t(0), off);
+    });
   }
-  if (out.scalar_type() == at::kBool) {
-    launch<bool>(in.params, out, true, false);
-    return out;
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sdpa_mask_cuda", [&] {
-    const scalar_t off =
-        use_finfo_min ? std::numeric_limits<scalar_t>::lowest() : -std::numeric_limits<scalar_t>::infinity();
-    launch<scalar_t>(in.params, out, scalar_t(0), off);
-  });
-  return out;
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
-  m.impl("sdpa_mask", &sdpa_mask_cuda);
+  m.impl("sdpa_mask", &sdpa_mask_kernel<CudaMaskBackend>);
 }
 
 }  // namespace safeattn

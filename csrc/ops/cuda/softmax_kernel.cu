@@ -29,23 +29,10 @@
 namespace safeattn::cuda {
 
 // Instantiated in softmax_rows_<dtype>.cu.
-extern template void launch_softmax_rows<float>(const float*, float*, int64_t, int64_t, const void*,
-                                                const MaskGeometry&, float, cudaStream_t);
-extern template void launch_softmax_rows<double>(const double*, double*, int64_t, int64_t, const void*,
-                                                 const MaskGeometry&, double, cudaStream_t);
-extern template void launch_softmax_rows<c10::Half>(const c10::Half*, c10::Half*, int64_t, int64_t, const void*,
-                                                    const MaskGeometry&, float, cudaStream_t);
-extern template void launch_softmax_rows<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t,
-                                                        const void*, const MaskGeometry&, float, cudaStream_t);
-extern template void launch_softmax_backward_rows<float>(const float*, const float*, float*, float*, int64_t, int64_t,
-                                                         float, cudaStream_t);
-extern template void launch_softmax_backward_rows<double>(const double*, const double*, double*, double*, int64_t,
-                                                          int64_t, double, cudaStream_t);
-extern template void launch_softmax_backward_rows<c10::Half>(const c10::Half*, const c10::Half*, c10::Half*, float*,
-                                                             int64_t, int64_t, float, cudaStream_t);
-extern template void launch_softmax_backward_rows<c10::BFloat16>(const c10::BFloat16*, const c10::BFloat16*,
-                                                                 c10::BFloat16*, float*, int64_t, int64_t, float,
-                                                                 cudaStream_t);
+SAFEATTN_SOFTMAX_ROWS_INSTANCES(extern, float);
+SAFEATTN_SOFTMAX_ROWS_INSTANCES(extern, double);
+SAFEATTN_SOFTMAX_ROWS_INSTANCES(extern, c10::Half);
+SAFEATTN_SOFTMAX_ROWS_INSTANCES(extern, c10::BFloat16);
 
 namespace {
 

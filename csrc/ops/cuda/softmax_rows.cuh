@@ -60,6 +60,14 @@ template <typename T>
 void launch_softmax_backward_rows(const T* grad_out, const T* out, T* grad_scores, acc_type_t<T>* grad_x, int64_t rows,
                                   int64_t n, acc_type_t<T> scale, cudaStream_t stream);
 
+// The explicit instantiations of both launchers for the dtype T: defined once per dtype in
+// softmax_rows_<dtype>.cu (PREFIX empty), declared `extern` (PREFIX extern) where they are called.
+#define SAFEATTN_SOFTMAX_ROWS_INSTANCES(PREFIX, T)                                                               \
+  PREFIX template void launch_softmax_rows<T>(const T*, T*, int64_t, int64_t, const void*, const MaskGeometry&,  \
+                                              acc_type_t<T>, cudaStream_t);                                      \
+  PREFIX template void launch_softmax_backward_rows<T>(const T*, const T*, T*, acc_type_t<T>*, int64_t, int64_t, \
+                                                       acc_type_t<T>, cudaStream_t)
+
 namespace rows_detail {
 
 using namespace safeattn::softmax_detail;
@@ -289,6 +297,72 @@ constexpr int min_blocks() {
   return blocks > 0 ? blocks : 1;
 }
 
+// ---- the row loop both kernels share ------------------------------------------------------
+
+// The vectors [begin, end) of a row that this block takes: the whole row of `vectors`, or with
+// kSplit > 1 the part of block blockIdx.x % kSplit of its cluster (kSplit equal chunks).
+template <typename index_t>
+struct RowPart {
+  index_t begin;
+  index_t end;
+};
+
+template <int kSplit, typename index_t>
+__device__ __forceinline__ RowPart<index_t> row_part(index_t vectors) {
+  const index_t chunk = kSplit > 1 ? (vectors + kSplit - 1) / kSplit : vectors;
+  const index_t begin = kSplit > 1 ? static_cast<index_t>(blockIdx.x % kSplit) * chunk : 0;
+  return {begin, kSplit > 1 ? (vectors < begin + chunk ? vectors : begin + chunk) : vectors};
+}
+
+// Calls body(row, active, parity) for each row of this thread's group of kGroup lanes, the grid
+// (blocks, or clusters of kSplit blocks) looping over the rows. Every thread of a block (and
+// every block of a cluster) runs the same iterations: shuffles and barriers need all of them; a
+// group past the last row gets active == false and does no memory access. parity alternates
+// between iterations (the double-buffered shared slots of a row).
+template <int kGroup, int kSplit, typename Body>
+__device__ __forceinline__ void for_each_row(int64_t rows, Body&& body) {
+  constexpr int kRowsPerBlock = block_threads<kGroup>() / kGroup;
+  const int64_t units = gridDim.x / kSplit;  // blocks, or clusters
+  if constexpr (kSplit > 1) {
+    cluster_start();
+  }
+  int parity = 0;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x / kSplit) * kRowsPerBlock; first < rows;
+       first += units * kRowsPerBlock, parity ^= 1) {
+    const int64_t row = first + threadIdx.x / kGroup;
+    body(row, row < rows, parity);
+  }
+}
+
+// The packs of vectors v0 + k * kGroup (k < kUnroll) of `in` that lie before `end`.
+template <int kGroup, typename T, int VEC, int kUnroll, typename index_t>
+__device__ __forceinline__ void load_packs(Pack<T, VEC> (&p)[kUnroll], const T* in, index_t v0, index_t end) {
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const index_t v = v0 + static_cast<index_t>(k) * kGroup;
+    if (v < end) {
+      p[k] = load_pack<T, VEC>(in + v * VEC);
+    }
+  }
+}
+
+// f(v, x) for the vectors v = v0 + k * kGroup (k < kUnroll) before `end`, x the values of pack k
+// (values(p[k], v, x)). A function, not a lambda in the kernel: nvcc 13.0's cudafe++ crashed on
+// the generic lambda.
+template <int kGroup, typename acc_t, typename T, int VEC, int kUnroll, typename index_t, typename Values, typename F>
+__device__ __forceinline__ void for_each_vector(const Pack<T, VEC> (&p)[kUnroll], index_t v0, index_t end,
+                                                const Values& values, F&& f) {
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const index_t v = v0 + static_cast<index_t>(k) * kGroup;
+    if (v < end) {
+      acc_t x[VEC];
+      values(p[k], v, x);
+      f(v, x);
+    }
+  }
+}
+
 // ---- forward -----------------------------------------------------------------------------
 
 // kGroup threads per row: kGroup <= 32, several rows per block, one per group of lanes; else
@@ -305,28 +379,15 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
   using acc_t = acc_type_t<T>;
   using index_t = std::conditional_t<(kCache > 0), int, int64_t>;  // vector index within a row
   constexpr int kSlots = kGroup > kWarp ? kGroup / kWarp : 1;
-  constexpr int kRowsPerBlock = block_threads<kGroup>() / kGroup;
   // Read-twice path: vectors per thread loaded together (64 bytes in flight, 16 values at VEC 1).
   constexpr int kUnroll = VEC > 1 ? 4 : 16;
   __shared__ acc_t red_max[kSlots];
   __shared__ acc_t red_sum[kSlots];
   __shared__ ClusterSlots<kSplit, acc_t> cluster_slots;
   const int t = static_cast<int>(threadIdx.x % kGroup);
-  const index_t vectors = static_cast<index_t>(n / VEC);
-  const index_t chunk = kSplit > 1 ? (vectors + kSplit - 1) / kSplit : vectors;
-  const index_t part_begin = kSplit > 1 ? static_cast<index_t>(blockIdx.x % kSplit) * chunk : 0;
-  const index_t part_end = kSplit > 1 ? (vectors < part_begin + chunk ? vectors : part_begin + chunk) : vectors;
-  const int64_t units = gridDim.x / kSplit;  // blocks, or clusters
-  if constexpr (kSplit > 1) {
-    cluster_start();
-  }
-  int parity = 0;
-  // Every thread of a block (and every block of a cluster) runs the same iterations: shuffles
-  // and barriers need all of them; groups past the last row do no memory access.
-  for (int64_t first = static_cast<int64_t>(blockIdx.x / kSplit) * kRowsPerBlock; first < rows;
-       first += units * kRowsPerBlock, parity ^= 1) {
-    const int64_t row = first + threadIdx.x / kGroup;
-    const bool active = row < rows;
+  const RowPart<index_t> part = row_part<kSplit>(static_cast<index_t>(n / VEC));
+  const index_t part_begin = part.begin, part_end = part.end;
+  for_each_row<kGroup, kSplit>(rows, [&](int64_t row, bool active, int parity) {
     const T* in = scores + row * n;
     T* o = out + row * n;
     const MaskRef m =
@@ -412,7 +473,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
         factor = output_factor(max, sum);
       }
       if (!active) {
-        continue;
+        return;
       }
 #pragma unroll
       for (int k = 0; k < kCache; ++k) {
@@ -432,40 +493,22 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
       if (active) {
         for (index_t v0 = part_begin + t; v0 < part_end; v0 += static_cast<index_t>(kUnroll) * kGroup) {
           Pack<T, VEC> p[kUnroll];
-#pragma unroll
-          for (int k = 0; k < kUnroll; ++k) {
-            const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-            if (v < part_end) {
-              p[k] = load_pack<T, VEC>(in + v * VEC);
-            }
-          }
+          load_packs<kGroup>(p, in, v0, part_end);
           acc_t batch_max = max;
+          for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t, const acc_t(&x)[VEC]) {
 #pragma unroll
-          for (int k = 0; k < kUnroll; ++k) {
-            const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-            if (v < part_end) {
-              acc_t x[VEC];
-              values(p[k], v, x);
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) {
-                batch_max = max_nan(batch_max, x[e]);
-              }
+            for (int e = 0; e < VEC; ++e) {
+              batch_max = max_nan(batch_max, x[e]);
             }
-          }
+          });
           const acc_t shift = exp_shift(batch_max);
           sum *= accurate_exp(max - shift);  // max == -inf: sum is 0 and stays 0
+          for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t, const acc_t(&x)[VEC]) {
 #pragma unroll
-          for (int k = 0; k < kUnroll; ++k) {
-            const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-            if (v < part_end) {
-              acc_t x[VEC];
-              values(p[k], v, x);
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) {
-                sum += element_exp(x[e] - shift);
-              }
+            for (int e = 0; e < VEC; ++e) {
+              sum += element_exp(x[e] - shift);
             }
-          }
+          });
           max = batch_max;
         }
       }
@@ -489,36 +532,24 @@ __global__ void __launch_bounds__(block_threads<kGroup>(), min_blocks<kGroup, T,
         }
       }
       if (!active) {
-        continue;
+        return;
       }
       const acc_t shift = exp_shift(max);
       const acc_t factor = output_factor(max, sum);
       for (index_t v0 = part_begin + t; v0 < part_end; v0 += static_cast<index_t>(kUnroll) * kGroup) {
         Pack<T, VEC> p[kUnroll];
+        load_packs<kGroup>(p, in, v0, part_end);
+        for_each_vector<kGroup, acc_t>(p, v0, part_end, values, [&](index_t v, const acc_t(&x)[VEC]) {
+          Pack<T, VEC> r;
 #pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-          const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-          if (v < part_end) {
-            p[k] = load_pack<T, VEC>(in + v * VEC);
+          for (int e = 0; e < VEC; ++e) {
+            r.v[e] = static_cast<T>(element_exp(x[e] - shift) * factor);
           }
-        }
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k) {
-          const index_t v = v0 + static_cast<index_t>(k) * kGroup;
-          if (v < part_end) {
-            acc_t x[VEC];
-            values(p[k], v, x);
-            Pack<T, VEC> r;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              r.v[e] = static_cast<T>(element_exp(x[e] - shift) * factor);
-            }
-            store_pack<T, VEC>(o + v * VEC, r);
-          }
-        }
+          store_pack<T, VEC>(o + v * VEC, r);
+        });
       }
     }
-  }
+  });
 }
 
 // ---- backward ----------------------------------------------------------------------------
@@ -531,23 +562,12 @@ __global__ void __launch_bounds__(block_threads<kGroup>())
                                  acc_type_t<T>* __restrict__ grad_x, int64_t rows, int64_t n, acc_type_t<T> scale) {
   using acc_t = acc_type_t<T>;
   constexpr int kSlots = kGroup > kWarp ? kGroup / kWarp : 1;
-  constexpr int kRowsPerBlock = block_threads<kGroup>() / kGroup;
   __shared__ acc_t red[2][kSlots];  // one slot array per row parity
   __shared__ ClusterSlots<kSplit, acc_t> cluster_slots;
   const int t = static_cast<int>(threadIdx.x % kGroup);
-  const int64_t vectors = n / VEC;
-  const int64_t chunk = kSplit > 1 ? (vectors + kSplit - 1) / kSplit : vectors;
-  const int64_t part_begin = kSplit > 1 ? static_cast<int64_t>(blockIdx.x % kSplit) * chunk : 0;
-  const int64_t part_end = kSplit > 1 ? std::min<int64_t>(vectors, part_begin + chunk) : vectors;
-  const int64_t units = gridDim.x / kSplit;
-  if constexpr (kSplit > 1) {
-    cluster_start();
-  }
-  int parity = 0;
-  for (int64_t first = static_cast<int64_t>(blockIdx.x / kSplit) * kRowsPerBlock; first < rows;
-       first += units * kRowsPerBlock, parity ^= 1) {
-    const int64_t row = first + threadIdx.x / kGroup;
-    const bool active = row < rows;
+  const RowPart<int64_t> part = row_part<kSplit>(n / VEC);
+  const int64_t part_begin = part.begin, part_end = part.end;
+  for_each_row<kGroup, kSplit>(rows, [&](int64_t row, bool active, int parity) {
     const T* g = grad_out + row * n;
     const T* y = out + row * n;
     acc_t dot = 0;
@@ -594,7 +614,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>())
       }
     }
     if (!active) {
-      continue;
+      return;
     }
     auto write = [&](const Pack<T, VEC>& gp, const Pack<T, VEC>& yp, int64_t v) {
       Pack<T, VEC> r;
@@ -621,7 +641,7 @@ __global__ void __launch_bounds__(block_threads<kGroup>())
         write(load_pack<T, VEC>(g + v * VEC), load_pack<T, VEC>(y + v * VEC), v);
       }
     }
-  }
+  });
 }
 
 // ---- launch configuration ----------------------------------------------------------------
@@ -704,6 +724,28 @@ inline RowConfig backward_config(int64_t n, int64_t vectors, int vec, bool clust
   return {256, 0, clusters ? kMaxSplit : 1};
 }
 
+// The launch configuration of `grid` blocks of `threads` threads, in clusters of `split` blocks
+// along x when split > 1. config points at attribute, so the struct is neither copied nor moved.
+struct ClusterLaunch {
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute{};
+
+  ClusterLaunch(int64_t grid, int threads, int split) {
+    config.gridDim = dim3(static_cast<unsigned int>(grid));
+    config.blockDim = dim3(static_cast<unsigned int>(threads));
+    if (split > 1) {
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = static_cast<unsigned int>(split);
+      attribute.val.clusterDim.y = 1;
+      attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+    }
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
+};
+
 inline int current_device() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
@@ -725,18 +767,9 @@ bool clusters_usable(Probe probe, Biggest biggest, int device) {
   if (attributes.ptxVersion < 90 || attributes.binaryVersion < 90) {
     return false;
   }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kMaxSplit);
-  config.blockDim = dim3(256);
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = kMaxSplit;
-  attribute.val.clusterDim.y = 1;
-  attribute.val.clusterDim.z = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  const ClusterLaunch cluster(kMaxSplit, 256, kMaxSplit);
   int count = 0;
-  if (cudaOccupancyMaxActiveClusters(&count, biggest, &config) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&count, biggest, &cluster.config) != cudaSuccess) {
     (void)cudaGetLastError();  // not an error of this op: take the path without clusters
     return false;
   }
@@ -774,18 +807,9 @@ int64_t resident_units(int threads, int split, int device) {
   }
   int64_t units = 0;
   if (split > 1) {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(split);
-    config.blockDim = dim3(threads);
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = split;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const ClusterLaunch cluster(split, threads, split);
     int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &cluster.config));
     units = clusters;
   } else {
     int per_sm = 0;
@@ -799,30 +823,20 @@ int64_t resident_units(int threads, int split, int device) {
   return units;
 }
 
-// Launches kKernel on `stream` for `units` row groups of `threads` threads (clusters of `split`
-// blocks when split > 1). Single blocks get one block per row group (up to the grid limit; the
-// kernels loop past it): the hardware's scheduler reaches copy bandwidth where a persistent grid
-// of resident blocks does not. Clusters keep the persistent grid, which is the faster of the two
-// for 64k-long rows.
-template <auto kKernel, typename... Args>
-void launch(int64_t units, int threads, int split, int device, cudaStream_t stream, Args&&... args) {
-  const int64_t resident = split > 1 ? resident_units<kKernel>(threads, split, device) : int64_t{INT32_MAX};
-  const int64_t grid = std::min(units, resident) * split;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned int>(grid));
-  config.blockDim = dim3(static_cast<unsigned int>(threads));
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  if (split > 1) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned int>(split);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kKernel, std::forward<Args>(args)...));
+// Launches kKernel, instantiated for kGroup threads per row and kSplit blocks per row, on `stream`
+// for `rows` rows: row groups of block_threads<kGroup>() threads (clusters of kSplit blocks when
+// kSplit > 1). Single blocks get one block per row group (up to the grid limit; the kernels loop
+// past it): the hardware's scheduler reaches copy bandwidth where a persistent grid of resident
+// blocks does not. Clusters keep the persistent grid, which is the faster of the two for 64k-long
+// rows.
+template <auto kKernel, int kGroup, int kSplit, typename... Args>
+void launch(int64_t rows, int device, cudaStream_t stream, Args&&... args) {
+  constexpr int kThreads = block_threads<kGroup>();
+  const int64_t units = ceil_div(rows, kThreads / kGroup);
+  const int64_t resident = kSplit > 1 ? resident_units<kKernel>(kThreads, kSplit, device) : int64_t{INT32_MAX};
+  ClusterLaunch cluster(std::min(units, resident) * kSplit, kThreads, kSplit);
+  cluster.config.stream = stream;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cluster.config, kKernel, std::forward<Args>(args)...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -836,44 +850,25 @@ inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+// Calls f(Int<value>{}) when value is one of kValues and returns true; false otherwise. Only
+// kValues instantiate f.
+template <int... kValues, typename F>
+bool with_value(int value, F&& f) {
+  return ((value == kValues ? (f(Int<kValues>{}), true) : false) || ...);
+}
+
 // Calls f(Int<group>, Int<kCache>, Int<1>) for a single-block configuration of `group` threads
 // per row; false for a group size no variant has.
 template <int kCache, typename F>
 bool with_one_block_group(int group, F&& f) {
-  switch (group) {
-    case 4:
-      return f(Int<4>{}, Int<kCache>{}, Int<1>{}), true;
-    case 8:
-      return f(Int<8>{}, Int<kCache>{}, Int<1>{}), true;
-    case 16:
-      return f(Int<16>{}, Int<kCache>{}, Int<1>{}), true;
-    case 32:
-      return f(Int<32>{}, Int<kCache>{}, Int<1>{}), true;
-    case 64:
-      return f(Int<64>{}, Int<kCache>{}, Int<1>{}), true;
-    case 128:
-      return f(Int<128>{}, Int<kCache>{}, Int<1>{}), true;
-    case 256:
-      return f(Int<256>{}, Int<kCache>{}, Int<1>{}), true;
-    default:
-      return false;
-  }
+  return with_value<4, 8, 16, 32, 64, 128, 256>(group, [&](auto g) { f(g, Int<kCache>{}, Int<1>{}); });
 }
 
 // Calls f(Int<256>, Int<kCache>, Int<split>) for a cluster of `split` (2, 4 or 8) blocks of 256
 // threads per row; false for another split.
 template <int kCache, typename F>
 bool with_cluster_split(int split, F&& f) {
-  switch (split) {
-    case 2:
-      return f(Int<256>{}, Int<kCache>{}, Int<2>{}), true;
-    case 4:
-      return f(Int<256>{}, Int<kCache>{}, Int<4>{}), true;
-    case 8:
-      return f(Int<256>{}, Int<kCache>{}, Int<8>{}), true;
-    default:
-      return false;
-  }
+  return with_value<2, 4, 8>(split, [&](auto s) { f(Int<256>{}, Int<kCache>{}, s); });
 }
 
 // Calls f(Int<group>, Int<cache>, Int<split>) for the forward configurations forward_config can
@@ -910,79 +905,33 @@ void with_forward_config(const RowConfig& c, F&& f) {
 template <int kVec, typename F>
 void with_backward_config(const RowConfig& c, F&& f) {
   if (c.split == 1) {
-    switch (c.group) {
-      case 4:
-        if constexpr (kVec > 1) {
-          return f(Int<4>{}, Int<1>{}, Int<1>{});
+    // Groups of 4-16 lanes (vectors only) keep one vector (backward_config gives them no other);
+    // a warp keeps 1-4 vectors, 8 while that is at most 32 values, 16 and 32 single values; a
+    // block of 256 reads twice, or keeps 1-8 vectors.
+    auto one_block = [&](auto group) { return [&, group](auto cache) { f(group, cache, Int<1>{}); }; };
+    if constexpr (kVec > 1) {
+      if (with_value<4, 8, 16>(c.group, [&](auto group) { f(group, Int<1>{}, Int<1>{}); }) ||
+          (c.group == 256 && with_value<1, 2, 4, 8>(c.cache, one_block(Int<256>{})))) {
+        return;
+      }
+    }
+    if (c.group == 32) {
+      if (with_value<1, 2, 4>(c.cache, one_block(Int<32>{}))) {
+        return;
+      }
+      if constexpr (kVec * 8 <= 32) {
+        if (with_value<8>(c.cache, one_block(Int<32>{}))) {
+          return;
         }
-        break;
-      case 8:
-        if constexpr (kVec > 1) {
-          return f(Int<8>{}, Int<1>{}, Int<1>{});
+      }
+      if constexpr (kVec == 1) {
+        if (with_value<16, 32>(c.cache, one_block(Int<32>{}))) {
+          return;
         }
-        break;
-      case 16:
-        if constexpr (kVec > 1) {
-          return f(Int<16>{}, Int<1>{}, Int<1>{});
-        }
-        break;
-      case 32:
-        switch (c.cache) {
-          case 1:
-            return f(Int<32>{}, Int<1>{}, Int<1>{});
-          case 2:
-            return f(Int<32>{}, Int<2>{}, Int<1>{});
-          case 4:
-            return f(Int<32>{}, Int<4>{}, Int<1>{});
-          case 8:
-            if constexpr (kVec * 8 <= 32) {
-              return f(Int<32>{}, Int<8>{}, Int<1>{});
-            }
-            break;
-          case 16:
-            if constexpr (kVec == 1) {
-              return f(Int<32>{}, Int<16>{}, Int<1>{});
-            }
-            break;
-          case 32:
-            if constexpr (kVec == 1) {
-              return f(Int<32>{}, Int<32>{}, Int<1>{});
-            }
-            break;
-          default:
-            break;
-        }
-        break;
-      case 256:
-        switch (c.cache) {
-          case 0:
-            return f(Int<256>{}, Int<0>{}, Int<1>{});
-          case 1:
-            if constexpr (kVec > 1) {
-              return f(Int<256>{}, Int<1>{}, Int<1>{});
-            }
-            break;
-          case 2:
-            if constexpr (kVec > 1) {
-              return f(Int<256>{}, Int<2>{}, Int<1>{});
-            }
-            break;
-          case 4:
-            if constexpr (kVec > 1) {
-              return f(Int<256>{}, Int<4>{}, Int<1>{});
-            }
-            break;
-          case 8:
-            if constexpr (kVec > 1) {
-              return f(Int<256>{}, Int<8>{}, Int<1>{});
-            }
-            break;
-          default:
-            break;
-        }
-        break;
-      default:
-        break;
+      }
+    }
+    if (c.group == 256 && c.cache == 0) {
+      return f(Int<256>{}, Int<0>{}, Int<1>{});
     }
   } else if (c.group == 256) {
     if (c.cache == 0 && c.split == kMaxSplit) {
@@ -1008,13 +957,9 @@ void forward_rows_vec(const T* scores, T* out, int64_t rows, int64_t n, const vo
       &softmax_rows_kernel<T, kVec, 256, forward_cache(kVec), kMaxSplit, kMasked>, device);
   const RowConfig c = forward_config(n / kVec, forward_cache(kVec), clusters, small_forward_cache(kVec));
   with_forward_config<kVec>(c, [&](auto group, auto cache, auto split) {
-    constexpr int kGroup = decltype(group)::value;
-    constexpr int kCache = decltype(cache)::value;
-    constexpr int kSplit = decltype(split)::value;
-    constexpr int kThreads = block_threads<kGroup>();
-    constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_rows_kernel<T, kVec, kGroup, kCache, kSplit, kMasked>>(
-        ceil_div(rows, kRowsPerBlock), kThreads, kSplit, device, stream, scores, out, rows, n, mask, mg, scale);
+    constexpr int kGroup = decltype(group)::value, kSplit = decltype(split)::value;
+    launch<&softmax_rows_kernel<T, kVec, kGroup, decltype(cache)::value, kSplit, kMasked>, kGroup, kSplit>(
+        rows, device, stream, scores, out, rows, n, mask, mg, scale);
   });
 }
 
@@ -1027,14 +972,9 @@ void backward_rows_vec(const T* grad_out, const T* out, T* grad_scores, acc_type
       &softmax_backward_rows_kernel<T, kVec, 256, (kVec > 1 ? 32 / kVec : 0), kMaxSplit>, device);
   const RowConfig c = backward_config(n, n / kVec, kVec, clusters);
   with_backward_config<kVec>(c, [&](auto group, auto cache, auto split) {
-    constexpr int kGroup = decltype(group)::value;
-    constexpr int kCache = decltype(cache)::value;
-    constexpr int kSplit = decltype(split)::value;
-    constexpr int kThreads = block_threads<kGroup>();
-    constexpr int kRowsPerBlock = kThreads / kGroup;
-    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, kCache, kSplit>>(ceil_div(rows, kRowsPerBlock), kThreads,
-                                                                           kSplit, device, stream, grad_out, out,
-                                                                           grad_scores, grad_x, rows, n, scale);
+    constexpr int kGroup = decltype(group)::value, kSplit = decltype(split)::value;
+    launch<&softmax_backward_rows_kernel<T, kVec, kGroup, decltype(cache)::value, kSplit>, kGroup, kSplit>(
+        rows, device, stream, grad_out, out, grad_scores, grad_x, rows, n, scale);
   });
 }
 

@@ -4,10 +4,6 @@
 
 namespace safeattn::cuda {
 
-using Scalar = c10::BFloat16;
-template void launch_softmax_rows<Scalar>(const Scalar*, Scalar*, int64_t, int64_t, const void*, const MaskGeometry&,
-                                          acc_type_t<Scalar>, cudaStream_t);
-template void launch_softmax_backward_rows<Scalar>(const Scalar*, const Scalar*, Scalar*, acc_type_t<Scalar>*, int64_t,
-                                                   int64_t, acc_type_t<Scalar>, cudaStream_t);
+SAFEATTN_SOFTMAX_ROWS_INSTANCES(, c10::BFloat16);
 
 }  // namespace safeattn::cuda

@@ -1,7 +1,8 @@
 // The sm_90a (Hopper) backward of safeattn::attention on CuTe: TMA loads, wgmma, warp
 // specialisation. Built only with -gencode=arch=compute_90a,code=sm_90a; instantiated once per
-// (head dim, dtype) in hopper/attention_bwd_sm90_d<D>_<dtype>.cu. Semantics: ops/attention.h;
-// what it is given: hopper/bwd_params.h (the rows pre-pass has already made delta and row_shift).
+// (head dim, dtype) in hopper/instances/attention_bwd_sm90_d<D>_<dtype>.cu. Semantics:
+// ops/attention.h; what it is given: hopper/bwd_params.h (the rows pre-pass has already made delta
+// and row_shift).
 //
 // With s the raw dot products q.k, p = exp2(s * scale log2(e) - row_shift) (the forward's
 // probabilities, lse and lse_lo folded into row_shift), dP = dO V^T and

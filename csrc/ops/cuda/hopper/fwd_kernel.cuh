@@ -1,7 +1,7 @@
 // The sm_90a (Hopper) forward of safeattn::attention on CuTe: TMA loads, wgmma, warp
 // specialisation. Built only with -gencode=arch=compute_90a,code=sm_90a (wgmma, setmaxnreg);
-// instantiated once per (head dim, dtype) in hopper/attention_fwd_sm90_d<D>_<dtype>.cu. Semantics:
-// ops/attention.h; what it is given: hopper/fwd_params.h.
+// instantiated once per (head dim, dtype) in hopper/instances/attention_fwd_sm90_d<D>_<dtype>.cu.
+// Semantics: ops/attention.h; what it is given: hopper/fwd_params.h.
 //
 // One CTA = 1 producer warpgroup + kMmaWGs consumer warpgroups, persistent over the output tiles
 // (kBlockM query rows of one (batch, head); consumer warpgroup w owns rows [64w, 64w + 64)).

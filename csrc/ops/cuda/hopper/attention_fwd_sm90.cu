@@ -1,9 +1,8 @@
 // attention_fwd_sm90 (attention_fwd_sm90.h): which calls the Hopper forward can take, and its
 // parameters. Host code only, compiled like the other .cu files; the kernels are in
-// ops/cuda/hopper/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
-#include "ops/cuda/attention_fwd_sm90.h"
-
-#ifdef SAFEATTN_WITH_SM90
+// hopper/instances/attention_fwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found
+// CUTLASS.
+#include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -18,20 +17,11 @@
 #include "ops/cuda/hopper/fwd_params.h"
 
 namespace safeattn::cuda {
-namespace {
-
-template <typename T>
-cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::FwdSm90Params& p, cudaStream_t stream) {
-  cudaError_t error = cudaSuccess;
-  const bool launched = with_head_dim<kFwdSm90HeadDims>(
-      head_dim, [&](auto dim) { error = hopper::launch_attention_fwd_sm90<T, decltype(dim)::value>(p, stream); });
-  TORCH_INTERNAL_ASSERT(launched, "attention (CUDA): no sm90 kernel for head dim ", head_dim);
-  return error;
-}
-
-}  // namespace
 
 const char* attention_fwd_sm90_rejects(const AttentionFwdArgs& a) {
+  if (!attn::kWithSm90) {
+    return attn::kNoSm90Kernels;
+  }
   // Masks are read in place, bool ones and float ones (a bias) alike.
   if (!has_head_dim<kFwdSm90HeadDims>(a.query.size(3))) {
     return "head dim not compiled for it (SAFEATTN_ATTN_HEAD_DIMS)";
@@ -78,26 +68,11 @@ void attention_fwd_sm90(const AttentionFwdArgs& a) {
     p.tile_counter = tile_counter.data_ptr<int>();
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t err = query.scalar_type() == at::kBFloat16
-                              ? launch_for_head_dim<__nv_bfloat16>(query.size(3), p, stream)
-                              : launch_for_head_dim<__half>(query.size(3), p, stream);
-  C10_CUDA_CHECK(err);
+  attn::with_16bit_type(query, [&](auto type) {
+    attn::launch_for_head_dim<kFwdSm90HeadDims>(query.size(3), "attention (CUDA, sm_90a)", [&](auto dim) {
+      return hopper::launch_attention_fwd_sm90<decltype(type), decltype(dim)::value>(p, stream);
+    });
+  });
 }
 
 }  // namespace safeattn::cuda
-
-#else  // no Hopper kernels in this build
-
-namespace safeattn::cuda {
-
-const char* attention_fwd_sm90_rejects(const AttentionFwdArgs&) {
-  return "this build has no sm_90a kernels (no CUTLASS headers, or SAFEATTN_SM90=0)";
-}
-
-void attention_fwd_sm90(const AttentionFwdArgs&) {
-  TORCH_INTERNAL_ASSERT(false, "attention (CUDA): this build has no sm90 kernels");
-}
-
-}  // namespace safeattn::cuda
-
-#endif

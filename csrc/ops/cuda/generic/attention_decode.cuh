@@ -35,8 +35,8 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/mask_view.cuh"
-#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/score_rule.cuh"
 #include "ops/kv_cache_view.h"
 

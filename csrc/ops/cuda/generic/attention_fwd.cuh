@@ -45,9 +45,9 @@
 
 #include <cuda_runtime.h>
 
+#include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "ops/cuda/mask_view.cuh"
-#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/score_rule.cuh"
 
 #if defined(SAFEATTN_ATTN_FWD_DEFINE_KERNELS) && !defined(SAFEATTN_STANDALONE)

@@ -49,26 +49,25 @@ __device__ __forceinline__ void mma_pair(float (&d0)[4], float (&d1)[4], const u
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ uint32_t smem_address(uint32_t address) {  // one already
+  return address;
+}
 
 // Four 8x8 16-bit matrices from shared memory; lane l gives the row address of matrix l / 8 (a
 // pointer, or a shared-memory address as smem_address gives).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t row) {
+template <typename Row>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], Row row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(row));
-}
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  ldmatrix_x4(r, smem_address(row));
+               : "r"(smem_address(row)));
 }
 
 // The same, each matrix transposed (B operands stored row-major in K, such as V).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t row) {
+template <typename Row>
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], Row row) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(row));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-  ldmatrix_x4_trans(r, smem_address(row));
+               : "r"(smem_address(row)));
 }
 
 // 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so

@@ -1,9 +1,8 @@
 // attention_bwd_sm90 (attention_bwd_sm90.h): which calls the Hopper backward can take, and its
 // parameters. Host code only, compiled like the other .cu files; the kernels are in
-// ops/cuda/hopper/attention_bwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found CUTLASS.
-#include "ops/cuda/attention_bwd_sm90.h"
-
-#ifdef SAFEATTN_WITH_SM90
+// hopper/instances/attention_bwd_sm90_d<D>_<dtype>.cu, built for sm_90a when setup.py found
+// CUTLASS.
+#include "ops/cuda/hopper/attention_bwd_sm90.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -18,20 +17,11 @@
 #include "ops/cuda/hopper/bwd_params.h"
 
 namespace safeattn::cuda {
-namespace {
-
-template <typename T>
-cudaError_t launch_for_head_dim(int64_t head_dim, const hopper::BwdSm90Params& p, cudaStream_t stream) {
-  cudaError_t error = cudaSuccess;
-  const bool launched = with_head_dim<kBwdSm90HeadDims>(
-      head_dim, [&](auto dim) { error = hopper::launch_attention_bwd_sm90<T, decltype(dim)::value>(p, stream); });
-  TORCH_INTERNAL_ASSERT(launched, "attention backward (CUDA): no sm90 kernel for head dim ", head_dim);
-  return error;
-}
-
-}  // namespace
 
 const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
+  if (!attn::kWithSm90) {
+    return attn::kNoSm90Kernels;
+  }
   // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
   // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer for
@@ -141,29 +131,11 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
     p.grad_mask_sums_batch = sums_batch;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t err = query.scalar_type() == at::kBFloat16 ? launch_for_head_dim<__nv_bfloat16>(head_dim, p, stream)
-                                                               : launch_for_head_dim<__half>(head_dim, p, stream);
-  C10_CUDA_CHECK(err);
+  attn::with_16bit_type(query, [&](auto type) {
+    attn::launch_for_head_dim<kBwdSm90HeadDims>(head_dim, "attention backward (CUDA, sm_90a)", [&](auto dim) {
+      return hopper::launch_attention_bwd_sm90<decltype(type), decltype(dim)::value>(p, stream);
+    });
+  });
 }
 
 }  // namespace safeattn::cuda
-
-#else  // no Hopper kernels in this build
-
-namespace safeattn::cuda {
-
-const char* attention_bwd_sm90_rejects(const AttentionBwdArgs&) {
-  return "this build has no sm_90a kernels (no CUTLASS headers, or SAFEATTN_SM90=0)";
-}
-
-bool attention_bwd_sm90_deterministic(const AttentionBwdArgs&) {
-  return false;
-}
-
-void attention_bwd_sm90(const AttentionBwdArgs&, const Sm90BwdRows&) {
-  TORCH_INTERNAL_ASSERT(false, "attention backward (CUDA): this build has no sm90 kernels");
-}
-
-}  // namespace safeattn::cuda
-
-#endif

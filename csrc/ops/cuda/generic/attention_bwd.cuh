@@ -61,9 +61,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "ops/cuda/mask_view.cuh"
-#include "ops/cuda/mma_sync.cuh"
 #include "ops/cuda/score_rule.cuh"
 
 #ifndef SAFEATTN_STANDALONE
