@@ -216,15 +216,15 @@ template <int D, bool kLarge = false>
 struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true> {};
 // D = 128 within 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps 2 x 2 over the S^T
 // tile scoring 16 queries at a time, P^T and dS'^T through shared memory, dK / dV split by head
-// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.52 ms causal, 6.44 non-causal.
+// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.52 ms causal, 6.58 non-causal.
 template <>
 struct DkvConfig<128, false> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
 // With more than 99 KB, FlashAttention-2's layouts, P^T and dS'^T through shared memory, swizzled
 // rows, one Q/dO buffer. H200 (benchmarks/mma_sync_bwd_check.cu, B4 H16 S4096 bf16, causal /
 // non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps across the
-// head dim (134 KB): 3.30 / 5.94 ms, against 3.52 / 6.44 for the 99 KB shape (two Q/dO buffers,
-// 166 KB, are over sm_80's 163: 3.24 / 5.80). D = 64, 128 keys x 128 queries, 8 warps 2 x 4
-// scoring 16 queries at a time (135 KB): 2.00 / 3.45 ms, against 2.20 / 3.86.
+// head dim (134 KB): 3.20 / 5.77 ms, against 3.52 / 6.58 for the 99 KB shape (two Q/dO buffers,
+// 166 KB, are over sm_80's 163). D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries
+// at a time (135 KB): 1.95 / 3.37 ms, against 2.13 / 3.73.
 template <>
 struct DkvConfig<128, true> : BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true> {};
 template <>
