@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from conftest import ATTENTION_DEVICES as DEVICES
 from conftest import HAS_CUDA_ATTENTION as _HAS_CUDA_KERNEL
 from safeattn import reference
+from safeattn._testing import attention_path
 
 FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 4e-3, torch.float64: 1e-10}
 
@@ -383,6 +384,47 @@ def test_key_ranges_match_reference(device, mask_kind, causal):
     empty = ranges[..., 1] <= ranges[..., 0]
     assert empty.any(), "the ranges must empty some rows"
     assert torch.all(out.detach().permute(0, 2, 1, 3)[empty] == 0) and torch.all(
+        lse.permute(0, 2, 1)[empty].isneginf()
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("shape", ["packed", "random"])
+def test_key_ranges_cpu_forward_across_tiles(dtype, shape):
+    # The CPU forward reads key ranges itself (a 64-row query tile walks the union of its rows'
+    # ranges, 512 keys at a time, each row masking the rest): ranges across both tile sizes, packed
+    # documents (a row's range ends where another's begins inside one key tile), rows with none,
+    # ranges past both ends, and NaN keys that no range reaches (never read, or masked whatever
+    # their score). The forward against the float64 reference's drawn ranges.
+    batch, q_len, kv_len = 2, 150, 1100
+    q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, dtype, "cpu")
+    if shape == "packed":
+        # Query i belongs to document i * 7 // q_len of 7, which holds keys [starts[d], ends[d]):
+        # one of a single key, some ending where the next begins, gaps between others.
+        starts = torch.tensor([0, 90, 91, 400, 530, 700, 1023])
+        ends = torch.tensor([80, 91, 380, 530, 690, 1000, 1090])
+        doc = torch.arange(q_len) * 7 // q_len
+        ranges = torch.stack((starts[doc], ends[doc]), -1).expand(batch, q_len, 2).to(torch.int32)
+        ranges = ranges.clone()
+        ranges[1, 10:20] = torch.tensor([5, 5], dtype=torch.int32)  # rows with no key
+    else:
+        ranges = _random_key_ranges(batch, q_len, kv_len, seed=4)
+    with torch.no_grad():
+        reached = torch.zeros(batch, kv_len, dtype=torch.bool)
+        for b in range(batch):
+            for lo, hi in ranges[b].tolist():
+                reached[b, max(lo, 0) : max(min(hi, kv_len), 0)] = True
+        unreached = ~reached
+        assert unreached.any() or shape == "random", "some key must be outside every range"
+        # NaN keys: their scores are masked whatever they are. (Values are multiplied by p = 0 in
+        # a shared key tile, where NaN would leak, as with a drawn mask.)
+        k[unreached.unsqueeze(1).expand(-1, k.shape[1], -1)] = float("nan")
+    path = attention_path(q, k, v, enable_gqa=True, key_ranges=ranges)
+    assert path.kernel == "cpu" and not path.key_ranges_drawn, f"the CPU forward reads key ranges: {path}"
+    out, lse = _check_against_reference(q, k, v, key_ranges=ranges, enable_gqa=True, grads=False)
+    assert not out.isnan().any() and not lse.isnan().any(), "a NaN key outside every range leaked"
+    empty = ranges[..., 1] <= ranges[..., 0]
+    assert torch.all(out.permute(0, 2, 1, 3)[empty] == 0) and torch.all(
         lse.permute(0, 2, 1)[empty].isneginf()
     )
 

@@ -19,10 +19,11 @@ const char* attention_path_name(AttentionPath path) {
   return index < std::size(kNames) ? kNames[index] : "unknown";
 }
 
-AttentionChoice choose_attention_cpu(const at::Tensor& key_ranges) {
+AttentionChoice choose_attention_cpu(const at::Tensor& key_ranges, bool backward) {
   AttentionChoice choice;
   choice.offer(AttentionPath::kCpu, nullptr);
-  choice.draw_key_ranges = key_ranges.defined();
+  // The forward reads key ranges (a tile walks its rows' union); the backward gets them drawn.
+  choice.draw_key_ranges = backward && key_ranges.defined();
   return choice;
 }
 
@@ -37,11 +38,11 @@ choosers() {
 }
 
 AttentionChoice choose_cpu_fwd(const AttentionFwdArgs& args) {
-  return choose_attention_cpu(args.key_ranges);
+  return choose_attention_cpu(args.key_ranges, /*backward=*/false);
 }
 
 AttentionChoice choose_cpu_bwd(const AttentionBwdArgs& args) {
-  return choose_attention_cpu(args.key_ranges);
+  return choose_attention_cpu(args.key_ranges, /*backward=*/true);
 }
 
 // The CPU backward entry point passes no sums_batch (ops/attention.cpp).

@@ -443,6 +443,48 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
   return (x + multiple - 1) / multiple * multiple;
 }
 
+// attention's key_ranges as the CPU forward reads them ([B, Q, 2] int32, rows of 2 contiguous;
+// undefined: every key): query i of batch b keeps keys [lo, hi), clamped to [0, kv_len); lo >= hi
+// keeps none.
+class KeyRanges {
+ public:
+  KeyRanges(const at::Tensor& ranges, int64_t kv_len)
+      : ptr_(ranges.defined() ? ranges.const_data_ptr<int32_t>() : nullptr),
+        stride_b_(ranges.defined() ? ranges.stride(0) : 0),
+        stride_q_(ranges.defined() ? ranges.stride(1) : 0),
+        kv_len_(kv_len) {}
+
+  // Row i's keys [lo, hi), lo <= hi.
+  std::pair<int64_t, int64_t> row(int64_t b, int64_t i) const {
+    if (ptr_ == nullptr) {
+      return {0, kv_len_};
+    }
+    const int32_t* r = ptr_ + b * stride_b_ + i * stride_q_;
+    const int64_t lo = clamp_to(r[0], 0, kv_len_);
+    return {lo, clamp_to(r[1], lo, kv_len_)};
+  }
+
+  // The keys some row of [i0, i0 + rows) keeps, [begin, end); {0, 0} when none does.
+  std::pair<int64_t, int64_t> rows(int64_t b, int64_t i0, int64_t rows) const {
+    if (ptr_ == nullptr) {
+      return {0, kv_len_};
+    }
+    int64_t begin = kv_len_, end = 0;
+    for (int64_t i = i0; i < i0 + rows; ++i) {
+      const auto [lo, hi] = row(b, i);
+      if (lo < hi) {
+        begin = std::min(begin, lo);
+        end = std::max(end, hi);
+      }
+    }
+    return begin < end ? std::pair<int64_t, int64_t>{begin, end} : std::pair<int64_t, int64_t>{0, 0};
+  }
+
+ private:
+  const int32_t* ptr_;
+  int64_t stride_b_, stride_q_, kv_len_;
+};
+
 // ---- Reduced-precision tiles: bf16 / fp16 products with float32 accumulation ----------------
 //
 // On a CPU with bf16 dot-product hardware (AVX512-BF16: vdpbf16ps; AMX-BF16: tile multiplies)

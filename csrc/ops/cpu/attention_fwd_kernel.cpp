@@ -292,6 +292,8 @@ void attention_run(const AttentionFwdArgs& a) {
 
   // The key span each query tile's mask rows leave (mask_keys), read once per call.
   const MaskSpans spans = MaskSpans::compute<acc_t>(mask, batch, hq, q_len, kv_len, kQBlock);
+  // Each row's key range (every key without key_ranges): a tile walks the union of its rows'.
+  const KeyRanges ranges(a.key_ranges, kv_len);
 
   const int64_t tasks = batch * hq * q_tiles;
   // Tiles no larger than the problem: a decoding call allocates and clears a few hundred bytes,
@@ -321,11 +323,14 @@ void attention_run(const AttentionFwdArgs& a) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
 
       // Keys past the last row's diagonal are invisible to the whole tile, as are those outside
-      // the span the mask leaves the tile's rows (the start kept a multiple of kVnniCols, the
-      // packed tiles' column block).
+      // the span the mask leaves the tile's rows and those outside every row's key range (the
+      // start kept a multiple of kVnniCols, the packed tiles' column block).
       const auto [mask_begin, mask_end] = spans.at(b, h, tile);
-      const int64_t kv_end = std::min(causal ? clamp_to(i0 + m - 1 + diagonal + 1, 0, kv_len) : kv_len, mask_end);
-      for (int64_t j0 = mask_begin / kVnniCols * kVnniCols; j0 < kv_end; j0 += kKvBlock) {
+      const auto [range_begin, range_end] = ranges.rows(b, i0, m);
+      const int64_t kv_begin = std::max(mask_begin, range_begin);
+      const int64_t kv_end =
+          std::min({causal ? clamp_to(i0 + m - 1 + diagonal + 1, 0, kv_len) : kv_len, mask_end, range_end});
+      for (int64_t j0 = kv_begin / kVnniCols * kVnniCols; j0 < kv_end; j0 += kKvBlock) {
         const int64_t n = std::min(kKvBlock, kv_end - j0);
         const int64_t n_pad = round_up(n, Tiles::kKeyGrain);
         tiles.scores(scratch, bh_kv, j0, n, m, scores.data(), ld_scores);
@@ -338,9 +343,12 @@ void attention_run(const AttentionFwdArgs& a) {
           if (mask.kind != MaskKind::kNone) {
             apply_mask_run(s, n, mask, mask.offset(b, h, i, j0), mask.stride_kv);
           }
-          // Columns past n (padding) and, when causal, past the diagonal: -inf.
-          const int64_t visible = causal ? clamp_to(i + diagonal - j0 + 1, 0, n) : n;
+          // Columns past n (padding), when causal past the diagonal, and outside the row's key
+          // range: -inf, whatever the score (a NaN included).
+          const auto [lo, hi] = ranges.row(b, i);
+          const int64_t visible = std::min(causal ? clamp_to(i + diagonal - j0 + 1, 0, n) : n, clamp_to(hi - j0, 0, n));
           std::fill(s + visible, s + n_pad, kNegInf<acc_t>);
+          std::fill(s, s + clamp_to(lo - j0, 0, visible), kNegInf<acc_t>);
 
           Vec vmax(kNegInf<acc_t>);
           for (int64_t c = 0; c < n_pad; c += Vec::size()) {
