@@ -390,12 +390,13 @@ def test_key_ranges_match_reference(device, mask_kind, causal):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("shape", ["packed", "random"])
-def test_key_ranges_cpu_forward_across_tiles(dtype, shape):
-    # The CPU forward reads key ranges itself (a 64-row query tile walks the union of its rows'
-    # ranges, 512 keys at a time, each row masking the rest): ranges across both tile sizes, packed
-    # documents (a row's range ends where another's begins inside one key tile), rows with none,
-    # ranges past both ends, and NaN keys that no range reaches (never read, or masked whatever
-    # their score). The forward against the float64 reference's drawn ranges.
+def test_key_ranges_cpu_across_tiles(dtype, shape):
+    # The CPU kernels read key ranges themselves (a 64-row query tile walks the union of its rows'
+    # ranges, 512 keys at a time, and masks each element outside its row's): ranges across both
+    # tile sizes, packed documents (a row's range ends where another's begins inside one key tile),
+    # rows with none, ranges past both ends. Forward and backward against the float64 reference's
+    # drawn ranges; then NaN keys that no range reaches (never read, or masked whatever their
+    # score) must not reach the forward.
     batch, q_len, kv_len = 2, 150, 1100
     q, k, v = _qkv(batch, 4, 2, q_len, kv_len, 32, dtype, "cpu")
     if shape == "packed":
@@ -409,24 +410,28 @@ def test_key_ranges_cpu_forward_across_tiles(dtype, shape):
         ranges[1, 10:20] = torch.tensor([5, 5], dtype=torch.int32)  # rows with no key
     else:
         ranges = _random_key_ranges(batch, q_len, kv_len, seed=4)
-    with torch.no_grad():
-        reached = torch.zeros(batch, kv_len, dtype=torch.bool)
-        for b in range(batch):
-            for lo, hi in ranges[b].tolist():
-                reached[b, max(lo, 0) : max(min(hi, kv_len), 0)] = True
-        unreached = ~reached
-        assert unreached.any() or shape == "random", "some key must be outside every range"
-        # NaN keys: their scores are masked whatever they are. (Values are multiplied by p = 0 in
-        # a shared key tile, where NaN would leak, as with a drawn mask.)
-        k[unreached.unsqueeze(1).expand(-1, k.shape[1], -1)] = float("nan")
-    path = attention_path(q, k, v, enable_gqa=True, key_ranges=ranges)
-    assert path.kernel == "cpu" and not path.key_ranges_drawn, f"the CPU forward reads key ranges: {path}"
-    out, lse = _check_against_reference(q, k, v, key_ranges=ranges, enable_gqa=True, grads=False)
-    assert not out.isnan().any() and not lse.isnan().any(), "a NaN key outside every range leaked"
+    for backward in (False, True):
+        path = attention_path(q, k, v, enable_gqa=True, key_ranges=ranges, backward=backward)
+        assert path.kernel == "cpu" and not path.key_ranges_drawn, f"the CPU kernels read key ranges: {path}"
+    out, lse = _check_against_reference(q, k, v, key_ranges=ranges, enable_gqa=True)
     empty = ranges[..., 1] <= ranges[..., 0]
-    assert torch.all(out.permute(0, 2, 1, 3)[empty] == 0) and torch.all(
-        lse.permute(0, 2, 1)[empty].isneginf()
-    )
+    assert torch.all(out.detach().permute(0, 2, 1, 3)[empty] == 0)
+    assert torch.all(lse.permute(0, 2, 1)[empty].isneginf())
+
+    reached = torch.zeros(batch, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        for lo, hi in ranges[b].tolist():
+            reached[b, max(lo, 0) : max(min(hi, kv_len), 0)] = True
+    unreached = ~reached
+    assert unreached.any() or shape == "random", "some key must be outside every range"
+    # (Values are multiplied by p = 0 in a shared key tile, where NaN would leak, as with a drawn
+    # mask; and so are NaN keys into dQ: the forward only.)
+    with torch.no_grad():
+        k_nan = k.detach().clone()
+        k_nan[unreached.unsqueeze(1).expand(-1, k.shape[1], -1)] = float("nan")
+        out_nan, lse_nan = safeattn.attention(q, k_nan, v, key_ranges=ranges, enable_gqa=True)
+    assert not out_nan.isnan().any() and not lse_nan.isnan().any(), "a NaN key outside every range leaked"
+    assert torch.equal(out_nan, out.detach()) and torch.equal(lse_nan, lse.detach())
 
 
 @pytest.mark.parametrize(

@@ -444,17 +444,14 @@ int64_t mask_grad_batch_chunk(int64_t batch, int64_t row_bytes, int64_t budget_b
 
 namespace {
 
-// The CPU forward reads key ranges itself (choose_attention_cpu).
+// The CPU kernels read key ranges themselves (choose_attention_cpu).
 void attention_fwd_cpu(const AttentionFwdArgs& args) {
-  const AttentionChoice choice = choose_attention_cpu(args.key_ranges, /*backward=*/false);
-  attention_fwd_cpu_stub().pick()(choice.draw_key_ranges ? with_key_ranges_drawn(args) : args);
+  attention_fwd_cpu_stub().pick()(args);
 }
 
-// The CPU kernels read grad_out with the empty rows dropped, and key ranges drawn into the mask
-// (choose_attention_cpu).
+// The CPU backward reads grad_out with the empty rows dropped.
 void attention_bwd_cpu(const AttentionBwdArgs& args) {
-  const AttentionChoice choice = choose_attention_cpu(args.key_ranges, /*backward=*/true);
-  AttentionBwdArgs cleaned = choice.draw_key_ranges ? with_key_ranges_drawn(args) : args;
+  AttentionBwdArgs cleaned = args;
   cleaned.grad_out = grad_out_without_empty_rows(args);
   attention_bwd_cpu_stub().pick()(cleaned);
 }

@@ -54,7 +54,7 @@ struct AttentionFwdArgs {
   at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
   at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
   // Undefined, or [B, Q, 2] int32 with rows of 2 contiguous: the key ranges, ANDed with mask.
-  // The sm_90a, decode and CPU forward kernels read them; every other kernel gets
+  // The sm_90a, decode and CPU kernels read them; every other kernel gets
   // with_key_ranges_drawn(args).
   at::Tensor key_ranges;
   at::Tensor sinks;   // undefined, or [Hq] acc dtype contiguous

@@ -19,11 +19,9 @@ const char* attention_path_name(AttentionPath path) {
   return index < std::size(kNames) ? kNames[index] : "unknown";
 }
 
-AttentionChoice choose_attention_cpu(const at::Tensor& key_ranges, bool backward) {
+AttentionChoice choose_attention_cpu() {
   AttentionChoice choice;
-  choice.offer(AttentionPath::kCpu, nullptr);
-  // The forward reads key ranges (a tile walks its rows' union); the backward gets them drawn.
-  choice.draw_key_ranges = backward && key_ranges.defined();
+  choice.offer(AttentionPath::kCpu, nullptr);  // it reads key ranges: nothing is drawn
   return choice;
 }
 
@@ -37,12 +35,12 @@ choosers() {
   return table;
 }
 
-AttentionChoice choose_cpu_fwd(const AttentionFwdArgs& args) {
-  return choose_attention_cpu(args.key_ranges, /*backward=*/false);
+AttentionChoice choose_cpu_fwd(const AttentionFwdArgs&) {
+  return choose_attention_cpu();
 }
 
-AttentionChoice choose_cpu_bwd(const AttentionBwdArgs& args) {
-  return choose_attention_cpu(args.key_ranges, /*backward=*/true);
+AttentionChoice choose_cpu_bwd(const AttentionBwdArgs&) {
+  return choose_attention_cpu();
 }
 
 // The CPU backward entry point passes no sums_batch (ops/attention.cpp).

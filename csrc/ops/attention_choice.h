@@ -91,9 +91,8 @@ struct AttentionChooser {
 // TORCH_LIBRARY_IMPL, so a build without that backend has none.
 void register_attention_chooser(c10::DeviceType device, AttentionChooser chooser);
 
-// The CPU backend's choice: its kernels; the forward reads key ranges, the backward gets them
-// drawn into the mask.
-AttentionChoice choose_attention_cpu(const at::Tensor& key_ranges, bool backward);
+// The CPU backend's choice: its kernels, which read key ranges themselves.
+AttentionChoice choose_attention_cpu();
 
 // What attention (backward=false) or its backward (backward=true; the mask's gradient is asked
 // for when attn_mask requires grad) would run for these arguments on query's device. It goes

@@ -23,6 +23,7 @@
 //               the input type per tile (as FlashAttention does), the accumulators float32.
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include <ATen/Dispatch.h>
@@ -235,6 +236,9 @@ void attention_run(const AttentionBwdArgs& a) {
   // to write every pair is visited (a skipped one would leave its entries unwritten).
   const MaskSpans spans =
       gm != nullptr ? MaskSpans::every_key(kv_len) : MaskSpans::compute<acc_t>(mask, batch, hq, q_len, kv_len, kQBlock);
+  // Each row's key range (every key without key_ranges): a pair outside the union of the query
+  // tile's ranges is skipped likewise, and elements outside their row's range are masked.
+  const KeyRanges ranges(a.key_ranges, kv_len);
 
   at::parallel_for(0, batch * hkv, 1, [&](int64_t task_begin, int64_t task_end) {
     // Per task: the operands (Tiles), Delta, lse and the dQ^T accumulator of the group. Tile
@@ -246,6 +250,7 @@ void attention_run(const AttentionBwdArgs& a) {
     std::vector<acc_t> st(kKvBlock * ld), dpt(kKvBlock * ld), tanh_t(softcap > 0 ? kKvBlock * ld : 0);
     std::vector<acc_t> dk(kKvBlock * head_dim), dvb(kKvBlock * dv);
     std::vector<acc_t> lse_tile(ld), lse_lo_tile(ld), delta_tile(ld);
+    std::vector<int64_t> lo_tile(ranges.defined() ? kQBlock : 0), hi_tile(ranges.defined() ? kQBlock : 0);
     std::vector<acc_t> mask_tile(mask.kind != MaskKind::kNone ? kKvBlock * ld : 0);
     for (int64_t task = task_begin; task < task_end; ++task) {
       const int64_t b = task / hkv, hk = task % hkv;
@@ -295,6 +300,15 @@ void attention_run(const AttentionBwdArgs& a) {
               continue;
             }
             const int64_t m = std::min(kQBlock, q_len - i0);
+            if (ranges.defined()) {
+              const auto [range_begin, range_end] = ranges.rows(b, i0, m);
+              if (gm == nullptr && (range_end <= j0 || range_begin >= j0 + n)) {
+                continue;
+              }
+              for (int64_t c = 0; c < m; ++c) {
+                std::tie(lo_tile[c], hi_tile[c]) = ranges.row(b, i0 + c);
+              }
+            }
             const int64_t m_pad = round_up(m, Vec::size());
             for (int64_t c = 0; c < ld; ++c) {
               lse_tile[c] = c < m ? lse[g * q_len + i0 + c] : acc_t(0);
@@ -318,6 +332,13 @@ void attention_run(const AttentionBwdArgs& a) {
                 // Queries i < j - diagonal do not see key j.
                 const int64_t hidden = clamp_to(j - diagonal - i0, 0, m);
                 std::fill(s, s + hidden, kNegInf<acc_t>);
+              }
+              if (ranges.defined()) {
+                for (int64_t c = 0; c < m; ++c) {
+                  if (j < lo_tile[c] || j >= hi_tile[c]) {
+                    s[c] = kNegInf<acc_t>;
+                  }
+                }
               }
               // P^T then dS^T, in place: s holds p, dp holds ds. (s - lse) - lse_lo: lse_lo is
               // what lse lost to rounding, and subtracting it last keeps it.

@@ -443,7 +443,7 @@ inline int64_t round_up(int64_t x, int64_t multiple) {
   return (x + multiple - 1) / multiple * multiple;
 }
 
-// attention's key_ranges as the CPU forward reads them ([B, Q, 2] int32, rows of 2 contiguous;
+// attention's key_ranges as the CPU kernels read them ([B, Q, 2] int32, rows of 2 contiguous;
 // undefined: every key): query i of batch b keeps keys [lo, hi), clamped to [0, kv_len); lo >= hi
 // keeps none.
 class KeyRanges {
@@ -453,6 +453,10 @@ class KeyRanges {
         stride_b_(ranges.defined() ? ranges.stride(0) : 0),
         stride_q_(ranges.defined() ? ranges.stride(1) : 0),
         kv_len_(kv_len) {}
+
+  bool defined() const {
+    return ptr_ != nullptr;
+  }
 
   // Row i's keys [lo, hi), lo <= hi.
   std::pair<int64_t, int64_t> row(int64_t b, int64_t i) const {
