@@ -45,7 +45,8 @@ class AttentionPath(NamedTuple):
     # (kernel, why it cannot take the call) for each kernel asked before, in the chooser's order.
     rejected: list[tuple[str, str]]
     # The key ranges (key_ranges, or a described window or chunks) are drawn into a mask first:
-    # every kernel but sm90a and decode reads them that way.
+    # the generic CUDA kernels (mma_sync) and chunked_aten read them that way; cpu, sm90a and
+    # decode read the ranges themselves.
     key_ranges_drawn: bool
 
 
