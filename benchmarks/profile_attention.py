@@ -8,9 +8,12 @@ kind (forward, backward rows pre-pass, dK/dV, dQ, mask summary).
 Decode (`--decode KV`): the benchmark's decode shape (Q=1, B=8, Hq=32, Hkv=4, D=128, bf16) with the
 given cache length, forward only.
 
+`--peer flash`: the prefill `is_causal` call through SDPA's flash backend (FlashAttention-2)
+instead, the peer's kernels to set beside ours (`ncu -k regex:flash_bwd_dq_dk_dv ...`).
+
 `--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
 
-    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--table]
+    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--peer flash] [--table]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def prefill(head_dim, calls, table):
+def prefill(head_dim, calls, table, peer=None):
     batch, heads, seq = 4, 16, 4096
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -38,6 +41,14 @@ def prefill(head_dim, calls, table):
     pad = torch.ones(batch, seq, dtype=torch.bool, device="cuda")
     pad[::2, : seq // 8] = False  # left padding on every other sequence
     mask = safeattn.sdpa_mask(batch, seq, seq, padding_mask=pad)
+    if peer == "flash":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for _ in range(calls):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                torch.autograd.grad(out, (q, k, v), grad)
+        return
     for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
         for _ in range(calls):
             out, _ = safeattn.attention(q, k, v, **kwargs)
@@ -76,12 +87,13 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--decode", type=int, default=0, metavar="KV")
+    parser.add_argument("--peer", choices=["flash"], default=None)
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     if args.decode:
         decode(args.decode, args.calls, args.table)
     else:
-        prefill(args.head_dim, args.calls, args.table)
+        prefill(args.head_dim, args.calls, args.table, args.peer)
     torch.cuda.synchronize()
     print("done", flush=True)
 
