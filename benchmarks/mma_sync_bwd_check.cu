@@ -496,10 +496,10 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, DkvConfig<128>>("DkvConfig<128>", timing);
   failures += check_shape<__half, DkvConfig<128>>("DkvConfig<128> fp16", false);
   // The large shapes (GPUs whose blocks may take more than 99 KB of shared memory).
-  failures += check_shape<bf16, DkvConfig<64, true>>("DkvConfig<64, true>", timing);
-  failures += check_shape<__half, DkvConfig<64, true>>("DkvConfig<64, true> fp16", false);
-  failures += check_shape<bf16, DkvConfig<128, true>>("DkvConfig<128, true>", timing);
-  failures += check_shape<__half, DkvConfig<128, true>>("DkvConfig<128, true> fp16", false);
+  failures += check_shape<bf16, DkvConfig<64, true>>("DkvConfig<64> large", timing);
+  failures += check_shape<__half, DkvConfig<64, true>>("DkvConfig<64> large fp16", false);
+  failures += check_shape<bf16, DkvConfig<128, true>>("DkvConfig<128> large", timing);
+  failures += check_shape<__half, DkvConfig<128, true>>("DkvConfig<128> large fp16", false);
   // Candidates within sm_86's 99 KB. D = 128: 64-key tiles with P^T in shared memory
   // (FlashAttention-2's layout): 4 warps as 2 x 2 blocks of 32 keys x 32 queries, dK/dV 32 keys x
   // 64 columns a warp, one Q/dO buffer, two CTAs an SM (83 KB); the same scored 16 queries at a
