@@ -8,8 +8,8 @@
 //      units (-inf becomes +inf so that a row with no visible key gets p = 0 everywhere, never NaN).
 //   2. dK/dV: one CTA per (key tile, kv head, batch). It keeps K and V of its tile in shared
 //      memory and walks every query head of its GQA group and every query tile that can see the
-//      tile (the causal rule skips the tiles above the diagonal). Each of 8 warps owns 16 keys
-//      (DkvConfig), and computes the transposed tiles (keys along rows, queries along
+//      tile (the causal rule skips the tiles above the diagonal). Its warps split the tile as
+//      DkvConfig says, and compute the transposed tiles (keys along rows, queries along
 //      columns):
 //        S^T = K Q^T     P^T = exp(score(S^T) - lse)     dP^T = V dO^T
 //        dS^T = P^T * (dP^T - Delta)     dS'^T = dS^T * d score / d(q.k)
@@ -34,7 +34,8 @@
 // tile sizes): fully masked tiles are skipped without loading their operands or the mask, and
 // all-visible interior tiles (like the tiles below the causal diagonal) take no per-element test.
 //
-// The dK/dV kernel's tile shape is a BwdTiles type (DkvConfig: the shape each head dim runs).
+// The dK/dV kernel's tile shape is a BwdTiles type (DkvConfig<D, large>: the shape each head dim
+// runs, by the shared memory a block of the GPU may take).
 // Two layouts of its warps:
 //   - P^T in registers (kWarpsQ = 1, 16 keys a warp): each warp scores its own 16 keys against
 //     the whole query step and keeps P^T and dS'^T in registers as the A operands of dV and dK,
