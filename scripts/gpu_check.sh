@@ -21,6 +21,10 @@
 #             (default: sdpa_mask softmax attention), BENCH_ARGS added (e.g. --quick); the README
 #             tables end each bench_NAME.txt
 #   profile   benchmarks/profile.sh over the targets in PROFILE (default: attention; also softmax)
+#   harness   the standalone kernel checks (benchmarks/*_check.cu, no extension build needed):
+#             compiled in parallel, run (checks, and timings unless HARNESS_TIMING=0; HARNESS_ONLY
+#             passes --only), then compute-sanitizer memcheck and racecheck over the Hopper and
+#             decode checks' correctness cases (HARNESS_SANITIZE=0 skips them)
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -120,6 +124,47 @@ stage_bench() {
   done
 }
 
+stage_harness() {
+  # The nvidia-cutlass package's headers, as setup.py finds them (SAFEATTN_CUTLASS_INCLUDE first).
+  local cutlass="${SAFEATTN_CUTLASS_INCLUDE:-$(python -c 'import importlib.util, pathlib; s = importlib.util.find_spec("cutlass_library"); print(pathlib.Path(s.submodule_search_locations[0]) / "source" / "include" if s else "")')}"
+  local common=(-std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -Xcompiler -fopenmp -lgomp)
+  local bin name pids=()
+  bin=$(mktemp -d)  # not under $OUT: the binaries do not come back
+  for name in decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check; do
+    local arch=(-gencode=arch=compute_90,code=sm_90)
+    if [[ $name == hopper_* ]]; then
+      [ -n "$cutlass" ] || { say "harness $name: no CUTLASS headers (pip install nvidia-cutlass)"; continue; }
+      arch=(-gencode=arch=compute_90a,code=sm_90a "-I$cutlass" -cudart static)
+    fi
+    nvcc "${common[@]}" "${arch[@]}" "benchmarks/$name.cu" -o "$bin/$name" >"$OUT/harness_build_$name.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  local timing=()
+  [ "${HARNESS_TIMING:-1}" = 1 ] || timing=(--no-timing)
+  for name in decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check; do
+    [ -x "$bin/$name" ] || { say "harness $name: not built ($OUT/harness_build_$name.log)"; continue; }
+    local quick=()
+    [[ $name == hopper_* ]] && quick=(--quick)
+    timeout -k 10 "$TIMEOUT" "$bin/$name" "${quick[@]}" "${timing[@]}" ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} \
+      >"$OUT/harness_$name.txt" 2>&1
+    say "harness $name (rc $?): $(grep -E 'ALL CHECKS|CHECKS FAILED|PASS|FAIL' "$OUT/harness_$name.txt" | tail -1)"
+  done
+  [ "${HARNESS_SANITIZE:-1}" = 1 ] || return 0
+  local tool
+  for tool in memcheck racecheck; do
+    for name in hopper_fwd_check hopper_bwd_check decode_check; do
+      [ -x "$bin/$name" ] || continue
+      local args=(--no-timing)
+      [[ $name == hopper_* ]] && args+=(--quick)
+      timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/$name" "${args[@]}" \
+        >"$OUT/harness_${tool}_$name.txt" 2>&1
+      say "harness $tool $name (rc $?): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/harness_${tool}_$name.txt" | tail -1)"
+    done
+  done
+  rm -rf "$bin"
+}
+
 stage_profile() {
   # shellcheck disable=SC2086
   bash benchmarks/profile.sh ${PROFILE:-attention} 2>&1 | tee -a "$SUMMARY"
@@ -130,7 +175,7 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | profile) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | profile | harness) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done
