@@ -213,13 +213,19 @@ constexpr size_t kBwdSmemSm86 = 99 * 1024;
 // registers, 8 warps, D = 128). The scale folded into the exponent on plain tiles (kFoldScale):
 // benchmarks/mma_sync_bwd_check.cu on an H200, B=4 H=16 S=4096 bf16, causal, atomic dQ: D=64
 // 3.98 -> 2.22 ms, D=128 5.14 -> 3.87 ms.
-template <int D, bool kLarge = false>
-struct DkvConfig : BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true> {};
+// DkvShape<D, kLarge>::type is the BwdTiles; a head dim without a large shape of its own runs the
+// same type (one kernel) both ways.
+template <int D, bool kLarge>
+struct DkvShape {
+  using type = BwdTiles<D, 128, 64, 8, 1, (D <= 64 ? 64 : 32), 2, false, 1, 1, true>;
+};
 // D = 128 within 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps 2 x 2 over the S^T
 // tile scoring 16 queries at a time, P^T and dS'^T through shared memory, dK / dV split by head
 // dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.52 ms causal, 6.58 non-causal.
 template <>
-struct DkvConfig<128, false> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true> {};
+struct DkvShape<128, false> {
+  using type = BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true>;
+};
 // With more than 99 KB, FlashAttention-2's layouts, P^T and dS'^T through shared memory, swizzled
 // rows, one Q/dO buffer. H200 (benchmarks/mma_sync_bwd_check.cu, B4 H16 S4096 bf16, causal /
 // non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps across the
@@ -227,9 +233,15 @@ struct DkvConfig<128, false> : BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, tr
 // 166 KB, are over sm_80's 163). D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries
 // at a time (135 KB): 1.95 / 3.37 ms, against 2.13 / 3.73.
 template <>
-struct DkvConfig<128, true> : BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true> {};
+struct DkvShape<128, true> {
+  using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true>;
+};
 template <>
-struct DkvConfig<64, true> : BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true> {};
+struct DkvShape<64, true> {
+  using type = BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true>;
+};
+template <int D, bool kLarge = false>
+using DkvConfig = typename DkvShape<D, kLarge>::type;
 
 // Host: whether a GPU whose blocks may opt into `smem_optin` bytes runs head dim d's large dK/dV
 // shape (DkvConfig<d, true>).
