@@ -337,7 +337,7 @@ static void time_variant(const char* name, bool causal) {
   std::vector<float> ms;
   for (int i = 0; i < 10; ++i) {
     CHECK_CUDA(cudaEventRecord(start));
-    if (!safeattn::cuda::hopper::bwd_dq_pass(D)) {                  // the dQ pass has no dq_accum
+    if (!Config::kDqPass) {                                         // the dQ pass has no dq_accum
       CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, n * sizeof(float)));  // the rows pre-pass's share
     }
     CHECK_CUDA((safeattn::cuda::hopper::launch_bwd_config<T, Config>(p, 0)));
@@ -417,20 +417,27 @@ int main(int argc, char** argv) {
          g_head_group, g_head_group == 0 ? " (head_group_for)" : "");
   int failed = 0;
   using bf16 = __nv_bfloat16;
-  // name, dtype, config (head dim, query rows per step, keys per CTA, stages)
+  // name, dtype, config (head dim, query rows per step, keys per CTA, stages); DQ_PASS_VARIANT: the
+  // same tiles with dQ by the dQ pass (the deterministic route, BwdSm90Params::deterministic).
 #define VARIANT(T, D, M, N, S) \
   failed += check_variant<T, BwdTileConfig<D, M, N, S>>(#T " d" #D " m" #M " n" #N " s" #S, quick, check, timing)
+#define DQ_PASS_VARIANT(T, D, M, N, S)                                                                              \
+  failed += check_variant<T, BwdTileConfig<D, M, N, S, true>>(#T " d" #D " m" #M " n" #N " s" #S " dq-pass", quick, \
+                                                              check, timing)
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128
   VARIANT(bf16, 128, 64, 128, 2);
   VARIANT(__half, 128, 64, 128, 2);
+  DQ_PASS_VARIANT(bf16, 128, 64, 128, 2);
 #endif
 #if !defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 64
   VARIANT(bf16, 64, 64, 128, 2);
   VARIANT(__half, 64, 64, 128, 2);
+  DQ_PASS_VARIANT(bf16, 64, 64, 128, 2);
 #endif
 #if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 96
   VARIANT(bf16, 96, 64, 128, 2);
   VARIANT(__half, 96, 64, 128, 2);
+  DQ_PASS_VARIANT(bf16, 96, 64, 128, 2);
 #endif
 #if defined(HOPPER_BWD_CHECK_D) && HOPPER_BWD_CHECK_D == 256
   // 64 keys shared by both consumer warpgroups, dQ by its own pass (DefaultBwdConfig<256>).
@@ -445,6 +452,7 @@ int main(int argc, char** argv) {
   VARIANT(bf16, 64, 64, 128, 3);
 #endif
 #undef VARIANT
+#undef DQ_PASS_VARIANT
   printf("\n%-24s %-7s %9s %9s\n", "variant", "mask", "ms", "TFLOP/s");
   for (const Timing& t : g_timings) {
     printf("%-24s %-7s %9.3f %9.1f\n", t.name.c_str(), t.causal ? "causal" : "full", t.ms, t.tflops);

@@ -58,14 +58,16 @@ run_pytest() {
   # One test at a time per worker, so that the slow tests tests/conftest.py puts first spread
   # over the workers (an xdist without the option keeps its default chunks).
   python -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk && chunk=(--maxschedchunk 1)
-  timeout -k 10 "$TIMEOUT" python -m pytest -q -rfEs -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
+  # -v: a line per test as it ends (with xdist "[gwN] [ P%] FAILED tests/..."), so a run cut by
+  # its time limit still names its failures.
+  timeout -k 10 "$TIMEOUT" python -m pytest -v -rfEs -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
     -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
   local rc=$?
   local line
   line=$(grep -E '[0-9]+ (passed|failed|skipped|errors?|deselected).* in [0-9.]+s|no tests ran' "$OUT/pytest_$name.log" | tail -1)
   [ $rc -eq 124 ] && line="TIMEOUT after ${TIMEOUT}s (progress in pytest_$name.log)"
   say "pytest $name (rc $rc): ${line:-no summary line (crash? see pytest_$name.log)}"
-  grep -E '^(FAILED|ERROR) ' "$OUT/pytest_$name.log" | head -30 | tee -a "$SUMMARY"
+  grep -wE 'FAILED|ERROR' "$OUT/pytest_$name.log" | head -30 | tee -a "$SUMMARY"
 }
 
 stage_tests() {

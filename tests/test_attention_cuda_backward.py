@@ -330,8 +330,8 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
 def test_sm90_selection(deterministic_algorithms):
     """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
     takes the sm_90a kernel in the atomic mode, with or without a mask, and with a learnable
-    per-head bias (its gradient written per element), and the mma.sync kernels when deterministic
-    or with a broadcast bias that needs its gradient (summed over the heads)."""
+    per-head bias (its gradient written per element); its dQ pass when deterministic; and the
+    mma.sync kernels with a broadcast bias that needs its gradient (summed over the heads)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernels run on sm_90 devices only")
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
@@ -363,14 +363,16 @@ def test_sm90_selection(deterministic_algorithms):
     assert any(
         "attention_bwd_dkdv_kernel" in n for n in names
     ), f"a learnable broadcast bias must take mma.sync: {names}"
+    assert not any("dq_pass_kernel" in n for n in kernels()), "the dQ pass ran while atomics are allowed"
     deterministic_algorithms(True)
     names = kernels()
-    assert not any(
-        "hopper::detail::bwd_kernel" in n for n in names
-    ), f"atomic dQ while deterministic: {names}"
+    assert any("hopper::detail::bwd_kernel" in n for n in names), f"deterministic must keep sm_90a: {names}"
     assert any(
-        "attention_bwd_dq_kernel" in n for n in names
-    ), f"deterministic must take the dQ kernel: {names}"
+        "hopper::detail::dq_pass_kernel" in n for n in names
+    ), f"deterministic must take the dQ pass: {names}"
+    assert not any(
+        "dq_convert_kernel" in n for n in names
+    ), f"dq_accum converted while deterministic: {names}"
 
 
 def _sm90_masks(batch, heads, q_len, kv_len):
@@ -762,14 +764,15 @@ def test_head_dim_256_forward_sm90(kind, dtype):
 @pytest.mark.parametrize(
     "kind", ["causal", "causal_left_padding", "learnable_per_head", "softcap_key_ranges"]
 )
-def test_head_dim_256_deterministic_sm90(deterministic_algorithms, kind, dtype):
-    """Under torch.use_deterministic_algorithms(True), head dim 256 keeps the sm_90a backward
-    (its dQ pass writes dQ once, no atomics: on other GPUs and head dims the mma.sync kernels or
-    the generic path run instead): the gradients match the reference, are bitwise the same from
-    run to run, and (on an H100/H200 build with it) come from the dK/dV kernel and the dQ pass."""
+@pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
+def test_deterministic_sm90(deterministic_algorithms, head_dim, kind, dtype):
+    """Under torch.use_deterministic_algorithms(True) the sm_90a backward runs its dQ pass (dQ
+    written once, no atomics) at every head dim; on other GPUs the mma.sync kernels or the
+    generic path run instead: the gradients match the reference, are bitwise the same from run to
+    run, and (on an H100/H200 build with it) come from the dK/dV kernel and the dQ pass."""
     deterministic_algorithms(True)
     batch, heads, q_len, kv_len = 4, 4, 300, 520
-    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, 256, dtype, DEVICE, seed=257)
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 1)
     kwargs = {"enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
     extra = ()
     if kind == "causal_left_padding":
@@ -783,7 +786,7 @@ def test_head_dim_256_deterministic_sm90(deterministic_algorithms, kind, dtype):
             softcap=20.0, key_ranges=_key_range_cases(batch, q_len, kv_len)["window_chunks"].to(DEVICE)
         )
     _check_against_reference(q, k, v, extra_grad_inputs=extra, **kwargs)
-    grad_out = torch.randn(batch, heads, q_len, 256, device=DEVICE, dtype=dtype)
+    grad_out = torch.randn(batch, heads, q_len, head_dim, device=DEVICE, dtype=dtype)
     runs = []
     for _ in range(2):
         out, _ = safeattn.attention(q, k, v, **kwargs)
@@ -793,7 +796,9 @@ def test_head_dim_256_deterministic_sm90(deterministic_algorithms, kind, dtype):
     if _hopper_build(q, k, v):
         out, _ = safeattn.attention(q, k, v, **kwargs)
         names = _cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v, *extra), grad_out))
-        assert any("hopper::detail::bwd_kernel" in n for n in names), f"D=256 must keep sm_90a: {names}"
+        assert any(
+            "hopper::detail::bwd_kernel" in n for n in names
+        ), f"D={head_dim} must keep sm_90a: {names}"
         assert any("hopper::detail::dq_pass_kernel" in n for n in names), f"no dQ pass among {names}"
 
 

@@ -150,21 +150,20 @@ def test_hopper_backward_with_a_learnable_bias_takes_sm90a(not_generic):
 @NEEDS_SM90A
 @pytest.mark.parametrize("head_dim", _SM90_BWD_DIMS)
 def test_hopper_backward_under_deterministic_algorithms(not_generic, head_dim):
-    """The sm_90a backward sums dQ with atomics but at the head dims with a dQ pass (> 128):
-    deterministic algorithms keep it there and take mma.sync (or ATen) elsewhere."""
+    """Deterministic algorithms keep the sm_90a backward at every head dim (dQ from its dQ pass,
+    no atomics), a learnable bias shared by the batch included (its gradient then written per
+    batch row and summed in order, not added with atomics)."""
     q, k, v = _qkv(2, 8, 8, 256, 256, head_dim, torch.bfloat16, "cuda", requires_grad=True)
+    shared = torch.randn(1, 8, 256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         path = attention_path(q, k, v, backward=True)
+        shared_path = attention_path(q, k, v, shared, backward=True)
     finally:
         torch.use_deterministic_algorithms(was)
-    if head_dim > 128:
-        assert path.kernel == "sm90a", f"D={head_dim} has a dQ pass (no atomics), yet: {path}"
-    else:
-        expected = "mma_sync" if head_dim in _BWD_DIMS else "chunked_aten"
-        assert path.kernel == expected, f"D={head_dim} deterministic: {path}"
-        assert _names(path)[0] == "sm90a" and "deterministic" in path.rejected[0][1], f"{path.rejected}"
+    assert path.kernel == "sm90a", f"D={head_dim} deterministic: {path}"
+    assert shared_path.kernel == "sm90a", f"D={head_dim} deterministic, batch-shared bias: {shared_path}"
 
 
 def _cuda_mask_kwargs(mask, dtype):

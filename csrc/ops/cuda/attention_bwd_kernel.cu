@@ -238,7 +238,7 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   if (natural) {
     rows.row_lo = at::empty({batch, hq, pitch}, f32);
   }
-  const bool dq_pass = hopper::bwd_dq_pass(static_cast<int>(head_dim));  // writes grad_query itself
+  const bool dq_pass = attention_bwd_sm90_dq_pass(a);  // writes grad_query itself
   if (!dq_pass) {
     rows.dq_accum = at::empty({batch, hq, pitch, head_dim}, f32);
   }

@@ -21,9 +21,8 @@ AttentionChoice offer_generic(AttentionChoice& choice, const at::Tensor& key_ran
   return choice;
 }
 
-// The sm_90a backward sums dQ (and a batch-shared mask gradient) with float atomics except at
-// the head dims with a dQ pass: under deterministic algorithms it runs only where it is
-// bit-reproducible.
+// Under deterministic algorithms the sm_90a backward takes dQ from its dQ pass, but a batch-shared
+// mask gradient is still summed with float atomics: it runs only where it is bit-reproducible.
 const char* sm90_bwd_rejects(const AttentionBwdArgs& args) {
   if (const char* reason = attention_bwd_sm90_rejects(args)) {
     return reason;

@@ -52,7 +52,11 @@ const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
 }
 
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& a) {
-  return hopper::bwd_dq_pass(static_cast<int>(a.query.size(3))) && a.grad_mask_write != GradMaskWrite::kSumBatch;
+  return a.grad_mask_write != GradMaskWrite::kSumBatch;
+}
+
+bool attention_bwd_sm90_dq_pass(const AttentionBwdArgs& a) {
+  return hopper::bwd_dq_pass(static_cast<int>(a.query.size(3)), at::globalContext().deterministicAlgorithms());
 }
 
 void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
@@ -62,7 +66,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const at::Tensor grad_out = attn::with_aligned_rows(a.grad_out);
   const int64_t batch = query.size(0), heads = query.size(1), q_len = query.size(2), head_dim = query.size(3);
-  const bool dq_pass = hopper::bwd_dq_pass(static_cast<int>(head_dim));
+  const bool dq_pass = attention_bwd_sm90_dq_pass(a);
   TORCH_INTERNAL_ASSERT(dq_pass ? !rows.dq_accum.defined()
                                 : rows.dq_accum.size(2) == attention_bwd_sm90_row_pitch(q_len) &&
                                       rows.dq_accum.size(3) == head_dim && rows.dq_accum.is_contiguous());
@@ -97,6 +101,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.kv_len = static_cast<int>(key.size(2));
   p.score = attn::score_rule(a.scale, a.softcap, /*natural=*/false);
   p.causal = a.is_causal;
+  p.deterministic = at::globalContext().deterministicAlgorithms();
   // The entry point passed q_offset = causal_shift(...) (within [-q_len, kv_len]) and kv_offset 0.
   p.causal_shift = a.q_offset - a.kv_offset;
   p.resident_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;

@@ -15,14 +15,17 @@ namespace safeattn::cuda {
 // Why the Hopper kernel cannot take the call (a static string), or nullptr when it can: the
 // conditions are in the code, each with its reason (sm90_inputs_rejects holds those both
 // directions share). Masks of either kind (a float one not with a softcap), key ranges, softcap
-// and sinks are read. dQ is summed by float32 reduce-adds in no fixed order (not
-// bit-reproducible) except where its head dim has the dQ pass (hopper::bwd_dq_pass): the chooser
-// (attention_choice.h) weighs that against deterministic algorithms. A build without the Hopper
-// kernels always says so.
+// and sinks are read. A build without the Hopper kernels always says so.
 const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& args);
-// Whether a call it takes is bit-reproducible: the dQ pass's head dims, unless the mask's
-// gradient is summed over the batch (GradMaskWrite::kSumBatch: float atomics).
+// Whether a call it takes can be bit-reproducible: under deterministic algorithms dQ comes from
+// the dQ pass (attention_bwd_sm90_dq_pass), but a mask's gradient summed over the batch
+// (GradMaskWrite::kSumBatch) is added with float atomics all the same. The chooser
+// (attention_choice.h) weighs that against deterministic algorithms.
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& args);
+// Whether dQ has a pass of its own (hopper::bwd_dq_pass: past head dim 128, and at every head dim
+// under torch.use_deterministic_algorithms); otherwise the dK/dV kernel adds it into dq_accum with
+// float32 reduce-adds in no fixed order.
+bool attention_bwd_sm90_dq_pass(const AttentionBwdArgs& args);
 
 // The rows of the per-row arrays below: Q rounded up to whole tiles of the kernel.
 inline int64_t attention_bwd_sm90_row_pitch(int64_t q_len) {
@@ -39,7 +42,7 @@ struct Sm90BwdRows {
   // With a float mask, [B, Hq, pitch] float32 (hopper::BwdSm90Params::row_lo; natural units):
   // row_shift = lse and row_lo = lse_lo log2(e). Undefined otherwise.
   at::Tensor row_lo;
-  at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed; undefined where hopper::bwd_dq_pass(D)
+  at::Tensor dq_accum;        // [B, Hq, pitch, D] float32, zeroed; undefined where attention_bwd_sm90_dq_pass
   at::Tensor grad_out_dirty;  // undefined when no row can be empty, else int32 [1]
   at::Tensor grad_out_clean;  // defined with grad_out_dirty: grad_out's shape, contiguous, empty rows 0
 };

@@ -1,6 +1,7 @@
-// The dQ pass of the sm_90a backward, for the head dims where dQ is not summed inside the dK/dV
-// kernel (bwd_dq_pass: past 128). Launched by hopper/bwd_kernel.cuh's launcher after the dK/dV
-// kernel; built for sm_90a only. Semantics: ops/attention.h; what it is given: hopper/bwd_params.h.
+// The dQ pass of the sm_90a backward, where dQ is not summed inside the dK/dV kernel (bwd_dq_pass:
+// past head dim 128, and deterministic calls). Launched by hopper/bwd_kernel.cuh's launcher after
+// the dK/dV kernel; built for sm_90a only. Semantics: ops/attention.h; what it is given:
+// hopper/bwd_params.h.
 //
 // One CTA per (kDqTileRows query rows, query head, batch) = 1 producer warpgroup + 2 consumer
 // warpgroups of 64 rows each, the forward's layout (hopper/fwd_kernel.cuh): the key tiles are
@@ -14,9 +15,10 @@
 // (hopper/mask.cuh, MaskPolicy::QueryMajor: the same 64 x kBlockN score fragment per warpgroup) and
 // the walk over a summary of this kernel's tiles (BwdSm90Params::dq_mask_tiles).
 //   shared memory  Q and dO (kDqTileRows x D each, loaded once with the rows' row_shift, delta and
-//                  row_lo), K in two stages, V in one: at D = 256 64 + 64 + 64 + 32 KB. V's one
-//                  stage is refilled once dP is done and is needed again only by the next dP,
-//                  after that tile's S and this one's dQ product; K is read by both S and dQ.
+//                  row_lo), K in two stages, V in one: at D = 256 64 + 64 + 64 + 32 KB, at
+//                  D = 128 32 + 32 + 64 + 32. V's one stage is refilled once dP is done and is
+//                  needed again only by the next dP, after that tile's S and this one's dQ
+//                  product; K is read by both S and dQ.
 //   registers      per consumer thread: dQ D / 2, S and dP kBlockN / 2 each.
 // Numerics as in the dK/dV kernel: masked elements get s = -inf so p = 0; a row with no visible
 // key has row_shift +inf (every p 0) and gets dQ = 0; rows past q_len are zero-filled by TMA,

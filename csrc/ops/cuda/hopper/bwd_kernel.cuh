@@ -36,7 +36,8 @@
 //               reduce-add.
 //   epilogue  dK and dV rounded to 16 bits and stored through their strides; a second kernel
 //             converts dq_accum to grad_q.
-// Past head dim 128 (bwd_dq_pass, DqMode kdQPass) there is no dQ product here: the dQ pass
+// Past head dim 128, and at every head dim when the gradients must be bit-reproducible
+// (bwd_dq_pass, DqMode kdQPass), there is no dQ product here: the dQ pass
 // (hopper/bwd_dq_kernel.cuh) runs after this kernel, per query tile, and writes grad_q itself.
 //
 // Mask: an attn_mask's summary (bwd_params.h) skips the (query tile, key tile) steps it
@@ -113,7 +114,7 @@ struct Bwd {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kMmaThreads <= 168 * kThreads);
-  using Traits = KeyTileTraits<Element, kHeadDim, kBlockM, kBlockN, kStages>;
+  using Traits = KeyTileTraits<Element, kHeadDim, kBlockM, kBlockN, kStages, Config::kDqPass>;
   using Scheduler = KeyTileGrid<kBlockM, kBlockN, kMasked>;
   using Block = typename Scheduler::Block;
   using MaskKeys = typename Mask::template KeyMajor<kBlockM, kBlockN>;
@@ -639,17 +640,22 @@ struct Bwd {
                       key_base, query_base);
       convert_fragment<Element>(tdPrdP, tdKrdS);
 
-      // dS^T to shared memory as dS (query rows contiguous), for the dQ product.
-      copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
-      cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
-      ds_written(dq_here, buffer);
+      // dS^T to shared memory as dS (query rows contiguous), for the dQ product, or with
+      // kSharedKeys for the dK product.
+      if constexpr (!kdQPass || kSharedKeys) {
+        copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
+        cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+        ds_written(dq_here, buffer);
+      }
       if (!kdQPass && dq_here) {
         wgmma_batch<true>(mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
       }
       // dK after dQ: dQ's staging below runs while the tensor cores do dK.
       dkv_product(mma_dkv, shared_a, buffer, tdKrdS, tdKrQ(_, _, _, read_q.index()), tdKrdK);
-      warpgroup_wait<1>();              // dV and dQ done, dK may still run
-      warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
+      warpgroup_wait<1>();  // dV and dQ done, dK may still run
+      if constexpr (!kdQPass) {
+        warpgroup_fence_operand(tdQrdQ);  // dQ's registers are read below, not before the wait
+      }
       pipe_do.consumer_release(read_do);
       ++read_do;
       if (!kdQPass && dq_here) {
@@ -826,6 +832,11 @@ cudaError_t launch_bwd_config(const BwdSm90Params& a, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream) {
   using Config = typename DefaultBwdConfig<kHeadDim>::type;
+  if constexpr (!Config::kDqPass) {
+    if (bwd_dq_pass(kHeadDim, params.deterministic)) {
+      return launch_bwd_config<T, DqPassBwdConfig<Config>>(params, stream);
+    }
+  }
   return launch_bwd_config<T, Config>(params, stream);
 }
 

@@ -22,13 +22,16 @@ constexpr int bwd_key_tile(int head_dim) {
   return head_dim > 128 ? 64 : 128;
 }
 
-// Past head dim 128 dQ has a pass of its own (hopper/bwd_dq_kernel.cuh): a CTA per kDqTileRows
-// query rows walks the key tiles, recomputes S and dP and multiplies dQ = dS K in registers,
-// written once (no dq_accum, no atomics: deterministic); the dK/dV kernel then has no dQ product.
-// There the dK/dV kernel's 64-key tiles would each add their dQ into L2 (4x D = 128's bytes), half
-// its time at D = 256 (benchmarks/notes_attention_cuda.md, "Hopper backward at head dim 256").
-constexpr bool bwd_dq_pass(int head_dim) {
-  return head_dim > 128;
+// Whether dQ has a pass of its own (hopper/bwd_dq_kernel.cuh): a CTA per kDqTileRows query rows
+// walks the key tiles, recomputes S and dP and multiplies dQ = dS K in registers, written once
+// (no dq_accum, no atomics: deterministic); the dK/dV kernel then has no dQ product. Always past
+// head dim 128, where the dK/dV kernel's 64-key tiles would each add their dQ into L2 (4x
+// D = 128's bytes), half its time at D = 256 (benchmarks/notes_attention_cuda.md, "Hopper backward
+// at head dim 256"); at the other head dims only when the result must be bit-reproducible
+// (BwdSm90Params::deterministic): there the dQ product inside the dK/dV kernel, added with
+// reduce-adds in no fixed order, is faster.
+constexpr bool bwd_dq_pass(int head_dim, bool deterministic) {
+  return deterministic || head_dim > 128;
 }
 // The dQ pass's query tile (two consumer warpgroups of 64 rows) and its mask summary's rows; its
 // key tile is bwd_key_tile(D).
@@ -60,8 +63,11 @@ struct BwdSm90Params : Sm90Inputs {
   // dQ summed over the key tiles, float32: B * Hq * q_pad * D elements (the layout inside each
   // tile of rows is the kernel's own), zeroed by the caller, added into with bulk
   // reduce-adds; the launcher converts it into grad_q after the kernel. Unused (null) where
-  // bwd_dq_pass(D): the dQ pass writes grad_q itself.
+  // bwd_dq_pass(D, deterministic): the dQ pass writes grad_q itself.
   float* dq_accum = nullptr;
+  // Bit-reproducible gradients: dQ by the dQ pass at every head dim (bwd_dq_pass). A float mask's
+  // gradient summed over the batch (grad_mask_sums_batch) is added with atomics all the same.
+  bool deterministic = false;
   void* grad_q = nullptr;                   // [B, Hq, Q, D] strided, 4-byte aligned rows
   void* grad_k = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
   void* grad_v = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
@@ -69,7 +75,7 @@ struct BwdSm90Params : Sm90Inputs {
   int64_t dq_sb = 0, dq_sh = 0, dq_si = 0;
   int64_t dk_sb = 0, dk_sh = 0, dk_si = 0;
   int64_t dv_sb = 0, dv_sh = 0, dv_si = 0;
-  // Where bwd_dq_pass(D) and there is a summary: the same mask summarised for the dQ pass's tiles,
+  // Where bwd_dq_pass and there is a summary: the same mask summarised for the dQ pass's tiles,
   // kDqTileRows x bwd_key_tile(D), with its first_visible record.
   attn::TileSummaryView dq_mask_tiles;
   // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
@@ -89,8 +95,8 @@ struct BwdSm90Params : Sm90Inputs {
 // The launcher of one (dtype, head dim) instantiation; T is __nv_bfloat16 or __half. Defined in
 // bwd_kernel.cuh, instantiated once per generated file attention_bwd_sm90_d<D>_<dtype>.cu. Runs
 // the dK/dV kernel (adding dQ into dq_accum) and the dQ conversion on the stream; where
-// bwd_dq_pass(D), the dK/dV kernel and the dQ pass. Returns the
-// first launch error (cudaErrorInvalidValue for a grid it cannot launch).
+// bwd_dq_pass(D, params.deterministic), the dK/dV kernel and the dQ pass. Returns the first launch
+// error (cudaErrorInvalidValue for a grid it cannot launch).
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_bwd_sm90(const BwdSm90Params& params, cudaStream_t stream);
 

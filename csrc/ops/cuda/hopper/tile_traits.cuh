@@ -94,20 +94,23 @@ struct BiasFwdConfig<256> {
 //                 (whole 128-byte swizzle rows: head dims that are multiples of 128);
 //   kdQAlternate  one over all the keys for whole rows, warpgroup (step % 2): one addition per
 //                 step, and the other warpgroup goes on to the next step meanwhile;
-//   kdQPass       none: dQ is the dQ pass's (bwd_dq_pass, hopper/bwd_dq_kernel.cuh), and the
-//                 dK/dV kernel keeps only dS^T's store (its dK product reads it).
+//   kdQPass       none: dQ is the dQ pass's (bwd_dq_pass, hopper/bwd_dq_kernel.cuh); dS^T goes to
+//                 shared memory only where the dK product reads it there (kSharedKeys).
 enum DqMode : int { kdQSplit, kdQAlternate, kdQPass };
 
 // Tile shape of one dK/dV variant. kBlockM query rows per step, kBlockN keys per CTA (64 per
-// consumer warpgroup), kStages Q and dO buffers. Registers per consumer thread: dK and dV D/2
-// each, S and dP kBlockM/4 each, dQ kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's
-// product covers whole rows).
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+// consumer warpgroup), kStages Q and dO buffers; kDqPass: dQ is the dQ pass's (bwd_dq_pass), not
+// this kernel's. Registers per consumer thread: dK and dV D/2 each, S and dP kBlockM/4 each, dQ
+// kBlockM * D / 256 (kBlockM * D / 128 when one warpgroup's product covers whole rows; none with
+// kDqPass).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDqPass_ = bwd_dq_pass(kHeadDim_, false)>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kDqPass = kDqPass_;
+  static_assert(kDqPass || !bwd_dq_pass(kHeadDim, false), "this head dim's dQ is always the dQ pass's");
 };
 
 static_assert(kBwdRowPad % 128 == 0, "every kBlockM divides the row padding (bwd_params.h)");
@@ -133,6 +136,9 @@ template <>
 struct DefaultBwdConfig<256> {
   using type = BwdTileConfig<256, 64, bwd_key_tile(256), 2>;
 };
+// The same tiles without the dQ product, for the dQ pass (deterministic algorithms).
+template <class Config>
+using DqPassBwdConfig = BwdTileConfig<Config::kHeadDim, Config::kBlockM, Config::kBlockN, Config::kStages, true>;
 
 template <typename T>
 struct CutlassElement;
@@ -290,7 +296,7 @@ struct QueryTileTraits {
 // half the step's query rows for S^T and dP^T and on half the head dim for dK and dV (D / 2
 // accumulators each for dK and dV would leave no registers for S and dP); P^T then goes through
 // shared memory as dS^T does, and the dK / dV products read both from there.
-template <typename Element, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <typename Element, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDqPass_>
 struct KeyTileTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -302,11 +308,10 @@ struct KeyTileTraits {
   static constexpr int kSdPRows = kSharedKeys ? kBlockM / kMmaWGs : kBlockM;    // S^T's query rows per warpgroup
   static constexpr int kdKVCols = kSharedKeys ? kHeadDim / kMmaWGs : kHeadDim;  // dK's, dV's head dim per warpgroup
   static_assert(kBlockM == 64 || kBlockM == 128);
-  // The dQ product's sharing (DqMode): the dQ pass's head dims have none, else split where the
-  // tile allows it, else alternate (at D = 64 on an H200 fwd+bwd 335 -> 359 TFLOP/s against each
-  // warpgroup multiplying its own 64 keys: half the reduce-adds per step).
-  static constexpr int kdQMode =
-      bwd_dq_pass(kHeadDim) ? kdQPass : (kBlockM == 128 || kHeadDim % 128 == 0 ? kdQSplit : kdQAlternate);
+  // The dQ product's sharing (DqMode): none with the dQ pass, else split where the tile allows it,
+  // else alternate (at D = 64 on an H200 fwd+bwd 335 -> 359 TFLOP/s against each warpgroup
+  // multiplying its own 64 keys: half the reduce-adds per step).
+  static constexpr int kdQMode = kDqPass_ ? kdQPass : (kBlockM == 128 || kHeadDim % 128 == 0 ? kdQSplit : kdQAlternate);
   static constexpr bool kdQWholeRows = kdQMode != kdQSplit;  // one warpgroup's product covers whole rows
   static_assert(kdQWholeRows || kBlockM == 128 || kHeadDim % 128 == 0, "no dQ split for this tile");
   static constexpr int kdQWarpgroupsM = kdQWholeRows ? 1 : kBlockM / 64;
