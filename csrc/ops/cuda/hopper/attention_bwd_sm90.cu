@@ -116,8 +116,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   if (dq_pass && summary.defined()) {
     hopper::BwdSm90Params dq_fields = p;
     attn::set_mask_fields(dq_fields, a.mask, a.key_ranges, hopper::kDqTileRows,
-                          hopper::bwd_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals,
-                          &dq_first_visible);
+                          hopper::dq_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals, &dq_first_visible);
     p.dq_mask_tiles = dq_fields.mask_tiles;
   }
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;

@@ -16,7 +16,7 @@
 // the walk over a summary of this kernel's tiles (BwdSm90Params::dq_mask_tiles).
 //   shared memory  Q and dO (kDqTileRows x D each, loaded once with the rows' row_shift, delta and
 //                  row_lo), K in two stages, V in one: at D = 256 64 + 64 + 64 + 32 KB, at
-//                  D = 128 32 + 32 + 64 + 32. V's one stage is refilled once dP is done and is
+//                  D = 128 32 + 32 + 32 + 16. V's one stage is refilled once dP is done and is
 //                  needed again only by the next dP, after that tile's S and this one's dQ
 //                  product; K is read by both S and dQ.
 //   registers      per consumer thread: dQ D / 2, S and dP kBlockN / 2 each.
@@ -131,7 +131,7 @@ struct BwdDq {
   static constexpr bool kBias = Mask::kBias;
   static_assert(!kBias || !kSoftcap, "a bias is not taken with a softcap");
   static constexpr int kBlockM = kDqTileRows;
-  static constexpr int kBlockN = bwd_key_tile(kHeadDim);
+  static constexpr int kBlockN = dq_key_tile(kHeadDim);
   static constexpr int kMmaWGs = 2;
   static_assert(kBlockM == 64 * kMmaWGs);
   static constexpr int kMmaThreads = 128 * kMmaWGs;

@@ -33,9 +33,14 @@ constexpr int bwd_key_tile(int head_dim) {
 constexpr bool bwd_dq_pass(int head_dim, bool deterministic) {
   return deterministic || head_dim > 128;
 }
-// The dQ pass's query tile (two consumer warpgroups of 64 rows) and its mask summary's rows; its
-// key tile is bwd_key_tile(D).
+// The dQ pass's query tile (two consumer warpgroups of 64 rows) and its mask summary's rows.
 constexpr int kDqTileRows = 128;
+// The dQ pass's key tile for head dim D (its mask summary's key tile): 128 keys at D = 64, else 64.
+// At D = 128, 128 keys' S and dP (64 float32 registers each per thread) beside dQ (64) left ptxas
+// too few registers to keep the wgmmas in flight (C7512: serialised).
+constexpr int dq_key_tile(int head_dim) {
+  return head_dim > 64 ? 64 : 128;
+}
 
 // Q, K, V and the mask: Sm90Inputs. The mask's summary is for tiles of kBwdMaskTileRows x
 // bwd_key_tile(D) (the kernel's query and key tiles); a float mask with a softcap is not taken (the
@@ -76,7 +81,7 @@ struct BwdSm90Params : Sm90Inputs {
   int64_t dk_sb = 0, dk_sh = 0, dk_si = 0;
   int64_t dv_sb = 0, dv_sh = 0, dv_si = 0;
   // Where bwd_dq_pass and there is a summary: the same mask summarised for the dQ pass's tiles,
-  // kDqTileRows x bwd_key_tile(D), with its first_visible record.
+  // kDqTileRows x dq_key_tile(D), with its first_visible record.
   attn::TileSummaryView dq_mask_tiles;
   // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
   // [B, Hq, Q, KV] contiguous float32 at each visited (query tile, key tile); the caller zeroes
