@@ -416,6 +416,20 @@ __device__ __forceinline__ void begin_step(bool has_next, const Step& next, int 
   __syncthreads();
 }
 
+// A per-query row value (row shift, row lo, Delta: [kQueries] floats in shared memory, from the
+// sub-tile's first query) at the columns of this thread's m16n8 accumulators: columns 8 t + 2 tig
+// and 8 t + 2 tig + 1 of n-tile t, which every 16-row block of the accumulators repeats. One
+// 8-byte load a pair, into registers, instead of a shared-memory read an element.
+template <int kNTiles>
+__device__ __forceinline__ void load_columns(const float* values, int tig, float (&columns)[kNTiles][2]) {
+#pragma unroll
+  for (int t = 0; t < kNTiles; ++t) {
+    const float2 pair = *reinterpret_cast<const float2*>(values + t * 8 + 2 * tig);
+    columns[t][0] = pair.x;
+    columns[t][1] = pair.y;
+  }
+}
+
 // Every float of an accumulator array (float[...][4], any rank) set to 0.
 template <class Acc>
 __device__ __forceinline__ void zero_fill(Acc& acc) {
@@ -629,8 +643,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
                                                                             lane);
 
-      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, col, dscore) gives an
-      // element's p and d score / d dot.
+      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, dscore) gives an
+      // element's p and d score / d dot; its column is 8 t + 2 tig + (e & 1), its key 16 mt + g +
+      // 8 (e >> 1) from key_row0. The row values of the thread's columns are read into registers
+      // first (load_columns), within each branch, so that they live only where they are used.
+      float col_shift[kQTiles][2], col_delta[kQTiles][2];
       auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -638,25 +655,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
           for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int col = t * 8 + 2 * tig + (e & 1);
               float dscore;
-              const float pr = prob(mt, t, e, col, dscore);
+              const float pr = prob(mt, t, e, dscore);
               st[mt][t][e] = pr;
-              dpt[mt][t][e] = pr * (dpt[mt][t][e] - delta_t[col]) * dscore;
+              dpt[mt][t][e] = pr * (dpt[mt][t][e] - col_delta[t][e & 1]) * dscore;
             }
           }
         }
       };
       if (Cfg::kFoldScale && folded) {
-        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
           dscore = p.score.natural_scale;
-          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
+          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -col_shift[t][e & 1]));
         });
       } else {
-        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
+          const int col = t * 8 + 2 * tig + (e & 1);
           const int64_t i = i0 + q0 + col;
           const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
-          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
+          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, col_shift[t][e & 1], lo_t[col], dscore));
         });
       }
 
