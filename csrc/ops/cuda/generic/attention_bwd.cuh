@@ -153,9 +153,10 @@ constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
 //   kSwizzle    rows unpadded and swizzled (SmemRows) instead of padded by 16 bytes.
 //   kDkvCols    (P^T in shared memory) warps across the head dim for dK and dV.
 //   kMinBlocks  CTAs an SM the registers are budgeted for (__launch_bounds__).
-//   kFoldScale  on plain tiles (plain_tile) in log2 units without softcap, p = 2^(dot * scale -
-//               shift) in one FMA and d score / d dot the constant scale, the rest of exp2_arg's
-//               tests and branches left out of the element loop.
+//   kFoldScale  in log2 units without softcap, d score / d dot the constant scale and the rest of
+//               exp2_arg's tests and branches left out of the element loop: on plain tiles
+//               (plain_tile) p = 2^(dot * scale - shift) in one FMA; on tiles whose only tests are
+//               the causal rule and the sequence ends (TileBounds) one compare an element.
 // Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
 // 2 * kWarpKeys x kSubQueries / 32.
 template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
@@ -337,6 +338,25 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
                                            int cols) {
   return cls == kTileVisible && i0 + rows <= p.q_len && j0 + cols <= p.kv_len &&
          p.causal.tile_all_visible(i0, j0 + cols);
+}
+
+// The per-element tests of a tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) without mask
+// values, in tile coordinates (32-bit): query r of the tile sees key c when c <= last_key(r), which
+// holds the causal rule (j <= i + shift, as c - r <= i0 + shift - j0) and both sequence ends.
+struct TileBounds {
+  int diagonal;    // i0 + shift - j0, clamped to [-rows, cols] (beyond it every key or none is seen)
+  int query_rows;  // queries of the tile inside the sequence
+  int key_rows;    // keys of the tile inside the sequence
+  // The last visible key of query r of the tile, -1 when none.
+  __device__ __forceinline__ int last_key(int r) const {
+    return r < query_rows ? min(diagonal + r, key_rows - 1) : -1;
+  }
+};
+__device__ __forceinline__ TileBounds tile_bounds(const BwdParams& p, int64_t i0, int rows, int64_t j0, int cols) {
+  const int64_t diagonal = p.causal.enabled ? i0 + p.causal.shift - j0 : cols;
+  return {static_cast<int>(diagonal < -rows ? -rows : (diagonal > cols ? cols : diagonal)),
+          static_cast<int>(p.q_len - i0 < rows ? p.q_len - i0 : rows),
+          static_cast<int>(p.kv_len - j0 < cols ? p.kv_len - j0 : cols)};
 }
 
 // Two products of the backward at once, for kMTiles 16-row blocks of A: acc1 += A1 B1 and acc2 +=
@@ -618,8 +638,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const int64_t h = step.h;
     const int64_t q_tile = step.q_tile;
     const int64_t i0 = q_tile * kQueries;
-    const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
-    const bool folded = plain && !p.score.natural && p.score.softcap_post == 0.0f;  // kFoldScale's case
+    const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, blockIdx.x);
+    const bool plain = plain_tile(p, tile_class, i0, kQueries, j0, kKeys);
+    // kFoldScale's cases, in log2 units without softcap: a plain tile (folded), or one whose only
+    // per-element tests are the causal rule and the sequence ends (bounded: the causal diagonal,
+    // the last tiles of odd lengths), made in tile coordinates by tile_bounds.
+    const bool log2_scaled = !p.score.natural && p.score.softcap_post == 0.0f;
+    const bool folded = plain && log2_scaled;
+    const bool bounded = !plain && log2_scaled && tile_class == kTileVisible;
     const T* q_buf = q_s + buf * kQueries * kStride;
     const T* do_buf = do_s + buf * kQueries * kStride;
 
@@ -669,6 +695,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
         to_p_and_ds([&](int mt, int t, int e, float& dscore) {
           dscore = p.score.natural_scale;
           return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -col_shift[t][e & 1]));
+        });
+      } else if (Cfg::kFoldScale && bounded) {
+        // The last visible key row of each of the thread's columns, from its first row key_row0 + g.
+        int col_last[kQTiles][2];
+        const TileBounds bounds = tile_bounds(p, i0, kQueries, j0, kKeys);
+#pragma unroll
+        for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            col_last[t][c] = bounds.last_key(q0 + t * 8 + 2 * tig + c) - (key_row0 + g);
+          }
+        }
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        // p as exp2_arg makes it (the product and the difference each rounded): the same bits as
+        // on the general path.
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
+          dscore = p.score.natural_scale;
+          const bool visible = mt * 16 + (e >> 1) * 8 <= col_last[t][e & 1];
+          return fast_exp2(visible ? __fmul_rn(st[mt][t][e], p.score.scale) - col_shift[t][e & 1] : -INFINITY);
         });
       } else {
         load_columns(lse_t, tig, col_shift);
