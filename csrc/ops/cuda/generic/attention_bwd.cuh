@@ -613,11 +613,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
                                                      p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
-    for (int r = threadIdx.x; r < kQueries; r += kThreads) {
+    auto load_row_values = [&](int r) {
       const bool valid = i0 + r < p.q_len;
       lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
       lo_s[buf * kQueries + r] = valid && p.score.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
       delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
+    };
+    if constexpr (kQueries <= kThreads) {
+      // One row a thread (every shape): a test, not a loop the compiler unrolls with a remainder.
+      if (threadIdx.x < kQueries) {
+        load_row_values(threadIdx.x);
+      }
+    } else {
+      for (int r = threadIdx.x; r < kQueries; r += kThreads) {
+        load_row_values(r);
+      }
     }
   };
 
