@@ -23,8 +23,8 @@
 //        run to run, at the price of recomputing S and dP (7 products instead of 5).
 //      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
 //        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its warps
-//        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries and a share
-//        of the head dim, DkvConfig::kDqCols), added into a zeroed [B, Hq, Q, D] float32 buffer
+//        compute dQ_step = dS' K[tile] for the step's queries (each warp kDqRows queries and a
+//        share of the head dim, kDqCols: BwdTiles), added into a zeroed [B, Hq, Q, D] float32 buffer
 //        with red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
 //        head adds into the same rows, in no fixed order: not bit-reproducible. Used unless
 //        deterministic algorithms are on (torch.use_deterministic_algorithms) or a mask
@@ -130,11 +130,12 @@ struct DqConfig {
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
-// The head-dim columns of one job of the atomic mode's dQ (16 queries x that many columns): the
-// head dim split over the warps a 16-query block gets, at most 64 columns (32 accumulators).
-constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
+// The head-dim columns of one job of the atomic mode's dQ (`rows` queries x that many columns):
+// the head dim split over the warps a block of `rows` queries gets, at most 32 accumulators a
+// thread (rows x cols / 32).
+constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks, int rows = 16) {
   int cols = warps >= row_blocks ? head_dim / (warps / row_blocks) : head_dim;
-  while (cols > 64 && cols % 32 == 0) {
+  while (cols * rows > 1024 && cols % 32 == 0) {
     cols /= 2;
   }
   return cols;
@@ -157,16 +158,19 @@ constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
 //               exp2_arg's tests and branches left out of the element loop: on plain tiles
 //               (plain_tile) p = 2^(dot * scale - shift) in one FMA; on tiles whose only tests are
 //               the causal rule and the sequence ends (TileBounds) one compare an element.
+//   kDqRows     (atomic dQ) queries of a warp's dQ job, 16 or 32: with 32, each ldmatrix'd K
+//               fragment feeds two MMAs (FlashAttention-2's 32 x 32 warp blocks at D = 128).
 // Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
 // 2 * kWarpKeys x kSubQueries / 32.
 template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
-          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false>
+          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false, int kDqRows_ = 16>
 struct BwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kKeys = kKeys_, kQueries = kQueries_, kWarps = kWarps_;
   static constexpr int kWarpsQ = kWarpsQ_, kSubQueries = kSubQueries_, kStages = kStages_;
   static constexpr bool kSwizzle = kSwizzle_;
   static constexpr int kDkvCols = kDkvCols_, kMinBlocks = kMinBlocks_;
   static constexpr bool kFoldScale = kFoldScale_;
+  static constexpr int kDqRows = kDqRows_;
   static constexpr int kThreads = kWarps * 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static_assert(kStages == 1 || kStages == 2, "one or two Q / dO buffers");
@@ -187,9 +191,10 @@ struct BwdTiles {
   static_assert(kDkvWarpKeys % 16 == 0 && kDkvWarpCols % 16 == 0 && kWarps % kDkvCols == 0, "dK/dV: warp blocks");
   // P^T and dS'^T of a step in shared memory, [kKeys][kPStride] (keys along rows).
   static constexpr int kPStride = padded_row(kQueries);
-  // Atomic dQ: the step's dQ in jobs of 16 queries x kDqCols head-dim columns, kDqJobs / kWarps a warp.
-  static constexpr int kDqCols = bwd_dq_cols(kHeadDim, kWarps, kQueries / 16);
-  static constexpr int kDqJobs = kQueries / 16 * (kHeadDim / kDqCols);
+  // Atomic dQ: the step's dQ in jobs of kDqRows queries x kDqCols head-dim columns, kDqJobs / kWarps a warp.
+  static_assert(kDqRows % 16 == 0 && kQueries % kDqRows == 0, "atomic dQ: 16-query blocks");
+  static constexpr int kDqCols = bwd_dq_cols(kHeadDim, kWarps, kQueries / kDqRows, kDqRows);
+  static constexpr int kDqJobs = kQueries / kDqRows * (kHeadDim / kDqCols);
   static_assert(kHeadDim % kDqCols == 0 && kDqCols % 16 == 0 && kDqJobs % kWarps == 0, "atomic dQ: warp split");
 
   // K, V; Q and dO (kStages buffers); row shift, row lo and Delta (kStages); then P^T (unless in
@@ -463,28 +468,44 @@ __device__ __forceinline__ void zero_fill(Acc& acc) {
 
 // ---- dK / dV ---------------------------------------------------------------------------------
 
+// address[0] += first and address[1] += second in global memory (8-byte aligned), the result
+// unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90, two 4-byte ones before, in
+// PTX's global space so that a pointer the compiler cannot trace to global memory takes no test
+// for shared memory.
+__device__ __forceinline__ void red_add_pair(float* address, float first, float second) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(address), make_float2(first, second));
+#else
+  const size_t global = __cvta_generic_to_global(address);
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global), "f"(first) : "memory");
+  asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(global), "f"(second) : "memory");
+#endif
+}
+
 // The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's keys j of
 // dS'[m, j] K[j, :], for the step's queries m < Cfg::kQueries of query head h, added into
 // p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
 // ds_s: dS'^T [kKeys][kPStride] (keys along rows); k_s: K [kKeys] rows laid out as Cfg::Rows.
 // dS' already holds d score / d(q.k) (the scale, the softcap's derivative): no scale here. The
-// work is Cfg::kDqJobs jobs of 16 queries x kDqCols head-dim columns, dealt round the warps.
+// work is Cfg::kDqJobs jobs of kDqRows queries x kDqCols head-dim columns, dealt round the warps.
 template <typename T, class Cfg>
 __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
                                             int64_t i0, int warp, int lane) {
   using Rows = typename Cfg::Rows;
+  constexpr int kMTiles = Cfg::kDqRows / 16;
   constexpr int kNTiles = Cfg::kDqCols / 8;
   constexpr int kColBlocks = Cfg::kHeadDim / Cfg::kDqCols;
   const int g = lane / 4, tig = lane % 4;
   float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * Cfg::kHeadDim;
   auto job_dq = [&](int job) {
-    const int row0 = 16 * (job / kColBlocks);            // the job's queries within the step
+    const int row0 = Cfg::kDqRows * (job / kColBlocks);  // the job's queries within the step
     const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
-    float acc[kNTiles][4];
+    float acc[kMTiles][kNTiles][4];
     zero_fill(acc);
     // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when l / 8
     // is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A. B = K [keys x head
-    // dim] loaded transposed, as the dQ kernel does. Lane addresses once, moved by 16-key blocks.
+    // dim] loaded transposed, as the dQ kernel does. Lane addresses once, moved by 16-key blocks
+    // (and A by 16-query blocks).
     using PRows = SmemRows<Cfg::kQueries>;
     const uint32_t a_lane =
         smem_address(ds_s + PRows::offset((lane & 7) + ((lane >> 4) & 1) * 8, row0 + ((lane >> 3) & 1) * 8));
@@ -492,32 +513,44 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
         smem_address(k_s + Rows::offset((lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8));
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKeys / 16; ++kk) {
-      uint32_t a_ds[4];
-      ldmatrix_x4_trans(a_ds, PRows::moved(a_lane, kk * 16, 0));
+      uint32_t a_ds[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        ldmatrix_x4_trans(a_ds[mt], PRows::moved(a_lane, kk * 16, mt * 16));
+      }
 #pragma unroll
       for (int dp = 0; dp < Cfg::kDqCols / 16; ++dp) {
         uint32_t b_k[4];
         ldmatrix_x4_trans(b_k, Rows::moved(b_lane, kk * 16, dp * 16));
-        mma_pair<T>(acc[2 * dp], acc[2 * dp + 1], a_ds, b_k);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_pair<T>(acc[mt][2 * dp], acc[mt][2 * dp + 1], a_ds[mt], b_k);
+        }
       }
     }
-    // Rows g and g + 8 of the job's 16 queries, columns 2 * tig (+1) of every n-tile.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t i = i0 + row0 + g + half * 8;
-      if (i >= p.q_len) {
-        continue;
-      }
-      float* dq_row = dq + i * Cfg::kHeadDim + col0 + 2 * tig;
+    // Rows g and g + 8 of each of the job's 16-query blocks, columns 2 * tig (+1) of every n-tile:
+    // one address for the thread, the rest constant offsets from it. Rows past q_len are not
+    // written.
+    const int64_t first_row = i0 + row0 + g;
+    const int64_t rows_left = p.q_len - first_row;
+    // The address is opaque to the compiler so that it is made once, here: left to itself, nvcc
+    // 13.0 rebuilt it (64-bit products) inside each row's branch.
+    float* dq_thread = dq + first_row * Cfg::kHeadDim + col0 + 2 * tig;
+    asm("" : "+l"(dq_thread));
+    auto add_row = [&](int mt, int half) {
+      float* dq_row = dq_thread + (mt * 16 + half * 8) * Cfg::kHeadDim;
 #pragma unroll
       for (int t = 0; t < kNTiles; ++t) {
-        // The result unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float2*>(dq_row + t * 8), make_float2(acc[t][2 * half], acc[t][2 * half + 1]));
-#else
-        atomicAdd(dq_row + t * 8, acc[t][2 * half]);
-        atomicAdd(dq_row + t * 8 + 1, acc[t][2 * half + 1]);
-#endif
+        red_add_pair(dq_row + t * 8, acc[mt][t][2 * half], acc[mt][t][2 * half + 1]);
+      }
+    };
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (mt * 16 + half * 8 < rows_left) {
+          add_row(mt, half);
+        }
       }
     }
   };
