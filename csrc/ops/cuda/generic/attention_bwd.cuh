@@ -469,14 +469,14 @@ __device__ __forceinline__ void zero_fill(Acc& acc) {
 // ---- dK / dV ---------------------------------------------------------------------------------
 
 // address[0] += first and address[1] += second in global memory (8-byte aligned), the result
-// unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90, two 4-byte ones before, in
-// PTX's global space so that a pointer the compiler cannot trace to global memory takes no test
-// for shared memory.
+// unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90, two 4-byte ones before. In
+// PTX, with the global state space named: from a pointer the compiler cannot trace to global
+// memory, atomicAdd would be a generic ATOM (sm_90) or test for shared memory (sm_80).
 __device__ __forceinline__ void red_add_pair(float* address, float first, float second) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(address), make_float2(first, second));
-#else
   const size_t global = __cvta_generic_to_global(address);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(global), "f"(first), "f"(second) : "memory");
+#else
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global), "f"(first) : "memory");
   asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(global), "f"(second) : "memory");
 #endif
