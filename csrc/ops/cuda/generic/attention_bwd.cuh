@@ -714,8 +714,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
 
       // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, dscore) gives an
       // element's p and d score / d dot; its column is 8 t + 2 tig + (e & 1), its key 16 mt + g +
-      // 8 (e >> 1) from key_row0. The row values of the thread's columns are read into registers
-      // first (load_columns), within each branch, so that they live only where they are used.
+      // 8 (e >> 1) from key_row0. The row shift and Delta of the thread's columns are read into
+      // registers first (load_columns), within each branch so that they live only where used; row
+      // lo (natural units, the general path only) is read an element.
       float col_shift[kQTiles][2], col_delta[kQTiles][2];
       auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
