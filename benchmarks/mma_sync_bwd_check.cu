@@ -463,9 +463,11 @@ static int check_shape(const char* name, bool timing) {
 }
 
 // Candidate shapes: <D, keys, queries, warps, warps across queries, sub-queries, Q/dO stages,
-// swizzled rows, warps across the head dim for dK/dV, CTAs per SM, scale folded> (BwdTiles).
-template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1, bool FS = false>
-using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS>;
+// swizzled rows, warps across the head dim for dK/dV, CTAs per SM, scale folded, queries of a dQ
+// job> (BwdTiles).
+template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1, bool FS = false,
+          int DQ = 16>
+using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS, DQ>;
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it comes, also into a pipe or a file
@@ -562,6 +564,12 @@ int main(int argc, char** argv) {
       check_shape<bf16, Tiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true>>("d64 k128 q128 8w 2x4 sub16 fold", timing);
   failures +=
       check_shape<bf16, Tiles<64, 128, 64, 8, 2, 32, 2, true, 2, 1, true>>("d64 k128 8w 4x2 psmem fold", timing);
+  // The large shapes with the atomic dQ in jobs of 32 queries (FlashAttention-2's 32 x 32 warp
+  // blocks at D = 128; 32 x 32 at D = 64) instead of 16 (16 x 64 at both).
+  failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>>("d128 large dq32", timing);
+  failures +=
+      check_shape<__half, Tiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>>("d128 large dq32 fp16", false);
+  failures += check_shape<bf16, Tiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true, 32>>("d64 large dq32", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

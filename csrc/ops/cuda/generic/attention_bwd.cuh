@@ -23,8 +23,8 @@
 //        run to run, at the price of recomputing S and dP (7 products instead of 5).
 //      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
 //        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its warps
-//        compute dQ_step = dS' K[tile] for the step's queries (each warp 16 queries and a share
-//        of the head dim, DkvConfig::kDqCols), added into a zeroed [B, Hq, Q, D] float32 buffer
+//        compute dQ_step = dS' K[tile] for the step's queries (each warp kDqRows queries and a
+//        share of the head dim, kDqCols: BwdTiles), added into a zeroed [B, Hq, Q, D] float32 buffer
 //        with red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
 //        head adds into the same rows, in no fixed order: not bit-reproducible. Used unless
 //        deterministic algorithms are on (torch.use_deterministic_algorithms) or a mask
@@ -130,11 +130,12 @@ struct DqConfig {
   static constexpr size_t kDqSmem = sizeof(uint16_t) * kStride * (2 * kDqQueries + 2 * 2 * kDqKeys);
 };
 
-// The head-dim columns of one job of the atomic mode's dQ (16 queries x that many columns): the
-// head dim split over the warps a 16-query block gets, at most 64 columns (32 accumulators).
-constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
+// The head-dim columns of one job of the atomic mode's dQ (`rows` queries x that many columns):
+// the head dim split over the warps a block of `rows` queries gets, at most 32 accumulators a
+// thread (rows x cols / 32).
+constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks, int rows = 16) {
   int cols = warps >= row_blocks ? head_dim / (warps / row_blocks) : head_dim;
-  while (cols > 64 && cols % 32 == 0) {
+  while (cols * rows > 1024 && cols % 32 == 0) {
     cols /= 2;
   }
   return cols;
@@ -153,19 +154,23 @@ constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks) {
 //   kSwizzle    rows unpadded and swizzled (SmemRows) instead of padded by 16 bytes.
 //   kDkvCols    (P^T in shared memory) warps across the head dim for dK and dV.
 //   kMinBlocks  CTAs an SM the registers are budgeted for (__launch_bounds__).
-//   kFoldScale  on plain tiles (plain_tile) in log2 units without softcap, p = 2^(dot * scale -
-//               shift) in one FMA and d score / d dot the constant scale, the rest of exp2_arg's
-//               tests and branches left out of the element loop.
+//   kFoldScale  in log2 units without softcap, d score / d dot the constant scale and the rest of
+//               exp2_arg's tests and branches left out of the element loop: on plain tiles
+//               (plain_tile) p = 2^(dot * scale - shift) in one FMA; on tiles whose only tests are
+//               the causal rule and the sequence ends (TileBounds) one compare an element.
+//   kDqRows     (atomic dQ) queries of a warp's dQ job, 16 or 32: with 32, each ldmatrix'd K
+//               fragment feeds two MMAs (FlashAttention-2's 32 x 32 warp blocks at D = 128).
 // Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
 // 2 * kWarpKeys x kSubQueries / 32.
 template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
-          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false>
+          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false, int kDqRows_ = 16>
 struct BwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kKeys = kKeys_, kQueries = kQueries_, kWarps = kWarps_;
   static constexpr int kWarpsQ = kWarpsQ_, kSubQueries = kSubQueries_, kStages = kStages_;
   static constexpr bool kSwizzle = kSwizzle_;
   static constexpr int kDkvCols = kDkvCols_, kMinBlocks = kMinBlocks_;
   static constexpr bool kFoldScale = kFoldScale_;
+  static constexpr int kDqRows = kDqRows_;
   static constexpr int kThreads = kWarps * 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static_assert(kStages == 1 || kStages == 2, "one or two Q / dO buffers");
@@ -186,9 +191,10 @@ struct BwdTiles {
   static_assert(kDkvWarpKeys % 16 == 0 && kDkvWarpCols % 16 == 0 && kWarps % kDkvCols == 0, "dK/dV: warp blocks");
   // P^T and dS'^T of a step in shared memory, [kKeys][kPStride] (keys along rows).
   static constexpr int kPStride = padded_row(kQueries);
-  // Atomic dQ: the step's dQ in jobs of 16 queries x kDqCols head-dim columns, kDqJobs / kWarps a warp.
-  static constexpr int kDqCols = bwd_dq_cols(kHeadDim, kWarps, kQueries / 16);
-  static constexpr int kDqJobs = kQueries / 16 * (kHeadDim / kDqCols);
+  // Atomic dQ: the step's dQ in jobs of kDqRows queries x kDqCols head-dim columns, kDqJobs / kWarps a warp.
+  static_assert(kDqRows % 16 == 0 && kQueries % kDqRows == 0, "atomic dQ: 16-query blocks");
+  static constexpr int kDqCols = bwd_dq_cols(kHeadDim, kWarps, kQueries / kDqRows, kDqRows);
+  static constexpr int kDqJobs = kQueries / kDqRows * (kHeadDim / kDqCols);
   static_assert(kHeadDim % kDqCols == 0 && kDqCols % 16 == 0 && kDqJobs % kWarps == 0, "atomic dQ: warp split");
 
   // K, V; Q and dO (kStages buffers); row shift, row lo and Delta (kStages); then P^T (unless in
@@ -339,6 +345,25 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
          p.causal.tile_all_visible(i0, j0 + cols);
 }
 
+// The per-element tests of a tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) without mask
+// values, in tile coordinates (32-bit): query r of the tile sees key c when c <= last_key(r), which
+// holds the causal rule (j <= i + shift, as c - r <= i0 + shift - j0) and both sequence ends.
+struct TileBounds {
+  int diagonal;    // i0 + shift - j0, clamped to [-rows, cols] (beyond it every key or none is seen)
+  int query_rows;  // queries of the tile inside the sequence
+  int key_rows;    // keys of the tile inside the sequence
+  // The last visible key of query r of the tile, -1 when none.
+  __device__ __forceinline__ int last_key(int r) const {
+    return r < query_rows ? min(diagonal + r, key_rows - 1) : -1;
+  }
+};
+__device__ __forceinline__ TileBounds tile_bounds(const BwdParams& p, int64_t i0, int rows, int64_t j0, int cols) {
+  const int64_t diagonal = p.causal.enabled ? i0 + p.causal.shift - j0 : cols;
+  return {static_cast<int>(diagonal < -rows ? -rows : (diagonal > cols ? cols : diagonal)),
+          static_cast<int>(p.q_len - i0 < rows ? p.q_len - i0 : rows),
+          static_cast<int>(p.kv_len - j0 < cols ? p.kv_len - j0 : cols)};
+}
+
 // Two products of the backward at once, for kMTiles 16-row blocks of A: acc1 += A1 B1 and acc2 +=
 // A2 B2 over kK, accumulators [kMTiles][kN / 8][4] in the m16n8 layout; each B fragment feeds
 // kMTiles MMAs of each product. A1, A2: rows a_row.. of shared tiles laid out as RowsA (row-major
@@ -416,6 +441,20 @@ __device__ __forceinline__ void begin_step(bool has_next, const Step& next, int 
   __syncthreads();
 }
 
+// A per-query row value (row shift, row lo, Delta: [kQueries] floats in shared memory, from the
+// sub-tile's first query) at the columns of this thread's m16n8 accumulators: columns 8 t + 2 tig
+// and 8 t + 2 tig + 1 of n-tile t, which every 16-row block of the accumulators repeats. One
+// 8-byte load a pair, into registers, instead of a shared-memory read an element.
+template <int kNTiles>
+__device__ __forceinline__ void load_columns(const float* values, int tig, float (&columns)[kNTiles][2]) {
+#pragma unroll
+  for (int t = 0; t < kNTiles; ++t) {
+    const float2 pair = *reinterpret_cast<const float2*>(values + t * 8 + 2 * tig);
+    columns[t][0] = pair.x;
+    columns[t][1] = pair.y;
+  }
+}
+
 // Every float of an accumulator array (float[...][4], any rank) set to 0.
 template <class Acc>
 __device__ __forceinline__ void zero_fill(Acc& acc) {
@@ -429,28 +468,44 @@ __device__ __forceinline__ void zero_fill(Acc& acc) {
 
 // ---- dK / dV ---------------------------------------------------------------------------------
 
+// address[0] += first and address[1] += second in global memory (8-byte aligned), the result
+// unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90, two 4-byte ones before. In
+// PTX, with the global state space named: from a pointer the compiler cannot trace to global
+// memory, atomicAdd would be a generic ATOM (sm_90) or test for shared memory (sm_80).
+__device__ __forceinline__ void red_add_pair(float* address, float first, float second) {
+  const size_t global = __cvta_generic_to_global(address);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(global), "f"(first), "f"(second) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global), "f"(first) : "memory");
+  asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(global), "f"(second) : "memory");
+#endif
+}
+
 // The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's keys j of
 // dS'[m, j] K[j, :], for the step's queries m < Cfg::kQueries of query head h, added into
 // p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
 // ds_s: dS'^T [kKeys][kPStride] (keys along rows); k_s: K [kKeys] rows laid out as Cfg::Rows.
 // dS' already holds d score / d(q.k) (the scale, the softcap's derivative): no scale here. The
-// work is Cfg::kDqJobs jobs of 16 queries x kDqCols head-dim columns, dealt round the warps.
+// work is Cfg::kDqJobs jobs of kDqRows queries x kDqCols head-dim columns, dealt round the warps.
 template <typename T, class Cfg>
 __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, const T* k_s, int64_t b, int64_t h,
                                             int64_t i0, int warp, int lane) {
   using Rows = typename Cfg::Rows;
+  constexpr int kMTiles = Cfg::kDqRows / 16;
   constexpr int kNTiles = Cfg::kDqCols / 8;
   constexpr int kColBlocks = Cfg::kHeadDim / Cfg::kDqCols;
   const int g = lane / 4, tig = lane % 4;
   float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * Cfg::kHeadDim;
   auto job_dq = [&](int job) {
-    const int row0 = 16 * (job / kColBlocks);            // the job's queries within the step
+    const int row0 = Cfg::kDqRows * (job / kColBlocks);  // the job's queries within the step
     const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
-    float acc[kNTiles][4];
+    float acc[kMTiles][kNTiles][4];
     zero_fill(acc);
     // A = dS' [queries x keys] from its transpose: matrix l / 8 of the x4 is (queries +8 when l / 8
     // is odd, keys +8 when l / 8 >= 2), as ldmatrix_x4 reads a row-major A. B = K [keys x head
-    // dim] loaded transposed, as the dQ kernel does. Lane addresses once, moved by 16-key blocks.
+    // dim] loaded transposed, as the dQ kernel does. Lane addresses once, moved by 16-key blocks
+    // (and A by 16-query blocks).
     using PRows = SmemRows<Cfg::kQueries>;
     const uint32_t a_lane =
         smem_address(ds_s + PRows::offset((lane & 7) + ((lane >> 4) & 1) * 8, row0 + ((lane >> 3) & 1) * 8));
@@ -458,32 +513,44 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
         smem_address(k_s + Rows::offset((lane & 7) + ((lane >> 3) & 1) * 8, col0 + (lane >> 4) * 8));
 #pragma unroll
     for (int kk = 0; kk < Cfg::kKeys / 16; ++kk) {
-      uint32_t a_ds[4];
-      ldmatrix_x4_trans(a_ds, PRows::moved(a_lane, kk * 16, 0));
+      uint32_t a_ds[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        ldmatrix_x4_trans(a_ds[mt], PRows::moved(a_lane, kk * 16, mt * 16));
+      }
 #pragma unroll
       for (int dp = 0; dp < Cfg::kDqCols / 16; ++dp) {
         uint32_t b_k[4];
         ldmatrix_x4_trans(b_k, Rows::moved(b_lane, kk * 16, dp * 16));
-        mma_pair<T>(acc[2 * dp], acc[2 * dp + 1], a_ds, b_k);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_pair<T>(acc[mt][2 * dp], acc[mt][2 * dp + 1], a_ds[mt], b_k);
+        }
       }
     }
-    // Rows g and g + 8 of the job's 16 queries, columns 2 * tig (+1) of every n-tile.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t i = i0 + row0 + g + half * 8;
-      if (i >= p.q_len) {
-        continue;
-      }
-      float* dq_row = dq + i * Cfg::kHeadDim + col0 + 2 * tig;
+    // Rows g and g + 8 of each of the job's 16-query blocks, columns 2 * tig (+1) of every n-tile:
+    // one address for the thread, the rest constant offsets from it. Rows past q_len are not
+    // written.
+    const int64_t first_row = i0 + row0 + g;
+    const int64_t rows_left = p.q_len - first_row;
+    // The address is opaque to the compiler so that it is made once, here: left to itself, nvcc
+    // 13.0 rebuilt it (64-bit products) inside each row's branch.
+    float* dq_thread = dq + first_row * Cfg::kHeadDim + col0 + 2 * tig;
+    asm("" : "+l"(dq_thread));
+    auto add_row = [&](int mt, int half) {
+      float* dq_row = dq_thread + (mt * 16 + half * 8) * Cfg::kHeadDim;
 #pragma unroll
       for (int t = 0; t < kNTiles; ++t) {
-        // The result unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float2*>(dq_row + t * 8), make_float2(acc[t][2 * half], acc[t][2 * half + 1]));
-#else
-        atomicAdd(dq_row + t * 8, acc[t][2 * half]);
-        atomicAdd(dq_row + t * 8 + 1, acc[t][2 * half + 1]);
-#endif
+        red_add_pair(dq_row + t * 8, acc[mt][t][2 * half], acc[mt][t][2 * half + 1]);
+      }
+    };
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (mt * 16 + half * 8 < rows_left) {
+          add_row(mt, half);
+        }
       }
     }
   };
@@ -579,11 +646,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
                                                      p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
-    for (int r = threadIdx.x; r < kQueries; r += kThreads) {
+    auto load_row_values = [&](int r) {
       const bool valid = i0 + r < p.q_len;
       lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
       lo_s[buf * kQueries + r] = valid && p.score.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
       delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
+    };
+    if constexpr (kQueries <= kThreads) {
+      // One row a thread (every shape): a test, not a loop the compiler unrolls with a remainder.
+      if (threadIdx.x < kQueries) {
+        load_row_values(threadIdx.x);
+      }
+    } else {
+      for (int r = threadIdx.x; r < kQueries; r += kThreads) {
+        load_row_values(r);
+      }
     }
   };
 
@@ -604,8 +681,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const int64_t h = step.h;
     const int64_t q_tile = step.q_tile;
     const int64_t i0 = q_tile * kQueries;
-    const bool plain = plain_tile(p, p.tiles_dkdv.at(b, h, q_tile, blockIdx.x), i0, kQueries, j0, kKeys);
-    const bool folded = plain && !p.score.natural && p.score.softcap_post == 0.0f;  // kFoldScale's case
+    const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, blockIdx.x);
+    const bool plain = plain_tile(p, tile_class, i0, kQueries, j0, kKeys);
+    // kFoldScale's cases, in log2 units without softcap: a plain tile (folded), or one whose only
+    // per-element tests are the causal rule and the sequence ends (bounded: the causal diagonal,
+    // the last tiles of odd lengths), made in tile coordinates by tile_bounds.
+    const bool log2_scaled = !p.score.natural && p.score.softcap_post == 0.0f;
+    const bool folded = plain && log2_scaled;
+    const bool bounded = !plain && log2_scaled && tile_class == kTileVisible;
     const T* q_buf = q_s + buf * kQueries * kStride;
     const T* do_buf = do_s + buf * kQueries * kStride;
 
@@ -629,8 +712,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
                                                                             lane);
 
-      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, col, dscore) gives an
-      // element's p and d score / d dot.
+      // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, dscore) gives an
+      // element's p and d score / d dot; its column is 8 t + 2 tig + (e & 1), its key 16 mt + g +
+      // 8 (e >> 1) from key_row0. The row shift and Delta of the thread's columns are read into
+      // registers first (load_columns), within each branch so that they live only where used; row
+      // lo (natural units, the general path only) is read an element.
+      float col_shift[kQTiles][2], col_delta[kQTiles][2];
       auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -638,25 +725,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
           for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int col = t * 8 + 2 * tig + (e & 1);
               float dscore;
-              const float pr = prob(mt, t, e, col, dscore);
+              const float pr = prob(mt, t, e, dscore);
               st[mt][t][e] = pr;
-              dpt[mt][t][e] = pr * (dpt[mt][t][e] - delta_t[col]) * dscore;
+              dpt[mt][t][e] = pr * (dpt[mt][t][e] - col_delta[t][e & 1]) * dscore;
             }
           }
         }
       };
       if (Cfg::kFoldScale && folded) {
-        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
           dscore = p.score.natural_scale;
-          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -lse_t[col]));
+          return fast_exp2(fmaf(st[mt][t][e], p.score.scale, -col_shift[t][e & 1]));
+        });
+      } else if (Cfg::kFoldScale && bounded) {
+        // The last visible key row of each of the thread's columns, from its first row key_row0 + g.
+        int col_last[kQTiles][2];
+        const TileBounds bounds = tile_bounds(p, i0, kQueries, j0, kKeys);
+#pragma unroll
+        for (int t = 0; t < kQTiles; ++t) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            col_last[t][c] = bounds.last_key(q0 + t * 8 + 2 * tig + c) - (key_row0 + g);
+          }
+        }
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        // p as exp2_arg makes it (the product and the difference each rounded): the same bits as
+        // on the general path.
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
+          dscore = p.score.natural_scale;
+          const bool visible = mt * 16 + (e >> 1) * 8 <= col_last[t][e & 1];
+          return fast_exp2(visible ? __fmul_rn(st[mt][t][e], p.score.scale) - col_shift[t][e & 1] : -INFINITY);
         });
       } else {
-        to_p_and_ds([&](int mt, int t, int e, int col, float& dscore) {
+        load_columns(lse_t, tig, col_shift);
+        load_columns(delta_t, tig, col_delta);
+        to_p_and_ds([&](int mt, int t, int e, float& dscore) {
+          const int col = t * 8 + 2 * tig + (e & 1);
           const int64_t i = i0 + q0 + col;
           const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
-          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, lse_t[col], lo_t[col], dscore));
+          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, col_shift[t][e & 1], lo_t[col], dscore));
         });
       }
 
