@@ -227,24 +227,25 @@ struct DkvShape {
 };
 // D = 128 within 99 KB (the shape above needs 155 KB): 64 keys a CTA, 4 warps 2 x 2 over the S^T
 // tile scoring 16 queries at a time, P^T and dS'^T through shared memory, dK / dV split by head
-// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.52 ms causal, 6.58 non-causal.
+// dim, one Q/dO buffer, swizzled rows, 2 CTAs an SM (83 KB): 3.38 ms causal, 6.27 non-causal.
 template <>
 struct DkvShape<128, false> {
   using type = BwdTiles<128, 64, 64, 4, 2, 16, 1, true, 2, 2, true>;
 };
 // With more than 99 KB, FlashAttention-2's layouts, P^T and dS'^T through shared memory, swizzled
-// rows, one Q/dO buffer. H200 (benchmarks/mma_sync_bwd_check.cu, B4 H16 S4096 bf16, causal /
-// non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T, dK / dV 2 warps across the
-// head dim (134 KB): 3.20 / 5.77 ms, against 3.52 / 6.58 for the 99 KB shape (two Q/dO buffers,
-// 166 KB, are over sm_80's 163). D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries
-// at a time (135 KB): 1.95 / 3.37 ms, against 2.13 / 3.73.
+// rows, one Q/dO buffer, the atomic dQ in jobs of 32 queries. H200 (benchmarks/mma_sync_bwd_check.cu,
+// B4 H16 S4096 bf16, causal / non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T,
+// dK / dV 2 warps across the head dim (134 KB): 2.92 / 5.36 ms (dQ jobs of 16 queries: 2.98 /
+// 5.53), against 3.38 / 6.27 for the 99 KB shape (two Q/dO buffers, 166 KB, are over sm_80's 163).
+// D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries at a time (135 KB): 1.78 / 3.28
+// ms (jobs of 16: 1.82 / 3.34).
 template <>
 struct DkvShape<128, true> {
-  using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true>;
+  using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>;
 };
 template <>
 struct DkvShape<64, true> {
-  using type = BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true>;
+  using type = BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true, 32>;
 };
 template <int D, bool kLarge = false>
 using DkvConfig = typename DkvShape<D, kLarge>::type;
