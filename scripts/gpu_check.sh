@@ -33,6 +33,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
 TIMEOUT="${STAGE_TIMEOUT:-420}"
 WORKERS="${PYTEST_WORKERS:-4}"
+# Several GPUs (the -x2 / -x4 kinds): the pytest workers spread over them (tests/conftest.py).
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ]; then
+  export SAFEATTN_TEST_SPREAD_GPUS=1
+fi
 SUMMARY="$OUT/summary.txt"
 export OUT STAGE_TIMEOUT="$TIMEOUT"
 : >"$SUMMARY"

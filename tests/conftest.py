@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import safeattn  # noqa: F401  registers torch.ops.safeattn.*
 import torch
@@ -37,6 +39,17 @@ def pytest_configure(config):
         from safeattn import _testing
 
         _testing.set_generic_kernels_only(True)
+    # On a host with several GPUs (scripts/gpu_check.sh sets SAFEATTN_TEST_SPREAD_GPUS=1 there),
+    # xdist worker gwN puts its "cuda" tensors on GPU N % count instead of every worker on GPU 0.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if (
+        os.environ.get("SAFEATTN_TEST_SPREAD_GPUS") == "1"
+        and worker.startswith("gw")
+        and torch.cuda.is_available()
+    ):
+        count = torch.cuda.device_count()
+        if count > 1:
+            torch.cuda.set_device(int(worker[2:]) % count)
 
 
 @pytest.fixture(autouse=True)
