@@ -7,17 +7,17 @@
 //        benchmarks/decode_check.cu -o decode_check
 //
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
-// contains one of them)].
+// contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
+// [--split-tiles N (each split at least N key tiles: decode_launch's min_split_tiles)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
 // cluster, or by the combine kernel) and the automatic one; out and lse against a float64 CPU reference on the same
 // 16-bit inputs. The cache's unused slots hold NaN: reading one would show. Timings: one decode step (split kernel, and
-// the combine kernel when there is more than one split, or the cluster's merge: see decode_launch) at Hq 32, Hkv 8, D
-// 64 and 128, bf16, over batch x cache length, the cache [B, S, Hkv, D] (bshd), [B, Hkv, S, D] (bhsd) or paged; L2
-// flushed before each launch, median of 20, and the bandwidth of the K and V bytes read. Checked
-// and timed with clusters and without (the combine kernel, as before sm_90). Exit status 1 when a
-// check fails.
+// the combine kernel when there is more than one split, or the cluster's merge: see decode_launch) at Hq 32, Hkv 8
+// (--hkv), D 64 and 128, bf16, over batch x cache length, the cache [B, S, Hkv, D] (bshd), [B, Hkv, S, D] (bhsd) or
+// paged; L2 flushed before each launch, median of 20, and the bandwidth of the K and V bytes read. Checked and timed
+// with clusters and without (the combine kernel, as before sm_90). Exit status 1 when a check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -42,6 +42,8 @@ static constexpr size_t kWorkspaceFloats = size_t{64} << 20;
 
 static bool g_clusters = true;  // merge the splits in a thread block cluster where decode_launch says so
 static int g_cap_tiles = 8;     // decode_launch's cap_tiles
+static int g_split_tiles = 1;   // --split-tiles N: decode_launch's min_split_tiles
+static int g_hkv = 8;           // --hkv N: the timings' kv heads (of 32 query heads)
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -62,7 +64,8 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, g_cap_tiles);
+    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, g_cap_tiles,
+                        g_split_tiles);
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -293,7 +296,7 @@ static int check_shape(const char* shape) {
 template <typename T, int kD, bool kPaged, class Tiles>
 static void time_shape(const char* shape, int batch, int len, int page, void* flush, size_t flush_bytes,
                        bool heads_outer = false) {
-  const int hq = 32, hkv = 8;
+  const int hq = 32, hkv = g_hkv;
   const int pages_per_seq = kPaged ? (len + page - 1) / page : 1;
   const int num_pages = kPaged ? batch * pages_per_seq : batch;
   const int page_rows = kPaged ? page : len;
@@ -380,8 +383,10 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
   int resident = 0;
   CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, false, false, Tiles>(),
                                                            kThreads, kSmem));
-  printf("%s: D%d, %d stages, %zu bytes of shared memory, %d CTAs per SM, clusters %s (cap %d tiles)\n", shape, kD,
-         Tiles::kStages, kSmem, resident, g_clusters ? "on" : "off", g_cap_tiles);
+  printf(
+      "%s: D%d, %d stages, %zu bytes of shared memory, %d CTAs per SM, clusters %s (cap %d tiles), Hkv %d, "
+      "splits of at least %d tiles\n",
+      shape, kD, Tiles::kStages, kSmem, resident, g_clusters ? "on" : "off", g_cap_tiles, g_hkv, g_split_tiles);
   int failures = checks ? check_shape<T, kD, Tiles>(shape) : 0;
   if (timing) {
     const int shapes[][2] = {{1, 512},    {1, 1024},   {1, 2048},   {1, 4096},   {1, 32768},  {1, 131072},
@@ -409,6 +414,10 @@ int main(int argc, char** argv) {
       checks = false;
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {
       g_only = argv[++i];
+    } else if (!strcmp(argv[i], "--split-tiles") && i + 1 < argc) {
+      g_split_tiles = std::max(1, atoi(argv[++i]));
+    } else if (!strcmp(argv[i], "--hkv") && i + 1 < argc) {
+      g_hkv = atoi(argv[++i]);
     }
   }
   CHECK_CUDA(cudaMalloc(&g_workspace, kWorkspaceFloats * sizeof(float)));

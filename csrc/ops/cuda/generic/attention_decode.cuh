@@ -141,17 +141,17 @@ struct DecodeLaunch {
 };
 
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, each split at
-// least one key tile, at most kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head)
-// pairs (one wave would give each more than kMaxClusterSplits splits) over a short cache (at most
-// cap_tiles key tiles a split at kMaxClusterSplits splits) takes at most kMaxClusterSplits splits,
-// one cluster:
+// least min_split_tiles key tiles (the standalone check varies it), at most kMaxSplits. With `clusters` (sm_90), a step
+// with few (batch, kv head) pairs (one wave would give each more than kMaxClusterSplits splits) over a short cache (at
+// most cap_tiles key tiles a split at kMaxClusterSplits splits) takes at most kMaxClusterSplits splits, one cluster:
 // there the combine kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1
 // KV1024 13.8 -> 11.3 us, KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6
 // splits a cluster took 320 us against 281 with the combine kernel.
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
-                                  int64_t cap_tiles = 8) {
+                                  int64_t cap_tiles = 8, int64_t min_split_tiles = 1) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
-  const int64_t most = tiles < 1 ? 1 : (tiles > kMaxSplits ? kMaxSplits : tiles);
+  const int64_t by_tiles = (tiles + min_split_tiles - 1) / min_split_tiles;
+  const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
   const int64_t even = slots / (batch * hkv);
   const int splits = static_cast<int>(even < 1 ? 1 : (even > most ? most : even));
   if (clusters && even > kMaxClusterSplits && tiles > 1 && tiles <= kMaxClusterSplits * cap_tiles) {
