@@ -6,7 +6,7 @@
 //        benchmarks/hopper_bwd_check.cu -o hopper_bwd_check
 //
 // (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_TRY: with D=64's
-// alternative tiles.)
+// alternative tiles and a 3-stage dK/dV kernel for the deterministic route at D=128.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
 // causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
@@ -450,6 +450,11 @@ int main(int argc, char** argv) {
   // default's 0.947-0.951: neither helps (notes_attention_cuda.md, "Hopper backward").
   VARIANT(bf16, 64, 128, 128, 2);
   VARIANT(bf16, 64, 64, 128, 3);
+#endif
+#if defined(HOPPER_BWD_CHECK_TRY) && (!defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128)
+  // The deterministic route's dK/dV kernel with a third Q/dO stage (without the dQ product's stage
+  // buffers the shared memory has room for one).
+  DQ_PASS_VARIANT(bf16, 128, 64, 128, 3);
 #endif
 #undef VARIANT
 #undef DQ_PASS_VARIANT
