@@ -6,7 +6,7 @@
 //        benchmarks/hopper_bwd_check.cu -o hopper_bwd_check
 //
 // (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_TRY: with D=64's
-// alternative tiles and a 3-stage dK/dV kernel for the deterministic route at D=128.)
+// alternative tiles and the deterministic route's alternatives: 128-row steps at D=64, 3 stages at D=128.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
 // causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
@@ -450,6 +450,9 @@ int main(int argc, char** argv) {
   // default's 0.947-0.951: neither helps (notes_attention_cuda.md, "Hopper backward").
   VARIANT(bf16, 64, 128, 128, 2);
   VARIANT(bf16, 64, 64, 128, 3);
+  // The deterministic route's dK/dV kernel with 128 query rows a step: without the dQ product, S^T
+  // and dP^T of 128 rows fit beside dK and dV at D=64 (no masks: their summaries have 64-row tiles).
+  DQ_PASS_VARIANT(bf16, 64, 128, 128, 2);
 #endif
 #if defined(HOPPER_BWD_CHECK_TRY) && (!defined(HOPPER_BWD_CHECK_D) || HOPPER_BWD_CHECK_D == 128)
   // The deterministic route's dK/dV kernel with a third Q/dO stage (without the dQ product's stage
