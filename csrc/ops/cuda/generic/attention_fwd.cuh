@@ -235,37 +235,44 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
 
 // The element tests of a tile on the causal diagonal, at the end of the keys or that the mask
 // summary calls mixed: out-of-range and causally hidden elements become -inf, and (read_mask)
-// the mask is applied. In tile coordinates (row r, column c; 32-bit): in range when r < rows and
-// c < kv_len - j0; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with diag
-// clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
+// the mask is applied. In tile coordinates (TileBounds, 32-bit): the thread's columns of row r
+// are c = 8 nt + 2 t + e, visible when c <= last_key(r); with the row's 2 t taken off once, each
+// element is one compare of the constant 8 nt + e. Without mask values (the causal diagonal, the
+// sequence ends) that compare and a select are all an element takes.
 template <class Cfg>
 __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p, int64_t b,
-                                          int64_t h, int64_t i0, int64_t j0, int rows, bool read_mask, int warp_row0,
+                                          int64_t h, int64_t i0, int64_t j0, bool read_mask, int warp_row0,
                                           const Lanes& ln) {
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-  const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
-  const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
-  const int diag = static_cast<int>(diag_full > kBlockN        ? kBlockN
-                                    : diag_full < -kBlockM - 1 ? -kBlockM - 1
-                                                               : diag_full);
+  constexpr int kBlockN = Cfg::kBlockN;
+  const TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, Cfg::kBlockM, j0, kBlockN);
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp_row0 + mt * 16 + ln.g + 8 * half;
-      const bool row_ok = r < rows;
-      const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
+      const int last = bounds.last_key(r) - 2 * ln.t;  // the row's last visible column, less 2 t
+      if (!read_mask) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + 2 * ln.t + e;
-          const bool visible = row_ok && c < col_limit && c - r <= diag;
-          float x = s[mt][nt][2 * half + e];
-          if (visible && read_mask) {
-            x = p.score.masked(x, p.mask.additive(mask_row + c * p.mask.stride_kv));
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mt][nt][2 * half + e];
+            x = nt * 8 + e <= last ? x : -INFINITY;
           }
-          s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
+        }
+      } else {
+        const int64_t mask_row = r < bounds.query_rows ? p.mask.offset(b, h, i0 + r, j0) : 0;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool visible = nt * 8 + e <= last;
+            float x = s[mt][nt][2 * half + e];
+            if (visible) {
+              x = p.score.masked(x, p.mask.additive(mask_row + (nt * 8 + 2 * ln.t + e) * p.mask.stride_kv));
+            }
+            s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
+          }
         }
       }
     }
@@ -596,7 +603,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       }
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
       if (read_mask || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
-        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, rows, read_mask, warp_row0, ln);
+        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, read_mask, warp_row0, ln);
       }
       softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
