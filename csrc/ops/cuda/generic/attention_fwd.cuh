@@ -504,13 +504,13 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   constexpr bool kWalk = Cfg::kWalkLoads;
   auto load_k = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si),
-                                                               p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk, true>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si),
+                                                                     p.kv_len - j0, tid);
   };
   auto load_v = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si),
-                                                               p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk, true>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si),
+                                                                     p.kv_len - j0, tid);
   };
 
   // In flight before the loop: Q and the first tile's K (interleaved), or Q and the first
