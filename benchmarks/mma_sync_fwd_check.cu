@@ -9,8 +9,9 @@
 // them)] [--profile (one launch of each shape at the timing sizes, no checks: for ncu)].
 // For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
-// scale folded into the exponent, natural units, a softcap), comparing out and lse, and fully masked rows (out exactly
-// 0, lse -inf). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups,
+// scale folded into the exponent, natural units, a softcap, and a float mask with sinks: natural units, every tile read
+// element by element, a quarter of the mask -inf), comparing out and lse, and fully masked rows (out exactly 0, lse
+// -inf, or the sink). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups,
 // median of 20), TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
@@ -50,7 +51,7 @@ struct SmallCase {
   int q_len, kv_len;
   bool causal;
   int64_t shift;
-  int mode;  // 0: log2 units (scale folded), 1: natural units, 2: softcap 5
+  int mode;  // 0: log2 units (scale folded), 1: natural units, 2: softcap 5, 3: float mask [Q, KV] and sinks
 };
 
 template <typename T, class Cfg>
@@ -71,6 +72,23 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   T* q = upload(hq);
   T* k = upload(hk);
   T* v = upload(hv);
+  // Mode 3: a float bias shared by every (b, h), a quarter of it -inf (whole rows of it where i % 7 == 3), a summary
+  // that calls every tile mixed (the element path), and a sink logit per head.
+  const bool masked = cs.mode == 3;
+  std::vector<float> hmask(masked ? size_t(cs.q_len) * cs.kv_len : 0), hsinks(masked ? H : 0);
+  for (size_t e = 0; e < hmask.size(); ++e) {
+    const float x = u(rng);
+    hmask[e] = (x > 1.0f || (e / cs.kv_len) % 7 == 3) ? -INFINITY : x;
+  }
+  for (float& x : hsinks) {
+    x = u(rng);
+  }
+  const int q_tiles = (cs.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM,
+            kv_tiles = (cs.kv_len + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const std::vector<uint8_t> hsummary(masked ? size_t(q_tiles) * kv_tiles : 0, safeattn::cuda::attn::kTileMixed);
+  float* mask = masked ? upload(hmask) : nullptr;
+  float* sinks = masked ? upload(hsinks) : nullptr;
+  uint8_t* summary = masked ? upload(hsummary) : nullptr;
   T* out;
   float* lse;
   const size_t n_out = size_t(B) * H * cs.q_len * D, n_lse = size_t(B) * H * cs.q_len;
@@ -86,16 +104,24 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   p.v_sb = p.k_sb, p.v_sh = p.k_sh, p.v_si = D;
   p.o_sb = p.q_sb, p.o_sh = p.q_sh, p.o_si = D;
   p.heads = H, p.group = H / Hkv, p.batch_heads = int64_t{B} * H, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
-  p.score = safeattn::cuda::attn::score_rule(scale, softcap, cs.mode == 1);
+  p.score = safeattn::cuda::attn::score_rule(scale, softcap, cs.mode == 1 || masked);
   p.causal.enabled = cs.causal, p.causal.shift = cs.shift;
+  if (masked) {
+    p.sinks = sinks;
+    p.mask.ptr = mask, p.mask.kind = safeattn::cuda::attn::MaskKind::kFloat;
+    p.mask.stride_q = cs.kv_len, p.mask.stride_kv = 1;
+    p.tiles.ptr = summary, p.tiles.stride_q = kv_tiles, p.tiles.kv_tiles = kv_tiles;
+    p.tiles.block_q = Cfg::kBlockM, p.tiles.block_kv = Cfg::kBlockN;
+  }
   launch<T, Cfg>(p);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<T> ho(n_out);
   std::vector<float> hl(n_lse);
   CHECK_CUDA(cudaMemcpy(ho.data(), out, n_out * sizeof(T), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hl.data(), lse, n_lse * sizeof(float), cudaMemcpyDeviceToHost));
-  for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
-                    static_cast<void*>(lse)}) {
+  for (void* ptr :
+       {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
+        static_cast<void*>(lse), static_cast<void*>(mask), static_cast<void*>(sinks), static_cast<void*>(summary)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
 
@@ -119,18 +145,22 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
           if (softcap > 0.0) {
             sc = softcap * std::tanh(sc / softcap);
           }
-          s[j] = visible ? sc : -INFINITY;
+          const double bias = masked ? double(hmask[size_t(i) * cs.kv_len + j]) : 0.0;
+          s[j] = visible && bias != -INFINITY ? sc + bias : -INFINITY;
           m = std::max(m, s[j]);
         }
         const size_t row = (size_t(b) * H + h) * cs.q_len + i;
+        const double sink = masked ? double(hsinks[h]) : -INFINITY;
         if (m == -INFINITY) {
           for (int d = 0; d < D; ++d) {
             empty_ok &= to_f(ho[row * D + d]) == 0.0f;
           }
-          empty_ok &= hl[row] == -INFINITY;
+          empty_ok &= masked ? std::abs(double(hl[row]) - sink) <= 1e-6 : hl[row] == -INFINITY;
           continue;
         }
-        double l = 0.0;
+        // The sink logit joins the denominator only.
+        m = std::max(m, sink);
+        double l = masked ? std::exp(sink - m) : 0.0;
         for (int j = 0; j < cs.kv_len; ++j) {
           l += std::exp(s[j] - m);
         }
@@ -235,7 +265,7 @@ static int check_shape(const char* name, bool timing) {
     std::mt19937 rng(1234);
     for (int ql : {1, 97, 300}) {
       for (int kl : {17, 300}) {
-        for (int mode = 0; mode < 3; ++mode) {
+        for (int mode = 0; mode < 4; ++mode) {
           failures += !run_case<T, Cfg>({ql, kl, false, 0, mode}, rng);
           for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
             failures += !run_case<T, Cfg>({ql, kl, true, shift, mode}, rng);
@@ -260,9 +290,13 @@ static int check_shape(const char* name, bool timing) {
 }
 
 // Candidate shapes: <D, BlockM, BlockN, warps, Q in registers, K stages, CTAs per SM, swizzled rows,
-// V stages>.
-template <int D, int M, int N, int W, bool QR, int S, int MB, bool SW = false, int VS = S>
-using Tiles = FwdTiles<D, M, N, W, QR, S, MB, SW, VS>;
+// V stages, exponent in one FMA>.
+template <int D, int M, int N, int W, bool QR, int S, int MB, bool SW = false, int VS = S, bool FMA = false>
+using Tiles = FwdTiles<D, M, N, W, QR, S, MB, SW, VS, FMA>;
+// A shape with the softmax exponent in one FMA.
+template <class C>
+using FmaExp = FwdTiles<C::kHeadDim, C::kBlockM, C::kBlockN, C::kWarps, C::kQInRegs, C::kStages, C::kMinBlocks,
+                        C::kSwizzle, C::kVStages, true>;
 
 int main(int argc, char** argv) {
   bool timing = true;
@@ -314,6 +348,13 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<64, 128, 128, 4, true, 1, 2, true>>("d64 n128 swz 1stage", timing);
   failures += check_shape<bf16, Tiles<64, 128, 128, 8, true, 2, 1, true>>("d64 n128 8w swz", timing);
   failures += check_shape<bf16, Tiles<64, 128, 64, 8, true, 2, 1, true>>("d64 n64 8w swz", timing);
+  // D = 64, 128-key tiles with Q re-read from shared memory, its 32 registers a thread freed (80 KB).
+  failures += check_shape<bf16, Tiles<64, 128, 128, 4, false, 2, 2, true>>("d64 n128 qsmem swz", timing);
+  failures += check_shape<bf16, FmaExp<Tiles<64, 128, 128, 4, false, 2, 2, true>>>("d64 n128 qsmem swz fma", timing);
+  // The shipped D = 64 and D = 128 shapes with the softmax exponent in one FMA (FwdTiles::kFmaExp).
+  failures += check_shape<bf16, FmaExp<FwdConfig<64>>>("FwdConfig<64> fma", timing);
+  failures += check_shape<bf16, FmaExp<FwdConfig<128>>>("FwdConfig<128> fma", timing);
+  failures += check_shape<__half, FmaExp<FwdConfig<128>>>("FwdConfig<128> fma fp16", false);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -183,4 +183,25 @@ struct Causal {
   }
 };
 
+// The per-element tests of a tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) without mask
+// values, in tile coordinates (32-bit): query r of the tile sees key c when c <= last_key(r), which
+// holds the causal rule (j <= i + shift, as c - r <= i0 + shift - j0) and both sequence ends. The
+// forward and the backward test their causal-diagonal and edge tiles with it.
+struct TileBounds {
+  int diagonal;    // i0 + shift - j0, clamped to [-rows, cols] (beyond it every key or none is seen)
+  int query_rows;  // queries of the tile inside the sequence
+  int key_rows;    // keys of the tile inside the sequence
+  // The last visible key of query r of the tile, -1 when none.
+  __device__ __forceinline__ int last_key(int r) const {
+    return r < query_rows ? min(diagonal + r, key_rows - 1) : -1;
+  }
+};
+__device__ __forceinline__ TileBounds tile_bounds(const Causal& causal, int64_t q_len, int64_t kv_len, int64_t i0,
+                                                  int rows, int64_t j0, int cols) {
+  const int64_t diagonal = causal.enabled ? i0 + causal.shift - j0 : cols;
+  return {static_cast<int>(diagonal < -rows ? -rows : (diagonal > cols ? cols : diagonal)),
+          static_cast<int>(q_len - i0 < rows ? q_len - i0 : rows),
+          static_cast<int>(kv_len - j0 < cols ? kv_len - j0 : cols)};
+}
+
 }  // namespace safeattn::cuda::attn

@@ -346,25 +346,6 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
          p.causal.tile_all_visible(i0, j0 + cols);
 }
 
-// The per-element tests of a tile of queries [i0, i0 + rows) x keys [j0, j0 + cols) without mask
-// values, in tile coordinates (32-bit): query r of the tile sees key c when c <= last_key(r), which
-// holds the causal rule (j <= i + shift, as c - r <= i0 + shift - j0) and both sequence ends.
-struct TileBounds {
-  int diagonal;    // i0 + shift - j0, clamped to [-rows, cols] (beyond it every key or none is seen)
-  int query_rows;  // queries of the tile inside the sequence
-  int key_rows;    // keys of the tile inside the sequence
-  // The last visible key of query r of the tile, -1 when none.
-  __device__ __forceinline__ int last_key(int r) const {
-    return r < query_rows ? min(diagonal + r, key_rows - 1) : -1;
-  }
-};
-__device__ __forceinline__ TileBounds tile_bounds(const BwdParams& p, int64_t i0, int rows, int64_t j0, int cols) {
-  const int64_t diagonal = p.causal.enabled ? i0 + p.causal.shift - j0 : cols;
-  return {static_cast<int>(diagonal < -rows ? -rows : (diagonal > cols ? cols : diagonal)),
-          static_cast<int>(p.q_len - i0 < rows ? p.q_len - i0 : rows),
-          static_cast<int>(p.kv_len - j0 < cols ? p.kv_len - j0 : cols)};
-}
-
 // Two products of the backward at once, for kMTiles 16-row blocks of A: acc1 += A1 B1 and acc2 +=
 // A2 B2 over kK, accumulators [kMTiles][kN / 8][4] in the m16n8 layout; each B fragment feeds
 // kMTiles MMAs of each product. A1, A2: rows a_row.. of shared tiles laid out as RowsA (row-major
@@ -744,7 +725,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       } else if (Cfg::kFoldScale && bounded) {
         // The last visible key row of each of the thread's columns, from its first row key_row0 + g.
         int col_last[kQTiles][2];
-        const TileBounds bounds = tile_bounds(p, i0, kQueries, j0, kKeys);
+        const TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0, kKeys);
 #pragma unroll
         for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll

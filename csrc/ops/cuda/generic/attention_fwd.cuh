@@ -85,12 +85,16 @@ struct FwdParams {
 // tiles each, Q in registers or not, kStages K buffers and kVStages V buffers (the pipelines at
 // the top), the CTAs per SM the register budget is set for (__launch_bounds__), and the rows of
 // every shared tile padded or swizzled (SmemRows). Registers per thread (fp32 accumulators): S
-// kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held.
+// kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held. kFmaExp: in log2
+// units, the softmax's exponent (s - m) * unit as one FMA, s * unit - m * unit with m * unit rounded
+// once a row (FlashAttention-2's form: an FADD an element fewer, exponents that differ in the last
+// bits); natural units (a float mask) keep the subtraction, as a finfo.min bias times log2(e)
+// overflows to -inf.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kStages_, int kMinBlocks_,
-          bool kSwizzle_ = false, int kVStages_ = kStages_>
+          bool kSwizzle_ = false, int kVStages_ = kStages_, bool kFmaExp_ = false>
 struct FwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
-  static constexpr bool kQInRegs = kQInRegs_, kSwizzle = kSwizzle_;
+  static constexpr bool kQInRegs = kQInRegs_, kSwizzle = kSwizzle_, kFmaExp = kFmaExp_;
   static constexpr int kStages = kStages_, kVStages = kVStages_, kMinBlocks = kMinBlocks_;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);
   using Rows = SmemRows<kHeadDim, kSwizzle>;  // every shared tile's rows: Q, K, V, the output staging
@@ -235,37 +239,44 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
 
 // The element tests of a tile on the causal diagonal, at the end of the keys or that the mask
 // summary calls mixed: out-of-range and causally hidden elements become -inf, and (read_mask)
-// the mask is applied. In tile coordinates (row r, column c; 32-bit): in range when r < rows and
-// c < kv_len - j0; causal (key j0 + c <= query i0 + r + shift) when c - r <= diag, with diag
-// clamped to where the test is always true (kBlockN) or always false (-kBlockM - 1).
+// the mask is applied. In tile coordinates (TileBounds, 32-bit): the thread's columns of row r
+// are c = 8 nt + 2 t + e, visible when c <= last_key(r); with the row's 2 t taken off once, each
+// element is one compare of the constant 8 nt + e. Without mask values (the causal diagonal, the
+// sequence ends) that compare and a select are all an element takes.
 template <class Cfg>
 __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p, int64_t b,
-                                          int64_t h, int64_t i0, int64_t j0, int rows, bool read_mask, int warp_row0,
+                                          int64_t h, int64_t i0, int64_t j0, bool read_mask, int warp_row0,
                                           const Lanes& ln) {
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
-  const int col_limit = static_cast<int>(p.kv_len - j0 < kBlockN ? p.kv_len - j0 : kBlockN);
-  const int64_t diag_full = p.causal.enabled ? i0 + p.causal.shift - j0 : int64_t{kBlockN};
-  const int diag = static_cast<int>(diag_full > kBlockN        ? kBlockN
-                                    : diag_full < -kBlockM - 1 ? -kBlockM - 1
-                                                               : diag_full);
+  constexpr int kBlockN = Cfg::kBlockN;
+  const TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, Cfg::kBlockM, j0, kBlockN);
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = warp_row0 + mt * 16 + ln.g + 8 * half;
-      const bool row_ok = r < rows;
-      const int64_t mask_row = (row_ok && read_mask) ? p.mask.offset(b, h, i0 + r, j0) : 0;
+      const int last = bounds.last_key(r) - 2 * ln.t;  // the row's last visible column, less 2 t
+      if (!read_mask) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + 2 * ln.t + e;
-          const bool visible = row_ok && c < col_limit && c - r <= diag;
-          float x = s[mt][nt][2 * half + e];
-          if (visible && read_mask) {
-            x = p.score.masked(x, p.mask.additive(mask_row + c * p.mask.stride_kv));
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mt][nt][2 * half + e];
+            x = nt * 8 + e <= last ? x : -INFINITY;
           }
-          s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
+        }
+      } else {
+        const int64_t mask_row = r < bounds.query_rows ? p.mask.offset(b, h, i0 + r, j0) : 0;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const bool visible = nt * 8 + e <= last;
+            float x = s[mt][nt][2 * half + e];
+            if (visible) {
+              x = p.score.masked(x, p.mask.additive(mask_row + (nt * 8 + 2 * ln.t + e) * p.mask.stride_kv));
+            }
+            s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
+          }
         }
       }
     }
@@ -273,11 +284,11 @@ __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN 
 }
 
 // The online softmax step of one key tile: the scores s (units per the top: exponent p =
-// exp2((s - m) * unit)) become probabilities, the row max and the per-thread row sum move on, and
-// O is rescaled by alpha = exp2((m_old - m_new) * unit) where a row's max grew: once the maxima
-// settle (most tiles of a long row) alpha is exactly 1 in every row of the warp and the rescale,
-// a multiply per O element, is skipped.
-template <class Cfg>
+// exp2((s - m) * unit), with kFma exp2(s * unit - m * unit) in one FMA) become probabilities, the
+// row max and the per-thread row sum move on, and O is rescaled by alpha = exp2((m_old - m_new) *
+// unit) where a row's max grew: once the maxima settle (most tiles of a long row) alpha is exactly
+// 1 in every row of the warp and the rescale, a multiply per O element, is skipped.
+template <class Cfg, bool kFma>
 __device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4],
                                              float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
                                              float (&row_max)[Cfg::kMTiles][2], float (&row_sum)[Cfg::kMTiles][2],
@@ -302,11 +313,13 @@ __device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBloc
       rescale |= alpha[mt][half] != 1.0f;
       row_max[mt][half] = m_new;
       float sum = 0.0f;
+      [[maybe_unused]] const float offset_units = offset * unit;
 #pragma unroll
       for (int nt = 0; nt < Cfg::kBlockN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float pr = fast_exp2((s[mt][nt][2 * half + e] - offset) * unit);
+          const float x = s[mt][nt][2 * half + e];
+          const float pr = fast_exp2(kFma ? fmaf(x, unit, -offset_units) : (x - offset) * unit);
           s[mt][nt][2 * half + e] = pr;
           sum += pr;
         }
@@ -497,13 +510,13 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   constexpr bool kWalk = Cfg::kWalkLoads;
   auto load_k = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si),
-                                                               p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk, true>(s_k(stage), k_base + j0 * p.k_si, opaque(p.k_si),
+                                                                     p.kv_len - j0, tid);
   };
   auto load_v = [&](int64_t tile, int stage) {
     const int64_t j0 = tile * kBlockN;
-    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si),
-                                                               p.kv_len - j0, tid);
+    load_tile<T, kBlockN, D, kThreads, kKvRounds, Rows, kWalk, true>(s_v(stage), v_base + j0 * p.v_si, opaque(p.v_si),
+                                                                     p.kv_len - j0, tid);
   };
 
   // In flight before the loop: Q and the first tile's K (interleaved), or Q and the first
@@ -596,9 +609,13 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       }
       const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
       if (read_mask || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
-        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, rows, read_mask, warp_row0, ln);
+        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, read_mask, warp_row0, ln);
       }
-      softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
+      if (Cfg::kFmaExp && !p.score.natural) {
+        softmax_tile<Cfg, true>(s_acc, o_acc, row_max, row_sum, unit);
+      } else {
+        softmax_tile<Cfg, false>(s_acc, o_acc, row_max, row_sum, unit);
+      }
     }
     if constexpr (Cfg::kInterleaved) {
       cp_async_wait<Cfg::kStages - 1>();  // V here (the next K may fly); every warp is past S = Q K^T

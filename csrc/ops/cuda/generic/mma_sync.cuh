@@ -142,9 +142,11 @@ constexpr int load_rounds(int rows, int head_dim, int threads) {
 // unrolled (default: all of them; the register-bound backward takes 1). kWalk, where every round
 // is whole rows: a thread keeps its column and walks its rows with one pointer, kThreads /
 // kChunks rows a step, instead of an offset per round (which the compiler may compute once and
-// hold in registers across a kernel's loop, or spill).
+// hold in registers across a kernel's loop, or spill). kWholeTiles (with kWalk): a tile of kRows
+// valid rows, every tile of a sequence but its last, takes a path of its own without the per-chunk
+// row test and source select.
 template <typename T, int kRows, int kHeadDim, int kThreads, int kUnroll = load_rounds(kRows, kHeadDim, kThreads),
-          class Rows = SmemRows<kHeadDim>, bool kWalk = false>
+          class Rows = SmemRows<kHeadDim>, bool kWalk = false, bool kWholeTiles = false>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
@@ -152,6 +154,14 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
     constexpr int kStep = kThreads / kChunks;
     const int r0 = tid / kChunks, col = tid % kChunks * 8;
     const T* from = src + r0 * row_stride + col;
+    if (kWholeTiles && valid_rows >= kRows) {
+#pragma unroll kUnroll
+      for (int it = 0; it < kTotal / kThreads; ++it) {
+        cp_async_16(dst + Rows::offset(r0 + it * kStep, col), from, true);
+        from += kStep * row_stride;
+      }
+      return;
+    }
 #pragma unroll kUnroll
     for (int it = 0; it < kTotal / kThreads; ++it) {
       const bool valid = r0 + it * kStep < valid_rows;
