@@ -64,7 +64,7 @@ run_pytest() {
   python -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk && chunk=(--maxschedchunk 1)
   # -v: a line per test as it ends (with xdist "[gwN] [ P%] FAILED tests/..."), so a run cut by
   # its time limit still names its failures.
-  timeout -k 10 "$TIMEOUT" python -m pytest -v -rfEs -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
+  timeout -k 10 "$TIMEOUT" python -m pytest -v -rfEs --durations=30 -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
     -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
   local rc=$?
   local line

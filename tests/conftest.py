@@ -31,6 +31,13 @@ def pytest_addoption(parser):
         action="store_true",
         help="run attention on the generic CUDA kernels (those of A100/Ada/Blackwell) on an H100/H200",
     )
+    parser.addoption(
+        "--shard",
+        default=None,
+        metavar="K/N",
+        help="run only shard K (or shards K1,K2,...) of N, dealt round-robin after the slow-first "
+        "order below, so that the suite can be split over calls of limited length",
+    )
 
 
 def pytest_configure(config):
@@ -64,9 +71,21 @@ def pytest_collection_modifyitems(config, items):
     first N workers each take one slow test at once instead of one worker meeting several of them
     last, which made the whole suite take 520-560 s with 14 workers there."""
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
-    if not slow:
-        return
-    other = [item for item in items if item.get_closest_marker("slow") is None]
-    paired = [item for pair in zip(slow, other, strict=False) for item in pair]
-    paired += slow[len(other) :] + other[len(slow) :]
-    items[:] = paired
+    if slow:
+        other = [item for item in items if item.get_closest_marker("slow") is None]
+        paired = [item for pair in zip(slow, other, strict=False) for item in pair]
+        paired += slow[len(other) :] + other[len(slow) :]
+        items[:] = paired
+    shard = config.getoption("--shard")
+    if shard:
+        try:
+            ks, n = shard.split("/")
+            n = int(n)
+            wanted = {int(k) for k in ks.split(",")}
+        except ValueError:
+            raise pytest.UsageError(f"--shard: expected K/N or K1,K2/N, got {shard!r}") from None
+        if n < 1 or not wanted <= set(range(n)):
+            raise pytest.UsageError(f"--shard: every K must be in [0, N), got {shard!r}")
+        keep = [item for i, item in enumerate(items) if i % n in wanted]
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n not in wanted])
+        items[:] = keep
