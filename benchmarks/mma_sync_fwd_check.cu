@@ -290,13 +290,9 @@ static int check_shape(const char* name, bool timing) {
 }
 
 // Candidate shapes: <D, BlockM, BlockN, warps, Q in registers, K stages, CTAs per SM, swizzled rows,
-// V stages, exponent in one FMA>.
-template <int D, int M, int N, int W, bool QR, int S, int MB, bool SW = false, int VS = S, bool FMA = false>
-using Tiles = FwdTiles<D, M, N, W, QR, S, MB, SW, VS, FMA>;
-// A shape with the softmax exponent in one FMA.
-template <class C>
-using FmaExp = FwdTiles<C::kHeadDim, C::kBlockM, C::kBlockN, C::kWarps, C::kQInRegs, C::kStages, C::kMinBlocks,
-                        C::kSwizzle, C::kVStages, true>;
+// V stages>.
+template <int D, int M, int N, int W, bool QR, int S, int MB, bool SW = false, int VS = S>
+using Tiles = FwdTiles<D, M, N, W, QR, S, MB, SW, VS>;
 
 int main(int argc, char** argv) {
   bool timing = true;
@@ -350,11 +346,6 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<64, 128, 64, 8, true, 2, 1, true>>("d64 n64 8w swz", timing);
   // D = 64, 128-key tiles with Q re-read from shared memory, its 32 registers a thread freed (80 KB).
   failures += check_shape<bf16, Tiles<64, 128, 128, 4, false, 2, 2, true>>("d64 n128 qsmem swz", timing);
-  failures += check_shape<bf16, FmaExp<Tiles<64, 128, 128, 4, false, 2, 2, true>>>("d64 n128 qsmem swz fma", timing);
-  // The shipped D = 64 and D = 128 shapes with the softmax exponent in one FMA (FwdTiles::kFmaExp).
-  failures += check_shape<bf16, FmaExp<FwdConfig<64>>>("FwdConfig<64> fma", timing);
-  failures += check_shape<bf16, FmaExp<FwdConfig<128>>>("FwdConfig<128> fma", timing);
-  failures += check_shape<__half, FmaExp<FwdConfig<128>>>("FwdConfig<128> fma fp16", false);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -71,6 +71,15 @@ def pytest_collection_modifyitems(config, items):
     first N workers each take one slow test at once instead of one worker meeting several of them
     last, which made the whole suite take 520-560 s with 14 workers there."""
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    # With pytest-timeout (gpu_check.sh passes --timeout 300, to catch hangs), a slow test gets three
+    # times that: with 15 workers compiling at once on the GPU host, the AOTInductor and compile
+    # tests took 290 s and more, and two of them were cut at 300 s.
+    if config.pluginmanager.hasplugin("timeout"):
+        limit = config.getoption("timeout", None)
+        if limit:
+            for item in slow:
+                if item.get_closest_marker("timeout") is None:
+                    item.add_marker(pytest.mark.timeout(3 * float(limit)))
     if slow:
         other = [item for item in items if item.get_closest_marker("slow") is None]
         paired = [item for pair in zip(slow, other, strict=False) for item in pair]

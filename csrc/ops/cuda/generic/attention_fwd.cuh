@@ -85,16 +85,12 @@ struct FwdParams {
 // tiles each, Q in registers or not, kStages K buffers and kVStages V buffers (the pipelines at
 // the top), the CTAs per SM the register budget is set for (__launch_bounds__), and the rows of
 // every shared tile padded or swizzled (SmemRows). Registers per thread (fp32 accumulators): S
-// kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held. kFmaExp: in log2
-// units, the softmax's exponent (s - m) * unit as one FMA, s * unit - m * unit with m * unit rounded
-// once a row (FlashAttention-2's form: an FADD an element fewer, exponents that differ in the last
-// bits); natural units (a float mask) keep the subtraction, as a finfo.min bias times log2(e)
-// overflows to -inf.
+// kMTiles * kBlockN / 2, O kMTiles * D / 2, Q fragments kMTiles * D / 4 when held.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kStages_, int kMinBlocks_,
-          bool kSwizzle_ = false, int kVStages_ = kStages_, bool kFmaExp_ = false>
+          bool kSwizzle_ = false, int kVStages_ = kStages_>
 struct FwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kWarps = kWarps_;
-  static constexpr bool kQInRegs = kQInRegs_, kSwizzle = kSwizzle_, kFmaExp = kFmaExp_;
+  static constexpr bool kQInRegs = kQInRegs_, kSwizzle = kSwizzle_;
   static constexpr int kStages = kStages_, kVStages = kVStages_, kMinBlocks = kMinBlocks_;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);
   using Rows = SmemRows<kHeadDim, kSwizzle>;  // every shared tile's rows: Q, K, V, the output staging
@@ -284,11 +280,11 @@ __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN 
 }
 
 // The online softmax step of one key tile: the scores s (units per the top: exponent p =
-// exp2((s - m) * unit), with kFma exp2(s * unit - m * unit) in one FMA) become probabilities, the
+// exp2((s - m) * unit)) become probabilities, the
 // row max and the per-thread row sum move on, and O is rescaled by alpha = exp2((m_old - m_new) *
 // unit) where a row's max grew: once the maxima settle (most tiles of a long row) alpha is exactly
 // 1 in every row of the warp and the rescale, a multiply per O element, is skipped.
-template <class Cfg, bool kFma>
+template <class Cfg>
 __device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4],
                                              float (&o)[Cfg::kMTiles][Cfg::kHeadDim / 8][4],
                                              float (&row_max)[Cfg::kMTiles][2], float (&row_sum)[Cfg::kMTiles][2],
@@ -313,13 +309,12 @@ __device__ __forceinline__ void softmax_tile(float (&s)[Cfg::kMTiles][Cfg::kBloc
       rescale |= alpha[mt][half] != 1.0f;
       row_max[mt][half] = m_new;
       float sum = 0.0f;
-      [[maybe_unused]] const float offset_units = offset * unit;
 #pragma unroll
       for (int nt = 0; nt < Cfg::kBlockN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float x = s[mt][nt][2 * half + e];
-          const float pr = fast_exp2(kFma ? fmaf(x, unit, -offset_units) : (x - offset) * unit);
+          const float pr = fast_exp2((x - offset) * unit);
           s[mt][nt][2 * half + e] = pr;
           sum += pr;
         }
@@ -611,11 +606,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       if (read_mask || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
         mask_tile<Cfg>(s_acc, p, b, h, i0, j0, read_mask, warp_row0, ln);
       }
-      if (Cfg::kFmaExp && !p.score.natural) {
-        softmax_tile<Cfg, true>(s_acc, o_acc, row_max, row_sum, unit);
-      } else {
-        softmax_tile<Cfg, false>(s_acc, o_acc, row_max, row_sum, unit);
-      }
+      softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
     if constexpr (Cfg::kInterleaved) {
       cp_async_wait<Cfg::kStages - 1>();  // V here (the next K may fly); every warp is past S = Q K^T
