@@ -6,11 +6,12 @@ masks whose tiles are skipped or fast-pathed, softcap, sinks, determinism, the t
 (atomics in the dK/dV kernel by default; the deterministic dQ kernel under
 torch.use_deterministic_algorithms(True) or with a mask gradient), the sm_90a kernel (taken on an
 H100/H200 in the atomic mode where it covers the call: bf16/fp16, D 64, 96 and 128, no mask, a bool
-or a float one (its gradient when the mask has a head dim, not with a softcap), key ranges,
-softcap, sinks (and its forward at D 256, whose backward is the generic one); the mma.sync kernels
-take everything else, so the cases with softcapped or broadcast learnable biases and other head
-dims test them), and the generic path (float32, head dims without an instantiation, D != Dv,
-unaligned views).
+or a float one (its gradient when the mask is full-size in Q and KV: per element, or summed in
+the kernel over a broadcast batch or head dim; not with a softcap), key ranges, softcap, sinks
+(and its forward at D 256, whose backward is the generic one); the mma.sync kernels take
+everything else, so the cases with softcapped learnable biases, biases broadcast over queries or
+keys, and other head dims test them), and the generic path (float32, head dims without an
+instantiation, D != Dv, unaligned views).
 
 Tolerance: the rule of tests/test_attention.py (at most 3x PyTorch's own low-precision error
 for gradients), through its helper.
@@ -99,6 +100,7 @@ def test_causal_offsets(offsets):
     [
         (1, 4, 97, 130),
         (2, 1, 97, 130),
+        (1, 1, 97, 130),
         (97, 130),
         (2, 4, 97, 130),
         (2, 4, 1, 130),
@@ -108,10 +110,15 @@ def test_causal_offsets(offsets):
 )
 @pytest.mark.parametrize("bias_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
-    # [2, 4, 97, 130] takes the assign path (the partial is the gradient); the others go through
-    # the staging buffer and its reductions (batch, GQA group, size-1 query / key dims).
-    q, k, v = _qkv(2, 4, 2, 97, 130, 64, torch.bfloat16, DEVICE)
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_learnable_bias_gradient(bias_shape, bias_dtype, causal, kv_heads):
+    # [2, 4, 97, 130] takes the assign path (the partial is the gradient). The full-size ones
+    # broadcast over the batch, the heads or both ([1, 4], [2, 1], [1, 1] x Q x KV, and the 2-D and
+    # 3-D ones, read as [1, 1] and [1, 4]) are summed in the sm_90a kernel with atomics into a
+    # buffer of the bias's shape (with GQA a head-shared bias sums all 4 query heads, not the 2 kv
+    # groups). Those broadcast over queries or keys go through the staging buffer and its
+    # reductions (batch, GQA group, size-1 query / key dims).
+    q, k, v = _qkv(2, 4, kv_heads, 97, 130, 64, torch.bfloat16, DEVICE)
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(bias_shape, generator=gen).to(device=DEVICE, dtype=bias_dtype)
     if bias_shape[-1] > 1:
@@ -124,6 +131,33 @@ def test_learnable_bias_gradient(bias_shape, bias_dtype, causal):
     (grad_bias,) = torch.autograd.grad(out.float().square().sum(), (bias,))
     if bias_shape[-1] > 1:
         assert torch.all(grad_bias[..., 3] == 0), "the gradient of a -inf bias element must be 0"
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 97, 130), (2, 1, 97, 130), (1, 1, 97, 130)])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_learnable_bias_gradient_deterministic(bias_shape, kv_heads):
+    """Under deterministic algorithms a bias broadcast over the batch or the heads is not summed
+    with atomics in the kernel: its gradient comes per (batch row, head) and is summed in order,
+    bit-identical from call to call."""
+    q, k, v = _qkv(2, 4, kv_heads, 97, 130, 64, torch.bfloat16, DEVICE)
+    gen = torch.Generator().manual_seed(6)
+    bias = torch.randn(bias_shape, generator=gen).to(DEVICE).requires_grad_()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _check_against_reference(
+            q, k, v, attn_mask=bias, enable_gqa=True, is_causal=True, extra_grad_inputs=(bias,)
+        )
+        grads = []
+        for _ in range(2):
+            out, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, is_causal=True)
+            grads.append(torch.autograd.grad(out.float().square().sum(), (bias,))[0])
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    assert torch.equal(
+        grads[0], grads[1]
+    ), f"{bias_shape}: the deterministic bias gradient differs between calls"
 
 
 def _structured_allowed(batch, q_len, kv_len):

@@ -140,11 +140,20 @@ def test_hopper_backward_takes_sm90a(not_generic, dtype, head_dim, mask):
 
 
 @NEEDS_SM90A
-def test_hopper_backward_with_a_learnable_bias_takes_sm90a(not_generic):
-    q, k, v = _qkv(2, 8, 8, 256, 256, 128, torch.bfloat16, "cuda", requires_grad=True)
-    bias = torch.randn(1, 8, 256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    path = attention_path(q, k, v, bias, backward=True)
-    assert path.kernel == "sm90a", f"a [1, H, Q, KV] bias's gradient (summed over the batch): {path}"
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("bias_batch, bias_heads", [(1, 8), (2, 1), (1, 1)], ids=["1HQK", "B1QK", "11QK"])
+def test_hopper_backward_with_a_learnable_bias_takes_sm90a(not_generic, kv_heads, bias_batch, bias_heads):
+    """A full-size learnable bias broadcast over the batch, the heads or both has its gradient
+    summed in the sm_90a kernel (GQA included: the heads are summed over all query heads)."""
+    q, k, v = _qkv(2, 8, kv_heads, 256, 256, 128, torch.bfloat16, "cuda", requires_grad=True)
+    bias = torch.randn(
+        bias_batch, bias_heads, 256, 256, dtype=torch.bfloat16, device="cuda", requires_grad=True
+    )
+    path = attention_path(q, k, v, bias, backward=True, enable_gqa=kv_heads != 8)
+    shape = f"[{bias_batch}, {bias_heads}, Q, KV]"
+    assert (
+        path.kernel == "sm90a"
+    ), f"a {shape} bias's gradient, {kv_heads} kv heads (summed in the kernel): {path}"
 
 
 @NEEDS_SM90A

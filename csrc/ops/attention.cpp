@@ -296,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
-    int64_t mask_grad_budget, AttentionBwdSumsBatchFn sums_batch) {
+    int64_t mask_grad_budget, AttentionBwdSumsBroadcastFn sums_broadcast) {
   check_attention_backward(grad_out_in, grad_lse_in, query, key, value, out, lse, attn_mask, scale, softcap, sinks,
                            grad_mask_needed, lse_lo, key_ranges);
   const int64_t batch = query.size(0), hq = query.size(1), q_len = query.size(2);
@@ -344,19 +344,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   // reduced here to the mask's shape. A mask shared by the batch (a learnable [1, H, Q, KV] bias)
   // would need the batch times its own size for them, so the batch runs in chunks whose partial
   // sums fit in mask_grad_budget (mask_grad_batch_chunk), each chunk's reduction added to the
-  // ones before it in batch order: deterministic, like the one-chunk reduction. A backend that
-  // sums the batch itself (sums_batch; the CUDA one with atomics, so not under deterministic
-  // algorithms) gets one zeroed [1, Hq, Q, KV] buffer instead.
+  // ones before it in batch order: deterministic, like the one-chunk reduction. A full-size mask
+  // (Q and KV its own) broadcast over the batch, the heads or both (a learnable [1, H, Q, KV],
+  // [B, 1, Q, KV] or [1, 1, Q, KV] bias) can instead go to a backend that sums the broadcast dims
+  // itself (sums_broadcast; the CUDA one with atomics, so not under deterministic algorithms): one
+  // zeroed buffer of the mask's own shape [Bm, Hm, Q, KV], no partial sums and no reduction.
   at::Tensor mask4;
   std::vector<int64_t> partial_sizes;
-  bool grad_mask_assign = false;  // GradMaskWrite::kAssign
+  bool grad_mask_assign = false;     // GradMaskWrite::kAssign
+  bool grad_mask_broadcast = false;  // GradMaskWrite::kSumBroadcast, if the backend takes it
   int64_t chunk = std::max<int64_t>(batch, 1);
-  bool batch_done = false;  // the batch-summed gradient below ran the whole batch
+  bool batch_done = false;  // the broadcast-summed gradient below ran the whole batch
   if (attn_mask.has_value()) {
     mask4 = mask_as_4d(*attn_mask);
     if (grad_mask_needed) {
       const int64_t mask_heads = mask4.size(1) == hq ? hq : hkv;
-      grad_mask_assign = mask_heads == hq && mask4.size(2) == q_len && mask4.size(3) == kv_len && !empty;
+      const bool full_size = mask4.size(2) == q_len && mask4.size(3) == kv_len && !empty;
+      grad_mask_assign = mask_heads == hq && full_size;
+      // Hm = 1 sums every query head (with GQA all Hq of them, not Hkv group sums).
+      grad_mask_broadcast = full_size && (mask4.size(1) == 1 || mask4.size(1) == hq) &&
+                            ((mask4.size(0) == 1 && batch > 1) || (mask4.size(1) == 1 && hq > 1));
       partial_sizes = {batch, mask_heads, mask4.size(2), mask4.size(3)};
       if (mask4.size(0) == 1) {
         const int64_t row_bytes = mask_heads * mask4.size(2) * mask4.size(3) * c10::elementSize(acc);
@@ -404,13 +411,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     }
     mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
   };
-  if (grad_mask_assign && mask4.size(0) == 1 && batch > 1 && sums_batch != nullptr) {
+  if (grad_mask_broadcast && sums_broadcast != nullptr) {
     AttentionBwdArgs args = args_for(0, batch, at::Tensor());
-    args.grad_mask_write = GradMaskWrite::kSumBatch;
-    if (sums_batch(args)) {
-      args.grad_mask_partial = at::zeros({1, hq, q_len, kv_len}, query.options().dtype(acc));
+    args.grad_mask_write = GradMaskWrite::kSumBroadcast;
+    if (sums_broadcast(args)) {
+      args.grad_mask_partial = at::zeros({mask4.size(0), mask4.size(1), q_len, kv_len}, query.options().dtype(acc));
       kernel(args);
-      add_to_sum(args.grad_mask_partial, 1);
+      mask_grad_sum = args.grad_mask_partial;  // the mask's own shape: nothing left to reduce
       batch_done = true;
     }
   }

@@ -78,10 +78,12 @@ enum class GradMaskWrite : uint8_t {
   // assigned, so the buffer needs no zero fill, and for a float32 [B|1, H, Q, KV] mask it is
   // the gradient itself.
   kAssign,
-  // The mask is shared by the batch (size 1 in dim 0) and the partial is [1, Hq, Q, KV]
-  // zero-initialised: every batch row's contribution added into it, in any order (only for a
-  // backend that says it can: AttentionBwdSumsBatchFn).
-  kSumBatch,
+  // The mask is full-size in Q and KV and broadcast over the batch (size 1 in dim 0, batch > 1),
+  // the heads (size 1 in dim 1, Hq > 1) or both, and the partial has the mask's own shape
+  // [Bm, Hm, Q, KV] (Bm in {1, B}, Hm in {1, Hq}) zero-initialised: every (batch row, query head)
+  // contribution added into the element its broadcast dims map to, in any order (only for a
+  // backend that says it can: AttentionBwdSumsBroadcastFn).
+  kSumBroadcast,
 };
 
 // What the backward kernel reads and writes. It parallelises over (batch x kv-heads): each
@@ -108,6 +110,8 @@ struct AttentionBwdArgs {
   // Undefined, or [B, Hm, Qm, KVm] acc dtype zero-initialised: the mask gradient before its
   // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
   // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
+  // With GradMaskWrite::kSumBroadcast, the mask's own shape [Bm, Hm, Q, KV] instead (Bm 1 or B,
+  // Hm 1 or Hq), zero-initialised.
   at::Tensor grad_mask_partial;
   // How the kernel writes grad_mask_partial (GradMaskWrite).
   GradMaskWrite grad_mask_write = GradMaskWrite::kAccumulate;
@@ -133,10 +137,10 @@ inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, 
 // shared entry points below, so CPU and CUDA differ only in these two functions.
 using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
 using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
-// Whether the backend's kernel takes these arguments with GradMaskWrite::kSumBatch (the partial
-// not yet allocated): one [1, Hq, Q, KV] buffer instead of the batch's partial sums and their
-// reduction.
-using AttentionBwdSumsBatchFn = bool (*)(const AttentionBwdArgs& args);
+// Whether the backend's kernel takes these arguments with GradMaskWrite::kSumBroadcast (the
+// partial not yet allocated): one buffer of the mask's own shape [Bm, Hm, Q, KV] instead of
+// per-(batch row, head) partial sums and their reduction over the broadcast dims.
+using AttentionBwdSumsBroadcastFn = bool (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);
 SAFEATTN_DECLARE_ISA_STUB(attention_bwd_cpu_stub, AttentionBwdFn);
 // What the CPU kernels multiply the tiles of a bf16 / fp16 input in now, and why not in that
@@ -195,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale, int64_t q_offset,
     int64_t kv_offset, double softcap, const std::optional<at::Tensor>& sinks, bool grad_mask_needed,
     const std::optional<at::Tensor>& lse_lo, const std::optional<at::Tensor>& key_ranges, AttentionBwdFn kernel,
-    int64_t mask_grad_budget = kMaskGradBudgetBytes, AttentionBwdSumsBatchFn sums_batch = nullptr);
+    int64_t mask_grad_budget = kMaskGradBudgetBytes, AttentionBwdSumsBroadcastFn sums_broadcast = nullptr);
 
 // What a backend registers for `attention` (kWithLseLo false: out and lse) and
 // `_attention_forward` (true: out, lse and lse_lo): attention_impl with the backend's kernel,
@@ -217,8 +221,8 @@ attention_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tenso
 }
 
 // The same for `_attention_backward`: attention_backward_impl with the backend's kernel and
-// sums_batch question.
-template <class Entry, AttentionBwdFn kKernel, AttentionBwdSumsBatchFn kSumsBatch = nullptr>
+// sums_broadcast question.
+template <class Entry, AttentionBwdFn kKernel, AttentionBwdSumsBroadcastFn kSumsBroadcast = nullptr>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_kernel(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
     const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
@@ -228,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   const Entry entry(query);
   return attention_backward_impl(grad_out, grad_lse, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
                                  kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, kKernel,
-                                 kMaskGradBudgetBytes, kSumsBatch);
+                                 kMaskGradBudgetBytes, kSumsBroadcast);
 }
 
 // The Entry of a backend that opens nothing for a call (CPU).

@@ -43,7 +43,7 @@ AttentionChoice choose_cpu_bwd(const AttentionBwdArgs&) {
   return choose_attention_cpu();
 }
 
-// The CPU backward entry point passes no sums_batch (ops/attention.cpp).
+// The CPU backward entry point passes no sums_broadcast (ops/attention.cpp).
 [[maybe_unused]] const bool cpu_registered = [] {
   register_attention_chooser(c10::DeviceType::CPU, {&choose_cpu_fwd, &choose_cpu_bwd, nullptr});
   return true;
@@ -117,7 +117,7 @@ AttentionChoice attention_path(const at::Tensor& query, const at::Tensor& key, c
   const bool grad_mask_needed = attn_mask.has_value() && attn_mask->requires_grad();
   attention_backward_impl(grad_out, std::nullopt, query, key, value, out, lse, attn_mask, is_causal, scale, q_offset,
                           kv_offset, softcap, sinks, grad_mask_needed, lse_lo, key_ranges, &record_bwd,
-                          kMaskGradBudgetBytes, chooser->sums_batch);
+                          kMaskGradBudgetBytes, chooser->sums_broadcast);
   return recording.take();
 }
 

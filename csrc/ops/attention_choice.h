@@ -79,12 +79,13 @@ void run_chosen(const Args& args) {
   kChoose(args).run(args, kRun);
 }
 
-// A backend's choosers as attention_path() reaches them: forward, backward, and the sums_batch
-// question its backward entry point passes to attention_backward_impl (nullptr: never).
+// A backend's choosers as attention_path() reaches them: forward, backward, and the
+// sums_broadcast question its backward entry point passes to attention_backward_impl (nullptr:
+// never).
 struct AttentionChooser {
   AttentionChoice (*forward)(const AttentionFwdArgs& args) = nullptr;
   AttentionChoice (*backward)(const AttentionBwdArgs& args) = nullptr;
-  AttentionBwdSumsBatchFn sums_batch = nullptr;
+  AttentionBwdSumsBroadcastFn sums_broadcast = nullptr;
 };
 
 // Registers the chooser of one device type: at static initialisation, beside the backend's

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -27,26 +28,30 @@ at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const a
   return at::matmul(at::_safe_softmax(masked, -1), v);
 }
 
-// A backend that sums a batch-shared mask's gradient itself (AttentionBwdSumsBatchFn): the
-// composite kernel run per batch row, each row's gradient added into the one [1, Hq, Q, KV]
-// buffer. takes_sums_batch says yes when sums_batch_allowed; sums_batch_calls counts the calls
-// that got the buffer.
-bool sums_batch_allowed = false;
-int sums_batch_calls = 0;
+// A backend that sums a broadcast mask's gradient itself (AttentionBwdSumsBroadcastFn): the
+// composite kernel run per batch row, each row's per-head gradient summed over the heads when the
+// mask has one (Hm = 1) and added into the buffer's row b (or its one row, Bm = 1) of the mask's
+// shape [Bm, Hm, Q, KV]. takes_sums_broadcast says yes when sums_broadcast_allowed;
+// sums_broadcast_calls counts the calls that got the buffer.
+bool sums_broadcast_allowed = false;
+int sums_broadcast_calls = 0;
 
-bool takes_sums_batch(const safeattn::AttentionBwdArgs& /*args*/) {
-  return sums_batch_allowed;
+bool takes_sums_broadcast(const safeattn::AttentionBwdArgs& /*args*/) {
+  return sums_broadcast_allowed;
 }
 
-void backward_summing_batch(const safeattn::AttentionBwdArgs& args) {
-  if (args.grad_mask_write != safeattn::GradMaskWrite::kSumBatch) {
+void backward_summing_broadcast(const safeattn::AttentionBwdArgs& args) {
+  if (args.grad_mask_write != safeattn::GradMaskWrite::kSumBroadcast) {
     safeattn::attention_backward_chunked(args);
     return;
   }
-  ++sums_batch_calls;
+  ++sums_broadcast_calls;
   const at::Tensor& sum = args.grad_mask_partial;
-  CATCH_REQUIRE(sum.size(0) == 1);
-  CATCH_REQUIRE(sum.eq(0).all().item<bool>());  // zeroed by the caller
+  const int64_t batch = args.query.size(0), hq = args.query.size(1);
+  CATCH_REQUIRE((sum.size(0) == 1 || sum.size(0) == batch));
+  CATCH_REQUIRE((sum.size(1) == 1 || sum.size(1) == hq));
+  CATCH_REQUIRE((sum.size(0) < batch || sum.size(1) < hq));  // something is broadcast
+  CATCH_REQUIRE(sum.eq(0).all().item<bool>());               // zeroed by the caller
   for (int64_t b = 0; b < args.query.size(0); ++b) {
     auto row = [&](const at::Tensor& t) { return t.defined() ? t.narrow(0, b, 1) : t; };
     safeattn::AttentionBwdArgs one = args;
@@ -55,9 +60,10 @@ void backward_summing_batch(const safeattn::AttentionBwdArgs& args) {
       *t = row(*t);
     }
     one.grad_mask_write = safeattn::GradMaskWrite::kAssign;
-    one.grad_mask_partial = at::empty_like(sum);
+    one.grad_mask_partial = at::empty({1, hq, sum.size(2), sum.size(3)}, sum.options());
     safeattn::attention_backward_chunked(one);
-    sum.add_(one.grad_mask_partial);
+    const at::Tensor& per_head = one.grad_mask_partial;
+    sum.narrow(0, sum.size(0) == 1 ? 0 : b, 1).add_(sum.size(1) == 1 ? per_head.sum(1, /*keepdim=*/true) : per_head);
   }
 }
 
@@ -96,13 +102,13 @@ CATCH_TEST_CASE("attention without a gradient builds no graph") {
   CATCH_CHECK_FALSE(lse.requires_grad());
 }
 
-CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks, or summed by the backend") {
+CATCH_TEST_CASE("a broadcast mask gets its gradient in batch chunks, or summed by the backend") {
   // 4 GiB of partial sums per chunk by default; one or two batch rows per chunk here. Each result
-  // against the float64 reference (the bias's gradient summed over the batch and, for the
-  // [1, 1, Q, KV] bias, the heads), through the composite backward (the chunking is the
-  // backend-independent attention_backward_impl's). A backend that says it sums the batch itself
-  // gets one zeroed [1, H, Q, KV] buffer instead, in one call, whatever the budget (a
-  // [1, 1, Q, KV] bias too: one query head per kv head here, summed over the heads after).
+  // against the float64 reference (the bias's gradient summed over its broadcast dims), through
+  // the composite backward (the chunking is the backend-independent attention_backward_impl's).
+  // A backend that says it sums the broadcast dims itself gets one zeroed buffer of the bias's
+  // shape instead ([1, H], [1, 1] or [B, 1] x [Q, KV]), in one call, whatever the budget; a
+  // [B, H, Q, KV] bias broadcasts nothing and is never offered it.
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(4, int64_t{1} << 30, safeattn::kMaskGradBudgetBytes) == 4);
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(8, int64_t{8} << 30, safeattn::kMaskGradBudgetBytes) == 1);
   CATCH_CHECK(safeattn::mask_grad_batch_chunk(5, 3, 10) == 3);
@@ -113,8 +119,9 @@ CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks, o
   const at::Tensor k = at::randn({5, 2, 9, 8}, f64).requires_grad_();
   const at::Tensor v = at::randn({5, 2, 9, 8}, f64).requires_grad_();
   const at::Tensor grad_out = at::randn({5, 2, 6, 8}, f64);
-  for (const int64_t heads : {2, 1}) {
-    at::Tensor bias = at::randn({1, heads, 6, 9}, f64);
+  for (const auto& [bias_batch, heads] : {std::pair<int64_t, int64_t>{1, 2}, {1, 1}, {5, 1}, {5, 2}}) {
+    const bool broadcast = bias_batch == 1 || heads == 1;
+    at::Tensor bias = at::randn({bias_batch, heads, 6, 9}, f64);
     bias.select(2, 1).select(2, 4).fill_(-std::numeric_limits<double>::infinity());  // masked keys
     bias.requires_grad_();
     const at::Tensor expected = reference_attention(q, k, v, bias);
@@ -123,14 +130,15 @@ CATCH_TEST_CASE("a mask shared by the batch gets its gradient in batch chunks, o
     const int64_t row_bytes = heads * 6 * 9 * 8;
     for (const bool sums : {false, true}) {
       for (const int64_t budget : {safeattn::kMaskGradBudgetBytes, row_bytes, 2 * row_bytes}) {
-        CATCH_INFO("bias heads " << heads << ", partial-sum budget " << budget << " bytes, backend sums: " << sums);
-        sums_batch_allowed = sums;
-        sums_batch_calls = 0;
+        CATCH_INFO("bias [" << bias_batch << ", " << heads << ", 6, 9], partial-sum budget " << budget
+                            << " bytes, backend sums: " << sums);
+        sums_broadcast_allowed = sums;
+        sums_broadcast_calls = 0;
         const auto got = safeattn::attention_backward_impl(
             grad_out, std::nullopt, q.detach(), k.detach(), v.detach(), out, lse, bias.detach(), false, std::nullopt, 0,
-            0, 0.0, std::nullopt, /*grad_mask_needed=*/true, std::nullopt, std::nullopt, &backward_summing_batch,
-            budget, &takes_sums_batch);
-        CATCH_CHECK(sums_batch_calls == (sums ? 1 : 0));
+            0, 0.0, std::nullopt, /*grad_mask_needed=*/true, std::nullopt, std::nullopt, &backward_summing_broadcast,
+            budget, &takes_sums_broadcast);
+        CATCH_CHECK(sums_broadcast_calls == (sums && broadcast ? 1 : 0));
         CATCH_CHECK(at::allclose(std::get<0>(got), want[0], 1e-10, 1e-10));
         CATCH_CHECK(at::allclose(std::get<1>(got), want[1], 1e-10, 1e-10));
         CATCH_CHECK(at::allclose(std::get<2>(got), want[2], 1e-10, 1e-10));

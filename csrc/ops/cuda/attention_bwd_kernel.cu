@@ -272,9 +272,9 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
 
 template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
-  TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBatch,
-                        "attention backward (CUDA): a batch-summed mask gradient is only "
-                        "given to the Hopper kernels (attention_bwd_sums_batch)");
+  TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBroadcast,
+                        "attention backward (CUDA): a mask gradient summed over broadcast dims in "
+                        "the kernel is only given to the Hopper kernels (attention_bwd_sums_broadcast)");
   AttentionBwdArgs a = args;
   a.grad_out = grad_out_without_empty_rows(args);
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);
@@ -429,7 +429,7 @@ const char* attention_bwd_mma_sync_rejects(const AttentionBwdArgs& a) {
 
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
   // The device guard is all the backward opens first (attention_backward_kernel, ops/attention.h).
-  using safeattn::cuda::attention_bwd_sums_batch, safeattn::cuda::kBackward, safeattn::cuda::OpDeviceGuard;
+  using safeattn::cuda::attention_bwd_sums_broadcast, safeattn::cuda::kBackward, safeattn::cuda::OpDeviceGuard;
   m.impl("_attention_backward",
-         &safeattn::attention_backward_kernel<OpDeviceGuard, kBackward, &attention_bwd_sums_batch>);
+         &safeattn::attention_backward_kernel<OpDeviceGuard, kBackward, &attention_bwd_sums_broadcast>);
 }

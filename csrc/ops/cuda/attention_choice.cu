@@ -21,8 +21,9 @@ AttentionChoice offer_generic(AttentionChoice& choice, const at::Tensor& key_ran
   return choice;
 }
 
-// Under deterministic algorithms the sm_90a backward takes dQ from its dQ pass, but a batch-shared
-// mask gradient is still summed with float atomics: it runs only where it is bit-reproducible.
+// Under deterministic algorithms the sm_90a backward takes dQ from its dQ pass, but a mask gradient
+// summed over broadcast dims in the kernel (kSumBroadcast) is still added with float atomics: it
+// runs only where it is bit-reproducible.
 const char* sm90_bwd_rejects(const AttentionBwdArgs& args) {
   if (const char* reason = attention_bwd_sm90_rejects(args)) {
     return reason;
@@ -53,17 +54,17 @@ AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args) {
   return offer_generic(choice, args.key_ranges, attention_bwd_mma_sync_rejects(args));
 }
 
-bool attention_bwd_sums_batch(const AttentionBwdArgs& args) {
+bool attention_bwd_sums_broadcast(const AttentionBwdArgs& args) {
   return choose_attention_bwd(args).path == AttentionPath::kSm90a;
 }
 
 namespace {
 
 // For attention_path (ops/attention_choice.h); the backward entry point
-// (attention_bwd_kernel.cu) passes attention_bwd_sums_batch too.
+// (attention_bwd_kernel.cu) passes attention_bwd_sums_broadcast too.
 [[maybe_unused]] const bool registered = [] {
   register_attention_chooser(c10::DeviceType::CUDA,
-                             {&choose_attention_fwd, &choose_attention_bwd, &attention_bwd_sums_batch});
+                             {&choose_attention_fwd, &choose_attention_bwd, &attention_bwd_sums_broadcast});
   return true;
 }();
 

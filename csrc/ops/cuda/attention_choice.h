@@ -23,10 +23,11 @@ namespace safeattn::cuda {
 AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args);
 AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args);
 
-// The question attention_backward_impl asks before it allocates a mask gradient shared by the
-// batch (AttentionBwdSumsBatchFn, with GradMaskWrite::kSumBatch): only the sm_90a kernels add the
-// batch into one buffer, so whether choose_attention_bwd takes them.
-bool attention_bwd_sums_batch(const AttentionBwdArgs& args);
+// The question attention_backward_impl asks before it allocates the gradient of a mask broadcast
+// over the batch or the heads (AttentionBwdSumsBroadcastFn, with GradMaskWrite::kSumBroadcast):
+// only the sm_90a kernels add the broadcast dims into one buffer of the mask's shape, so whether
+// choose_attention_bwd takes them (not under deterministic algorithms: the adds are atomics).
+bool attention_bwd_sums_broadcast(const AttentionBwdArgs& args);
 
 // The mma.sync kernels' predicates (why they cannot take the call, or nullptr), defined beside
 // their host code in attention_fwd_kernel.cu and attention_bwd_kernel.cu.

@@ -24,10 +24,10 @@ const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
   }
   // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
-  // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer for
-  // the batch (kSumBatch: [1, Hq, Q, KV]); masks broadcast over heads, queries or keys have their
-  // gradients summed by the mma.sync kernels. (AttentionBwdSumsBatchFn asks with kSumBatch and
-  // no buffer yet.)
+  // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer of
+  // the mask's shape over its broadcast batch and head dims (kSumBroadcast: [Bm, Hm, Q, KV]); a
+  // mask broadcast over queries or keys, or one with Hkv heads, has its gradient summed by the
+  // mma.sync kernels. (AttentionBwdSumsBroadcastFn asks with kSumBroadcast and no buffer yet.)
   if (attn::natural_units(a.mask) && a.softcap > 0.0) {
     return "a float mask with a softcap";
   }
@@ -52,7 +52,7 @@ const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
 }
 
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& a) {
-  return a.grad_mask_write != GradMaskWrite::kSumBatch;
+  return a.grad_mask_write != GradMaskWrite::kSumBroadcast;
 }
 
 bool attention_bwd_sm90_dq_pass(const AttentionBwdArgs& a) {
@@ -122,17 +122,25 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
   if (a.grad_mask_partial.defined()) {
     // [B, Hq, Q, KV] float32 (kAssign): the kernel writes the visited tiles' elements, the
-    // skipped ones stay 0. [1, Hq, Q, KV] zeroed by the caller (kSumBatch): it adds every
-    // batch's elements into it.
+    // skipped ones stay 0. [Bm, Hm, Q, KV] zeroed by the caller (kSumBroadcast, Bm in {1, B}, Hm
+    // in {1, Hq}): it adds every (batch, query head)'s elements into it, a dim of size 1 read
+    // with stride 0. With GQA, Hm = 1 takes all Hq query heads, whichever kv head's CTA runs them.
     const at::Tensor& partial = a.grad_mask_partial;
-    const bool sums_batch = a.grad_mask_write == GradMaskWrite::kSumBatch;
+    const bool adds = a.grad_mask_write == GradMaskWrite::kSumBroadcast;
+    const int64_t partial_batch = partial.size(0), partial_heads = partial.size(1);
     TORCH_INTERNAL_ASSERT(a.grad_mask_write != GradMaskWrite::kAccumulate && partial.is_contiguous() &&
-                          partial.scalar_type() == at::kFloat && partial.size(0) == (sums_batch ? 1 : batch));
-    if (!sums_batch) {
+                          partial.scalar_type() == at::kFloat && partial.size(2) == q_len &&
+                          partial.size(3) == key.size(2));
+    TORCH_INTERNAL_ASSERT(adds ? (partial_batch == 1 || partial_batch == batch) &&
+                                     (partial_heads == 1 || partial_heads == heads)
+                               : partial_batch == batch && partial_heads == heads);
+    if (!adds) {
       partial.zero_();
     }
     p.grad_mask = partial.data_ptr<float>();
-    p.grad_mask_sums_batch = sums_batch;
+    p.grad_mask_sb = partial_batch == 1 ? 0 : partial_heads * q_len;  // rows of kv_len
+    p.grad_mask_sh = partial_heads == 1 ? 0 : q_len;
+    p.grad_mask_adds = adds;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   attn::with_16bit_type(query, [&](auto type) {

@@ -18,8 +18,8 @@ namespace safeattn::cuda {
 // and sinks are read. A build without the Hopper kernels always says so.
 const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& args);
 // Whether a call it takes can be bit-reproducible: under deterministic algorithms dQ comes from
-// the dQ pass (attention_bwd_sm90_dq_pass), but a mask's gradient summed over the batch
-// (GradMaskWrite::kSumBatch) is added with float atomics all the same. The chooser
+// the dQ pass (attention_bwd_sm90_dq_pass), but a mask's gradient summed over its broadcast
+// batch and head dims (GradMaskWrite::kSumBroadcast) is added with float atomics all the same. The chooser
 // (attention_choice.h) weighs that against deterministic algorithms.
 bool attention_bwd_sm90_deterministic(const AttentionBwdArgs& args);
 // Whether dQ has a pass of its own (hopper::bwd_dq_pass: past head dim 128, and at every head dim

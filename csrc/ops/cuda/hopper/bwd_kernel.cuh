@@ -196,9 +196,10 @@ struct Bwd {
     Element* grad_k;
     Element* grad_v;
     int64_t dk_sb, dk_sh, dk_si, dv_sb, dv_sh, dv_si;
-    float* grad_mask;           // BwdSm90Params::grad_mask (kBias only)
-    bool grad_mask_sums_batch;  // BwdSm90Params::grad_mask_sums_batch
-    bool batch_inner;           // BwdSm90Params::batch_inner
+    float* grad_mask;                    // BwdSm90Params::grad_mask (kBias only)
+    int64_t grad_mask_sb, grad_mask_sh;  // BwdSm90Params::grad_mask_sb, grad_mask_sh
+    bool grad_mask_adds;                 // BwdSm90Params::grad_mask_adds
+    bool batch_inner;                    // BwdSm90Params::batch_inner
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == bwd_key_tile(kHeadDim)),
                 "a masked step is one tile of the mask summary");
@@ -457,8 +458,9 @@ struct Bwd {
   // dS^T = scale P^T (dP^T - delta) over dP^T's registers. With a softcap, d score / d dot =
   // scale (1 - t^2), t = score / softcap_post, the score recovered from p: log2 p + row_shift
   // (p = 0 contributes nothing, whatever its score). With a float mask's gradient, p (dP - delta)
-  // of the step's elements inside [q_len, kv_len) is stored, or added to the other batches' (a
-  // mask shared by the batch).
+  // of the step's elements inside [q_len, kv_len) is stored, or added to those of the other
+  // (batch, query head)s that share its element (a mask broadcast over the batch or the heads:
+  // grad_mask_adds). `head` is the query head (the step's, of the CTA's kv group).
   template <class FragS>
   static __device__ __forceinline__ void scores_gradient(FragS& dp, const FragS& prob, const Params& p,
                                                          const float* row_shift, const float* delta, int batch,
@@ -475,8 +477,8 @@ struct Bwd {
       }
     } else if (kBias && p.grad_mask != nullptr) {
       const int last_row = p.q_len - 1 - row0;
-      const bool add = p.grad_mask_sums_batch;
-      float* grad = p.grad_mask + ((int64_t{add ? 0 : batch} * p.heads + head) * p.q_len + row0) * p.kv_len + key0;
+      const bool add = p.grad_mask_adds;
+      float* grad = p.grad_mask + (batch * p.grad_mask_sb + head * p.grad_mask_sh + row0) * p.kv_len + key0;
 #pragma unroll
       for (int i = 0; i < size(dp); ++i) {
         const int key = key_base + MaskKeys::acc_row(i), row = query_base + MaskKeys::acc_col(i);
@@ -776,7 +778,8 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_si = a.dv_si;
   p.mask_tiles = a.mask_tiles;
   p.grad_mask = a.grad_mask;
-  p.grad_mask_sums_batch = a.grad_mask_sums_batch;
+  p.grad_mask_sb = a.grad_mask_sb, p.grad_mask_sh = a.grad_mask_sh;
+  p.grad_mask_adds = a.grad_mask_adds;
   p.batch_inner = a.batch_inner;
   p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 

@@ -71,7 +71,7 @@ struct BwdSm90Params : Sm90Inputs {
   // bwd_dq_pass(D, deterministic): the dQ pass writes grad_q itself.
   float* dq_accum = nullptr;
   // Bit-reproducible gradients: dQ by the dQ pass at every head dim (bwd_dq_pass). A float mask's
-  // gradient summed over the batch (grad_mask_sums_batch) is added with atomics all the same.
+  // gradient summed over broadcast dims (grad_mask_adds) is added with atomics all the same.
   bool deterministic = false;
   void* grad_q = nullptr;                   // [B, Hq, Q, D] strided, 4-byte aligned rows
   void* grad_k = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
@@ -83,16 +83,24 @@ struct BwdSm90Params : Sm90Inputs {
   // Where bwd_dq_pass and there is a summary: the same mask summarised for the dQ pass's tiles,
   // kDqTileRows x dq_key_tile(D), with its first_visible record.
   attn::TileSummaryView dq_mask_tiles;
-  // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element, written to
-  // [B, Hq, Q, KV] contiguous float32 at each visited (query tile, key tile); the caller zeroes
-  // it (skipped tiles are not written). Only with a float mask. With grad_mask_sums_batch,
-  // [1, Hq, Q, KV] instead: every batch's elements added into it (atomics, any order).
+  // Null, or the float mask's gradient d loss / d mask = p (dP - delta) per element of (batch b,
+  // query head h, row i, key j) at grad_mask + (b * grad_mask_sb + h * grad_mask_sh + i) * kv_len
+  // + j (float32, contiguous rows of kv_len), at each visited (query tile, key tile); the caller
+  // zeroes it (skipped tiles are not written). Only with a float mask. Either [B, Hq, Q, KV]
+  // (strides Hq Q and Q rows) with every element stored once, or, with grad_mask_adds, the
+  // mask's own shape [Bm, Hm, Q, KV], Bm in {1, B}, Hm in {1, Hq}, its broadcast dims' strides 0:
+  // the (batch, head)s that share an element add into it (atomics, any order). The strides count
+  // rows, not elements, so a step's address takes one 64-bit product by kv_len (in elements the
+  // D = 128 bias kernel spilled 4 more bytes).
   float* grad_mask = nullptr;
-  bool grad_mask_sums_batch = false;
+  int64_t grad_mask_sb = 0, grad_mask_sh = 0;  // in rows of kv_len; 0 on a dim summed into one
+  bool grad_mask_adds = false;
   // The CTAs of one (key tile, kv head) for every batch row run side by side (the grid's batch
   // varies fastest in its order): set for a float mask shared by the batch, whose tiles are then
   // read from memory once for the batch and whose summed gradient's atomics meet in L2 (a
-  // learnable [1, 16, 4096, 4096] bias at B = 4, D = 128, H100: the kernel 1.0 ms faster).
+  // learnable [1, 16, 4096, 4096] bias at B = 4, D = 128, H100: the kernel 1.0 ms faster). A mask
+  // shared by the heads needs no flag: the default order (KeyTileGrid) already runs the kv heads
+  // of one key tile side by side, and the query heads of a kv group are one CTA's.
   bool batch_inner = false;
   int resident_ctas = 0;  // CTAs that run at once: the SM count (one CTA per SM); 0: unknown
 };

@@ -102,7 +102,11 @@ struct QueryTileGrid {
 // in the hardware's linear order; under causality (or a mask: kLongestFirst) read as
 // longest_first's over the (batch, kv head)s, so key tile 0 (seen by every query) and the other
 // long ones go first in each group of heads; the kv head varies fastest in that group, or the
-// batch row with p.batch_inner.
+// batch row with p.batch_inner. So the CTAs that add a broadcast mask's gradient into the same
+// elements (BwdSm90Params::grad_mask_adds) run side by side within a group: one key tile's kv
+// heads in the default order (a mask shared by the heads; a kv group's query heads are one CTA's),
+// its batch rows with batch_inner (a mask shared by the batch). A float mask always has a summary
+// (kLongestFirst), so only a grid past INT32_MAX CTAs takes the hardware's order instead.
 template <int kBlockM, int kBlockN, bool kLongestFirst>
 struct KeyTileGrid {
   struct Block {
