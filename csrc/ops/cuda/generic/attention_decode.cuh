@@ -56,13 +56,17 @@ constexpr int kMaxClusterSplits = 8;
 // The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
 // one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
 // kPrefetch: the L2 prefetch size (0, 128 or 256 bytes) each K/V row load asks for.
-template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0>
+// kInterleaved: split s of S takes key tiles s, s + S, s + 2 S, ... instead of one run of
+// consecutive tiles, so that the splits of one (batch, kv head), running at once, read one
+// contiguous window of the cache that moves along it, rather than S distant streams.
+template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0, bool kInterleaved_ = false>
 struct DecodeTiles {
   static_assert(kStages_ >= 2, "decode: at least double buffering");
   static_assert(kPrefetch_ == 0 || kPrefetch_ == 128 || kPrefetch_ == 256, "decode: L2 prefetch size");
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kPrefetch = kPrefetch_;
+  static constexpr bool kInterleaved = kInterleaved_;
   // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
   // loads that read them, so that no load waits for the block table.
   static constexpr int kPageSlots = kStages + 1;
@@ -458,19 +462,25 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
     lo_max = max(lo, lo_max);
     hi_min = min(hi, hi_min);
   }
+  // This split's key tiles: tile_of(n) for n in [0, n_local), one run of consecutive tiles or
+  // (kInterleaved) every p.splits-th tile from the split's own.
   const int first_tile = lo_min / kTileKeys;
   const int n_tiles = lo_min < hi_max ? (hi_max + kTileKeys - 1) / kTileKeys - first_tile : 0;
   const int per_split = (n_tiles + p.splits - 1) / p.splits;
-  const int tile_begin = first_tile + min(split * per_split, n_tiles);
-  const int tile_end = first_tile + min(split * per_split + per_split, n_tiles);
+  const int tile_begin = Tiles::kInterleaved ? first_tile + split : first_tile + min(split * per_split, n_tiles);
+  const int n_local = Tiles::kInterleaved
+                          ? (split < n_tiles ? (n_tiles - split + p.splits - 1) / p.splits : 0)
+                          : min(split * per_split + per_split, n_tiles) - min(split * per_split, n_tiles);
+  const int tile_step = Tiles::kInterleaved ? p.splits : 1;
+  auto tile_of = [&](int n) { return tile_begin + n * tile_step; };
 
-  // Paged: the page of each key of `tile` into its slot of s_page, as this thread's part of the
-  // next commit group (rows past the split's keys are not looked up).
-  auto fetch_pages = [&](int tile) {
+  // Paged: the page of each key of the split's tile n into its slot of s_page, as this thread's
+  // part of the next commit group (rows past the split's keys are not looked up).
+  auto fetch_pages = [&](int n) {
     if (kPaged && tid < kTileKeys) {
-      const int j = tile * kTileKeys + tid;
-      if (tile < tile_end && j < hi_max) {
-        cp_async_4(s_page + (tile - tile_begin) % Tiles::kPageSlots * kTileKeys + tid, p.cache.table_entry(b, j));
+      const int j = tile_of(n) * kTileKeys + tid;
+      if (n < n_local && j < hi_max) {
+        cp_async_4(s_page + n % Tiles::kPageSlots * kTileKeys + tid, p.cache.table_entry(b, j));
       }
     }
   };
@@ -488,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   if constexpr (kPaged) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      fetch_pages(tile_begin + s);
+      fetch_pages(s);
     }
     cp_async_commit();
     cp_async_wait<0>();  // the first tiles' loads need their pages
@@ -496,14 +506,14 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   } else {
     cp_async_commit();
   }
-  // A tile's K and V rows (rows at or past hi_max zero-filled, not read), and, paged, the pages of
-  // the tile kStages ahead, in one commit group.
-  auto load_kv = [&](int tile, int stage) {
-    const int j0 = tile * kTileKeys;
+  // The split's tile n's K and V rows (rows at or past hi_max zero-filled, not read), and, paged,
+  // the pages of its tile n + kStages, in one commit group.
+  auto load_kv = [&](int n, int stage) {
+    const int j0 = tile_of(n) * kTileKeys;
     T* k_dst = s_k + stage * kTileKeys * kStride;
     T* v_dst = s_v + stage * kTileKeys * kStride;
     if constexpr (kPaged) {
-      const int* pages = s_page + (tile - tile_begin) % Tiles::kPageSlots * kTileKeys;
+      const int* pages = s_page + n % Tiles::kPageSlots * kTileKeys;
       constexpr int kRounds = kTileKeys * kChunks / kThreads;
       static_assert(kTileKeys * kChunks % kThreads == 0, "decode: whole rounds of 16-byte chunks");
 #pragma unroll
@@ -516,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
         copy_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
         copy_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
       }
-      fetch_pages(tile + kStages);
+      fetch_pages(n + kStages);
     } else if constexpr (Tiles::kPrefetch == 0) {
       load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_base + j0 * p.k_si, p.k_si, hi_max - j0, tid);
       load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_base + j0 * p.v_si, p.v_si, hi_max - j0, tid);
@@ -535,8 +545,8 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   // The first kStages - 1 tiles, a commit group each (empty past the split's end).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (tile_begin + s < tile_end) {
-      load_kv(tile_begin + s, s);
+    if (s < n_local) {
+      load_kv(s, s);
     }
     cp_async_commit();
   }
@@ -573,10 +583,11 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   }
 
   int stage = 0;
-  for (int tile = tile_begin; tile < tile_end; ++tile) {
+  for (int n = 0; n < n_local; ++n) {
+    const int tile = tile_of(n);
     // The tile kStages - 1 ahead goes to the stage the last tile used: every warp is past it.
-    if (tile + kStages - 1 < tile_end) {
-      load_kv(tile + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+    if (n + kStages - 1 < n_local) {
+      load_kv(n + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
     }
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // this tile's group complete; the later ones may fly
