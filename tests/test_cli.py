@@ -483,6 +483,7 @@ def test_bench_attention_sweep_time_limit_json_resume(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(sweep, "build", fake_build)
     monkeypatch.setattr(sweep, "time_case", fake_time)
+    monkeypatch.setattr(sweep, "unbuilt_reason", lambda head_dim: None)
     parser = argparse.ArgumentParser()
     _bench_attention.add_arguments(parser)
     path = tmp_path / "sweep.json"
@@ -505,3 +506,66 @@ def test_bench_attention_sweep_time_limit_json_resume(tmp_path, monkeypatch, cap
     assert len(keys) == total == len(set(keys)), f"--resume ran each remaining pass once: {keys}"
     assert "time limit" not in out and saved["meta"]["stopped"] is None, out
     assert len(built) - first <= total // 2 - len(rows) // 2 + 1, "--resume skips the cases done"
+
+
+def test_bench_attention_sweep_skips_head_dims_not_built(tmp_path, monkeypatch, capsys):
+    """A head dim the build lacks would run on a fallback many times slower: the sweep times no
+    case of it, writes no record (so --resume with a fuller build measures it) and says why;
+    unbuilt_reason reads the sm_90a lists on an H100/H200 and the generic ones elsewhere."""
+    import argparse
+    import json
+
+    import safeattn
+    import torch
+    from safeattn import _bench_attention
+    from safeattn import _bench_sweep as sweep
+
+    info = {
+        "attention_fwd_head_dims": [64, 96, 128, 256],
+        "attention_bwd_head_dims": [64, 96, 128, 256],
+        "attention_sm90_fwd_head_dims": [64, 128],
+        "attention_sm90_bwd_head_dims": [64, 128, 256],
+        "hopper_kernels": True,
+    }
+    monkeypatch.setattr(safeattn, "build_info", lambda: info)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability[0])
+    assert sweep.unbuilt_reason(128) is None
+    for head_dim in (96, 256):  # 256: a backward but no forward
+        why = sweep.unbuilt_reason(head_dim)
+        assert why and f"head dim {head_dim}" in why and "sm_90a" in why and "SAFEATTN_ATTN_HEAD_DIMS" in why
+    capability[0] = (8, 0)
+    assert sweep.unbuilt_reason(96) is None and sweep.unbuilt_reason(256) is None
+    assert "generic CUDA" in sweep.unbuilt_reason(80)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "fake GPU")
+    built = []
+
+    def fake_build(case, device, dtype):
+        built.append(case)
+        return {name: None for name in case.impl_names() if name}, 1000
+
+    monkeypatch.setattr(sweep, "build", fake_build)
+    monkeypatch.setattr(sweep, "time_case", lambda case, backward, impls, *a: ({n: 1.0 for n in impls}, {}))
+    monkeypatch.setattr(sweep, "unbuilt_reason", lambda d: None if d == 128 else f"no {d} here")
+    parser = argparse.ArgumentParser()
+    _bench_attention.add_arguments(parser)
+    path = tmp_path / "sweep.json"
+    args = ["--device", "cuda", "--sweep", "--sweep-axis", "head_dim", "--json", str(path), "--resume"]
+    assert _bench_attention.run(parser.parse_args(args)) == 0
+    out = capsys.readouterr().out
+    cases = sweep.select(sweep.sweep_cases(), ["head_dim"], None)
+    others = {c.head_dim for c in cases} - {128}
+    assert others and {c.head_dim for c in built} == {128}, [c.name for c in built]
+    saved = json.loads(path.read_text())["records"]
+    assert saved and {r["head_dim"] for r in saved} == {128}
+    for head_dim in others:
+        count = sum(c.head_dim == head_dim for c in cases)
+        assert f"skipped {count} cases of D={head_dim}: no {head_dim} here" in out, out
+
+    monkeypatch.setattr(sweep, "unbuilt_reason", lambda d: None)  # a fuller build resumes the rest
+    assert _bench_attention.run(parser.parse_args(args)) == 0
+    saved = json.loads(path.read_text())["records"]
+    assert {r["head_dim"] for r in saved} == {c.head_dim for c in cases} and len(saved) == 2 * len(cases)
+    assert "skipped" not in capsys.readouterr().out

@@ -203,6 +203,23 @@ def sweep_cases(quick: bool = False, tokens: int = 16384) -> list[SweepCase]:
     return [SweepCase(*key, axes=tuple(a for a in AXES if a in names)) for key, names in order.items()]
 
 
+def unbuilt_reason(head_dim: int) -> str | None:
+    """Why this build's fastest kernels for the GPU in use lack ``head_dim`` (None: they have it).
+    A head dim left out of ``SAFEATTN_ATTN_HEAD_DIMS`` runs on a fallback 20-50x slower, which
+    would be timed as if it were the kernel: the sweep skips such cases instead."""
+    info = safeattn.build_info()
+    hopper = torch.cuda.get_device_capability() == (9, 0) and info.get("hopper_kernels")
+    prefix = "attention_sm90_" if hopper else "attention_"
+    built = set(info.get(f"{prefix}fwd_head_dims", [])) & set(info.get(f"{prefix}bwd_head_dims", []))
+    if head_dim in built:
+        return None
+    kernels = "sm_90a" if hopper else "generic CUDA"
+    return (
+        f"head dim {head_dim} is not in this build's {kernels} kernels ({', '.join(map(str, sorted(built))) or 'none'}): "
+        "rebuild with it in SAFEATTN_ATTN_HEAD_DIMS"
+    )
+
+
 def select(cases: list[SweepCase], axes: list[str] | None, filters: list[str] | None) -> list[SweepCase]:
     """The cases on any of ``axes`` whose name holds any of ``filters`` (None: no condition)."""
     if axes:
@@ -624,9 +641,16 @@ def run(args: argparse.Namespace) -> int:
         print(markdown_table(TABLE_HEADER, [table_row(r)]).splitlines()[-1])
     start = time.monotonic()
     stopped = None
+    unbuilt: dict[int, str | None] = {}  # head dim: why the build cannot time it
+    skipped: dict[int, int] = {}  # head dim: its cases left out (no record: a fuller build resumes them)
     for number, case in enumerate(cases, 1):
         todo = [p for p in PASSES if (case.name, p) not in done]
         if not todo:
+            continue
+        if case.head_dim not in unbuilt:
+            unbuilt[case.head_dim] = unbuilt_reason(case.head_dim)
+        if unbuilt[case.head_dim]:
+            skipped[case.head_dim] = skipped.get(case.head_dim, 0) + 1
             continue
         if args.time_limit is not None and time.monotonic() - start > args.time_limit:
             stopped = f"time limit: stopped after {time.monotonic() - start:.0f} s, before case {number} of {len(cases)}"
@@ -674,6 +698,8 @@ def run(args: argparse.Namespace) -> int:
     if stopped:
         print(stopped)
     print(f"{len(records)} rows of {2 * len(cases)} selected, {time.monotonic() - start:.0f} s")
+    for head_dim, count in sorted(skipped.items()):
+        print(f"skipped {count} cases of D={head_dim}: {unbuilt[head_dim]}")
     print("\n".join(summary(records)))
     if args.json:
         _write(args.json, {**meta, "stopped": stopped}, records)
