@@ -8,12 +8,18 @@ kind (forward, backward rows pre-pass, dK/dV, dQ, mask summary).
 Decode (`--decode KV`): the benchmark's decode shape (Q=1, B=8, Hq=32, Hkv=4, D=128, bf16) with the
 given cache length, forward only.
 
+`--bias 1H|B1`: the prefill shape with is_causal and a learnable bf16 bias, `[1, H, S, S]` or
+`[B, 1, S, S]`, whose gradient the backward computes (as the sweep's bias cases): forward and
+backward `--calls` times (`ncu -k regex:bwd_kernel --launch-skip 1 --launch-count 1` takes the
+second dK/dV kernel).
+
 `--peer flash`: the prefill `is_causal` call through SDPA's flash backend (FlashAttention-2)
 instead, the peer's kernels to set beside ours (`ncu -k regex:flash_bwd_dq_dk_dv ...`).
 
 `--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
 
-    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--peer flash] [--table]
+    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
+        [--peer flash] [--table]
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def prefill(head_dim, calls, table, peer=None):
+def prefill(head_dim, calls, table, peer=None, bias=None):
     batch, heads, seq = 4, 16, 4096
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -49,16 +55,24 @@ def prefill(head_dim, calls, table, peer=None):
                 out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
                 torch.autograd.grad(out, (q, k, v), grad)
         return
-    for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
+    cases = ({"is_causal": True}, {"attn_mask": mask})
+    leaves = ()
+    if bias is not None:
+        shape = (1, heads, seq, seq) if bias == "1H" else (batch, 1, seq, seq)
+        learnable = (
+            (torch.randn(*shape, device="cuda", generator=gen) * 0.5).to(torch.bfloat16).requires_grad_()
+        )
+        cases, leaves = ({"is_causal": True, "attn_mask": learnable},), (learnable,)
+    for kwargs in cases:
         for _ in range(calls):
             out, _ = safeattn.attention(q, k, v, **kwargs)
-            torch.autograd.grad(out, (q, k, v), grad)
+            torch.autograd.grad(out, (q, k, v, *leaves), grad)
         if table:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 out, _ = safeattn.attention(q, k, v, **kwargs)
-                torch.autograd.grad(out, (q, k, v), grad)
+                torch.autograd.grad(out, (q, k, v, *leaves), grad)
                 torch.cuda.synchronize()
-            print(f"-- prefill D={head_dim} {sorted(kwargs)}")
+            print(f"-- prefill D={head_dim} {sorted(kwargs)}{f' bias {bias}' if bias else ''}")
             print(
                 prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100)
             )
@@ -87,13 +101,14 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--decode", type=int, default=0, metavar="KV")
+    parser.add_argument("--bias", choices=["1H", "B1"], default=None)
     parser.add_argument("--peer", choices=["flash"], default=None)
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     if args.decode:
         decode(args.decode, args.calls, args.table)
     else:
-        prefill(args.head_dim, args.calls, args.table, args.peer)
+        prefill(args.head_dim, args.calls, args.table, args.peer, args.bias)
     torch.cuda.synchronize()
     print("done", flush=True)
 

@@ -56,17 +56,13 @@ constexpr int kMaxClusterSplits = 8;
 // The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
 // one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
 // kPrefetch: the L2 prefetch size (0, 128 or 256 bytes) each K/V row load asks for.
-// kInterleaved: split s of S takes key tiles s, s + S, s + 2 S, ... instead of one run of
-// consecutive tiles, so that the splits of one (batch, kv head), running at once, read one
-// contiguous window of the cache that moves along it, rather than S distant streams.
-template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0, bool kInterleaved_ = false>
+template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0>
 struct DecodeTiles {
   static_assert(kStages_ >= 2, "decode: at least double buffering");
   static_assert(kPrefetch_ == 0 || kPrefetch_ == 128 || kPrefetch_ == 256, "decode: L2 prefetch size");
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kPrefetch = kPrefetch_;
-  static constexpr bool kInterleaved = kInterleaved_;
   // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
   // loads that read them, so that no load waits for the block table.
   static constexpr int kPageSlots = kStages + 1;
@@ -462,17 +458,13 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
     lo_max = max(lo, lo_max);
     hi_min = min(hi, hi_min);
   }
-  // This split's key tiles: tile_of(n) for n in [0, n_local), one run of consecutive tiles or
-  // (kInterleaved) every p.splits-th tile from the split's own.
+  // This split's key tiles: tile_of(n) for n in [0, n_local), one run of consecutive tiles.
   const int first_tile = lo_min / kTileKeys;
   const int n_tiles = lo_min < hi_max ? (hi_max + kTileKeys - 1) / kTileKeys - first_tile : 0;
   const int per_split = (n_tiles + p.splits - 1) / p.splits;
-  const int tile_begin = Tiles::kInterleaved ? first_tile + split : first_tile + min(split * per_split, n_tiles);
-  const int n_local = Tiles::kInterleaved
-                          ? (split < n_tiles ? (n_tiles - split + p.splits - 1) / p.splits : 0)
-                          : min(split * per_split + per_split, n_tiles) - min(split * per_split, n_tiles);
-  const int tile_step = Tiles::kInterleaved ? p.splits : 1;
-  auto tile_of = [&](int n) { return tile_begin + n * tile_step; };
+  const int tile_begin = first_tile + min(split * per_split, n_tiles);
+  const int n_local = min(split * per_split + per_split, n_tiles) - min(split * per_split, n_tiles);
+  auto tile_of = [&](int n) { return tile_begin + n; };
 
   // Paged: the page of each key of the split's tile n into its slot of s_page, as this thread's
   // part of the next commit group (rows past the split's keys are not looked up).
