@@ -8,7 +8,7 @@
 //
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
-// [--split-tiles N (each split at least N key tiles: decode_launch's min_split_tiles)].
+// [--split-tiles N (each split of a long cache at least N key tiles: decode_launch's long_split_tiles)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
@@ -40,10 +40,10 @@ static const char* g_only = nullptr;
 static float* g_workspace = nullptr;  // the splits' partials
 static constexpr size_t kWorkspaceFloats = size_t{64} << 20;
 
-static bool g_clusters = true;  // merge the splits in a thread block cluster where decode_launch says so
-static int g_cap_tiles = 8;     // decode_launch's cap_tiles
-static int g_split_tiles = 1;   // --split-tiles N: decode_launch's min_split_tiles
-static int g_hkv = 8;           // --hkv N: the timings' kv heads (of 32 query heads)
+static bool g_clusters = true;               // merge the splits in a thread block cluster where decode_launch says so
+static int g_cap_tiles = 8;                  // decode_launch's cap_tiles
+static int g_split_tiles = kLongSplitTiles;  // --split-tiles N: decode_launch's long_split_tiles
+static int g_hkv = 8;                        // --hkv N: the timings' kv heads (of 32 query heads)
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -389,9 +389,9 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
       shape, kD, Tiles::kStages, kSmem, resident, g_clusters ? "on" : "off", g_cap_tiles, g_hkv, g_split_tiles);
   int failures = checks ? check_shape<T, kD, Tiles>(shape) : 0;
   if (timing) {
-    const int shapes[][2] = {{1, 512},    {1, 1024},   {1, 2048},   {1, 4096},   {1, 32768},  {1, 131072},
-                             {4, 1024},   {8, 1024},   {8, 4096},   {8, 32768},  {8, 131072}, {32, 2048},
-                             {32, 32768}, {128, 1024}, {128, 4096}, {128, 32768}};
+    const int shapes[][2] = {{1, 512},    {1, 1024},   {1, 2048},   {1, 4096},   {1, 8192},   {1, 16384},
+                             {1, 32768},  {1, 131072}, {4, 1024},   {8, 1024},   {8, 4096},   {8, 32768},
+                             {8, 131072}, {32, 2048},  {32, 32768}, {128, 1024}, {128, 4096}, {128, 32768}};
     for (const auto& s : shapes) {
       time_shape<T, kD, false, Tiles>(shape, s[0], s[1], 0, flush, flush_bytes);
     }

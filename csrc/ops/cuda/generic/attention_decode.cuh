@@ -140,24 +140,33 @@ struct DecodeLaunch {
   bool cluster;
 };
 
-// Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, each split at
-// least min_split_tiles key tiles (the standalone check varies it), at most kMaxSplits. With `clusters` (sm_90), a step
-// with few (batch, kv head) pairs (one wave would give each more than kMaxClusterSplits splits) over a short cache (at
-// most cap_tiles key tiles a split at kMaxClusterSplits splits) takes at most kMaxClusterSplits splits, one cluster:
-// there the combine kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1
-// KV1024 13.8 -> 11.3 us, KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6
-// splits a cluster took 320 us against 281 with the combine kernel.
+// The fewest key tiles a split of a long cache takes (decode_launch; the standalone check varies
+// it): one wave of CTAs over few (batch, kv head) pairs cuts a long cache into splits of a few
+// tiles, each paying the split's fixed cost (H200, D 128, GQA 8: B1 KV32768 99 splits of 5-6
+// tiles 45.3 us, 64 splits of 8 tiles 39.2; D 64 33.5 -> 27.3; splits already this long unchanged).
+constexpr int kLongSplitTiles = 8;
+
+// Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, at most
+// kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head) pairs (one wave would give
+// each more than kMaxClusterSplits splits) over a short cache (at most cap_tiles key tiles a split at
+// kMaxClusterSplits splits) takes at most kMaxClusterSplits splits, one cluster: there the combine
+// kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1 KV1024 13.8 -> 11.3 us,
+// KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6 splits a cluster took 320 us
+// against 281 with the combine kernel. A cache longer than that reach (with clusters or without)
+// gives each split at least long_split_tiles tiles; a shorter one keeps its splits of a tile or two
+// (B1 KV1024 in a cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
-                                  int64_t cap_tiles = 8, int64_t min_split_tiles = 1) {
+                                  int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
-  const int64_t by_tiles = (tiles + min_split_tiles - 1) / min_split_tiles;
-  const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
   const int64_t even = slots / (batch * hkv);
-  const int splits = static_cast<int>(even < 1 ? 1 : (even > most ? most : even));
-  if (clusters && even > kMaxClusterSplits && tiles > 1 && tiles <= kMaxClusterSplits * cap_tiles) {
-    return {static_cast<int>(most < kMaxClusterSplits ? most : kMaxClusterSplits), true};
+  const bool short_cache = tiles <= kMaxClusterSplits * cap_tiles;
+  if (clusters && even > kMaxClusterSplits && tiles > 1 && short_cache) {
+    return {static_cast<int>(tiles < kMaxClusterSplits ? tiles : kMaxClusterSplits), true};
   }
-  return {splits, false};
+  const int64_t min_tiles = short_cache ? 1 : long_split_tiles;
+  const int64_t by_tiles = (tiles + min_tiles - 1) / min_tiles;
+  const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
+  return {static_cast<int>(even < 1 ? 1 : (even > most ? most : even)), false};
 }
 
 // Launches the split kernel over (splits, hkv, batch), the splits of each (batch, kv head) one
