@@ -20,7 +20,8 @@
 //      partials in shared memory and merges a share of the rows from every split's (distributed
 //      shared memory): one kernel a step, no workspace;
 //   3. else in the combine kernel, one warp per row, from an fp32 workspace.
-// The split count fills the GPU once: CTAs resident per SM (occupancy) x SMs over B x Hkv.
+// The split count fills the GPU once: CTAs resident per SM (occupancy) x SMs over B x Hkv, a long
+// cache's splits at least kLongSplitTiles tiles each (decode_launch).
 // Numerics as in the tensor-core forward: a row (or split, or warp) with no visible key keeps
 // m = -inf and uses 0 as its exponent offset, so it contributes exactly 0 and never NaN; a masked
 // element is -inf whatever its score; a NaN score makes its row's out and lse NaN.
