@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops import _op_keywords
+
 __all__ = ["attention_with_kvcache", "varlen_attention"]
 
 # Lengths beyond this are clamped before the range arithmetic: key_ranges are int32, and a
@@ -441,9 +443,6 @@ def attention_bshd(q, k, v, scale, softcap, sinks, key_ranges, is_causal=False, 
         is_causal,
         scale,
         True,
-        q_offset=q_offset,
-        softcap=float(softcap or 0.0),
-        sinks=sinks,
-        key_ranges=key_ranges,
+        **_op_keywords(q_offset, 0, float(softcap or 0.0), sinks, key_ranges),
     )
     return out.transpose(1, 2), lse

@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover
 
 from . import _mask_reader
 from ._mask_reader import NotRecognised, read_mask_function
-from .ops import MaskDescription, _described_mask
+from .ops import MaskDescription, _described_mask, _op_keywords
 from .serving import attention_with_kvcache, varlen_attention
 
 __all__ = [
@@ -504,11 +504,7 @@ def attention_forward(
             is_causal,
             scale,
             enable_gqa,
-            q_offset=q_offset,
-            kv_offset=kv_offset,
-            softcap=softcap,
-            sinks=s_aux,
-            key_ranges=key_ranges,
+            **_op_keywords(q_offset, kv_offset, softcap, s_aux, key_ranges),
         )
     else:
         _log_once(
