@@ -1759,3 +1759,23 @@ def test_cpu_tiles_deterministic_across_threads(monkeypatch, tiles):
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert torch.equal(a, b), "results differ between runs / thread counts"
+
+
+def test_op_keywords_pass_only_what_differs_from_the_defaults():
+    """safeattn.attention gives the op no keyword at its schema default (each one passed costs
+    host time); a value that differs, a tensor and a symbolic offset are passed as they are."""
+    from safeattn.ops import _op_keywords
+
+    schema = torch.ops.safeattn.attention.default._schema
+    defaults = {a.name: a.default_value for a in schema.arguments if a.kwarg_only}
+    assert set(defaults) == {"q_offset", "kv_offset", "softcap", "sinks", "key_ranges"}, defaults
+    assert _op_keywords(**defaults) == {} and _op_keywords() == {}
+    sinks, ranges, position = torch.zeros(2), torch.zeros(1, 1, 2, dtype=torch.int32), torch.tensor(0)
+    given = {"q_offset": 3, "kv_offset": 1, "softcap": 30.0, "sinks": sinks, "key_ranges": ranges}
+    assert _op_keywords(**given) == given
+    assert _op_keywords(q_offset=position)["q_offset"] is position  # never compared: no host sync
+    q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
+    out, lse = safeattn.attention(q, k, v, is_causal=True, q_offset=1)
+    ref_out, ref_lse = reference.attention(q.double(), k.double(), v.double(), is_causal=True, q_offset=1)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
