@@ -284,8 +284,7 @@ def _op_keywords(q_offset=0, kv_offset=0, softcap=0, sinks=None, key_ranges=None
     ``torch.ops.safeattn.attention(..., **keywords)``. The op parses every keyword it is given by
     name: the five defaults passed cost a decode step's call 1.6-2 us of host time (AMD EPYC, B=1
     Hq=8 Hkv=2 Q=1 KV=16, no gradient: the op alone 10.1-10.6 us with them, 8.5 without; SDPA
-    7.6). A symbolic or tensor offset is
-    always passed (it is never compared here, so no guard or sync)."""
+    7.6). A symbolic or tensor offset is always passed (never compared here: no guard, no sync)."""
     keywords = {}
     if type(q_offset) is not int or q_offset != 0:
         keywords["q_offset"] = q_offset
