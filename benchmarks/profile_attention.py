@@ -13,21 +13,26 @@ given cache length, forward only.
 backward `--calls` times (`ncu -k regex:bwd_kernel --launch-skip 1 --launch-count 1` takes the
 second dK/dV kernel).
 
+`--generic`: safeattn's generic kernels (mma.sync, what A100 / Ada run) forced on an H100/H200
+(`safeattn._testing.generic_kernels`), to set beside `--peer flash` (FlashAttention-2).
+
 `--peer flash`: the prefill `is_causal` call through SDPA's flash backend (FlashAttention-2)
 instead, the peer's kernels to set beside ours (`ncu -k regex:flash_bwd_dq_dk_dv ...`).
 
 `--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
 
     python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
-        [--peer flash] [--table]
+        [--generic] [--peer flash] [--table]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import safeattn
 import torch
+from safeattn import _testing
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -102,13 +107,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--decode", type=int, default=0, metavar="KV")
     parser.add_argument("--bias", choices=["1H", "B1"], default=None)
+    parser.add_argument("--generic", action="store_true")
     parser.add_argument("--peer", choices=["flash"], default=None)
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
-    if args.decode:
-        decode(args.decode, args.calls, args.table)
-    else:
-        prefill(args.head_dim, args.calls, args.table, args.peer, args.bias)
+    with _testing.generic_kernels() if args.generic else contextlib.nullcontext():
+        if args.decode:
+            decode(args.decode, args.calls, args.table)
+        else:
+            prefill(args.head_dim, args.calls, args.table, args.peer, args.bias)
     torch.cuda.synchronize()
     print("done", flush=True)
 
