@@ -92,6 +92,15 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 }
 
+// ldmatrix .trans of four 8 x 8 blocks of 16-bit elements: lanes 8 j .. 8 j + 7 give the shared
+// addresses of block j's eight 16-byte rows, and thread t gets in regs[j] the block's elements
+// (row 2 (t % 4), column t / 4) and (row 2 (t % 4) + 1, column t / 4), low half first.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t (&regs)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+
 // kMasked: the variant that reads a mask and its summary; the other has none of that code (the
 // mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant with
 // a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200). kBias: the mask is a
@@ -516,12 +525,18 @@ struct Bwd {
     const int lane = mma_thread % 32, block = lane / 8;
     const int key = 64 * wg + 16 * ((mma_thread % 128) / 32) + 8 * (block % 2);
     const int query = 8 * (block / 2) + lane % 8;
+    // One address per thread, the reads at constant offsets from it: 16 query rows on, or a stage
+    // on, is a multiple of 1024 bytes, which the swizzle (bits 7-9 of the byte address into bits
+    // 4-6) leaves as it is. (An address per read, held across the step loop, spilled more.)
+    using PlainLayout = decltype(get_nonswizzle_portion(SmemLayoutBias{}));
+    constexpr uint32_t kRows16Bytes = PlainLayout{}(16, 0, 0) * sizeof(Element);
+    constexpr uint32_t kStageBytes = PlainLayout{}(0, 0, 1) * sizeof(Element);
+    static_assert(kRows16Bytes % 1024 == 0 && kStageBytes % 1024 == 0, "offsets the swizzle leaves alone");
+    const uint32_t address = cast_smem_ptr_to_uint(&sBias(query, key, 0)) + stage * kStageBytes;
 #pragma unroll
     for (int m = 0; m < kBlockM / 16; ++m) {
       cutlass::AlignedArray<Element, 8> values;
-      uint32_t* regs = reinterpret_cast<uint32_t*>(values.data());
-      SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const uint128_t*>(&sBias(16 * m + query, key, stage)), regs[0], regs[1],
-                              regs[2], regs[3]);
+      ldmatrix_x4_trans(address + m * kRows16Bytes, reinterpret_cast<uint32_t(&)[4]>(values));
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float bias = static_cast<float>(values[e]);
