@@ -19,7 +19,8 @@
 //   producer  one thread loads K and V once (TMA, one mbarrier), then streams the query tiles the
 //             key tile sees (kBlockM rows, every query head of the kv head's group in turn: GQA
 //             sums dK and dV inside the CTA) through two kStages-deep pipelines: Q with the
-//             rows' row_shift, dO with the rows' delta (bulk copies of the padded arrays).
+//             rows' row_shift (and a mixed step's bias tile: kBiasTile), dO with the rows'
+//             delta (bulk copies of the padded arrays).
 //   consumers per query tile, transposed so that keys are the wgmma M dimension and dK, dV stay
 //             in registers for the whole CTA:
 //               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
@@ -817,6 +818,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   if constexpr (Kernel::kBias) {
     pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
   }
+  // (A mixed step's bias tile, kBiasTile, is added to its own load's count by the producer.)
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
   Pipeline pipe_q(smem.pipe_q, pipe_q_params, ClusterShape{});
   Pipeline pipe_do(smem.pipe_do, pipe_params, ClusterShape{});
