@@ -133,6 +133,28 @@ def test_learnable_bias_gradient(bias_shape, bias_dtype, causal, kv_heads):
         assert torch.all(grad_bias[..., 3] == 0), "the gradient of a -inf bias element must be 0"
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 4, 97, 136), (2, 1, 97, 136), (1, 1, 97, 136), (2, 4, 97, 136)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_learnable_bias_gradient_tma_tiles(bias_shape, head_dim, causal, kv_heads):
+    """A bf16 bias with 16-byte aligned rows (136 keys) comes to the sm_90a backward as TMA tiles
+    in Q's stages, read transposed from shared memory (at head dim 128 beside one dQ stage buffer,
+    not two); the test above (130 keys) has it gathered. Rows past q_len, the partial last key
+    tile, a -inf column, the sums over a shared batch or head dim, and GQA."""
+    q, k, v = _qkv(2, 4, kv_heads, 97, 136, head_dim, torch.bfloat16, DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    bias = torch.randn(bias_shape, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    bias[..., 3] = float("-inf")
+    bias.requires_grad_()
+    _check_against_reference(
+        q, k, v, attn_mask=bias, enable_gqa=True, is_causal=causal, extra_grad_inputs=(bias,)
+    )
+    out, _ = safeattn.attention(q, k, v, attn_mask=bias, enable_gqa=True, is_causal=causal)
+    (grad_bias,) = torch.autograd.grad(out.float().square().sum(), (bias,))
+    assert torch.all(grad_bias[..., 3] == 0), "the gradient of a -inf bias element must be 0"
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 4, 97, 130), (2, 1, 97, 130), (1, 1, 97, 130)])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_learnable_bias_gradient_deterministic(bias_shape, kv_heads):

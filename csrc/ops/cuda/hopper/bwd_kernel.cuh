@@ -19,7 +19,8 @@
 //   producer  one thread loads K and V once (TMA, one mbarrier), then streams the query tiles the
 //             key tile sees (kBlockM rows, every query head of the kv head's group in turn: GQA
 //             sums dK and dV inside the CTA) through two kStages-deep pipelines: Q with the
-//             rows' row_shift, dO with the rows' delta (bulk copies of the padded arrays).
+//             rows' row_shift (and a mixed step's bias tile: kBiasTile), dO with the rows'
+//             delta (bulk copies of the padded arrays).
 //   consumers per query tile, transposed so that keys are the wgmma M dimension and dK, dV stay
 //             in registers for the whole CTA:
 //               S^T = K Q^T, dP^T = V dO^T   (shared-memory operands)
@@ -44,7 +45,10 @@
 // proves fully masked: the producer walks it and hands each visited step (position, class, diagonal)
 // to the consumers with the Q load before it (the first with K and V); diagonal steps are a
 // compare, mixed ones read the mask per element (a bool mask's bits, or a float mask's values
-// added to the scores; its gradient p (dP - delta) is stored per element when asked for).
+// added to the scores; its gradient p (dP - delta) is stored per element when asked for). A float
+// mask in the inputs' 16-bit type with aligned rows (bias_tile_fits; kBiasTile) has each mixed
+// step's tile (kBlockM query rows x kBlockN keys) brought by TMA with the step's Q, into its Q
+// stage, and read from there transposed (ldmatrix .trans); other float masks are gathered.
 //
 // Numerics: masked elements (causality, keys past kv_len, the mask) get s = -inf, so p = 0 whatever the
 // row_shift; a row with no visible key has row_shift +inf and p = 0 for every key; query rows
@@ -89,18 +93,32 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 }
 
+// ldmatrix .trans of four 8 x 8 blocks of 16-bit elements: lanes 8 j .. 8 j + 7 give the shared
+// addresses of block j's eight 16-byte rows, and thread t gets in regs[j] the block's elements
+// (row 2 (t % 4), column t / 4) and (row 2 (t % 4) + 1, column t / 4), low half first.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t (&regs)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+
 // kMasked: the variant that reads a mask and its summary; the other has none of that code (the
 // mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant with
 // a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200). kBias: the mask is a
 // float one (natural units, row_lo, its gradient); not with a softcap (whose dS recovers the
 // capped score from p, which the bias moves), and a bool mask's kernel has none of its code.
-template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false, bool kBias_ = false>
+// kBiasTile: the float mask's mixed tiles arrive by TMA with Q (bias_tile_fits), instead of being
+// gathered twice per step from global memory with 2-byte loads (a third of the bias kernel's
+// stall samples sat on those values' conversions: notes).
+template <typename Element_, class Config, bool kMasked_ = false, bool kSoftcap_ = false, bool kBias_ = false,
+          bool kBiasTile_ = false>
 struct Bwd {
   using Element = Element_;
-  using Mask = MaskPolicy<kMasked_, kBias_>;
+  using Mask = MaskPolicy<kMasked_, kBias_, kBiasTile_>;
   static constexpr bool kMasked = Mask::kMasked;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr bool kBias = Mask::kBias;
+  static constexpr bool kBiasTile = Mask::kBiasTile;
   static_assert(!kBias || !kSoftcap, "a bias is not taken with a softcap");
   static constexpr int kHeadDim = Config::kHeadDim;
   static constexpr int kBlockM = Config::kBlockM;
@@ -127,16 +145,19 @@ struct Bwd {
   static constexpr bool kdQPass = kdQMode == hopper::kdQPass;
   static constexpr bool kdQAlternate = kdQMode == hopper::kdQAlternate;
   static constexpr bool kdQWholeRows = Traits::kdQWholeRows;
+  // The bias tiles are read per warpgroup's own keys over all of the step's query rows, and take
+  // the room of a dQ stage buffer: not with 64-key tiles (kSharedKeys) nor the dQ pass.
+  static constexpr bool kTakesBiasTile = !kSharedKeys && !kdQPass;
+  static_assert(!kBiasTile || kTakesBiasTile, "no bias tiles for this tile shape");
   static constexpr int kdQWarpgroupsM = Traits::kdQWarpgroupsM;
   static constexpr int kdQWarpgroupsN = Traits::kdQWarpgroupsN;
   // dQ through shared memory: each warpgroup's 64-row product (kdQTileElems floats) is staged in
   // register order, element i of thread t at (i / 2) * 256 + 2 t + i % 2 (float2 stores of
   // consecutive threads: no bank conflict), and added by one bulk reduce-add into dq_accum, which
   // keeps that order per tile (dq_tile_offset; the conversion kernel reads it back). Two stage
-  // buffers: the bulk read of one overlaps the next tile. With the dQ pass there is no stage (a
-  // 16-byte placeholder).
+  // buffers where they fit (kdQBuffers): the bulk read of one overlaps the next tile. With the dQ
+  // pass there is no stage (a 16-byte placeholder).
   static constexpr int kdQTileElems = 64 * (kHeadDim / kdQWarpgroupsN);
-  static constexpr int kdQStageElems = kdQPass ? 4 : 2 * kMmaWGs * kdQTileElems;
 
   // Where dQ element (r, c) of a kBlockM-row tile sits in dq_accum's tile.
   static __host__ __device__ __forceinline__ int dq_tile_offset(int r, int c) {
@@ -164,6 +185,9 @@ struct Bwd {
   static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBytesRows;  // + row_shift
   static constexpr uint32_t kBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
+  using SmemLayoutBias = typename Traits::SmemLayoutBias;  // kBiasTile
+  using TmaBias = typename Traits::TmaBias;
+  static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = typename Pipeline::PipelineState;
@@ -172,24 +196,35 @@ struct Bwd {
   // acquired for load j, read by the consumers before they release it (as in the forward).
   static constexpr int kVisitSlots = kStages + 1;
 
-  struct SharedStorage {
+  template <int kdQBuffers_>
+  struct SharedStorageOf {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> d_o;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    // A mixed step's float-mask tile, per Q stage: arrives with Q (kBiasTile).
+    alignas(1024) cute::array_aligned<Element, kBiasTile ? cosize_v<SmemLayoutBias> : 8> bias;
     alignas(16) float row_shift[kStages][kBlockM];           // arrives with Q
     alignas(16) float row_lo[kBias ? kStages : 1][kBlockM];  // arrives with Q (kBias)
     alignas(16) float delta[kStages][kBlockM];               // arrives with dO
-    alignas(128) float dq_stage[kdQStageElems];              // [buffer][warpgroup][kdQTileElems]
+    // [buffer][warpgroup][kdQTileElems]
+    alignas(128) float dq_stage[kdQPass ? 4 : kdQBuffers_ * kMmaWGs * kdQTileElems];
     typename Pipeline::SharedStorage pipe_q;
     typename Pipeline::SharedStorage pipe_do;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     TileVisit first_visit;              // kMasked: the first step visited, published with K and V
     TileVisit next_visit[kVisitSlots];  // kMasked: per Q load, the step visited after it
   };
+  static constexpr int kMaxSmemBytes = 227 * 1024;  // an H100's, an H200's CTA
+  // Two dQ stage buffers, or one where the bias tiles leave no room for two (kBiasTile at D = 96
+  // and 128: at D = 128 the plain kernel fills 226 of 227 KB, and the two bias stages are 32 KB,
+  // one dQ buffer's size; add_dq_stage and dq_stage_read order the one buffer's reuse).
+  static constexpr int kdQBuffers = sizeof(SharedStorageOf<2>) <= kMaxSmemBytes ? 2 : 1;
+  using SharedStorage = SharedStorageOf<kdQBuffers>;
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an H100 CTA can have");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "more shared memory than an H100 CTA can have");
+  static_assert(kdQBuffers == 2 || kBiasTile, "only the bias tiles give up a dQ stage buffer");
 
   struct Params : BwdInputParams<TmaQ, TmaK> {  // mask_tiles: kBwdMaskTileRows x bwd_key_tile(D)
     float* dq_accum;                            // [B, Hq, q_pad / kBlockM tiles, kBlockM * D in dq_tile_offset order]
@@ -200,6 +235,8 @@ struct Bwd {
     int64_t grad_mask_sb, grad_mask_sh;  // BwdSm90Params::grad_mask_sb, grad_mask_sh
     bool grad_mask_adds;                 // BwdSm90Params::grad_mask_adds
     bool batch_inner;                    // BwdSm90Params::batch_inner
+    TmaBias tma_bias;                    // kBiasTile: the mask as (rows, keys, head, batch)
+    TmaShape shape_bias;                 // its head and batch extents are 1 where it broadcasts
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == bwd_key_tile(kHeadDim)),
                 "a masked step is one tile of the mask summary");
@@ -274,12 +311,23 @@ struct Bwd {
     auto cta_do = tma_do.get_slice(_0{});
     Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));      // (TMA, stage)
     Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stage)
+    // The bias's tile of a step (kBiasTile): its query rows and the key tile's keys, of its head
+    // and batch where it has them.
+    Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
+    auto cta_bias = p.tma_bias.get_slice(_0{});
+    Tensor tBsB = group_modes<0, 3>(cta_bias.partition_D(sBias));  // (TMA, stage)
+    auto bias_tile = [&](int head, int m_block) {
+      Tensor gBias = local_tile(bias_plane(p.tma_bias, p.shape_bias, head, batch), Shape<Int<kBlockM>, Int<kBlockN>>{},
+                                make_coord(m_block, n_block));
+      return group_modes<0, 3>(cta_bias.partition_S(gBias));
+    };
     PipelineState write_q = cutlass::make_producer_start_state<Pipeline>();
     PipelineState write_do = cutlass::make_producer_start_state<Pipeline>();
     for (int q_loads = 0; visit.position < steps; ++q_loads) {
       const int step = visit.position;
       const int head = kv_head * p.group + step / m_count;
       const int m_block = m_begin + step % m_count;
+      const bool with_bias = kBiasTile && visit.tile_class == attn::kTileMixed;
       visit = visit_from(p, block, step + 1, steps, m_begin);
       if constexpr (kMasked) {
         write_visit(smem.next_visit[q_loads % kVisitSlots], visit);
@@ -290,10 +338,21 @@ struct Bwd {
       Tensor gdO = local_tile(tma_do.get_tma_tensor(p.shape_q)(_, _, head, batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                               make_coord(m_block, _0{}));
 
+      // A mixed step's bias tile (kBiasTile) rides Q's stage and mbarrier: its bytes are expected
+      // before any copy of the stage starts, so the phase cannot complete without them. Normal
+      // eviction: a bias shared by the heads (or the batch) is read again by the CTAs of the other
+      // heads of this key tile, which run side by side.
       pipe_q.producer_acquire(write_q);
       uint64_t* q_bar = pipe_q.producer_get_barrier(write_q);
+      if (with_bias) {
+        cutlass::arch::ClusterTransactionBarrier::expect_transaction(q_bar, kBytesBias);
+      }
       copy(p.tma_q.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_LAST), group_modes<0, 3>(cta_q.partition_S(gQ)),
            tQsQ(_, write_q.index()));
+      if (with_bias) {
+        copy(p.tma_bias.with(*q_bar, 0, TMA::CacheHintSm90::EVICT_NORMAL), bias_tile(head, m_block),
+             tBsB(_, write_q.index()));
+      }
       SM90_BULK_COPY_G2S::copy(p.row_shift + row_offset, q_bar, smem.row_shift[write_q.index()], kBytesRows);
       if constexpr (kBias) {
         SM90_BULK_COPY_G2S::copy(p.row_lo + row_offset, q_bar, smem.row_lo[write_q.index()], kBytesRows);
@@ -404,12 +463,13 @@ struct Bwd {
   // there too made ptxas wait for S^T and dP^T before reading the dQ registers: 27% slower at
   // D = 64).
   static __device__ __forceinline__ float* dq_stage_slot(SharedStorage& smem, int visit, int buffer, int wg) {
-    const int slot = kdQAlternate ? visit / 2 % 2 : buffer;
+    const int slot = kdQBuffers == 1 ? 0 : kdQAlternate ? visit / 2 % 2 : buffer;
     return smem.dq_stage + (slot * kMmaWGs + wg) * kdQTileElems;
   }
-  // Thread 0 waits for the previous bulk read in add_dq_stage; a dS barrier this warpgroup waits at
-  // between that and its next stores into the same buffer (every step's; with kdQAlternate that of
-  // its next dQ step) orders the two.
+  // Thread 0 waits for the bulk read of the buffer's last tile (two buffers: in add_dq_stage, for
+  // the tile before; one: in dq_stage_read, for the tile add_dq_stage has just issued); a dS
+  // barrier this warpgroup waits at between that and its next stores into the same buffer (every
+  // step's; with kdQAlternate that of its next dQ step) orders the two.
   template <class FragdQ>
   static __device__ __forceinline__ void store_dq_stage(const FragdQ& dq, SharedStorage& smem, int visit, int buffer,
                                                         int wg, int mma_thread) {
@@ -428,8 +488,62 @@ struct Bwd {
       float* dq_tile = p.dq_accum + ((int64_t{batch} * p.heads + head) * p.q_pad + row0) * kHeadDim;
       bulk_reduce_add(dq_tile + region * kdQTileElems, dq_stage_slot(smem, visit, buffer, wg),
                       kdQTileElems * sizeof(float));
-      tma_store_arrive();   // commit
-      tma_store_wait<1>();  // the previous tile's stage buffer has been read
+      tma_store_arrive();  // commit
+      if constexpr (kdQBuffers == 2) {
+        tma_store_wait<1>();  // the previous tile's stage buffer has been read
+      }
+    }
+  }
+  // One stage buffer (kdQBuffers): its bulk read, issued at this step's start (add_pending), done
+  // before this warpgroup's next stores into it (this step's end, or with kdQAlternate its next dQ
+  // step's). Thread 0 waits here, before the step's dS barrier: every thread of the warpgroup
+  // waits at that barrier (or, with kdQAlternate on a step without a dQ product, at the next dQ
+  // step's) before its stores, and the read has had the step's S^T, dP^T and dV to finish.
+  static __device__ __forceinline__ void dq_stage_read(int mma_thread) {
+    if constexpr (!kdQPass && kdQBuffers == 1) {
+      if (mma_thread % 128 == 0) {
+        tma_store_wait<0>();
+      }
+    }
+  }
+
+  // kBiasTile: a mixed step's bias values (its Q stage's tile: query rows, keys contiguous) added
+  // to S^T, which goes to natural units. A thread's S^T elements pair adjacent query rows of one
+  // key, so the tile is read transposed: ldmatrix .trans hands thread t of an 8 x 8 block (8 query
+  // rows of 8 keys, each a 16-byte piece) rows 2 (t % 4) and 2 (t % 4) + 1 of key t / 4, that is
+  // accumulator elements 2 kr + 4 c and its + 1 of key row kr, query block c. Each call reads four
+  // blocks, (kr, c) = (j % 2, 2 m + j / 2) for block j (its row addresses from lanes 8 j .. 8 j + 7):
+  // elements 8 m .. 8 m + 7. The eight rows of a block sit in distinct banks (SmemLayoutBiasTile's
+  // swizzle), against the 8-way conflict of plain 2-byte reads down a column. A -inf element
+  // masks its score (set, not added to: NaN behind it does not leak), so tile_bits gathers
+  // nothing for it. Rows past q_len and keys past kv_len were zero-filled by TMA (their p is 0
+  // through row_shift, or their scores are -inf after mask_tile).
+  template <class FragS>
+  static __device__ __forceinline__ void add_bias_tile(FragS& s, const Params& p, const SharedStorage& smem, int stage,
+                                                       int wg, int mma_thread) {
+    static_assert(decltype(size(s))::value == kBlockM / 2 && kBlockM % 16 == 0);
+    Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
+    const int lane = mma_thread % 32, block = lane / 8;
+    const int key = 64 * wg + 16 * ((mma_thread % 128) / 32) + 8 * (block % 2);
+    const int query = 8 * (block / 2) + lane % 8;
+    // One address per thread, the reads at constant offsets from it: 16 query rows on, or a stage
+    // on, is a multiple of 1024 bytes, which the swizzle (bits 7-9 of the byte address into bits
+    // 4-6) leaves as it is. (An address per read, held across the step loop, spilled more.)
+    using PlainLayout = decltype(get_nonswizzle_portion(SmemLayoutBias{}));
+    constexpr uint32_t kRows16Bytes = PlainLayout{}(16, 0, 0) * sizeof(Element);
+    constexpr uint32_t kStageBytes = PlainLayout{}(0, 0, 1) * sizeof(Element);
+    static_assert(kRows16Bytes % 1024 == 0 && kStageBytes % 1024 == 0, "offsets the swizzle leaves alone");
+    const uint32_t address = cast_smem_ptr_to_uint(&sBias(query, key, 0)) + stage * kStageBytes;
+#pragma unroll
+    for (int m = 0; m < kBlockM / 16; ++m) {
+      cutlass::AlignedArray<Element, 8> values;
+      ldmatrix_x4_trans(address + m * kRows16Bytes, reinterpret_cast<uint32_t(&)[4]>(values));
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float bias = static_cast<float>(values[e]);
+        const int i = 8 * m + e;
+        s(i) = bias == -INFINITY ? -INFINITY : fmaf(s(i), p.score.natural_scale, bias);
+      }
     }
   }
 
@@ -621,7 +735,11 @@ struct Bwd {
       // A mixed step of a float mask: the bias, after the softcap, before the masks.
       const bool bias_step = kBias && step_class == attn::kTileMixed;
       if (bias_step) {
-        MaskKeys::add_bias(tSrS, p, batch, head, row0, key0, keys_in_tile, key_base, query_base);
+        if constexpr (kBiasTile) {
+          add_bias_tile(tSrS, p, smem, read_q.index(), wg, mma_thread);
+        } else {
+          MaskKeys::add_bias(tSrS, p, batch, head, row0, key0, keys_in_tile, key_base, query_base);
+        }
       }
 
       MaskKeys::mask_tile(tSrS, p, keep, row0, key0, keys_in_tile, key_base, query_base);
@@ -647,6 +765,7 @@ struct Bwd {
       if constexpr (!kdQPass || kSharedKeys) {
         copy(r2s_ds, tdSrdS, tdSsdS(_, _, _, buffer));
         cutlass::arch::fence_view_async_shared();  // the stores, visible to wgmma
+        dq_stage_read(mma_thread);
         ds_written(dq_here, buffer);
       }
       if (!kdQPass && dq_here) {
@@ -664,7 +783,7 @@ struct Bwd {
         store_dq_stage(tdQrdQ, smem, visit, buffer, wg, mma_thread);
         pending = PendingdQ{head, row0, visit};  // added by add_pending, next step or after the last
       }
-      warpgroup_wait<0>();  // dK done: its Q can go
+      warpgroup_wait<0>();  // dK done: its Q (and the bias tile, read in add_bias_tile) can go
       pipe_q.consumer_release(read_q);
       ++read_q;
     }
@@ -688,6 +807,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
 
   if (threadIdx.x == 0) {
     p.prefetch_descriptors();
+    if constexpr (Kernel::kBiasTile) {
+      cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
+    }
     smem.kv_full.init(1);
   }
   // dO and delta: the same byte count as Q and row_shift.
@@ -696,6 +818,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
   if constexpr (Kernel::kBias) {
     pipe_q_params.transaction_bytes += Kernel::kBytesRows;  // row_lo with Q
   }
+  // (A mixed step's bias tile, kBiasTile, is added to its own load's count by the producer.)
   // The constructors initialise the barriers (warp 0) and fence the initialisation.
   Pipeline pipe_q(smem.pipe_q, pipe_q_params, ClusterShape{});
   Pipeline pipe_do(smem.pipe_do, pipe_params, ClusterShape{});
@@ -755,11 +878,11 @@ __global__ void __launch_bounds__(256)
 
 // Host: builds the TMA descriptors and runs the kernel and the dQ conversion (dq_accum arrives
 // zeroed).
-template <typename T, class Config, bool kMasked, bool kSoftcap, bool kBias = false>
+template <typename T, class Config, bool kMasked, bool kSoftcap, bool kBias = false, bool kBiasTile = false>
 cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   using namespace cute;
   using Element = typename CutlassElement<T>::type;
-  using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap, kBias>;
+  using Kernel = detail::Bwd<Element, Config, kMasked, kSoftcap, kBias, kBiasTile>;
   constexpr int D = Config::kHeadDim;
   if (a.q_len == 0 || a.kv_len == 0 || a.batch == 0 || a.heads == 0) {
     return cudaErrorInvalidValue;  // the caller handles empty inputs
@@ -781,6 +904,12 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   p.grad_mask_sb = a.grad_mask_sb, p.grad_mask_sh = a.grad_mask_sh;
   p.grad_mask_adds = a.grad_mask_adds;
   p.batch_inner = a.batch_inner;
+  if constexpr (kBiasTile) {  // the mask as TMA reads it (bias_tile_fits), broadcast dims of extent 1
+    Tensor mBias = detail::tma_bias_view<Element>(a.mask, a.batch, a.heads, a.q_len, a.kv_len);
+    p.shape_bias = mBias.shape();
+    p.tma_bias = make_tma_copy(SM90_TMA_LOAD{}, mBias, take<0, 2>(typename Kernel::SmemLayoutBias{}),
+                               Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>{}, _1{});
+  }
   p.head_group = a.head_group > 0 ? a.head_group : head_group_for(n_blocks, a.kv_heads * a.batch, a.resident_ctas);
 
   auto kernel = &detail::bwd_kernel<Kernel>;
@@ -808,9 +937,11 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   }
 }
 
-// The variant with the mask's code when a.mask_tiles holds a summary (a float mask's: kBias), with
-// the softcap's when there is one (cudaErrorInvalidValue for a float mask with a softcap, and for
-// a tile shape that does not match the summary's tiles: only the standalone check has those).
+// The variant with the mask's code when a.mask_tiles holds a summary (a float mask's: kBias, by
+// TMA tiles where the mask and the tile shape allow it: kBiasTile), with the softcap's when there
+// is one (cudaErrorInvalidValue for a float mask with a softcap, and for a tile shape that does
+// not match the summary's tiles: only the standalone check has those). D = 256 (64-key tiles) and
+// the dQ pass's route (deterministic calls) keep gathering the bias.
 template <typename T, class Config, bool kSoftcap>
 cudaError_t launch_bwd_masking(const BwdSm90Params& a, cudaStream_t stream) {
   if (a.mask_tiles.ptr == nullptr) {
@@ -821,6 +952,12 @@ cudaError_t launch_bwd_masking(const BwdSm90Params& a, cudaStream_t stream) {
       return launch_bwd_variant<T, Config, true, kSoftcap>(a, stream);
     }
     if constexpr (!kSoftcap) {
+      using Element = typename CutlassElement<T>::type;
+      if constexpr (detail::Bwd<Element, Config, true, false, true>::kTakesBiasTile) {
+        if (bias_tile_fits<T>(a.mask)) {
+          return launch_bwd_variant<T, Config, true, false, true, true>(a, stream);
+        }
+      }
       return launch_bwd_variant<T, Config, true, false, true>(a, stream);
     }
   }

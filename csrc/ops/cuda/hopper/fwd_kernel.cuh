@@ -246,8 +246,7 @@ struct Fwd {
     auto cta_bias = p.tma_bias.get_slice(_0{});
     Tensor tBsB = group_modes<0, 3>(cta_bias.partition_D(sBias));  // (TMA, stage)
     auto bias_tile = [&](int n) {
-      Tensor mBias = p.tma_bias.get_tma_tensor(p.shape_bias)(_, _, get<2>(p.shape_bias) == 1 ? 0 : t.head,
-                                                             get<3>(p.shape_bias) == 1 ? 0 : t.batch);
+      Tensor mBias = bias_plane(p.tma_bias, p.shape_bias, t.head, t.batch);
       Tensor gBias = local_tile(mBias, Shape<Int<kBlockM>, Int<kBlockN>>{}, make_coord(t.m_block, n));
       return group_modes<0, 3>(cta_bias.partition_S(gBias));
     };
@@ -618,13 +617,8 @@ cudaError_t launch_fwd_variant(const FwdSm90Params& a, cudaStream_t stream) {
   p.causal_shift = a.causal_shift;
   p.mask = a.mask;
   if constexpr (kBiasTile) {  // the mask as TMA reads it (bias_tile_fits), broadcast dims of extent 1
-    const attn::MaskView& m = a.mask;
-    const int64_t plane = int64_t{a.q_len} * m.stride_q;
-    const int32_t heads = m.stride_h == 0 ? 1 : a.heads, batch = m.stride_b == 0 ? 1 : a.batch;
-    p.shape_bias = make_shape(int32_t{a.q_len}, int32_t{a.kv_len}, heads, batch);
-    Tensor mBias = make_tensor(make_gmem_ptr(static_cast<Element const*>(m.ptr)), p.shape_bias,
-                               make_stride(m.stride_q, _1{}, tma_dim_stride(heads, m.stride_h, plane),
-                                           tma_dim_stride(batch, m.stride_b, plane * heads)));
+    Tensor mBias = detail::tma_bias_view<Element>(a.mask, a.batch, a.heads, a.q_len, a.kv_len);
+    p.shape_bias = mBias.shape();
     p.tma_bias = make_tma_copy(SM90_TMA_LOAD{}, mBias, take<0, 2>(typename Kernel::SmemLayoutBias{}),
                                Shape<Int<Config::kBlockM>, Int<Config::kBlockN>>{}, _1{});
   }
@@ -678,17 +672,6 @@ cudaError_t launch_fwd_config(const FwdSm90Params& a, cudaStream_t stream) {
     return launch_fwd_masked<T, Config>(a, stream);
   }
   return cudaErrorInvalidValue;
-}
-
-// Whether a float mask can come as TMA tiles (the kBiasTile variant): T's element type, keys
-// contiguous, a row stride (no broadcast over the rows) and the other strides multiples of 16
-// bytes, a 16-byte aligned start.
-template <typename T>
-bool bias_tile_fits(const attn::MaskView& m) {
-  constexpr attn::MaskKind kind = std::is_same_v<T, __half> ? attn::MaskKind::kHalf : attn::MaskKind::kBFloat16;
-  constexpr int64_t kAlign = 16 / sizeof(T);
-  return m.kind == kind && m.stride_kv == 1 && m.stride_q != 0 && m.stride_q % kAlign == 0 &&
-         m.stride_h % kAlign == 0 && m.stride_b % kAlign == 0 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0;
 }
 
 template <typename T, int kHeadDim>

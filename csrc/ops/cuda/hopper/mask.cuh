@@ -48,7 +48,8 @@ __device__ __forceinline__ TileVisit read_visit(const TileVisit& slot) {
 // has none of that code (the mask's gathers cost the unmasked kernels registers they cannot
 // spare). kBias: the mask is a float one, whose values are added in natural units; a bool mask's
 // kernel has none of that code. kBiasTile: the float mask's mixed tiles come through shared memory
-// (the forward's TMA bias tiles) and are added there, not gathered here.
+// (the TMA bias tiles of the forward and the dK/dV kernel) and are added, and their -inf elements
+// masked, there, not gathered here.
 template <bool kMasked_, bool kBias_, bool kBiasTile_ = false>
 struct MaskPolicy {
   static constexpr bool kMasked = kMasked_;
@@ -297,7 +298,7 @@ struct MaskPolicy {
               }
             }
           };
-          if (p.mask.ptr != nullptr) {
+          if (!kBiasTile && p.mask.ptr != nullptr) {  // kBiasTile: the bias tile masks the -inf elements
             p.mask.with_elements(gather);
           }
           if (p.key_ranges.ptr != nullptr) {  // and each row's one interval of keys

@@ -20,6 +20,7 @@
 
 #include "ops/cuda/hopper/bwd_params.h"
 #include "ops/cuda/hopper/fwd_params.h"
+#include "ops/cuda/mask_view.cuh"
 
 namespace safeattn::cuda::hopper {
 
@@ -191,6 +192,31 @@ auto tma_view(const void* ptr, int batch, int heads, int len, int head_dim, int6
                      make_shape(int32_t{len}, int32_t{head_dim}, int32_t{heads}, int32_t{batch}),
                      make_stride(si, _1{}, tma_dim_stride(heads, sh, plane), tma_dim_stride(batch, sb, plane * heads)));
 }
+// A float mask as TMA reads its tiles (the kBiasTile variants, bias_tile_fits): (rows, keys,
+// head, batch), a dim the mask broadcasts over of extent 1 (bias_plane picks index 0 there).
+template <typename Element>
+auto tma_bias_view(const attn::MaskView& m, int batch, int heads, int q_len, int kv_len) {
+  const int32_t bias_heads = m.stride_h == 0 ? 1 : heads, bias_batch = m.stride_b == 0 ? 1 : batch;
+  const int64_t plane = int64_t{q_len} * m.stride_q;
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(m.ptr)),
+                     make_shape(int32_t{q_len}, int32_t{kv_len}, bias_heads, bias_batch),
+                     make_stride(m.stride_q, _1{}, tma_dim_stride(bias_heads, m.stride_h, plane),
+                                 tma_dim_stride(bias_batch, m.stride_b, plane * bias_heads)));
+}
+// The (rows, keys) plane of (batch, head) of a mask seen through tma_bias_view's descriptor.
+template <class Tma, class Shape4>
+__device__ __forceinline__ auto bias_plane(const Tma& tma_bias, const Shape4& shape_bias, int head, int batch) {
+  return tma_bias.get_tma_tensor(shape_bias)(_, _, get<2>(shape_bias) == 1 ? 0 : head,
+                                             get<3>(shape_bias) == 1 ? 0 : batch);
+}
+// A float mask's tiles in shared memory: (rows, keys, stage), keys contiguous in 128-byte
+// swizzled rows as TMA writes them. The forward reads two adjacent keys of a row per thread, the
+// dK/dV kernel eight rows of one key chunk per ldmatrix lane group: the swizzle puts the eight
+// 16-byte pieces in distinct banks for both (no bank conflict).
+template <typename Element, int kRows, int kKeys, int kStages>
+using SmemLayoutBiasTile =
+    decltype(tile_to_shape(k_major_atom<Element, kKeys>(), Shape<Int<kRows>, Int<kKeys>, Int<kStages>>{}));
+
 // The TMA copy type of `Shape` tiles of a (rows, head dim, head, batch) tensor into `SmemLayout`.
 template <typename Element, class SmemLayout, class TileShape, class GmemStride = TmaStride>
 using TmaLoad = decltype(make_tma_copy(
@@ -272,11 +298,9 @@ struct QueryTileTraits {
       decltype(composition(SmemLayoutK<kStages>{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                                                Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
 
-  // The forward's float-mask tile of each K stage: (rows, keys, stage), 128-byte swizzled rows (a
-  // thread's reads of its accumulator elements then meet no bank conflict).
+  // The forward's float-mask tile of each K stage (kBiasTile).
   template <int kStages>
-  using SmemLayoutBias =
-      decltype(tile_to_shape(k_major_atom<Element, kBlockN>(), Shape<Int<kBlockM>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutBias = SmemLayoutBiasTile<Element, kBlockM, kBlockN, kStages>;
 
   using TmaQ = TmaLoad<Element, SmemLayoutQ, Shape<Int<kBlockM>, Int<kHeadDim>>>;
   template <int kStages>
@@ -362,9 +386,25 @@ struct KeyTileTraits {
   // (each block row is 8 consecutive query rows of one key: 16 contiguous bytes of dS).
   using R2SCopydS = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaSdP{}));
 
+  // A float mask's tile of each Q stage (kBiasTile): the step's kBlockM query rows x kBlockN keys.
+  using SmemLayoutBias = SmemLayoutBiasTile<Element, kBlockM, kBlockN, kStages>;
+
   using TmaQ = TmaLoad<Element, decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = TmaLoad<Element, SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
+  using TmaBias = TmaLoad<Element, decltype(take<0, 2>(SmemLayoutBias{})), Shape<Int<kBlockM>, Int<kBlockN>>>;
 };
 
 }  // namespace detail
+
+// Whether a float mask can come as TMA tiles (the kBiasTile variants of the forward and the dK/dV
+// kernel): T's element type, keys contiguous, a row stride (no broadcast over the rows) and the
+// other strides multiples of 16 bytes, a 16-byte aligned start.
+template <typename T>
+bool bias_tile_fits(const attn::MaskView& m) {
+  constexpr attn::MaskKind kind = std::is_same_v<T, __half> ? attn::MaskKind::kHalf : attn::MaskKind::kBFloat16;
+  constexpr int64_t kAlign = 16 / sizeof(T);
+  return m.kind == kind && m.stride_kv == 1 && m.stride_q != 0 && m.stride_q % kAlign == 0 &&
+         m.stride_h % kAlign == 0 && m.stride_b % kAlign == 0 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0;
+}
+
 }  // namespace safeattn::cuda::hopper
