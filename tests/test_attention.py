@@ -1761,6 +1761,131 @@ def test_cpu_tiles_deterministic_across_threads(monkeypatch, tiles):
             assert torch.equal(a, b), "results differ between runs / thread counts"
 
 
+def test_direct_entry_is_the_op():
+    """Eager calls reach the op through safeattn._C._attention (its typed C++ entry, less host
+    time than torch.ops): the same results bit for bit, the same gradients and the same errors as
+    torch.ops.safeattn.attention, for every argument it takes."""
+    from safeattn import _C
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=gen) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    mask = torch.randn(2, 1, 6, 6, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    ranges = torch.tensor([[1, 6]], dtype=torch.int32).expand(2, 6, 2).contiguous()
+    cases = [
+        (None, 0, False, None, True, 0, 0, 0, None, None),
+        (mask, 0.0, True, 0.5, True, 2, 1, 30.0, sinks, None),
+        (mask > 0, 0, True, None, True, 0, 0, 0, None, ranges),
+    ]
+    for mask_arg, dropout, causal, scale, gqa, q_at, kv_at, cap, sink, rng in cases:
+        direct = _C._attention(q, k, v, mask_arg, dropout, causal, scale, gqa, q_at, kv_at, cap, sink, rng)
+        boxed = torch.ops.safeattn.attention(
+            q,
+            k,
+            v,
+            mask_arg,
+            dropout,
+            causal,
+            scale,
+            gqa,
+            q_offset=q_at,
+            kv_offset=kv_at,
+            softcap=cap,
+            sinks=sink,
+            key_ranges=rng,
+        )
+        assert all(torch.equal(a, b) for a, b in zip(direct, boxed, strict=False))
+        ref_out, ref_lse = reference.attention(
+            q.double(),
+            k.double(),
+            v.double(),
+            attn_mask=None
+            if mask_arg is None
+            else mask_arg.double()
+            if mask_arg.is_floating_point()
+            else mask_arg,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=gqa,
+            q_offset=q_at,
+            kv_offset=kv_at,
+            softcap=cap,
+            sinks=None if sink is None else sink.double(),
+            key_ranges=rng,
+        )
+        torch.testing.assert_close(direct[0].double(), ref_out, atol=1e-5, rtol=1e-5)
+    leaf = q.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(
+        _C._attention(leaf, k, v, None, 0, True, None, True, 0, 0, 0, None, None)[0].sum(), leaf
+    )
+    (ref,) = torch.autograd.grad(
+        torch.ops.safeattn.attention(leaf, k, v, None, 0, True, None, True)[0].sum(), leaf
+    )
+    assert torch.equal(grad, ref)
+    with pytest.raises(RuntimeError) as direct_error:
+        _C._attention(q, k[..., :4], v, None, 0, False, None, True, 0, 0, 0, None, None)
+    with pytest.raises(RuntimeError) as boxed_error:
+        torch.ops.safeattn.attention(q, k[..., :4], v, None, 0, False, None, True)
+    assert str(direct_error.value) == str(boxed_error.value)
+
+
+class _SeesOps(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _NamedTensor(torch.Tensor):
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_direct_entry_declines_what_is_not_plain():
+    """safeattn._C._attention declines (NotImplemented) a __torch_function__ mode, a tensor
+    subclass, a tensor or symbolic offset and any argument of another type, so that
+    safeattn.attention takes torch.ops there: modes and subclasses see the op's call as before,
+    and bad arguments get torch.ops' messages."""
+    from safeattn import _C
+
+    q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
+    plain = (q, k, v, None, 0, False, None, False, 0, 0, 0, None, None)
+    assert _C._attention(*plain) is not NotImplemented
+    declined = {
+        "mode": None,
+        "subclass": (q.as_subclass(_NamedTensor),) + plain[1:],
+        "tensor offset": plain[:8] + (torch.tensor(1),) + plain[9:],
+        "int is_causal": plain[:5] + (1,) + plain[6:],
+        "huge offset": plain[:8] + (2**70,) + plain[9:],
+        "list mask": plain[:3] + ([1.0],) + plain[4:],
+    }
+    for name, args in declined.items():
+        if args is None:
+            with _SeesOps():
+                assert _C._attention(*plain) is NotImplemented, name
+        else:
+            assert _C._attention(*args) is NotImplemented, name
+    with _SeesOps() as mode:
+        out, _ = safeattn.attention(q, k, v)
+    assert torch.ops.safeattn.attention.default in mode.seen or torch.ops.safeattn.attention in mode.seen
+    torch.testing.assert_close(out, safeattn.attention(q, k, v)[0])
+    _NamedTensor.seen.clear()
+    safeattn.attention(q.as_subclass(_NamedTensor), k, v)
+    assert _NamedTensor.seen, "the subclass's __torch_function__ saw the op"
+    with pytest.raises(TypeError):
+        _C._attention(q, k, v)
+    with pytest.raises((TypeError, RuntimeError), match="query"):
+        safeattn.attention("not a tensor", k, v)
+
+
 def test_op_keywords_pass_only_what_differs_from_the_defaults():
     """safeattn.attention gives the op no keyword at its schema default (each one passed costs
     host time); a value that differs, a tensor and a symbolic offset are passed as they are."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import _op_keywords
+from .ops import _call_attention
 
 __all__ = ["attention_with_kvcache", "varlen_attention"]
 
@@ -434,7 +434,7 @@ def attention_bshd(q, k, v, scale, softcap, sinks, key_ranges, is_causal=False, 
     """The op on FlashAttention's layout: q ``[B, Sq, Hq, D]``, k / v ``[B, Sk, Hkv, D]`` (read in
     place through transposed views), GQA allowed; returns ``out`` ``[B, Sq, Hq, Dv]`` (contiguous:
     the op stores its ``[B, Hq, Sq, Dv]`` output in that layout) and ``lse`` ``[B, Hq, Sq]``."""
-    out, lse = torch.ops.safeattn.attention(
+    out, lse = _call_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
@@ -443,6 +443,10 @@ def attention_bshd(q, k, v, scale, softcap, sinks, key_ranges, is_causal=False, 
         is_causal,
         scale,
         True,
-        **_op_keywords(q_offset, 0, float(softcap or 0.0), sinks, key_ranges),
+        q_offset,
+        0,
+        float(softcap or 0.0),
+        sinks,
+        key_ranges,
     )
     return out.transpose(1, 2), lse

@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover
 
 from . import _mask_reader
 from ._mask_reader import NotRecognised, read_mask_function
-from .ops import MaskDescription, _described_mask, _op_keywords
+from .ops import MaskDescription, _call_attention, _described_mask
 from .serving import attention_with_kvcache, varlen_attention
 
 __all__ = [
@@ -375,9 +375,10 @@ _ATTENTION_KERNEL_DEVICES = _kernel_devices()
 
 
 def _attention_op(device: torch.device):
-    """torch.ops.safeattn.attention, or None where it has no kernels for `device` (a build
-    without CUDA, another accelerator): there the composite below keeps the same semantics."""
-    return torch.ops.safeattn.attention if device.type in _ATTENTION_KERNEL_DEVICES else None
+    """The op (ops._call_attention: torch.ops.safeattn.attention by its C++ entry), or None where
+    it has no kernels for `device` (a build without CUDA, another accelerator): there the
+    composite below keeps the same semantics."""
+    return _call_attention if device.type in _ATTENTION_KERNEL_DEVICES else None
 
 
 def _composite_attention(
@@ -504,7 +505,11 @@ def attention_forward(
             is_causal,
             scale,
             enable_gqa,
-            **_op_keywords(q_offset, kv_offset, softcap, s_aux, key_ranges),
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            softcap=softcap,
+            sinks=s_aux,
+            key_ranges=key_ranges,
         )
     else:
         _log_once(
