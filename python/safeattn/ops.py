@@ -323,38 +323,17 @@ def _call_attention(
     plain tensors, bools and Python numbers, or a ``__torch_function__`` mode; under
     ``torch.compile`` and for what it declines, ``torch.ops`` with only the keywords that differ
     from their defaults (``_op_keywords``)."""
+    positional = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not torch.compiler.is_compiling():
         if not _DIRECT_ATTENTION:
             from . import _C
 
             _DIRECT_ATTENTION.append(_C._attention)
-        result = _DIRECT_ATTENTION[0](
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            q_offset,
-            kv_offset,
-            softcap,
-            sinks,
-            key_ranges,
-        )
+        result = _DIRECT_ATTENTION[0](*positional, q_offset, kv_offset, softcap, sinks, key_ranges)
         if result is not NotImplemented:
             return result
     return torch.ops.safeattn.attention(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        **_op_keywords(q_offset, kv_offset, softcap, sinks, key_ranges),
+        *positional, **_op_keywords(q_offset, kv_offset, softcap, sinks, key_ranges)
     )
 
 
@@ -614,18 +593,5 @@ def attention(
         attn_mask, is_causal, key_ranges = _op_mask_arguments(
             attn_mask, is_causal, key_ranges, query, key, q_offset, kv_offset
         )
-    return _call_attention(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        q_offset,
-        kv_offset,
-        softcap,
-        sinks,
-        key_ranges,
-    )
+    positional = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return _call_attention(*positional, q_offset, kv_offset, softcap, sinks, key_ranges)
