@@ -19,10 +19,15 @@ second dK/dV kernel).
 `--peer flash`: the prefill `is_causal` call through SDPA's flash backend (FlashAttention-2)
 instead, the peer's kernels to set beside ours (`ncu -k regex:flash_bwd_dq_dk_dv ...`).
 
+`--case NAME`: one case of the sweep (`python -m safeattn bench attention --sweep`), picked by a
+part of its name such as "S=32768 B=1 H=16:16 D=128 chunk512", built as the sweep builds it;
+`--impl` picks the implementation (default safeattn; "Flex", "SDPA cuDNN", ...), `--forward-only`
+leaves out the backward.
+
 `--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
 
     python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
-        [--generic] [--peer flash] [--table]
+        [--generic] [--peer flash] [--table] [--case NAME [--impl NAME] [--forward-only]]
 """
 
 from __future__ import annotations
@@ -101,6 +106,45 @@ def decode(kv_len, calls, table):
             )
 
 
+def sweep_case(name, impl_name, calls, table, forward_only):
+    from safeattn import _bench_sweep as sweep
+
+    matches = [c for c in sweep.sweep_cases() if name in c.name]
+    if len(matches) != 1:
+        raise SystemExit(f"--case {name!r} matches {len(matches)} sweep cases: {[c.name for c in matches][:8]}")
+    case = matches[0]
+    impl = sweep.build(case, "cuda", torch.bfloat16)[0][impl_name]
+    if isinstance(impl, str):
+        raise SystemExit(f"{impl_name} cannot run {case.name}: {impl}")
+    backward = not forward_only
+
+    def make():
+        q = torch.randn(case.batch, case.heads, case.seq, case.head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (
+            torch.randn(case.batch, case.kv_heads, case.seq, case.head_dim, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)
+        )
+        return (q.requires_grad_(backward), k.requires_grad_(backward), v.requires_grad_(backward))
+
+    q, k, v = make()
+    grad = torch.randn_like(q)
+
+    def step():
+        with torch.set_grad_enabled(backward):
+            out = impl.fn(q, k, v)
+            if backward:
+                torch.autograd.grad(out, (q, k, v, *impl.leaves), grad)
+
+    for _ in range(calls):
+        step()
+    if table:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        print(f"-- {case.name} {impl_name} {'fwd' if forward_only else 'fwd+bwd'}")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=100))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128)
@@ -110,9 +154,14 @@ def main() -> None:
     parser.add_argument("--generic", action="store_true")
     parser.add_argument("--peer", choices=["flash"], default=None)
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--case", default=None, metavar="NAME")
+    parser.add_argument("--impl", default="safeattn")
+    parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
     with _testing.generic_kernels() if args.generic else contextlib.nullcontext():
-        if args.decode:
+        if args.case:
+            sweep_case(args.case, args.impl, args.calls, args.table, args.forward_only)
+        elif args.decode:
             decode(args.decode, args.calls, args.table)
         else:
             prefill(args.head_dim, args.calls, args.table, args.peer, args.bias)
