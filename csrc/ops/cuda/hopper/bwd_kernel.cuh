@@ -93,15 +93,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, in
                : "memory");
 }
 
-// ldmatrix .trans of four 8 x 8 blocks of 16-bit elements: lanes 8 j .. 8 j + 7 give the shared
-// addresses of block j's eight 16-byte rows, and thread t gets in regs[j] the block's elements
-// (row 2 (t % 4), column t / 4) and (row 2 (t % 4) + 1, column t / 4), low half first.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t (&regs)[4]) {
-  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
-               : "r"(address));
-}
-
 // kMasked: the variant that reads a mask and its summary; the other has none of that code (the
 // mask's gathers cost the unmasked kernel registers it cannot spare). kSoftcap: the variant with
 // a softcap (a runtime test in the others cost the D = 64 kernel 7%, H200). kBias: the mask is a

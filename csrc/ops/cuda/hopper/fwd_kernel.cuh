@@ -351,14 +351,14 @@ struct Fwd {
     }
     if constexpr (kBias) {
       const float to_natural = capped(p) ? attn::kLn2 : p.score.natural_scale;
+      if (kBiasTile && tile_class == attn::kTileMixed) {
+        add_bias_tile(s, smem, k_stage, to_natural, rows.row_in_tile, lane);
+      } else {
 #pragma unroll
-      for (int i = 0; i < decltype(size(s))::value; ++i) {
-        s(i) *= to_natural;
-      }
-      if (tile_class == attn::kTileMixed) {
-        if constexpr (kBiasTile) {
-          add_bias_tile(s, smem, k_stage, rows.row_in_tile, lane);
-        } else {
+        for (int i = 0; i < decltype(size(s))::value; ++i) {
+          s(i) *= to_natural;
+        }
+        if (!kBiasTile && tile_class == attn::kTileMixed) {
           MaskRows::add_bias(s, p, t, n, rows.row0, lane);
         }
       }
@@ -367,25 +367,42 @@ struct Fwd {
   }
 
   // kBiasTile: a mixed tile's bias values (in shared memory, in K's stage) added to this thread's
-  // scores (natural units), two adjacent keys per 4-byte read. A -inf element masks its score (set,
-  // not added to: a NaN or inf score behind it does not leak). ThreadRows past q_len and keys past
-  // kv_len were zero-filled by TMA (their scores are never written, or are -inf after mask_tile).
+  // scores as they go to natural units (s to_natural + bias). The thread's scores are an
+  // accumulator fragment: rows row_in_tile and + 8, keys 8 c + 2 (lane % 4) and + 1, element
+  // e + 2 r + 4 c. ldmatrix (not transposed) hands out that layout: its four 8 x 8 blocks j (row
+  // addresses from lanes 8 j .. 8 j + 7) are rows + 8 (j % 2) of keys 16 m + 8 (j / 2), elements
+  // 8 m + 2 j and + 1, so one call gives elements 8 m .. 8 m + 7 (against eight 4-byte loads). A
+  // block's eight 16-byte rows sit in distinct banks (the 128-byte swizzle). A -inf element masks
+  // its score (set, not added to: a NaN or inf score behind it does not leak). Rows past q_len and
+  // keys past kv_len were zero-filled by TMA (their scores are never written, or are -inf after
+  // mask_tile).
   template <class FragS>
-  static __device__ __forceinline__ void add_bias_tile(FragS& s, const SharedStorage& smem, int stage, int row_in_tile,
-                                                       int lane) {
+  static __device__ __forceinline__ void add_bias_tile(FragS& s, const SharedStorage& smem, int stage, float to_natural,
+                                                       int row_in_tile, int lane) {
+    static_assert(decltype(size(s))::value == kBlockN / 2 && kBlockN % 16 == 0);
     Tensor sBias = make_tensor(make_smem_ptr(smem.bias.data()), SmemLayoutBias{});
+    // One address per thread, the others from it: the 128-byte swizzle XORs a row's byte bits 4-6
+    // with its row's bits 7-9, so 16 keys on (32 bytes) within a 64-key atom is the address XOR
+    // 32 m, and 64 keys on, or a stage on, a multiple of 1024 bytes it leaves as it is.
+    using PlainLayout = decltype(get_nonswizzle_portion(SmemLayoutBias{}));
+    static_assert(std::is_same_v<decltype(get_swizzle_portion(SmemLayoutBias{})), Swizzle<3, 4, 3>>);
+    static_assert(PlainLayout{}(1, 0, 0) * sizeof(Element) == 128 && PlainLayout{}(0, 16, 0) * sizeof(Element) == 32,
+                  "128-byte rows of 64 keys");
+    constexpr uint32_t kAtomBytes = kBlockN > 64 ? PlainLayout{}(0, 64, 0) * sizeof(Element) : 0;
+    constexpr uint32_t kStageBytes = PlainLayout{}(0, 0, 1) * sizeof(Element);
+    static_assert(kAtomBytes % 1024 == 0 && kStageBytes % 1024 == 0, "offsets the swizzle leaves alone");
+    const int block = lane / 8;
+    const int row = row_in_tile - lane / 4 + 8 * (block % 2) + lane % 8;
+    const uint32_t address = cast_smem_ptr_to_uint(&sBias(row, 8 * (block / 2), 0)) + stage * kStageBytes;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int m = 0; m < kBlockN / 16; ++m) {
+      cutlass::AlignedArray<Element, 8> values;
+      ldmatrix_x4((address ^ (32 * (m % 4))) + (m / 4) * kAtomBytes, reinterpret_cast<uint32_t(&)[4]>(values));
 #pragma unroll
-      for (int c = 0; c < kBlockN / 8; ++c) {
-        const auto pair = *reinterpret_cast<const cutlass::AlignedArray<Element, 2>*>(
-            &sBias(row_in_tile + 8 * r, 8 * c + 2 * (lane % 4), stage));
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float bias = static_cast<float>(pair[e]);
-          const int i = e + 2 * r + 4 * c;  // element e + 2 r + 4 c: column 8 c + 2 (lane % 4) + e
-          s(i) = bias == -INFINITY ? -INFINITY : s(i) + bias;
-        }
+      for (int e = 0; e < 8; ++e) {
+        const float bias = static_cast<float>(values[e]);
+        const int i = 8 * m + e;
+        s(i) = bias == -INFINITY ? -INFINITY : fmaf(s(i), to_natural, bias);
       }
     }
   }

@@ -217,6 +217,22 @@ template <typename Element, int kRows, int kKeys, int kStages>
 using SmemLayoutBiasTile =
     decltype(tile_to_shape(k_major_atom<Element, kKeys>(), Shape<Int<kRows>, Int<kKeys>, Int<kStages>>{}));
 
+// ldmatrix of four 8 x 8 blocks of 16-bit elements: lanes 8 j .. 8 j + 7 give the shared addresses
+// of block j's eight 16-byte rows, and thread t gets in regs[j] the block's elements (row t / 4,
+// columns 2 (t % 4) and 2 (t % 4) + 1), low half first: an accumulator fragment's layout.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t address, uint32_t (&regs)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+// The same, transposed: thread t gets in regs[j] block j's elements (row 2 (t % 4), column t / 4)
+// and (row 2 (t % 4) + 1, column t / 4), low half first.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t address, uint32_t (&regs)[4]) {
+  asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+               : "r"(address));
+}
+
 // The TMA copy type of `Shape` tiles of a (rows, head dim, head, batch) tensor into `SmemLayout`.
 template <typename Element, class SmemLayout, class TileShape, class GmemStride = TmaStride>
 using TmaLoad = decltype(make_tma_copy(
