@@ -111,7 +111,9 @@ def sweep_case(name, impl_name, calls, table, forward_only):
 
     matches = [c for c in sweep.sweep_cases() if name in c.name]
     if len(matches) != 1:
-        raise SystemExit(f"--case {name!r} matches {len(matches)} sweep cases: {[c.name for c in matches][:8]}")
+        raise SystemExit(
+            f"--case {name!r} matches {len(matches)} sweep cases: {[c.name for c in matches][:8]}"
+        )
     case = matches[0]
     impl = sweep.build(case, "cuda", torch.bfloat16)[0][impl_name]
     if isinstance(impl, str):
@@ -121,7 +123,9 @@ def sweep_case(name, impl_name, calls, table, forward_only):
     def make():
         q = torch.randn(case.batch, case.heads, case.seq, case.head_dim, device="cuda", dtype=torch.bfloat16)
         k, v = (
-            torch.randn(case.batch, case.kv_heads, case.seq, case.head_dim, device="cuda", dtype=torch.bfloat16)
+            torch.randn(
+                case.batch, case.kv_heads, case.seq, case.head_dim, device="cuda", dtype=torch.bfloat16
+            )
             for _ in range(2)
         )
         return (q.requires_grad_(backward), k.requires_grad_(backward), v.requires_grad_(backward))

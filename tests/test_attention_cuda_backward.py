@@ -757,6 +757,43 @@ def test_bool_mask_long_walks_sm90(kind, head_dim):
     _assert_sm90_took_mask(q, k, v, mask)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", ["per_batch_head", "shared_by_batch", "shared_by_heads", "key_mask"])
+def test_column_ends_sm90(shape, head_dim):
+    """Bands of different widths per query head (and per batch row), so that a key tile's last
+    visible query tile differs between the query heads of one GQA group: the dK/dV kernel's walk
+    up a column stops at that head's end (the summary's query_end), and must not stop at another
+    head's or batch row's. A key mask ([B, 1, 1, KV]: a summary of one row of tiles) has no end
+    but where a key tile is fully masked. Also narrow bands described by key ranges."""
+    batch, heads, length = 2, 4, 900
+    q, k, v = _qkv(batch, heads, 2, length, length, head_dim, torch.bfloat16, DEVICE, seed=head_dim + 3)
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    widths = torch.tensor([[40, 700, 130, 900], [300, 64, 900, 7]])  # [batch, query head]
+    band = (j <= i) & (i - j < widths[:, :, None, None])  # [B, H, S, S]
+    if shape == "per_batch_head":
+        mask = band
+    elif shape == "shared_by_batch":
+        mask = band[:1]
+    elif shape == "shared_by_heads":
+        mask = band[:, :1]
+    else:
+        mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+        mask[0, ..., 130:390] = False  # whole key tiles of no query, and a partial one
+        mask[1, ..., 600:] = False
+    mask = mask.to(DEVICE)
+    _check_against_reference(q, k, v, attn_mask=mask, enable_gqa=True, check_lse_grad=True)
+    _assert_sm90_took_mask(q, k, v, mask)
+    if shape == "per_batch_head":
+        # A 96-key window described by ranges: every key tile's band ends a few query tiles on.
+        ranges = torch.stack([(i[:, 0] - 95).clamp(min=0), i[:, 0] + 1], dim=-1).int()
+        ranges = ranges[None].expand(batch, -1, -1).contiguous().to(DEVICE)
+        _check_against_reference(
+            q, k, v, key_ranges=ranges, is_causal=True, enable_gqa=True, check_lse_grad=True
+        )
+        _assert_sm90_took_mask(q, k, v, None, key_ranges=ranges, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize(
     "kind",

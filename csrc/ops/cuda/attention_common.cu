@@ -210,6 +210,25 @@ __device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, 
   return t;
 }
 
+// The walks' bounds a summary kernel records (TileWalkBounds; a null pointer: not asked for).
+struct WalkBoundsOut {
+  int* first_visible = nullptr;  // per row of tiles, filled with kv_tiles before: atomicMin
+  int* query_end = nullptr;      // per column of tiles, zeroed before: atomicMax
+  // Tile x = ((slice * q_tiles) + q_tile) * kv_tiles + kv_tile is not masked. A summary of one row
+  // of tiles stands for every query tile (a mask broadcast over the queries): its columns end at
+  // INT_MAX, which the kernels clamp to their own query tiles.
+  __device__ __forceinline__ void note_not_masked(int64_t x, int64_t q_tiles, int64_t kv_tiles) const {
+    const int64_t kv_tile = x % kv_tiles;
+    if (first_visible != nullptr) {
+      atomicMin(&first_visible[x / kv_tiles], static_cast<int>(kv_tile));
+    }
+    if (query_end != nullptr) {
+      const int end = q_tiles == 1 ? INT_MAX : static_cast<int>(x / kv_tiles % q_tiles + 1);
+      atomicMax(&query_end[x / (q_tiles * kv_tiles) * kv_tiles + kv_tile], end);
+    }
+  }
+};
+
 // One CTA per (mask slice, query tile, key tile): x = ((slice * q_tiles) + q_tile) * kv_tiles +
 // kv_tile. Each thread looks at a strided share of the tile's elements; the flags are ORed over
 // the CTA. vec16: a mask whose rows the host found 16-byte aligned with unit stride along the
@@ -218,14 +237,13 @@ __device__ __forceinline__ SummaryTile summary_tile(int64_t x, int64_t q_tiles, 
 // time of the forward it served); the index arithmetic is 32-bit (a tile has at most block_q *
 // block_kv elements). diagonal (a bool vec16 mask only, block_q <= 128): each row's count of
 // visible keys and last visible key tell whether a mixed tile is one diagonal (row r sees keys
-// c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x]. first_visible (or
-// null): per row of tiles x / kv_tiles, the lowest key tile not masked (atomicMin over the row's
-// CTAs; filled with kv_tiles before). causal (enabled only where every reader applies the same
+// c <= r + d, and nothing else): kTileDiagonal, d written to diagonal[x]. bounds: the walks'
+// bounds asked for (WalkBoundsOut). causal (enabled only where every reader applies the same
 // rule): a tile whose keys no row of it sees is masked without being read.
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
                                 int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, Causal causal,
-                                uint8_t* out, int16_t* diagonal, int* first_visible) {
+                                uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
@@ -333,8 +351,8 @@ __global__ void __launch_bounds__(kSummaryThreads)
   }
   if (threadIdx.x == 0) {
     out[x] = tile_class;
-    if (first_visible != nullptr && tile_class != kTileMasked) {
-      atomicMin(&first_visible[x / kv_tiles], static_cast<int>(tile.kv_tile));
+    if (tile_class != kTileMasked) {
+      bounds.note_not_masked(x, q_tiles, kv_tiles);
     }
   }
 }
@@ -343,11 +361,11 @@ __global__ void __launch_bounds__(kSummaryThreads)
 // under the key ranges (one interval per row, KeyRangeView), from each row's count of keys inside
 // the tile and whether they start at its first key; then, for each of the mask summary's heads,
 // that class ANDed with the mask's (mask_tiles; null ptr: no mask) into out / diagonal at
-// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (first_visible as above).
+// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (bounds as above).
 __global__ void __launch_bounds__(kMaxDiagonalRows)
     summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, int64_t q_len, int64_t kv_len,
                                 int block_q, int block_kv, int64_t heads_m, int64_t q_tiles, int64_t kv_tiles,
-                                uint8_t* out, int16_t* diagonal, int* first_visible) {
+                                uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const SummaryTile tile = summary_tile(blockIdx.x, q_tiles, kv_tiles, block_q, block_kv, q_len, kv_len);
@@ -395,8 +413,8 @@ __global__ void __launch_bounds__(kMaxDiagonalRows)
     const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
     out[y] = tile_class;
     diagonal[y] = static_cast<int16_t>(d);
-    if (first_visible != nullptr && tile_class != kTileMasked) {
-      atomicMin(&first_visible[y / kv_tiles], static_cast<int>(kv_tile));
+    if (tile_class != kTileMasked) {
+      bounds.note_not_masked(y, q_tiles, kv_tiles);
     }
   }
 }
@@ -405,21 +423,31 @@ __global__ void __launch_bounds__(kMaxDiagonalRows)
 
 namespace {
 
-// *first_visible (when asked for): one int per row of the summary's tiles, kv_tiles until the
-// summary kernel lowers it; null otherwise.
-int* first_visible_rows(const at::Tensor& summary, at::Tensor* first_visible) {
-  if (first_visible == nullptr) {
-    return nullptr;
+// The bounds asked for in *bounds (null: none), allocated for the summary kernel to lower or raise:
+// first_visible one int per row of the summary's tiles, kv_tiles until lowered; query_end one
+// per column, 0 until raised.
+WalkBoundsOut walk_bounds_out(const at::Tensor& summary, TileWalkBounds* bounds) {
+  WalkBoundsOut out;
+  if (bounds == nullptr) {
+    return out;
   }
-  const int64_t rows = summary.size(0) * summary.size(1) * summary.size(2);
-  *first_visible = at::full({rows}, summary.size(3), summary.options().dtype(at::kInt));
-  return first_visible->data_ptr<int>();
+  const auto options = summary.options().dtype(at::kInt);
+  if (bounds->rows) {
+    const int64_t rows = summary.size(0) * summary.size(1) * summary.size(2);
+    bounds->first_visible = at::full({rows}, summary.size(3), options);
+    out.first_visible = bounds->first_visible.data_ptr<int>();
+  }
+  if (bounds->columns) {
+    bounds->query_end = at::full({summary.size(0) * summary.size(1) * summary.size(3)}, 0, options);
+    out.query_end = bounds->query_end.data_ptr<int>();
+  }
+  return out;
 }
 
 }  // namespace
 
 at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals,
-                                at::Tensor* first_visible, Causal causal) {
+                                TileWalkBounds* bounds, Causal causal) {
   TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
                         "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
   const MaskView view = make_mask_view(mask);
@@ -438,7 +466,7 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     causal.enabled = false;  // one row of tiles stands for every query tile
   }
   at::Tensor summary = at::empty({batch_m, heads_m, q_tiles, kv_tiles}, mask.options().dtype(at::kByte));
-  int* first = first_visible_rows(summary, first_visible);
+  const WalkBoundsOut bounds_out = walk_bounds_out(summary, bounds);
   const int64_t blocks = summary.numel();
   if (blocks == 0) {
     return summary;
@@ -460,13 +488,13 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
   }
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, causal, summary.data_ptr<uint8_t>(),
-      diagonal, first);
+      diagonal, bounds_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
 
 at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
-                                int block_kv, at::Tensor* diagonals, at::Tensor* first_visible, Causal causal) {
+                                int block_kv, at::Tensor* diagonals, TileWalkBounds* bounds, Causal causal) {
   TORCH_INTERNAL_ASSERT(key_ranges.dim() == 3 && key_ranges.size(2) == 2 && key_ranges.stride(2) == 1 &&
                             key_ranges.stride(1) == 2 && key_ranges.scalar_type() == at::kInt && block_q > 0 &&
                             block_q <= kMaxDiagonalRows && block_kv > 0 && diagonals != nullptr,
@@ -483,7 +511,7 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   const int64_t kv_tiles = (kv_len + block_kv - 1) / block_kv;
   at::Tensor summary = at::empty({batch, heads_m, q_tiles, kv_tiles}, key_ranges.options().dtype(at::kByte));
   *diagonals = at::empty(summary.sizes(), key_ranges.options().dtype(at::kShort));
-  int* first = first_visible_rows(summary, first_visible);
+  const WalkBoundsOut bounds_out = walk_bounds_out(summary, bounds);
   const int64_t blocks = batch * q_tiles * kv_tiles;
   if (blocks == 0) {
     return summary;
@@ -493,7 +521,7 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   summarize_key_ranges_kernel<<<static_cast<unsigned>(blocks), kMaxDiagonalRows, 0,
                                 c10::cuda::getCurrentCUDAStream()>>>(
       make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
-      summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>(), first);
+      summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>(), bounds_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }
@@ -508,7 +536,7 @@ KeyRangeView make_key_range_view(const at::Tensor& key_ranges) {
 }
 
 TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
-                                       const at::Tensor& diagonals, const at::Tensor& first_visible) {
+                                       const at::Tensor& diagonals, const TileWalkBounds& bounds) {
   TileSummaryView view;
   if (!summary.defined()) {
     return view;
@@ -517,8 +545,10 @@ TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, i
                         "attention (CUDA): the tile summary must be a contiguous 4-D uint8 tensor");
   view.ptr = summary.data_ptr<uint8_t>();
   view.diagonal = diagonals.defined() ? diagonals.data_ptr<int16_t>() : nullptr;
-  view.first_visible = first_visible.defined() ? first_visible.data_ptr<int>() : nullptr;
+  view.first_visible = bounds.first_visible.defined() ? bounds.first_visible.data_ptr<int>() : nullptr;
+  view.query_end = bounds.query_end.defined() ? bounds.query_end.data_ptr<int>() : nullptr;
   view.kv_tiles = std::max<int64_t>(summary.size(3), 1);
+  view.slice_tiles = std::max<int64_t>(summary.size(2) * summary.size(3), 1);
   view.stride_b = summary.size(0) == 1 ? 0 : summary.stride(0);
   view.stride_h = summary.size(1) == 1 ? 0 : summary.stride(1);
   view.stride_q = summary.size(2) == 1 ? 0 : summary.stride(2);  // one row: a key mask, or one tile

@@ -131,6 +131,17 @@ inline Causal causal_rule(const AttentionFwdArgs& a) {
 
 // ---- per-tile summary of a dense mask ---------------------------------------------------------
 
+// The bounds of the kernels' walks over a summary, each recorded when asked for (int32): with
+// `rows`, per row of tiles (Bm, Hm, q tile) the lowest key tile that is not masked, where the
+// forward's and the dQ pass's walk down a row stops (TileSummaryView::first_visible); with
+// `columns`, per column (Bm, Hm, key tile) one past the highest query tile that is not masked,
+// where the dK/dV walk up a column stops (TileSummaryView::query_end): past a narrow mask's
+// band that walk would read the rest of the column.
+struct TileWalkBounds {
+  bool rows = false, columns = false;
+  at::Tensor first_visible, query_end;
+};
+
 // Host: the summary of a [B, Hq, Q, KV] mask view (as make_mask_view takes it) for tiles of
 // block_q queries x block_kv keys: a uint8 tensor [Bm, Hm, ceil(Q / block_q), ceil(KV / block_kv)]
 // where Bm (Hm) is 1 when the mask is broadcast over the batch (heads), so each distinct mask
@@ -140,52 +151,49 @@ inline Causal causal_rule(const AttentionFwdArgs& a) {
 // With `diagonals` (block_q <= 128): also the tiles of a bool mask with 16-byte aligned rows that
 // are one diagonal (kTileDiagonal), their diagonals written to *diagonals (int16, the summary's
 // shape); only the sm_90a kernels read that class.
-// With `first_visible`: also, per row of tiles, the lowest key tile that is not masked (int32,
-// one per (Bm, Hm, q tile); TileSummaryView::first_visible).
+// With `bounds`: also where the kernels' walks over the summary may stop (TileWalkBounds).
 // With `causal` enabled (for kernels that apply the same causal rule themselves): the tiles no
 // row of which sees any key are masked without being read (half of a [1, H, S, S] bias's bytes).
 at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals = nullptr,
-                                at::Tensor* first_visible = nullptr, Causal causal = {});
+                                TileWalkBounds* bounds = nullptr, Causal causal = {});
 
 // Host: the summary, for the sm_90a kernels, of key ranges ([B, Q, 2] int32, rows of 2
 // contiguous: AttentionFwdArgs::key_ranges) ANDed with a bool mask view (or none): uint8
 // [B, Hm, ceil(Q / block_q), ceil(KV / block_kv)] with Hm the mask summary's heads (1 without a
 // mask), and the diagonals (int16, same shape) of its kTileDiagonal tiles in *diagonals. Tiles of
-// at most 128 rows; first_visible and causal (the mask's tiles) as summarize_mask_tiles takes
-// them. Kernels on the current stream, no host synchronisation.
+// at most 128 rows; bounds and causal (the mask's tiles) as summarize_mask_tiles takes them.
+// Kernels on the current stream, no host synchronisation.
 at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
-                                int block_kv, at::Tensor* diagonals, at::Tensor* first_visible = nullptr,
+                                int block_kv, at::Tensor* diagonals, TileWalkBounds* bounds = nullptr,
                                 Causal causal = {});
 // Host: the kernels' view of key_ranges (undefined: a null view).
 KeyRangeView make_key_range_view(const at::Tensor& key_ranges);
 
 // Host: the view of a summary made by summarize_mask_tiles for the same tile sizes.
 TileSummaryView make_tile_summary_view(const at::Tensor& summary, int block_q, int block_kv,
-                                       const at::Tensor& diagonals = at::Tensor(),
-                                       const at::Tensor& first_visible = at::Tensor());
+                                       const at::Tensor& diagonals = at::Tensor(), const TileWalkBounds& bounds = {});
 
 // Host: an sm_90a kernel's mask fields (mask, mask_tiles, key_ranges; hopper/fwd_params.h,
 // bwd_params.h) from the call's bool mask and key ranges, either or both undefined, summarised
 // for tiles of block_q x block_kv (p.kv_len, p.causal and p.causal_shift set before: the tiles
-// causality hides are not read). summary and diagonals hold the summary until the launch is
-// queued, and *first_visible (null: not asked for) each row of tiles' lowest visited key tile
-// (the forward's walk stops there). Neither: the fields stay null (the kernel without mask code).
+// causality hides are not read). summary, diagonals and bounds hold the summary until the
+// launch is queued; bounds says which walks' bounds to record (TileWalkBounds). Neither mask nor
+// ranges: the fields stay null (the kernel without mask code).
 template <class Params>
 void set_mask_fields(Params& p, const at::Tensor& mask, const at::Tensor& key_ranges, int block_q, int block_kv,
-                     at::Tensor& summary, at::Tensor& diagonals, at::Tensor* first_visible = nullptr) {
+                     at::Tensor& summary, at::Tensor& diagonals, TileWalkBounds& bounds) {
   const Causal causal{p.causal, p.causal_shift};
   if (key_ranges.defined()) {
-    summary = summarize_key_ranges(key_ranges, p.kv_len, mask, block_q, block_kv, &diagonals, first_visible, causal);
+    summary = summarize_key_ranges(key_ranges, p.kv_len, mask, block_q, block_kv, &diagonals, &bounds, causal);
     p.key_ranges = make_key_range_view(key_ranges);
   } else if (mask.defined()) {
-    summary = summarize_mask_tiles(mask, block_q, block_kv, &diagonals, first_visible, causal);
+    summary = summarize_mask_tiles(mask, block_q, block_kv, &diagonals, &bounds, causal);
   }
   if (mask.defined()) {
     p.mask = make_mask_view(mask);
   }
   if (summary.defined()) {
-    p.mask_tiles = make_tile_summary_view(summary, block_q, block_kv, diagonals,
-                                          first_visible != nullptr ? *first_visible : at::Tensor());
+    p.mask_tiles = make_tile_summary_view(summary, block_q, block_kv, diagonals, bounds);
   }
 }
 

@@ -4,6 +4,7 @@
 // and the standalone checks can hold them; attention_common.cuh makes them from tensors.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -128,7 +129,13 @@ struct TileSummaryView {
   // row's key tiles when none), at index(b, h, q_tile, 0) / kv_tiles: where a walk down the
   // row's key tiles may stop.
   const int* first_visible = nullptr;
+  // Null, or per column of tiles (b, h, kv_tile) one past the highest query tile that is not
+  // kTileMasked (0 when none; INT_MAX for a summary of one row of tiles, which stands for every
+  // query tile), at index(b, h, 0, 0) / slice_tiles * kv_tiles + kv_tile: where a walk up the
+  // column's query tiles may stop.
+  const int* query_end = nullptr;
   int64_t kv_tiles = 1;
+  int64_t slice_tiles = 1;  // the summary's tiles per (b, h) slice: its rows of tiles x kv_tiles
   int64_t stride_b = 0, stride_h = 0, stride_q = 0;
   int block_q = 0, block_kv = 0;  // the tile sizes it was computed for
 
@@ -144,6 +151,11 @@ struct TileSummaryView {
   // The lowest key tile of the row (b, h, q_tile) not masked; 0 without the record.
   __device__ __forceinline__ int first_visible_at(int64_t b, int64_t h, int64_t q_tile) const {
     return first_visible == nullptr ? 0 : first_visible[index(b, h, q_tile, 0) / kv_tiles];
+  }
+  // One past the highest query tile of the column (b, h, kv_tile) not masked; INT_MAX without the
+  // record.
+  __device__ __forceinline__ int query_end_at(int64_t b, int64_t h, int64_t kv_tile) const {
+    return query_end == nullptr ? INT_MAX : query_end[index(b, h, 0, 0) / slice_tiles * kv_tiles + kv_tile];
   }
 };
 

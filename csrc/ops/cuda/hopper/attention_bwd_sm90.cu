@@ -106,17 +106,22 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   p.causal_shift = a.q_offset - a.kv_offset;
   p.resident_ctas = at::cuda::getDeviceProperties(query.get_device())->multiProcessorCount;
   // A mask (and the key ranges) is summarised per (query tile, key tile) first: fully masked
-  // ones are skipped.
+  // ones are skipped, and each column of tiles' last query tile not masked is where the dK/dV
+  // kernel's walk up the column stops.
   at::Tensor summary, diagonals;
+  attn::TileWalkBounds bounds;
+  bounds.columns = true;
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows,
-                        hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals);
+                        hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals, bounds);
   // The dQ pass walks a query tile's key tiles: its own summary (kDqTileRows rows), with each
   // row's first visible key tile (where its walk down stops).
-  at::Tensor dq_summary, dq_diagonals, dq_first_visible;
+  at::Tensor dq_summary, dq_diagonals;
+  attn::TileWalkBounds dq_bounds;
+  dq_bounds.rows = true;
   if (dq_pass && summary.defined()) {
     hopper::BwdSm90Params dq_fields = p;
     attn::set_mask_fields(dq_fields, a.mask, a.key_ranges, hopper::kDqTileRows,
-                          hopper::dq_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals, &dq_first_visible);
+                          hopper::dq_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals, dq_bounds);
     p.dq_mask_tiles = dq_fields.mask_tiles;
   }
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;

@@ -56,9 +56,12 @@ void attention_fwd_sm90(const AttentionFwdArgs& a) {
   // A mask (and the key ranges) is summarised per tile first (kernels on the stream): the kernel
   // skips the fully masked key tiles, tests the diagonal ones by a compare and reads the mask
   // (computes the ranges) only in the mixed ones.
-  at::Tensor summary, diagonals, first_visible;
+  // Each row of tiles' lowest key tile not masked: where the walk down the row stops.
+  at::Tensor summary, diagonals;
+  attn::TileWalkBounds bounds;
+  bounds.rows = true;
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kFwdMaskTileRows,
-                        hopper::fwd_key_tile(static_cast<int>(query.size(3))), summary, diagonals, &first_visible);
+                        hopper::fwd_key_tile(static_cast<int>(query.size(3))), summary, diagonals, bounds);
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after
   // the kernel).

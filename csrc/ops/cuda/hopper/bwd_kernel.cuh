@@ -236,8 +236,13 @@ struct Bwd {
   // (position `steps`: none), with its class and diagonal. Step s is query tile m_begin + s % m_count
   // of head kv_head * group + s / m_count. The producer walks kWalkLoads summary bytes per round
   // trip (all in flight at once), so a long masked run (the keys a causal mask hides from the
-  // first query tiles) costs a few round trips instead of one per step.
+  // first query tiles) costs a few round trips instead of one per step; a head's walk ends at its
+  // column's last query tile not masked (the summary's query_end, loaded with the first round):
+  // past a window's or a chunk's band the rest of the column is masked, and walking it cost each
+  // key tile of a 256-key window at S = 32768 some 30 round trips after its last step.
   static constexpr int kWalkLoads = 8;
+  static constexpr uint32_t kLowBits = 0x5555u;  // the low bit of each of kWalkLoads 2-bit classes
+  static_assert(attn::kTileMasked == 0 && attn::kTileDiagonal < 4 && 2 * kWalkLoads <= 16);
 
   static __device__ TileVisit visit_from(const Params& p, const Block& block, int step, int steps, int m_begin) {
     if constexpr (!kMasked) {
@@ -249,20 +254,29 @@ struct Bwd {
     for (; group_head < p.group; ++group_head, m = m_begin) {
       const int head = kv_head * p.group + group_head;
       const uint8_t* column = p.mask_tiles.ptr + p.mask_tiles.index(batch, head, 0, n_block);
+      const int m_end = min(p.m_blocks, p.mask_tiles.query_end_at(batch, head, n_block));
       for (; m < p.m_blocks; m += kWalkLoads) {
-        uint8_t tile_class[kWalkLoads];
+        // The round's classes, two bits each (an array indexed by the first hit lived in local
+        // memory); loads past m_blocks are not issued, hits past m_end not taken.
+        uint32_t classes = 0;
 #pragma unroll
         for (int j = 0; j < kWalkLoads; ++j) {
-          tile_class[j] =
-              m + j < p.m_blocks ? column[int64_t{m + j} * p.mask_tiles.stride_q] : uint8_t{attn::kTileMasked};
-        }
-#pragma unroll
-        for (int j = 0; j < kWalkLoads; ++j) {
-          if (tile_class[j] != attn::kTileMasked) {
-            const int diagonal =
-                tile_class[j] == attn::kTileDiagonal ? p.mask_tiles.diagonal_at(batch, head, m + j, n_block) : 0;
-            return TileVisit{group_head * m_count + m + j - m_begin, tile_class[j], diagonal};
+          if (m + j < p.m_blocks) {
+            classes |= uint32_t{column[int64_t{m + j} * p.mask_tiles.stride_q]} << (2 * j);
           }
+        }
+        const int inside = m_end - m;
+        const uint32_t low_bits = inside >= kWalkLoads ? kLowBits : kLowBits & ((1u << (2 * max(inside, 0))) - 1u);
+        const uint32_t hits = (classes | classes >> 1) & low_bits;  // bit 2 j: tile m + j not masked
+        if (hits != 0u) {
+          const int j = (__ffs(hits) - 1) / 2;
+          const uint8_t tile_class = (classes >> (2 * j)) & 3u;
+          const int diagonal =
+              tile_class == attn::kTileDiagonal ? p.mask_tiles.diagonal_at(batch, head, m + j, n_block) : 0;
+          return TileVisit{group_head * m_count + m + j - m_begin, tile_class, diagonal};
+        }
+        if (inside <= kWalkLoads) {
+          break;
         }
       }
     }
