@@ -24,7 +24,8 @@ part of its name such as "S=32768 B=1 H=16:16 D=128 chunk512", built as the swee
 `--impl` picks the implementation (default safeattn; "Flex", "SDPA cuDNN", ...), `--forward-only`
 leaves out the backward.
 
-`--table` also prints torch.profiler's per-kernel device times of the last call of each kind.
+`--table` also prints the per-kernel device times (torch.profiler) of the last call of each kind,
+a narrow line per kernel.
 
     python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
         [--generic] [--peer flash] [--table] [--case NAME [--impl NAME] [--forward-only]]
@@ -39,6 +40,24 @@ import safeattn
 import torch
 from safeattn import _testing
 from torch.profiler import ProfilerActivity, profile
+
+
+def device_us(event):
+    """An event's own device time in us (self_device_time_total; self_cuda_time_total before torch 2.4)."""
+    if hasattr(event, "self_device_time_total"):
+        return event.self_device_time_total
+    return event.self_cuda_time_total
+
+
+def print_kernels(prof, title, rows=14):
+    """The profiled call's GPU kernels, a narrow line each (us, share, calls, the name's start),
+    longest first, under `-- title`: narrow so that an output cut to its tail keeps every figure."""
+    events = sorted((e for e in prof.key_averages() if device_us(e) > 0), key=device_us, reverse=True)
+    total = sum(device_us(e) for e in events)
+    print(f"-- {title}: {total:.1f} us on the GPU")
+    for e in events[:rows]:
+        name = e.key.replace("void ", "").replace("safeattn::cuda::", "")
+        print(f"{device_us(e):10.1f} us {100 * device_us(e) / total:5.1f}% x{e.count:<3d} {name[:90]}")
 
 
 def prefill(head_dim, calls, table, peer=None, bias=None):
@@ -82,10 +101,7 @@ def prefill(head_dim, calls, table, peer=None, bias=None):
                 out, _ = safeattn.attention(q, k, v, **kwargs)
                 torch.autograd.grad(out, (q, k, v, *leaves), grad)
                 torch.cuda.synchronize()
-            print(f"-- prefill D={head_dim} {sorted(kwargs)}{f' bias {bias}' if bias else ''}")
-            print(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100)
-            )
+            print_kernels(prof, f"prefill D={head_dim} {sorted(kwargs)}{f' bias {bias}' if bias else ''}")
 
 
 def decode(kv_len, calls, table):
@@ -100,10 +116,7 @@ def decode(kv_len, calls, table):
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 safeattn.attention(q, k, v, enable_gqa=True)
                 torch.cuda.synchronize()
-            print(f"-- decode KV={kv_len}")
-            print(
-                prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=100)
-            )
+            print_kernels(prof, f"decode KV={kv_len}")
 
 
 def sweep_case(name, impl_name, calls, table, forward_only):
@@ -145,8 +158,7 @@ def sweep_case(name, impl_name, calls, table, forward_only):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        print(f"-- {case.name} {impl_name} {'fwd' if forward_only else 'fwd+bwd'}")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=100))
+        print_kernels(prof, f"{case.name} {impl_name} {'fwd' if forward_only else 'fwd+bwd'}")
 
 
 def main() -> None:
