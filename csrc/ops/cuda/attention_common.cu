@@ -384,122 +384,110 @@ __device__ __forceinline__ uint8_t combined_class(uint8_t range_class, int range
   return kTileMixed;
 }
 
-// The key-range summary's CTAs: kRangeTilesPerCta key tiles of one (batch, query tile) each.
-constexpr int kRangeTilesPerCta = 32;
+// The key-range summary's work: a warp per (batch, query tile, kRangeTilesPerWarp key tiles),
+// kRangeWarps warps a CTA along the key tiles.
+constexpr int kRangeTilesPerWarp = 8;
+constexpr int kRangeWarps = 4;
+constexpr int kRangeRowsPerLane = kMaxDiagonalRows / 32;
 
-// A warp's share of one key tile's class under the key ranges (summarize_key_ranges_kernel).
-struct RangeVotes {
-  int flags;                   // kAnyVisible | kAnyMasked | kNotPrefix
-  int diag_min, diag_max;      // over the rows that see some but not all keys: count - 1 - r
-  int last_empty, first_full;  // the last row that sees none, the first that sees every key
-  static constexpr int kAnyVisible = 1, kAnyMasked = 2, kNotPrefix = 4;
-};
-
-// One CTA per (batch, query tile, kRangeTilesPerCta key tiles): a thread per query row holds its
-// interval [lo, hi) of keys (KeyRangeView); the key tiles outside the union of the rows' intervals
-// are masked without a test (a window's or a chunk's rows see a few of a long row's tiles);
-// each other tile's class comes from the rows' counts of keys inside it, voted per warp (one CTA
-// barrier a tile): masked (no row sees a key), visible (every row every key), one diagonal d
-// (every row sees a prefix, c <= r + d: the rows seeing some but not all agree on d, those seeing
-// none lie above it and those seeing all below), else mixed. Then, for each of the mask
-// summary's heads, that class combined with the mask's (combined_class; mask_tiles' null ptr: no
-// mask) into out / diagonal at ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile
-// (bounds as above). blockDim: block_q rounded up to whole warps, at most kMaxDiagonalRows.
-__global__ void __launch_bounds__(kMaxDiagonalRows)
-    summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, int64_t q_len, int64_t kv_len,
-                                int block_q, int block_kv, int64_t heads_m, int64_t q_tiles, int64_t kv_tiles,
-                                uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
-  constexpr int kWarps = kMaxDiagonalRows / 32;
-  __shared__ RangeVotes votes[2][kWarps];  // by the tile's parity: one barrier a tile
-  __shared__ int64_t union_lo, union_hi;
+// One warp per (batch, query tile, kRangeTilesPerWarp key tiles): each lane holds the intervals
+// [lo, hi) of keys (KeyRangeView) of rows lane, lane + 32, ...; the key tiles outside the union
+// of the rows' intervals (bounded by causality where it is enabled: a causal window's intervals
+// run to kv_len) are masked without a test, and each other tile's class comes from the rows'
+// counts of keys inside it, reduced over the warp: masked (no row sees a key), visible (every row
+// every key), one diagonal d (every row sees a prefix, c <= r + d: the rows seeing some but not
+// all agree on d, those seeing none lie above it and those seeing all below), else mixed. The
+// rule of one_diagonal, its row conditions as the last empty and the first full row. Then, for
+// each of the mask summary's heads, that class combined with the mask's (combined_class;
+// mask_tiles' null ptr: no mask) into out / diagonal at
+// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (bounds as above). No shared
+// memory and no CTA barrier: a CTA per query tile walking its key tiles one barrier at a time
+// cost a causal window's 32 key tiles at S=4096 some 20 us.
+__global__ void __launch_bounds__(32 * kRangeWarps)
+    summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, Causal causal, int64_t q_len,
+                                int64_t kv_len, int block_q, int block_kv, int64_t heads_m, int64_t q_tiles,
+                                int64_t kv_tiles, uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t b = blockIdx.x / q_tiles, q_tile = blockIdx.x % q_tiles;
-  const int64_t t_begin = int64_t{blockIdx.y} * kRangeTilesPerCta;
-  const int64_t t_end = std::min<int64_t>(t_begin + kRangeTilesPerCta, kv_tiles);
+  const int64_t t_begin = (int64_t{blockIdx.y} * kRangeWarps + warp) * kRangeTilesPerWarp;
+  const int64_t t_end = std::min<int64_t>(t_begin + kRangeTilesPerWarp, kv_tiles);
+  if (t_begin >= t_end) {
+    return;
+  }
   const int64_t i0 = q_tile * block_q;
   const int rows = static_cast<int>(std::min<int64_t>(q_len - i0, block_q));
-  const int r = threadIdx.x, warp = r / 32, warps = (blockDim.x + 31) / 32;
-  // This row's keys, clamped to [0, kv_len): none past the tile's rows or where hi <= lo.
-  int64_t lo = 0, hi = 0;
-  if (r < rows) {
-    lo = std::max<int64_t>(ranges.lo(b, i0 + r), 0);
-    hi = std::min<int64_t>(ranges.hi(b, i0 + r), kv_len);
+  // This lane's rows' keys, clamped to [0, kv_len): none past the tile's rows or where hi <= lo.
+  int64_t lo[kRangeRowsPerLane], hi[kRangeRowsPerLane];
+  int64_t union_lo = kv_len, union_hi = 0;
+#pragma unroll
+  for (int k = 0; k < kRangeRowsPerLane; ++k) {
+    const int r = lane + 32 * k;
+    lo[k] = hi[k] = 0;
+    if (r < rows) {
+      lo[k] = std::max<int64_t>(ranges.lo(b, i0 + r), 0);
+      hi[k] = std::min<int64_t>(ranges.hi(b, i0 + r), kv_len);
+    }
+    if (hi[k] > lo[k]) {
+      union_lo = std::min(union_lo, lo[k]);
+      union_hi = std::max(union_hi, hi[k]);
+    }
   }
-  const bool sees = hi > lo;
-  if (r == 0) {
-    union_lo = kv_len;
-    union_hi = 0;
-  }
-  __syncthreads();
-  if (sees) {
-    atomicMin(reinterpret_cast<unsigned long long*>(&union_lo), static_cast<unsigned long long>(lo));
-    atomicMax(reinterpret_cast<unsigned long long*>(&union_hi), static_cast<unsigned long long>(hi));
-  }
-  __syncthreads();
-  // The key tiles that can hold a visible key: [t_first, t_last).
+  // Intervals are below 2^31 (int32 ranges, clamped): the union reduces in 32 bits.
+  union_lo = __reduce_min_sync(0xffffffffu, static_cast<unsigned>(union_lo));
+  union_hi = std::min<int64_t>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(union_hi)),
+                               causal.kv_end(i0 + rows, kv_len));
+  // The key tiles that can hold a visible key: [t_first, t_last); the others are masked.
   const int64_t t_first = std::max<int64_t>(union_lo / block_kv, t_begin);
   const int64_t t_last = std::min<int64_t>(union_lo < union_hi ? (union_hi + block_kv - 1) / block_kv : 0, t_end);
-  auto store = [&](int64_t h, int64_t kv_tile, uint8_t tile_class, int d) {
-    const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
-    out[y] = tile_class;
-    diagonal[y] = static_cast<int16_t>(d);
-    if (tile_class != kTileMasked) {
-      bounds.note_not_masked(y, q_tiles, kv_tiles);
-    }
-  };
-  // Outside [t_first, t_last): masked for every head.
-  const int64_t outside = t_end - t_begin - std::max<int64_t>(t_last - t_first, 0);
-  for (int64_t e = threadIdx.x; e < heads_m * outside; e += blockDim.x) {
-    const int64_t h = e / outside, k = e % outside;
-    const int64_t before = std::max<int64_t>(t_first - t_begin, 0);
-    const int64_t kv_tile = k < before ? t_begin + k : std::max(t_last, t_first) + (k - before);
-    store(h, kv_tile, kTileMasked, 0);
-  }
-  for (int64_t kv_tile = t_first; kv_tile < t_last; ++kv_tile) {
-    const int64_t j0 = kv_tile * block_kv;
-    const int cols = static_cast<int>(std::min<int64_t>(kv_len - j0, block_kv));
-    // The row's keys inside the tile, tile-relative: [tlo, thi) within [0, cols).
-    const int tlo = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - j0, 0), cols));
-    const int thi = static_cast<int>(std::min<int64_t>(std::max<int64_t>(hi - j0, 0), cols));
-    const int count = thi > tlo ? thi - tlo : 0;
-    const bool row = r < rows;
-    const bool partial = row && count > 0 && count < cols;
-    const int flags = __reduce_or_sync(0xffffffffu, (row && count > 0 ? RangeVotes::kAnyVisible : 0) |
-                                                        (row && count < cols ? RangeVotes::kAnyMasked : 0) |
-                                                        (row && count > 0 && tlo > 0 ? RangeVotes::kNotPrefix : 0));
-    const int dmin = __reduce_min_sync(0xffffffffu, partial ? count - 1 - r : INT_MAX);
-    const int dmax = __reduce_max_sync(0xffffffffu, partial ? count - 1 - r : INT_MIN);
-    const int last_empty = __reduce_max_sync(0xffffffffu, row && count == 0 ? r : INT_MIN);
-    const int first_full = __reduce_min_sync(0xffffffffu, row && count == cols ? r : INT_MAX);
-    RangeVotes* slot = votes[kv_tile % 2];
-    if (r % 32 == 0) {
-      slot[warp] = RangeVotes{flags, dmin, dmax, last_empty, first_full};
-    }
-    __syncthreads();
-    for (int64_t h = threadIdx.x; h < heads_m; h += blockDim.x) {
-      RangeVotes v = slot[0];
-      for (int w = 1; w < warps; ++w) {
-        v.flags |= slot[w].flags;
-        v.diag_min = min(v.diag_min, slot[w].diag_min);
-        v.diag_max = max(v.diag_max, slot[w].diag_max);
-        v.last_empty = max(v.last_empty, slot[w].last_empty);
-        v.first_full = min(v.first_full, slot[w].first_full);
+  for (int64_t kv_tile = t_begin; kv_tile < t_end; ++kv_tile) {
+    uint8_t range_class = kTileMasked;
+    int range_diagonal = 0;
+    if (kv_tile >= t_first && kv_tile < t_last) {
+      const int64_t j0 = kv_tile * block_kv;
+      const int cols = static_cast<int>(std::min<int64_t>(kv_len - j0, block_kv));
+      int flags = 0;  // 1: a row sees a key; 2: a row misses a key; 4: a row sees keys not a prefix
+      int dmin = INT_MAX, dmax = INT_MIN, last_empty = INT_MIN, first_full = INT_MAX;
+#pragma unroll
+      for (int k = 0; k < kRangeRowsPerLane; ++k) {
+        const int r = lane + 32 * k;
+        if (r < rows) {
+          // The row's keys inside the tile, tile-relative: [tlo, thi) within [0, cols).
+          const int tlo = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo[k] - j0, 0), cols));
+          const int thi = static_cast<int>(std::min<int64_t>(std::max<int64_t>(hi[k] - j0, 0), cols));
+          const int count = thi > tlo ? thi - tlo : 0;
+          flags |= (count > 0 ? 1 : 0) | (count < cols ? 2 : 0) | (count > 0 && tlo > 0 ? 4 : 0);
+          if (count > 0 && count < cols) {
+            dmin = min(dmin, count - 1 - r);
+            dmax = max(dmax, count - 1 - r);
+          }
+          last_empty = count == 0 ? max(last_empty, r) : last_empty;
+          first_full = count == cols ? min(first_full, r) : first_full;
+        }
       }
-      uint8_t range_class = !(v.flags & RangeVotes::kAnyVisible)  ? kTileMasked
-                            : !(v.flags & RangeVotes::kAnyMasked) ? kTileVisible
-                                                                  : kTileMixed;
-      int range_diagonal = 0;
-      // One diagonal d: prefixes only, the partial rows agree on d (there is one), the empty rows
-      // see none (r + d < 0) and the full rows all (r + d + 1 >= cols).
-      const int d = v.diag_min;
-      if (range_class == kTileMixed && !(v.flags & RangeVotes::kNotPrefix) && d != INT_MAX && d == v.diag_max &&
-          (v.last_empty == INT_MIN || int64_t{v.last_empty} + d < 0) &&
-          (v.first_full == INT_MAX || int64_t{v.first_full} + d + 1 >= cols)) {
+      flags = static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(flags)));
+      dmin = __reduce_min_sync(0xffffffffu, dmin);
+      dmax = __reduce_max_sync(0xffffffffu, dmax);
+      last_empty = __reduce_max_sync(0xffffffffu, last_empty);
+      first_full = __reduce_min_sync(0xffffffffu, first_full);
+      range_class = !(flags & 1) ? kTileMasked : !(flags & 2) ? kTileVisible : kTileMixed;
+      // One diagonal d = dmin: prefixes only, the partial rows agree on d (there is one), the
+      // empty rows see none (r + d < 0) and the full rows all (r + d + 1 >= cols).
+      if (range_class == kTileMixed && !(flags & 4) && dmin != INT_MAX && dmin == dmax &&
+          (last_empty == INT_MIN || int64_t{last_empty} + dmin < 0) &&
+          (first_full == INT_MAX || int64_t{first_full} + dmin + 1 >= cols)) {
         range_class = kTileDiagonal;
-        range_diagonal = d;
+        range_diagonal = dmin;
       }
-      int tile_d = 0;
-      const uint8_t tile_class = combined_class(range_class, range_diagonal, mask_tiles, b, h, q_tile, kv_tile, tile_d);
-      store(h, kv_tile, tile_class, tile_d);
+    }
+    for (int64_t h = lane; h < heads_m; h += 32) {
+      int d = 0;
+      const uint8_t tile_class = combined_class(range_class, range_diagonal, mask_tiles, b, h, q_tile, kv_tile, d);
+      const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
+      out[y] = tile_class;
+      diagonal[y] = static_cast<int16_t>(d);
+      if (tile_class != kTileMasked) {
+        bounds.note_not_masked(y, q_tiles, kv_tiles);
+      }
     }
   }
 }
@@ -597,16 +585,16 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   at::Tensor summary = at::empty({batch, heads_m, q_tiles, kv_tiles}, key_ranges.options().dtype(at::kByte));
   *diagonals = at::empty(summary.sizes(), key_ranges.options().dtype(at::kShort));
   const WalkBoundsOut bounds_out = walk_bounds_out(summary, bounds);
-  const int64_t blocks = batch * q_tiles, splits = (kv_tiles + kRangeTilesPerCta - 1) / kRangeTilesPerCta;
+  constexpr int kTilesPerCta = kRangeTilesPerWarp * kRangeWarps;
+  const int64_t blocks = batch * q_tiles, splits = (kv_tiles + kTilesPerCta - 1) / kTilesPerCta;
   if (blocks == 0 || splits == 0) {
     return summary;
   }
   TORCH_CHECK(blocks <= 0x7fffffffLL && splits <= 65535,
               "attention (CUDA): the key ranges have too many tiles to summarise (", blocks, " x ", splits, ")");
-  const unsigned threads = static_cast<unsigned>((block_q + 31) / 32 * 32);
-  summarize_key_ranges_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(splits)), threads, 0,
+  summarize_key_ranges_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(splits)), 32 * kRangeWarps, 0,
                                 c10::cuda::getCurrentCUDAStream()>>>(
-      make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
+      make_key_range_view(key_ranges), mask_tiles, causal, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
       summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>(), bounds_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
