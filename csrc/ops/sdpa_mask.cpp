@@ -120,7 +120,7 @@ c10::Device check_key_ranges(int64_t batch_size, int64_t q_length, int64_t kv_le
       check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, std::nullopt, sliding_window, chunk_size,
                       chunk_left_padding, std::nullopt, packed_ids, std::nullopt, std::nullopt, false, device);
   TORCH_CHECK(kv_length <= std::numeric_limits<int32_t>::max(),
-              "key_ranges: kv_length must be < 2**31 (the ranges are ", "int32), got ", kv_length);
+              "key_ranges: kv_length must be < 2**31 (the ranges are int32), got ", kv_length);
   return where;
 }
 

@@ -248,9 +248,6 @@ at::Tensor sdpa_mask_kernel(int64_t batch_size, int64_t q_length, int64_t kv_len
 // query's run of packed_ids (ids the caller promises are runs: each id's positions one run).
 // Bm is batch_size with per-row inputs (chunk_left_padding, packed_ids), else 1. One kernel on the
 // device (two with packed ids), in place of the twenty small ops that built them in Python.
-using KeyRangesCpuFn = void (*)(const SdpaMaskParams& params, const int64_t* run_begin, const int64_t* run_end,
-                                at::Tensor& out);
-
 // The row (b, i)'s range, run_begin / run_end ([B, packed_width]: each position's run) where
 // there are packed ids; validation keeps query positions inside the ids.
 C10_HOST_DEVICE inline void key_range_of_row(const SdpaMaskParams& p, const int64_t* run_begin, const int64_t* run_end,
