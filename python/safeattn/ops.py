@@ -357,7 +357,8 @@ def _described_mask(
     batch_size, q_length, kv_length = query.shape[0], query.shape[-2], key.shape[-2]
     if description.is_causal_and_padding() or description.has_key_ranges():
         keys = description.padding_mask
-        # sdpa_mask's checks of the rules, for the path that does not call it.
+        # sdpa_mask's checks of the padding mask, for the path that does not call it (the rules'
+        # run in the key ranges' op).
         if keys is not None and (keys.dim() != 2 or keys.shape[0] != batch_size):
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be [B, L] with B = {batch_size} "
@@ -367,23 +368,11 @@ def _described_mask(
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be bool or integer, got {keys.dtype}"
             )
-        if description.has_key_ranges():
-            torch.ops.safeattn._sdpa_mask_check(
-                batch_size,
-                q_length,
-                kv_length,
-                q_offset,
-                kv_offset,
-                sliding_window=description.sliding_window,
-                chunk_size=description.chunk_size,
-                chunk_left_padding=description.chunk_left_padding,
-                packed_ids=description.packed_ids,
-            )
         keys = description.key_mask(kv_length, kv_offset)
         if keys is not None:
             keys = keys.to(query.device)
         ranges = None
-        if description.has_key_ranges():
+        if description.has_key_ranges():  # sdpa_mask's checks of the rules run in the op
             ranges = description.key_ranges(
                 batch_size, q_length, kv_length, q_offset, kv_offset, query.device
             )
