@@ -190,15 +190,19 @@ struct CpuMaskBackend {
       const int64_t width = p.packed_width;
       run_begin.resize(p.batch_size * width);
       run_end.resize(p.batch_size * width);
-      for (int64_t b = 0; b < p.batch_size; ++b) {
-        const int64_t* ids = p.packed_ids + b * width;
-        for (int64_t t = 0; t < width; ++t) {
-          run_begin[b * width + t] = t > 0 && ids[t] == ids[t - 1] ? run_begin[b * width + t - 1] : t;
+      at::parallel_for(0, p.batch_size, 1, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t* ids = p.packed_ids + b * width;
+          int64_t* begin = run_begin.data() + b * width;
+          int64_t* end = run_end.data() + b * width;
+          for (int64_t t = 0; t < width; ++t) {
+            begin[t] = t > 0 && ids[t] == ids[t - 1] ? begin[t - 1] : t;
+          }
+          for (int64_t t = width - 1; t >= 0; --t) {
+            end[t] = t + 1 < width && ids[t + 1] == ids[t] ? end[t + 1] : t + 1;
+          }
         }
-        for (int64_t t = width - 1; t >= 0; --t) {
-          run_end[b * width + t] = t + 1 < width && ids[t + 1] == ids[t] ? run_end[b * width + t + 1] : t + 1;
-        }
-      }
+      });
     }
     int32_t* rows = out.data_ptr<int32_t>();
     at::parallel_for(0, p.batch_size * p.q_length, 4096, [&](int64_t first, int64_t last) {
