@@ -160,6 +160,57 @@ def test_positions_outside_ids_never_read(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_key_ranges_are_the_rule_without_causality(device, seed):
+    """MaskDescription.key_ranges (the native safeattn::_key_ranges): each row's [lo, hi), ANDed
+    with causality where the description is causal, is exactly the reference's mask row of the
+    same window, chunks (with left padding) and packed runs; offsets on both sides, ids reaching
+    past the keys, runs ending past kv_length (their rows empty), one id a row."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        batch, q_len, kv_len = rng.randint(1, 3), rng.randint(1, 70), rng.randint(1, 90)
+        q_offset, kv_offset = rng.randint(0, 50), rng.randint(0, 50)
+        causal = rng.random() < 0.6
+        rules = {}
+        if rng.random() < 0.5:
+            rules["sliding_window"] = rng.randint(1, 40)
+        if rng.random() < 0.4:
+            rules["chunk_size"] = rng.randint(1, 25)
+            if rng.random() < 0.5:
+                rules["chunk_left_padding"] = torch.randint(0, 20, (batch,), generator=gen)
+        if rng.random() < 0.5 or not rules:
+            width = max(q_offset + q_len, kv_offset + kv_len) + rng.randint(0, 6)
+            cuts = torch.rand(batch, width, generator=gen) < rng.random() * 0.4
+            rules["packed_ids"] = cuts.long().cumsum(-1) + rng.randint(-3, 3)
+        description = safeattn.MaskDescription(causal=causal, packed_ids_are_runs=True, **rules)
+        on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in rules.items()}
+        ranges = safeattn.MaskDescription(causal=causal, packed_ids_are_runs=True, **on_device).key_ranges(
+            batch, q_len, kv_len, q_offset, kv_offset, device=torch.device(device)
+        )
+        assert ranges.shape == (batch, q_len, 2) and ranges.dtype == torch.int32
+        assert ranges.device.type == torch.device(device).type
+        ranges = ranges.cpu()
+        assert torch.all((ranges >= 0) & (ranges <= kv_len)), "ranges within [0, kv_len]"
+        j = torch.arange(kv_len) + kv_offset  # key positions
+        i = torch.arange(q_len)[:, None] + q_offset  # query positions
+        drawn = (ranges[..., :1] <= j - kv_offset) & (j - kv_offset < ranges[..., 1:])  # [B, Q, KV]
+        case = (description, batch, q_len, kv_len, q_offset, kv_offset)
+        expected = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, causal=causal, **rules)
+        assert torch.equal(drawn & (j <= i) if causal else drawn, expected[:, 0]), case
+        if causal:
+            # Without causality's end: the chunks and runs as drawn without causality, and the
+            # causal window's start (kv > q - w) alone.
+            others = {name: value for name, value in rules.items() if name != "sliding_window"}
+            rule = reference.sdpa_mask(batch, q_len, kv_len, q_offset, kv_offset, causal=False, **others)[
+                :, 0
+            ]
+            if "sliding_window" in rules:
+                rule = rule & (j > i - rules["sliding_window"])
+            assert torch.equal(drawn, rule), case
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
 def test_packed_ids_runs_and_returning_ids(device, dtype):
     """Ids that never decrease (runs: the CUDA kernel makes them intervals) next to ids that

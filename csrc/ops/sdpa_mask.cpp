@@ -1,9 +1,12 @@
 // Schema, validation, the CPU entry point and the typed C++ entry point of sdpa_mask.
 #include "ops/sdpa_mask.h"
 
+#include <cstdint>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
@@ -109,6 +112,18 @@ c10::Device check_sdpa_mask(const c10::SymInt& batch_size, const c10::SymInt& q_
                         {"block_ids", block_ids}});
 }
 
+c10::Device check_key_ranges(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                             int64_t kv_offset, std::optional<int64_t> sliding_window,
+                             std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
+                             const std::optional<at::Tensor>& packed_ids, std::optional<c10::Device> device) {
+  const c10::Device where =
+      check_sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, std::nullopt, sliding_window, chunk_size,
+                      chunk_left_padding, std::nullopt, packed_ids, std::nullopt, std::nullopt, false, device);
+  TORCH_CHECK(kv_length <= std::numeric_limits<int32_t>::max(),
+              "key_ranges: kv_length must be < 2**31 (the ranges are int32), got ", kv_length);
+  return where;
+}
+
 SdpaMaskInputs prepare_sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
                                  int64_t kv_offset, const std::optional<at::Tensor>& q_positions, bool causal,
                                  std::optional<int64_t> sliding_window, std::optional<int64_t> chunk_size,
@@ -168,6 +183,34 @@ struct CpuMaskBackend {
   void fill(const SdpaMaskParams& params, at::Tensor& out, bool use_finfo_min) const {
     sdpa_mask_cpu_stub().pick()(params, out, use_finfo_min);
   }
+  // Each position's run of equal packed ids (one pass per batch row), then every row's range.
+  void key_ranges(const SdpaMaskParams& p, at::Tensor& out) const {
+    std::vector<int64_t> run_begin, run_end;
+    if (p.packed_ids != nullptr) {
+      const int64_t width = p.packed_width;
+      run_begin.resize(p.batch_size * width);
+      run_end.resize(p.batch_size * width);
+      at::parallel_for(0, p.batch_size, 1, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t* ids = p.packed_ids + b * width;
+          int64_t* begin = run_begin.data() + b * width;
+          int64_t* end = run_end.data() + b * width;
+          for (int64_t t = 0; t < width; ++t) {
+            begin[t] = t > 0 && ids[t] == ids[t - 1] ? begin[t - 1] : t;
+          }
+          for (int64_t t = width - 1; t >= 0; --t) {
+            end[t] = t + 1 < width && ids[t + 1] == ids[t] ? end[t + 1] : t + 1;
+          }
+        }
+      });
+    }
+    int32_t* rows = out.data_ptr<int32_t>();
+    at::parallel_for(0, p.batch_size * p.q_length, 4096, [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        key_range_of_row(p, run_begin.data(), run_end.data(), row / p.q_length, row % p.q_length, rows + 2 * row);
+      }
+    });
+  }
 };
 
 // safeattn::_sdpa_mask_check: the checks alone, for sdpa_mask's fake (python/safeattn/_fake.py),
@@ -209,6 +252,22 @@ at::Tensor sdpa_mask_backend_select(int64_t batch_size, int64_t q_length, int64_
                        device);
 }
 
+// _key_ranges may have no tensor argument either (a window alone): its backend as sdpa_mask's.
+at::Tensor key_ranges_backend_select(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                                     int64_t kv_offset, bool causal, std::optional<int64_t> sliding_window,
+                                     std::optional<int64_t> chunk_size,
+                                     const std::optional<at::Tensor>& chunk_left_padding,
+                                     const std::optional<at::Tensor>& packed_ids, std::optional<c10::Device> device) {
+  const c10::Device where =
+      common_device("key_ranges", device, {{"chunk_left_padding", chunk_left_padding}, {"packed_ids", packed_ids}});
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("safeattn::_key_ranges", "")
+                       .typed<decltype(key_ranges_backend_select)>();
+  const c10::DispatchKeySet keys(c10::computeDispatchKey(std::nullopt, std::nullopt, where));
+  return op.redispatch(keys, batch_size, q_length, kv_length, q_offset, kv_offset, causal, sliding_window, chunk_size,
+                       chunk_left_padding, packed_ids, device);
+}
+
 }  // namespace
 
 at::Tensor sdpa_mask(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset, int64_t kv_offset,
@@ -241,14 +300,21 @@ TORCH_LIBRARY_FRAGMENT(safeattn, m) {
       "*, Tensor? q_positions=None, int? sliding_window=None, int? chunk_size=None, Tensor? chunk_left_padding=None, "
       "Tensor? padding_mask=None, Tensor? packed_ids=None, Tensor? block_ids=None, ScalarType? dtype=None, "
       "bool use_finfo_min=False, Device? device=None) -> ()");
+  // Private: attention's key_ranges of a MaskDescription (sdpa_mask.h, key_range_of_row).
+  m.def(
+      "_key_ranges(SymInt batch_size, SymInt q_length, SymInt kv_length, SymInt q_offset=0, SymInt kv_offset=0, *, "
+      "bool causal=True, int? sliding_window=None, int? chunk_size=None, Tensor? chunk_left_padding=None, "
+      "Tensor? packed_ids=None, Device? device=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(safeattn, BackendSelect, m) {
   m.impl("sdpa_mask", &sdpa_mask_backend_select);
+  m.impl("_key_ranges", &key_ranges_backend_select);
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CPU, m) {
   m.impl("sdpa_mask", &sdpa_mask_kernel<CpuMaskBackend>);
+  m.impl("_key_ranges", &key_ranges_kernel<CpuMaskBackend>);
 }
 
 TORCH_LIBRARY_IMPL(safeattn, CompositeImplicitAutograd, m) {
@@ -259,6 +325,7 @@ TORCH_LIBRARY_IMPL(safeattn, CompositeImplicitAutograd, m) {
 // naming safeattn::sdpa_mask instead of silently producing a tensor without history.
 TORCH_LIBRARY_IMPL(safeattn, Autograd, m) {
   m.impl("sdpa_mask", torch::autograd::autogradNotImplementedFallback());
+  m.impl("_key_ranges", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace safeattn

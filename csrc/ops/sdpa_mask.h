@@ -94,12 +94,15 @@ struct Interval {
   int64_t end;
 };
 
-C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b, Position q_pos) {
+// causal_end false: a causal rule's window (kv > q - w) without causality's end (kv <= q), for the
+// key ranges, whose users apply causality themselves (key_ranges below).
+C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b, Position q_pos,
+                                              bool causal_end = true) {
   // Inclusive key positions; start unbounded (far outside any int64 position) and intersect.
   constexpr Position kUnbounded = Position{1} << 100;
   Position lo = -kUnbounded;
   Position hi = kUnbounded;
-  if (p.causal) {
+  if (p.causal && causal_end) {
     hi = q_pos;
   }
   if (p.sliding_window > 0) {
@@ -122,6 +125,15 @@ C10_HOST_DEVICE inline Interval base_interval(const SdpaMaskParams& p, int64_t b
   begin = begin < 0 ? 0 : (begin > p.kv_length ? p.kv_length : begin);
   end = end < begin ? begin : (end > p.kv_length ? p.kv_length : end);
   return {static_cast<int64_t>(begin), static_cast<int64_t>(end)};
+}
+
+// A row's interval ANDed with its query's run of packed ids, [run_begin, run_end) in positions:
+// where a row's ids never decrease (runs), ids[q] == ids[kv] holds exactly for kv in q's run.
+C10_HOST_DEVICE inline Interval in_run(const SdpaMaskParams& p, Interval row, int64_t run_begin, int64_t run_end) {
+  row.begin = row.begin > run_begin - p.kv_offset ? row.begin : run_begin - p.kv_offset;
+  const int64_t end = row.end < run_end - p.kv_offset ? row.end : run_end - p.kv_offset;
+  row.end = end > row.begin ? end : row.begin;
+  return row;
 }
 
 // What a row needs beyond its interval: the query's packed id and block group.
@@ -224,6 +236,56 @@ at::Tensor sdpa_mask_kernel(int64_t batch_size, int64_t q_length, int64_t kv_len
                              at::TensorOptions().dtype(dtype.value_or(at::kBool)).device(backend.device));
   if (out.numel() > 0) {
     backend.fill(in.params, out, use_finfo_min);
+  }
+  return out;
+}
+
+// ---- key ranges ---------------------------------------------------------------------------
+
+// safeattn::_key_ranges: the window's, the chunks' and the packed runs' keys of each query row as
+// attention's key_ranges, int32 [Bm, Q, 2] (lo, hi), query i keeping keys lo <= j < hi: sdpa_mask's
+// base rule without causality's end (attention applies causality as is_causal), ANDed with the
+// query's run of packed_ids (ids the caller promises are runs: each id's positions one run).
+// Bm is batch_size with per-row inputs (chunk_left_padding, packed_ids), else 1. One kernel on the
+// device (two with packed ids), in place of the twenty small ops that built them in Python.
+// The row (b, i)'s range, run_begin / run_end ([B, packed_width]: each position's run) where
+// there are packed ids; validation keeps query positions inside the ids.
+C10_HOST_DEVICE inline void key_range_of_row(const SdpaMaskParams& p, const int64_t* run_begin, const int64_t* run_end,
+                                             int64_t b, int64_t i, int32_t* out) {
+  using namespace sdpa_mask_detail;
+  const Position q_pos = query_position(p, b, i);
+  Interval row = base_interval(p, b, q_pos, /*causal_end=*/false);
+  if (p.packed_ids != nullptr) {
+    const int64_t at = b * p.packed_width + static_cast<int64_t>(q_pos);
+    row = in_run(p, row, run_begin[at], run_end[at]);
+  }
+  // Within [0, kv_length] (a run past the keys left begin there, and the range empty).
+  out[0] = static_cast<int32_t>(row.begin < p.kv_length ? row.begin : p.kv_length);
+  out[1] = static_cast<int32_t>(row.end < p.kv_length ? row.end : p.kv_length);
+}
+
+// Validates _key_ranges' arguments (sdpa_mask's rules, and int32 columns) and returns its device.
+c10::Device check_key_ranges(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                             int64_t kv_offset, std::optional<int64_t> sliding_window,
+                             std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
+                             const std::optional<at::Tensor>& packed_ids, std::optional<c10::Device> device);
+
+// What each backend registers for _key_ranges: as sdpa_mask_kernel, then
+// Backend::key_ranges(params, out) writes the [Bm, Q, 2] ranges (params.batch_size = Bm).
+template <class Backend>
+at::Tensor key_ranges_kernel(int64_t batch_size, int64_t q_length, int64_t kv_length, int64_t q_offset,
+                             int64_t kv_offset, bool causal, std::optional<int64_t> sliding_window,
+                             std::optional<int64_t> chunk_size, const std::optional<at::Tensor>& chunk_left_padding,
+                             const std::optional<at::Tensor>& packed_ids, std::optional<c10::Device> device) {
+  const Backend backend(check_key_ranges(batch_size, q_length, kv_length, q_offset, kv_offset, sliding_window,
+                                         chunk_size, chunk_left_padding, packed_ids, device));
+  const int64_t rows_b = chunk_left_padding.has_value() || packed_ids.has_value() ? batch_size : 1;
+  SdpaMaskInputs in =
+      prepare_sdpa_mask(rows_b, q_length, kv_length, q_offset, kv_offset, std::nullopt, causal, sliding_window,
+                        chunk_size, chunk_left_padding, std::nullopt, packed_ids, std::nullopt);
+  at::Tensor out = at::empty({rows_b, q_length, 2}, at::TensorOptions().dtype(at::kInt).device(backend.device));
+  if (out.numel() > 0) {
+    backend.key_ranges(in.params, out);
   }
   return out;
 }

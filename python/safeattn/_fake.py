@@ -1,4 +1,4 @@
-"""The fakes of ``sdpa_mask`` and ``_attention_kvcache``: their outputs, with the checks of the
+"""The fakes of ``sdpa_mask``, ``_key_ranges`` and ``_attention_kvcache``: their outputs, with the checks of the
 first run by the C++ code itself.
 
 Every op's checks are written once, in C++, on symbolic sizes (csrc/common/checks.h). The other
@@ -26,6 +26,19 @@ def _sdpa_mask_fake(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *,
     return torch.empty(
         (batch_size, 1, q_length, kv_length), dtype=torch.bool if dtype is None else dtype, device=device
     )
+
+
+@torch.library.register_fake("safeattn::_key_ranges")
+def _key_ranges_fake(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, *, causal=True, **options):
+    """``[Bm, q_length, 2]`` int32 (csrc/ops/sdpa_mask.h): Bm is batch_size with per-row inputs."""
+    device = options.pop("device", None)
+    torch.ops.safeattn._sdpa_mask_check(
+        batch_size, q_length, kv_length, q_offset, kv_offset, device=device, **options
+    )
+    tensors = [t for t in options.values() if isinstance(t, torch.Tensor)]
+    if device is None:
+        device = tensors[0].device if tensors else torch.device("cpu")
+    return torch.empty((batch_size if tensors else 1, q_length, 2), dtype=torch.int32, device=device)
 
 
 @torch.library.register_fake("safeattn::_attention_kvcache")

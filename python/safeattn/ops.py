@@ -194,42 +194,25 @@ class MaskDescription:
         (positions ``kv_offset + j``). Causality and padding are not in them (``attention``
         applies those as ``is_causal`` and ``key_mask``), nor blocks (``has_key_ranges``)."""
         device = torch.device("cpu") if device is None else device
-        # Each query's position as a key index (q_offset + i - kv_offset); few ops, since a model
-        # makes these once per layer and call.
-        shift = q_offset - kv_offset
-        q = torch.arange(shift, shift + q_length, device=device)  # int64 [Q]
-        lo = hi = None
-        w = self.sliding_window
-        if w is not None:
-            lo = q - (w - 1 if self.causal else w)
-            if not self.causal:
-                hi = q + (w + 1)
-        if self.chunk_size is not None:
-            c = self.chunk_size
-            pad = self.chunk_left_padding
-            # The chunk's first key index: positions p + k c are chunk starts; p as a key index.
-            p = -kv_offset if pad is None else pad.to(device=device, dtype=torch.long)[:, None] - kv_offset
-            start = torch.div(q - p, c, rounding_mode="floor").mul_(c).add_(p)  # [B|1, Q]
-            lo = start if lo is None else torch.maximum(lo, start)
-            hi = start + c if hi is None else torch.minimum(hi, start + c)
-        if self.packed_ids is not None and self.packed_ids_are_runs:
-            # Each query's run of equal ids: [its start, its end) in positions, as key indices.
-            ids = self.packed_ids.to(device)
-            width = ids.shape[-1]
-            pos = torch.arange(width, device=device)
-            first = torch.ones_like(ids[:, :1], dtype=torch.bool)
-            begins = torch.cat((first, ids[:, 1:] != ids[:, :-1]), -1)  # a run starts at t
-            ends = torch.cat((begins[:, 1:], first), -1)  # a run ends after t
-            run_start = torch.where(begins, pos, 0).cummax(-1).values
-            run_end = torch.where(ends, pos + 1, width).flip(-1).cummin(-1).values.flip(-1)
-            at = (q + kv_offset).clamp(0, width - 1).expand(ids.shape[0], q_length)  # query positions
-            lo_run = run_start.gather(-1, at) - kv_offset
-            hi_run = run_end.gather(-1, at) - kv_offset
-            lo = lo_run if lo is None else torch.maximum(lo, lo_run)
-            hi = hi_run if hi is None else torch.minimum(hi, hi_run)
-        lo = torch.zeros_like(q) if lo is None else lo
-        hi = torch.full_like(q, kv_length) if hi is None else hi
-        ranges = torch.stack(torch.broadcast_tensors(lo, hi), -1).clamp_(0, kv_length).to(torch.int32)
+        # One native op (the rule of sdpa_mask's base interval and packed runs, csrc/ops/sdpa_mask.h):
+        # a model makes these once per layer and call, where some twenty small ops cost the GPU's
+        # host more than the attention kernel of a short sequence.
+        packed = self.packed_ids if self.packed_ids_are_runs else None
+        ranges = torch.ops.safeattn._key_ranges(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset,
+            kv_offset,
+            causal=bool(self.causal),
+            sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size,
+            chunk_left_padding=None
+            if self.chunk_left_padding is None
+            else self.chunk_left_padding.to(device),
+            packed_ids=None if packed is None else packed.to(device),
+            device=device,
+        )
         return ranges.expand(batch_size, q_length, 2)
 
     def key_mask(self, kv_length: int, kv_offset: int = 0) -> torch.Tensor | None:
@@ -374,7 +357,8 @@ def _described_mask(
     batch_size, q_length, kv_length = query.shape[0], query.shape[-2], key.shape[-2]
     if description.is_causal_and_padding() or description.has_key_ranges():
         keys = description.padding_mask
-        # sdpa_mask's checks of the rules, for the path that does not call it.
+        # sdpa_mask's checks of the padding mask, for the path that does not call it (the rules'
+        # run in the key ranges' op).
         if keys is not None and (keys.dim() != 2 or keys.shape[0] != batch_size):
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be [B, L] with B = {batch_size} "
@@ -384,23 +368,11 @@ def _described_mask(
             raise ValueError(
                 f"safeattn.attention: attn_mask.padding_mask must be bool or integer, got {keys.dtype}"
             )
-        if description.has_key_ranges():
-            torch.ops.safeattn._sdpa_mask_check(
-                batch_size,
-                q_length,
-                kv_length,
-                q_offset,
-                kv_offset,
-                sliding_window=description.sliding_window,
-                chunk_size=description.chunk_size,
-                chunk_left_padding=description.chunk_left_padding,
-                packed_ids=description.packed_ids,
-            )
         keys = description.key_mask(kv_length, kv_offset)
         if keys is not None:
             keys = keys.to(query.device)
         ranges = None
-        if description.has_key_ranges():
+        if description.has_key_ranges():  # sdpa_mask's checks of the rules run in the op
             ranges = description.key_ranges(
                 batch_size, q_length, kv_length, q_offset, kv_offset, query.device
             )

@@ -357,64 +357,137 @@ __global__ void __launch_bounds__(kSummaryThreads)
   }
 }
 
-// One CTA per (batch, query tile, key tile), x as above with slice = batch: the tile's class
-// under the key ranges (one interval per row, KeyRangeView), from each row's count of keys inside
-// the tile and whether they start at its first key; then, for each of the mask summary's heads,
-// that class ANDed with the mask's (mask_tiles; null ptr: no mask) into out / diagonal at
-// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (bounds as above).
-__global__ void __launch_bounds__(kMaxDiagonalRows)
-    summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, int64_t q_len, int64_t kv_len,
-                                int block_q, int block_kv, int64_t heads_m, int64_t q_tiles, int64_t kv_tiles,
-                                uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
-  __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
-  __shared__ int diag_min, diag_max;
-  const SummaryTile tile = summary_tile(blockIdx.x, q_tiles, kv_tiles, block_q, block_kv, q_len, kv_len);
-  const int64_t b = tile.slice, q_tile = tile.q_tile, kv_tile = tile.kv_tile;
-  const int64_t i0 = tile.i0, j0 = tile.j0;
-  const int rows = tile.rows, cols = tile.cols;
-  bool any_visible = false, any_masked = false;
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
-    // The row's keys inside the tile, tile-relative: [lo, hi) clamped to [0, cols).
-    const int64_t lo = std::min<int64_t>(std::max<int64_t>(int64_t{ranges.lo(b, i0 + r)} - j0, 0), cols);
-    const int64_t hi = std::min<int64_t>(std::max<int64_t>(int64_t{ranges.hi(b, i0 + r)} - j0, 0), cols);
-    const int count = hi > lo ? static_cast<int>(hi - lo) : 0;
-    any_visible |= count > 0;
-    any_masked |= count < cols;
-    row_count[r] = count;
-    row_last[r] = count > 0 ? static_cast<int>(hi) - 1 : -1;  // a prefix iff row_last == count - 1
+// A key-range tile's class (and diagonal) combined with the mask's tile (b, h, q_tile, kv_tile):
+// masked if either is; the other's class where one is visible; one diagonal if both are the same
+// one; else mixed (the kernels test the mask's elements and the ranges).
+__device__ __forceinline__ uint8_t combined_class(uint8_t range_class, int range_diagonal,
+                                                  const TileSummaryView& mask_tiles, int64_t b, int64_t h,
+                                                  int64_t q_tile, int64_t kv_tile, int& d) {
+  const uint8_t mask_class = mask_tiles.at(b, h, q_tile, kv_tile);
+  d = 0;
+  if (range_class == kTileMasked || mask_class == kTileMasked) {
+    return kTileMasked;
   }
-  any_visible = __syncthreads_or(any_visible);
-  any_masked = __syncthreads_or(any_masked);
-  uint8_t range_class = !any_visible ? kTileMasked : (!any_masked ? kTileVisible : kTileMixed);
-  int range_diagonal = 0;
-  if (range_class == kTileMixed &&
-      one_diagonal(rows, cols, row_count, row_last, &diag_min, &diag_max, range_diagonal)) {
-    range_class = kTileDiagonal;
+  if (mask_class == kTileVisible) {
+    d = range_diagonal;
+    return range_class;
   }
-  for (int64_t h = threadIdx.x; h < heads_m; h += blockDim.x) {
-    uint8_t mask_class = mask_tiles.at(b, h, q_tile, kv_tile);
-    // Both rules: masked if either is; the other's class where one is visible; one diagonal if
-    // both are the same one; else mixed (the kernel tests the mask's elements and the ranges).
-    uint8_t tile_class = kTileMixed;
-    int d = 0;
-    if (range_class == kTileMasked || mask_class == kTileMasked) {
-      tile_class = kTileMasked;
-    } else if (mask_class == kTileVisible) {
-      tile_class = range_class;
-      d = range_diagonal;
-    } else if (range_class == kTileVisible) {
-      tile_class = mask_class;
-      d = mask_class == kTileDiagonal ? mask_tiles.diagonal_at(b, h, q_tile, kv_tile) : 0;
-    } else if (range_class == kTileDiagonal && mask_class == kTileDiagonal &&
-               mask_tiles.diagonal_at(b, h, q_tile, kv_tile) == range_diagonal) {
-      tile_class = kTileDiagonal;
-      d = range_diagonal;
+  if (range_class == kTileVisible) {
+    d = mask_class == kTileDiagonal ? mask_tiles.diagonal_at(b, h, q_tile, kv_tile) : 0;
+    return mask_class;
+  }
+  if (range_class == kTileDiagonal && mask_class == kTileDiagonal &&
+      mask_tiles.diagonal_at(b, h, q_tile, kv_tile) == range_diagonal) {
+    d = range_diagonal;
+    return kTileDiagonal;
+  }
+  return kTileMixed;
+}
+
+// The key-range summary's work: a warp per (batch, query tile, kRangeTilesPerWarp key tiles),
+// kRangeWarps warps a CTA along the key tiles.
+constexpr int kRangeTilesPerWarp = 8;
+constexpr int kRangeWarps = 4;
+constexpr int kRangeRowsPerLane = kMaxDiagonalRows / 32;
+
+// One warp per (batch, query tile, kRangeTilesPerWarp key tiles): each lane holds the intervals
+// [lo, hi) of keys (KeyRangeView) of rows lane, lane + 32, ...; the key tiles outside the union
+// of the rows' intervals (bounded by causality where it is enabled: a causal window's intervals
+// run to kv_len) are masked without a test, and each other tile's class comes from the rows'
+// counts of keys inside it, reduced over the warp: masked (no row sees a key), visible (every row
+// every key), one diagonal d (every row sees a prefix, c <= r + d: the rows seeing some but not
+// all agree on d, those seeing none lie above it and those seeing all below), else mixed. The
+// rule of one_diagonal, its row conditions as the last empty and the first full row. Then, for
+// each of the mask summary's heads, that class combined with the mask's (combined_class;
+// mask_tiles' null ptr: no mask) into out / diagonal at
+// ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile (bounds as above). No shared
+// memory and no CTA barrier: a CTA per query tile walking its key tiles one barrier at a time
+// cost a causal window's 32 key tiles at S=4096 some 20 us.
+__global__ void __launch_bounds__(32 * kRangeWarps)
+    summarize_key_ranges_kernel(KeyRangeView ranges, TileSummaryView mask_tiles, Causal causal, int64_t q_len,
+                                int64_t kv_len, int block_q, int block_kv, int64_t heads_m, int64_t q_tiles,
+                                int64_t kv_tiles, uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t b = blockIdx.x / q_tiles, q_tile = blockIdx.x % q_tiles;
+  const int64_t t_begin = (int64_t{blockIdx.y} * kRangeWarps + warp) * kRangeTilesPerWarp;
+  const int64_t t_end = std::min<int64_t>(t_begin + kRangeTilesPerWarp, kv_tiles);
+  if (t_begin >= t_end) {
+    return;
+  }
+  const int64_t i0 = q_tile * block_q;
+  const int rows = static_cast<int>(std::min<int64_t>(q_len - i0, block_q));
+  // This lane's rows' keys, clamped to [0, kv_len): none past the tile's rows or where hi <= lo.
+  int64_t lo[kRangeRowsPerLane], hi[kRangeRowsPerLane];
+  int64_t union_lo = kv_len, union_hi = 0;
+#pragma unroll
+  for (int k = 0; k < kRangeRowsPerLane; ++k) {
+    const int r = lane + 32 * k;
+    lo[k] = hi[k] = 0;
+    if (r < rows) {
+      lo[k] = std::max<int64_t>(ranges.lo(b, i0 + r), 0);
+      hi[k] = std::min<int64_t>(ranges.hi(b, i0 + r), kv_len);
     }
-    const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
-    out[y] = tile_class;
-    diagonal[y] = static_cast<int16_t>(d);
-    if (tile_class != kTileMasked) {
-      bounds.note_not_masked(y, q_tiles, kv_tiles);
+    if (hi[k] > lo[k]) {
+      union_lo = std::min(union_lo, lo[k]);
+      union_hi = std::max(union_hi, hi[k]);
+    }
+  }
+  // Intervals are below 2^31 (int32 ranges, clamped): the union reduces in 32 bits.
+  union_lo = __reduce_min_sync(0xffffffffu, static_cast<unsigned>(union_lo));
+  union_hi = std::min<int64_t>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(union_hi)),
+                               causal.kv_end(i0 + rows, kv_len));
+  // The key tiles that can hold a visible key: [t_first, t_last); the others are masked.
+  const int64_t t_first = std::max<int64_t>(union_lo / block_kv, t_begin);
+  const int64_t t_last = std::min<int64_t>(union_lo < union_hi ? (union_hi + block_kv - 1) / block_kv : 0, t_end);
+  for (int64_t kv_tile = t_begin; kv_tile < t_end; ++kv_tile) {
+    uint8_t range_class = kTileMasked;
+    int range_diagonal = 0;
+    if (kv_tile >= t_first && kv_tile < t_last) {
+      const int64_t j0 = kv_tile * block_kv;
+      const int cols = static_cast<int>(std::min<int64_t>(kv_len - j0, block_kv));
+      int flags = 0;  // 1: a row sees a key; 2: a row misses a key; 4: a row sees keys not a prefix
+      int dmin = INT_MAX, dmax = INT_MIN, last_empty = INT_MIN, first_full = INT_MAX;
+#pragma unroll
+      for (int k = 0; k < kRangeRowsPerLane; ++k) {
+        const int r = lane + 32 * k;
+        if (r < rows) {
+          // The row's keys inside the tile, tile-relative: [tlo, thi) within [0, cols).
+          const int tlo = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo[k] - j0, 0), cols));
+          const int thi = static_cast<int>(std::min<int64_t>(std::max<int64_t>(hi[k] - j0, 0), cols));
+          const int count = thi > tlo ? thi - tlo : 0;
+          flags |= (count > 0 ? 1 : 0) | (count < cols ? 2 : 0) | (count > 0 && tlo > 0 ? 4 : 0);
+          if (count > 0 && count < cols) {
+            dmin = min(dmin, count - 1 - r);
+            dmax = max(dmax, count - 1 - r);
+          }
+          last_empty = count == 0 ? max(last_empty, r) : last_empty;
+          first_full = count == cols ? min(first_full, r) : first_full;
+        }
+      }
+      flags = static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(flags)));
+      dmin = __reduce_min_sync(0xffffffffu, dmin);
+      dmax = __reduce_max_sync(0xffffffffu, dmax);
+      last_empty = __reduce_max_sync(0xffffffffu, last_empty);
+      first_full = __reduce_min_sync(0xffffffffu, first_full);
+      range_class = !(flags & 1) ? kTileMasked : !(flags & 2) ? kTileVisible : kTileMixed;
+      // One diagonal d = dmin: prefixes only, the partial rows agree on d (there is one), the
+      // empty rows see none (r + d < 0) and the full rows all (r + d + 1 >= cols).
+      if (range_class == kTileMixed && !(flags & 4) && dmin != INT_MAX && dmin == dmax &&
+          (last_empty == INT_MIN || int64_t{last_empty} + dmin < 0) &&
+          (first_full == INT_MAX || int64_t{first_full} + dmin + 1 >= cols)) {
+        range_class = kTileDiagonal;
+        range_diagonal = dmin;
+      }
+    }
+    for (int64_t h = lane; h < heads_m; h += 32) {
+      int d = 0;
+      const uint8_t tile_class = combined_class(range_class, range_diagonal, mask_tiles, b, h, q_tile, kv_tile, d);
+      const int64_t y = ((b * heads_m + h) * q_tiles + q_tile) * kv_tiles + kv_tile;
+      out[y] = tile_class;
+      diagonal[y] = static_cast<int16_t>(d);
+      if (tile_class != kTileMasked) {
+        bounds.note_not_masked(y, q_tiles, kv_tiles);
+      }
     }
   }
 }
@@ -512,15 +585,16 @@ at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, co
   at::Tensor summary = at::empty({batch, heads_m, q_tiles, kv_tiles}, key_ranges.options().dtype(at::kByte));
   *diagonals = at::empty(summary.sizes(), key_ranges.options().dtype(at::kShort));
   const WalkBoundsOut bounds_out = walk_bounds_out(summary, bounds);
-  const int64_t blocks = batch * q_tiles * kv_tiles;
-  if (blocks == 0) {
+  constexpr int kTilesPerCta = kRangeTilesPerWarp * kRangeWarps;
+  const int64_t blocks = batch * q_tiles, splits = (kv_tiles + kTilesPerCta - 1) / kTilesPerCta;
+  if (blocks == 0 || splits == 0) {
     return summary;
   }
-  TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): the key ranges have too many tiles to summarise (", blocks,
-              ")");
-  summarize_key_ranges_kernel<<<static_cast<unsigned>(blocks), kMaxDiagonalRows, 0,
+  TORCH_CHECK(blocks <= 0x7fffffffLL && splits <= 65535,
+              "attention (CUDA): the key ranges have too many tiles to summarise (", blocks, " x ", splits, ")");
+  summarize_key_ranges_kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(splits)), 32 * kRangeWarps, 0,
                                 c10::cuda::getCurrentCUDAStream()>>>(
-      make_key_range_view(key_ranges), mask_tiles, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
+      make_key_range_view(key_ranges), mask_tiles, causal, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles,
       summary.data_ptr<uint8_t>(), diagonals->data_ptr<int16_t>(), bounds_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;

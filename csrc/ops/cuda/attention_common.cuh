@@ -161,8 +161,9 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
 // contiguous: AttentionFwdArgs::key_ranges) ANDed with a bool mask view (or none): uint8
 // [B, Hm, ceil(Q / block_q), ceil(KV / block_kv)] with Hm the mask summary's heads (1 without a
 // mask), and the diagonals (int16, same shape) of its kTileDiagonal tiles in *diagonals. Tiles of
-// at most 128 rows; bounds and causal (the mask's tiles) as summarize_mask_tiles takes them.
-// Kernels on the current stream, no host synchronisation.
+// at most 128 rows; bounds and causal as summarize_mask_tiles takes them (causal: the tiles no row
+// of which sees a key, by causality, are masked, whatever the ranges say; a causal window's ranges
+// run to kv_len). Kernels on the current stream, no host synchronisation.
 at::Tensor summarize_key_ranges(const at::Tensor& key_ranges, int64_t kv_len, const at::Tensor& mask, int block_q,
                                 int block_kv, at::Tensor* diagonals, TileWalkBounds* bounds = nullptr,
                                 Causal causal = {});

@@ -223,8 +223,7 @@ __global__ void __launch_bounds__(kThreads, 4)
         base.end = base.begin;  // a query position outside the ids matches nothing
       } else {
         const int64_t at = b * p.packed_width + static_cast<int64_t>(q_pos);  // known: inside the ids
-        base.begin = std::max(base.begin, runs.begin[at] - p.kv_offset);
-        base.end = std::max(base.begin, std::min(base.end, runs.end[at] - p.kv_offset));
+        base = in_run(p, base, runs.begin[at], runs.end[at]);
       }
     }
     uint8_t* out_row = out + row * p.kv_length * kBytes;
@@ -369,6 +368,16 @@ void launch(const SdpaMaskParams& p, at::Tensor& out, T on, T off) {
   launch_bytes<sizeof(T)>(p, out, bits_of(on), bits_of(off));
 }
 
+// _key_ranges: a thread per query row (key_range_of_row), after the runs' pre-pass with packed ids.
+__global__ void __launch_bounds__(kThreads)
+    key_ranges_rows_kernel(const SdpaMaskParams p, const int64_t* __restrict__ run_begin,
+                           const int64_t* __restrict__ run_end, int32_t* __restrict__ out) {
+  const int64_t rows = p.batch_size * p.q_length;
+  for (int64_t row = blockIdx.x * int64_t{kThreads} + threadIdx.x; row < rows; row += int64_t{gridDim.x} * kThreads) {
+    key_range_of_row(p, run_begin, run_end, row / p.q_length, row % p.q_length, out + 2 * row);
+  }
+}
+
 // sdpa_mask's CUDA kernel (sdpa_mask_kernel): on the named GPU (the current one when no index is
 // given), its guard open while the small inputs are converted and the mask is written.
 struct CudaMaskBackend {
@@ -392,12 +401,22 @@ struct CudaMaskBackend {
       launch<scalar_t>(params, out, scalar_t(0), off);
     });
   }
+  void key_ranges(const SdpaMaskParams& params, at::Tensor& out) const {
+    at::Tensor storage;  // the runs, freed after the launch is queued (stream-ordered reuse)
+    const PackedRuns runs = params.packed_ids != nullptr ? packed_runs(params, out, storage) : PackedRuns{};
+    const int64_t rows = params.batch_size * params.q_length;
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>((rows + kThreads - 1) / kThreads, 65535));
+    key_ranges_rows_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params, runs.begin, runs.end,
+                                                                                       out.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 };
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(safeattn, CUDA, m) {
   m.impl("sdpa_mask", &sdpa_mask_kernel<CudaMaskBackend>);
+  m.impl("_key_ranges", &key_ranges_kernel<CudaMaskBackend>);
 }
 
 }  // namespace safeattn
