@@ -24,11 +24,14 @@ part of its name such as "S=32768 B=1 H=16:16 D=128 chunk512", built as the swee
 `--impl` picks the implementation (default safeattn; "Flex", "SDPA cuDNN", ...), `--forward-only`
 leaves out the backward.
 
+`--deterministic`: the calls under `torch.use_deterministic_algorithms(True)` (the backward's dQ in
+its own pass instead of float32 additions).
+
 `--table` also prints the per-kernel device times (torch.profiler) of the last call of each kind,
 a narrow line per kernel.
 
     python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
-        [--generic] [--peer flash] [--table] [--case NAME [--impl NAME] [--forward-only]]
+        [--generic] [--peer flash] [--deterministic] [--table] [--case NAME [--impl NAME] [--forward-only]]
 """
 
 from __future__ import annotations
@@ -169,11 +172,13 @@ def main() -> None:
     parser.add_argument("--bias", choices=["1H", "B1"], default=None)
     parser.add_argument("--generic", action="store_true")
     parser.add_argument("--peer", choices=["flash"], default=None)
+    parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--case", default=None, metavar="NAME")
     parser.add_argument("--impl", default="safeattn")
     parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
+    torch.use_deterministic_algorithms(args.deterministic, warn_only=True)
     with _testing.generic_kernels() if args.generic else contextlib.nullcontext():
         if args.case:
             sweep_case(args.case, args.impl, args.calls, args.table, args.forward_only)
