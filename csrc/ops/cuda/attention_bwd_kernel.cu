@@ -319,6 +319,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
   at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
+  // Where the walks stop: the dK/dV kernel's up a column at its last query tile not masked, the
+  // dQ kernel's along a row starts at its first key tile not masked (TileWalkBounds).
+  attn::TileWalkBounds bounds_dkdv, bounds_dq;
   // The dK/dV kernel's large shape where this GPU's blocks may take its shared memory.
   const bool large_tiles =
       attn::bwd_large_tiles(head_dim, at::cuda::getDeviceProperties(query.get_device())->sharedMemPerBlockOptin);
@@ -326,14 +329,19 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     attn::BwdTileSizes tiles;
     TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, large_tiles, tiles),
                           "attention backward (CUDA): no tile sizes for ", head_dim);
-    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv);
-    p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv);
-    // The atomic mode runs no dQ kernel: its summary is not needed.
+    // The atomic mode runs no dQ kernel: its summary is not needed; where the tiles agree the dQ
+    // kernel reads the dK/dV kernel's.
+    const bool shared = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv;
+    bounds_dkdv.columns = true;
+    bounds_dkdv.rows = !atomic_dq && shared;
+    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv, nullptr, &bounds_dkdv);
+    p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv, {}, bounds_dkdv);
     if (!atomic_dq) {
-      summary_dq = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv
-                       ? summary_dkdv
-                       : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv);
-      p.tiles_dq = attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv);
+      bounds_dq.rows = true;
+      summary_dq =
+          shared ? summary_dkdv : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv, nullptr, &bounds_dq);
+      p.tiles_dq =
+          attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv, {}, shared ? bounds_dkdv : bounds_dq);
     }
   }
   p.causal.enabled = a.is_causal;

@@ -57,11 +57,13 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.kv_len = key.size(2);
   p.score = attn::score_rule(a.scale, a.softcap, attn::natural_units(a.mask));
   p.causal = attn::causal_rule(a);
-  at::Tensor summary;  // kept alive until the launch is queued (stream-ordered allocator)
+  at::Tensor summary;           // kept alive until the launch is queued (stream-ordered allocator)
+  attn::TileWalkBounds bounds;  // each row of tiles' first key tile not masked: where the walk starts
+  bounds.rows = true;
   if (a.mask.defined()) {
     p.mask = attn::make_mask_view(a.mask);
-    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv);
-    p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv);
+    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, nullptr, &bounds);
+    p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv, {}, bounds);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   attn::with_16bit_type(query, [&](auto type) {

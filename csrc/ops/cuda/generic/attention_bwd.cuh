@@ -612,10 +612,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     return at;
   };
   // The first step from `at` on whose tile the mask summary does not prove fully masked: the
-  // others contribute exactly 0 and are skipped without reading Q, dO or the mask.
+  // others contribute exactly 0 and are skipped without reading Q, dO or the mask. A head's
+  // column ends at its last query tile not masked (the summary's query_end): the rest of it is
+  // not walked.
   auto next_step = [&](Step at) {
-    while (steps > at.index && p.tiles_dkdv.at(b, at.h, at.q_tile, blockIdx.x) == kTileMasked) {
-      at = advance(at);
+    while (steps > at.index) {
+      if (at.q_tile >= p.tiles_dkdv.query_end_at(b, at.h, blockIdx.x)) {
+        at.index += q_tiles - at.q_tile;  // the next head's first tile
+        at.q_tile = first_tile;
+        ++at.h;
+      } else if (p.tiles_dkdv.at(b, at.h, at.q_tile, blockIdx.x) == kTileMasked) {
+        at = advance(at);
+      } else {
+        break;
+      }
     }
     return at;
   };
@@ -932,7 +942,11 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
     return step;
   };
 
-  int64_t step = next_step(0);
+  // From the row's first key tile not masked (the summary's record); the tiles before it get
+  // their zero mask gradient at once.
+  const int64_t first_step = std::min<int64_t>(p.tiles_dq.first_visible_at(b, h, q_tile), steps);
+  zero_mask_grad(0, first_step * kKeys);
+  int64_t step = next_step(first_step);
   if (step < steps) {
     prefetch(step, 0);
   }

@@ -517,7 +517,9 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   // In flight before the loop: Q and the first tile's K (interleaved), or Q and the first
   // kStages - 1 tiles' K and V, one commit group a tile (Q in the first).
   load_tile<T, kBlockM, D, kThreads, kQRounds, Rows, kWalk>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
-  int64_t tile = next_tile(0);
+  // From the row's first key tile not masked (the summary's record; 0 without a mask): the keys
+  // left padding or a window hides from it are not walked one load at a time.
+  int64_t tile = next_tile(p.tiles.first_visible_at(b, h, q_tile));
   int64_t fetch = tile;  // the next tile whose K and V are loaded (staged)
   if constexpr (Cfg::kInterleaved) {
     if (tile < n_tiles) {
