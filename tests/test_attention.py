@@ -560,6 +560,76 @@ def test_bias_gradient_is_deterministic_across_threads(device):
             assert torch.equal(a, b), "gradients differ between runs / thread counts"
 
 
+@pytest.fixture
+def deterministic_fill():
+    """torch.use_deterministic_algorithms(True) with fill_uninitialized_memory on (ATen fills
+    every new tensor with NaN); both restored after the test."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_deterministic_outputs_skip_the_fill_and_are_written_in_full(device, deterministic_fill):
+    """Under deterministic algorithms ATen fills each new tensor; the output and the gradients,
+    which the kernels write in full, skip that pass. They stay right where their memory held NaN
+    before the call (the CUDA caching allocator hands back the blocks just freed): rows that see no
+    key, padded keys, GQA, Transformers' [B, S, H, D] layout."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch, hq, hkv, q_len, kv_len, head_dim = 2, 4, 2, 384, 384, 64
+    q, k, v = _qkv(batch, hq, hkv, q_len, kv_len, head_dim, dtype, device, transposed=True, seed=3)
+    padding = torch.ones(batch, kv_len, dtype=torch.bool)
+    padding[1, :100] = False  # left padding: row 1's first 100 queries see no key under causality
+    mask = safeattn.sdpa_mask(batch, q_len, kv_len, padding_mask=padding).to(device)
+    grad_out = torch.randn(batch, hq, q_len, head_dim, generator=torch.Generator().manual_seed(4))
+    grad_out = grad_out.to(device=device, dtype=dtype)
+
+    def poison():
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            for t in (q, k, v) * 3:
+                torch.full(t.shape, float("nan"), device=device, dtype=dtype)
+
+    with torch.profiler.profile(record_shapes=True) as prof:
+        poison()
+        out, lse = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        poison()
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    # The fills of safeattn's own allocations (aten::empty called by a safeattn op) of the outputs'
+    # shapes; copies that ATen ops make inside (masked_fill's clone) are theirs.
+    written = {tuple(t.shape) for t in (q, k, v, out, *grads)} | {(batch, q_len, hq, head_dim)}
+
+    def filled_by_safeattn(e):
+        empty = e.cpu_parent
+        return (
+            e.name == "aten::fill_"
+            and tuple(e.input_shapes[0]) in written
+            and empty is not None
+            and empty.name == "aten::empty"
+            and empty.cpu_parent is not None
+            and empty.cpu_parent.name.startswith("safeattn::")
+        )
+
+    filled = [e.input_shapes[0] for e in prof.events() if filled_by_safeattn(e)]
+    assert not filled, f"the outputs were filled before the kernels wrote them: {filled}"
+
+    torch.use_deterministic_algorithms(False)
+    ref_out, ref_lse = reference.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    low_out, _ = reference.attention(q, k, v, attn_mask=mask, enable_gqa=True, compute_dtype=dtype)
+    _compare("out", out, ref_out, low_out, 2, FLOOR[dtype])
+    assert torch.equal(lse.isneginf().cpu(), ref_lse.isneginf().cpu()), "lse -inf rows differ"
+    want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
+    low = torch.autograd.grad(low_out, (q, k, v), grad_out)
+    for name, g, w, lo in zip(("grad_query", "grad_key", "grad_value"), grads, want, low, strict=True):
+        _compare(name, g, w, lo, 3, FLOOR[dtype] * max(1.0, w.abs().max().item()) * 4)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap(device, dtype):

@@ -81,69 +81,128 @@ struct PackedRuns {
   const bool* ordered = nullptr;   // [B]: the row's ids never decrease
 };
 
-constexpr int kRunThreads = 1024;
+constexpr int kRunThreads = 512;
+constexpr int kRunWarps = kRunThreads / 32;
 
-// One block per batch row; thread t scans a contiguous segment, and the runs that cross a
-// segment boundary are completed from a block-wide max-scan (begins) and min-scan (ends).
+struct MaxOf {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+};
+struct MinOf {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
+};
+
+// `op` over the block's values, given to every thread. `totals`: kRunWarps slots of shared memory.
+template <class Op>
+__device__ int64_t block_reduce(int64_t v, Op op, int64_t* totals) {
+  for (int d = 16; d > 0; d >>= 1) {
+    v = op(v, __shfl_xor_sync(~0u, v, d));
+  }
+  if (threadIdx.x % 32 == 0) {
+    totals[threadIdx.x / 32] = v;
+  }
+  __syncthreads();
+  v = totals[0];
+  for (int w = 1; w < kRunWarps; ++w) {
+    v = op(v, totals[w]);
+  }
+  __syncthreads();  // totals are free for the next call
+  return v;
+}
+
+// The inclusive scan by `op` of the block's values in thread order (kForward) or in reverse.
+template <bool kForward, class Op>
+__device__ int64_t block_scan(int64_t v, int64_t identity, Op op, int64_t* totals) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  for (int d = 1; d < 32; d <<= 1) {
+    const int64_t other = kForward ? __shfl_up_sync(~0u, v, d) : __shfl_down_sync(~0u, v, d);
+    if (kForward ? lane >= d : lane + d < 32) {
+      v = op(v, other);
+    }
+  }
+  if (lane == (kForward ? 31 : 0)) {
+    totals[warp] = v;
+  }
+  __syncthreads();
+  int64_t carry = identity;
+  for (int w = 0; w < kRunWarps; ++w) {
+    if (kForward ? w < warp : w > warp) {
+      carry = op(carry, totals[w]);
+    }
+  }
+  __syncthreads();
+  return op(carry, v);
+}
+
+// Where a run starts (its first position) and ends (one past its last) at position i of a row;
+// -1 / INT64_MAX where it does not.
+struct RunMarks {
+  int64_t start = -1;
+  int64_t end = INT64_MAX;
+  bool decrease = false;  // ids[i] < ids[i - 1]
+
+  __device__ RunMarks(const int64_t* __restrict__ row, int64_t width, int64_t i) {
+    if (i < width) {
+      const int64_t id = row[i];
+      const int64_t before = i > 0 ? row[i - 1] : id;
+      start = i == 0 || before != id ? i : -1;
+      end = i == width - 1 || row[i + 1] != id ? i + 1 : INT64_MAX;
+      decrease = id < before;
+    }
+  }
+};
+
+// The runs in two launches over blocks of kRunThreads positions (a thread each; grid.x = B x the
+// blocks of a row). First each block's last run start, first run end and whether the ids
+// decrease inside it (one slot per block); then each position's run from the scans inside its
+// block, completed by the slots of the blocks before and after it, and each row's order.
+struct RunBlocks {
+  int64_t* last_start;  // [B, blocks]
+  int64_t* first_end;   // [B, blocks]
+  bool* decreases;      // [B, blocks]
+  int64_t blocks;       // of a row
+};
+
 __global__ void __launch_bounds__(kRunThreads)
-    packed_runs_kernel(const int64_t* __restrict__ ids, int64_t width, int64_t* __restrict__ begin,
-                       int64_t* __restrict__ end, bool* __restrict__ ordered) {
-  __shared__ int64_t carry[kRunThreads];
-  const int t = static_cast<int>(threadIdx.x);
-  const int64_t* row = ids + blockIdx.x * width;
-  int64_t* row_begin = begin + blockIdx.x * width;
-  int64_t* row_end = end + blockIdx.x * width;
-  const int64_t per = (width + kRunThreads - 1) / kRunThreads;
-  const int64_t lo = std::min<int64_t>(width, t * per);
-  const int64_t hi = std::min<int64_t>(width, lo + per);
+    packed_run_blocks_kernel(const int64_t* __restrict__ ids, int64_t width, RunBlocks out) {
+  __shared__ int64_t totals[kRunWarps];
+  const int64_t b = blockIdx.x / out.blocks, block = blockIdx.x % out.blocks;
+  const RunMarks marks(ids + b * width, width, block * kRunThreads + threadIdx.x);
+  const int64_t last_start = block_reduce(marks.start, MaxOf{}, totals);
+  const int64_t first_end = block_reduce(marks.end, MinOf{}, totals);
+  const bool decreases = __syncthreads_or(marks.decrease);
+  if (threadIdx.x == 0) {
+    out.last_start[blockIdx.x] = last_start;
+    out.first_end[blockIdx.x] = first_end;
+    out.decreases[blockIdx.x] = decreases;
+  }
+}
 
-  // Begins: -1 until a run starts inside the segment (position 0 always starts one).
-  bool never_decreases = true;
-  int64_t last_begin = -1;
-  for (int64_t i = lo; i < hi; ++i) {
-    if (i == 0 || row[i] != row[i - 1]) {
-      last_begin = i;
-    }
-    never_decreases = never_decreases && (i == 0 || row[i] >= row[i - 1]);
-    row_begin[i] = last_begin;
+__global__ void __launch_bounds__(kRunThreads)
+    packed_runs_kernel(const int64_t* __restrict__ ids, int64_t width, const RunBlocks blocks,
+                       int64_t* __restrict__ begin, int64_t* __restrict__ end, bool* __restrict__ ordered) {
+  __shared__ int64_t totals[kRunWarps];
+  const int64_t b = blockIdx.x / blocks.blocks, block = blockIdx.x % blocks.blocks;
+  const int64_t i = block * kRunThreads + threadIdx.x;
+  int64_t start_before = -1, end_after = INT64_MAX;
+  bool decreases = false;
+  for (int64_t k = threadIdx.x; k < blocks.blocks; k += kRunThreads) {
+    const int64_t slot = b * blocks.blocks + k;
+    start_before = k < block ? std::max(start_before, blocks.last_start[slot]) : start_before;
+    end_after = k > block ? std::min(end_after, blocks.first_end[slot]) : end_after;
+    decreases = decreases || blocks.decreases[slot];
   }
-  carry[t] = last_begin;
-  __syncthreads();
-  for (int step = 1; step < kRunThreads; step <<= 1) {  // inclusive max-scan: begins only grow
-    const int64_t other = t >= step ? carry[t - step] : -1;
-    __syncthreads();
-    carry[t] = std::max(carry[t], other);
-    __syncthreads();
+  start_before = block_reduce(start_before, MaxOf{}, totals);
+  end_after = block_reduce(end_after, MinOf{}, totals);
+  decreases = __syncthreads_or(decreases);
+  const RunMarks marks(ids + b * width, width, i);
+  const int64_t run_begin = std::max(start_before, block_scan<true>(marks.start, int64_t{-1}, MaxOf{}, totals));
+  const int64_t run_end = std::min(end_after, block_scan<false>(marks.end, INT64_MAX, MinOf{}, totals));
+  if (i < width) {
+    begin[b * width + i] = run_begin;
+    end[b * width + i] = run_end;
   }
-  const int64_t begin_before = t > 0 ? carry[t - 1] : -1;
-  for (int64_t i = lo; i < hi && row_begin[i] < 0; ++i) {
-    row_begin[i] = begin_before;
-  }
-  __syncthreads();
-
-  // Ends, from the right: -1 until a run ends inside the segment (the last position always does).
-  int64_t first_end = -1;
-  for (int64_t i = hi - 1; i >= lo; --i) {
-    if (i == width - 1 || row[i + 1] != row[i]) {
-      first_end = i + 1;
-    }
-    row_end[i] = first_end;
-  }
-  carry[t] = first_end < 0 ? INT64_MAX : first_end;
-  __syncthreads();
-  for (int step = 1; step < kRunThreads; step <<= 1) {  // inclusive min-scan from the right
-    const int64_t other = t + step < kRunThreads ? carry[t + step] : INT64_MAX;
-    __syncthreads();
-    carry[t] = std::min(carry[t], other);
-    __syncthreads();
-  }
-  const int64_t end_after = t + 1 < kRunThreads ? carry[t + 1] : INT64_MAX;
-  for (int64_t i = hi - 1; i >= lo && row_end[i] < 0; --i) {
-    row_end[i] = end_after;
-  }
-  never_decreases = __syncthreads_and(never_decreases);
-  if (t == 0) {
-    ordered[blockIdx.x] = never_decreases;
+  if (block == 0 && threadIdx.x == 0) {
+    ordered[b] = !decreases;
   }
 }
 
@@ -330,12 +389,21 @@ void launch_rule(const SdpaMaskParams& p, at::Tensor& out, uint64_t on_bits, uin
 // caller frees it after queuing the mask kernel: the caching allocator hands that memory out
 // again only to work queued after it on the same stream.
 PackedRuns packed_runs(const SdpaMaskParams& p, const at::Tensor& like, at::Tensor& storage) {
-  storage = at::empty({2 * p.batch_size * p.packed_width + (p.batch_size + 7) / 8}, like.options().dtype(at::kLong));
+  const int64_t rows = p.batch_size, width = p.packed_width;
+  const int64_t blocks = std::max<int64_t>(1, (width + kRunThreads - 1) / kRunThreads);
+  const int64_t flags = rows * blocks + rows;  // decreases, then ordered (bytes)
+  storage = at::empty({2 * rows * width + 2 * rows * blocks + (flags + 7) / 8}, like.options().dtype(at::kLong));
   int64_t* begin = storage.data_ptr<int64_t>();
-  int64_t* end = begin + p.batch_size * p.packed_width;
-  bool* ordered = reinterpret_cast<bool*>(end + p.batch_size * p.packed_width);
-  packed_runs_kernel<<<static_cast<unsigned>(p.batch_size), kRunThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p.packed_ids, p.packed_width, begin, end, ordered);
+  int64_t* end = begin + rows * width;
+  RunBlocks slots{end + rows * width, end + rows * width + rows * blocks, nullptr, blocks};
+  slots.decreases = reinterpret_cast<bool*>(slots.first_end + rows * blocks);
+  bool* ordered = slots.decreases + rows * blocks;
+  TORCH_CHECK(rows * blocks <= INT32_MAX, "sdpa_mask: packed_ids has too many positions (", rows, " x ", width, ")");
+  const auto grid = static_cast<unsigned>(rows * blocks);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  packed_run_blocks_kernel<<<grid, kRunThreads, 0, stream>>>(p.packed_ids, width, slots);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  packed_runs_kernel<<<grid, kRunThreads, 0, stream>>>(p.packed_ids, width, slots, begin, end, ordered);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {begin, end, ordered};
 }
