@@ -8,8 +8,8 @@
 //
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
-// [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles:
-// decode_launch's long_split_tiles)].
+// [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles when not
+// paged: decode_launch's long_split_tiles)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
@@ -65,7 +65,7 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, g_cap_tiles,
+    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, kPaged, g_cap_tiles,
                         g_split_tiles);
   }
   p.splits = how.splits;

@@ -64,7 +64,7 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     return std::max(n, 1);
   }();
   const decode::DecodeLaunch how =
-      decode::decode_launch(p.kv_end, batch, hkv, multiprocessor_count() * resident, has_clusters());
+      decode::decode_launch(p.kv_end, batch, hkv, multiprocessor_count() * resident, has_clusters(), kPaged);
   p.splits = how.splits;
   p.out = o;
 

@@ -85,10 +85,14 @@ constexpr int kRunThreads = 512;
 constexpr int kRunWarps = kRunThreads / 32;
 
 struct MaxOf {
-  __device__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+  __device__ int64_t operator()(int64_t a, int64_t b) const {
+    return a > b ? a : b;
+  }
 };
 struct MinOf {
-  __device__ int64_t operator()(int64_t a, int64_t b) const { return a < b ? a : b; }
+  __device__ int64_t operator()(int64_t a, int64_t b) const {
+    return a < b ? a : b;
+  }
 };
 
 // `op` over the block's values, given to every thread. `totals`: kRunWarps slots of shared memory.

@@ -146,9 +146,11 @@ struct DecodeLaunch {
 // tiles, each paying the split's fixed cost (H200, D 128, GQA 8: B1 KV32768 99 splits of 5-6
 // tiles 45.3 us, 64 splits of 8 tiles 39.2; D 64 33.5 -> 27.3; splits already this long unchanged).
 constexpr int kLongSplitTiles = 8;
-// From this many key tiles on (32768 keys) a split takes twice that: the same check, B1 GQA 8:1
-// D 128, KV32768 39.1 -> 36.1 us (GQA 4:1 56.6 -> 53.0); D 64 and KV131072 unchanged; KV16384
-// slower (25.2 -> 27.6), so not below.
+// From this many key tiles on (32768 keys) a split of a contiguous cache takes twice that: the same
+// check, B1 GQA 8:1 D 128, KV32768 39.1 -> 36.1 us (GQA 4:1 56.6 -> 53.0); D 64 and KV131072
+// unchanged; KV16384 slower (25.2 -> 27.6), so not below. Through the extension (H200, bench
+// decode, B1 GQA 8:1 D 128 KV32768) contiguous 33.5 -> 29.6 us, but paged 39.2 -> 49.6: a paged
+// cache keeps kLongSplitTiles.
 constexpr int64_t kLongerSplitFromTiles = 512;
 
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, at most
@@ -158,10 +160,10 @@ constexpr int64_t kLongerSplitFromTiles = 512;
 // kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1 KV1024 13.8 -> 11.3 us,
 // KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6 splits a cluster took 320 us
 // against 281 with the combine kernel. A cache longer than that reach (with clusters or without)
-// gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on); a
-// shorter one keeps its splits of a tile or two (B1 KV1024 in a cluster: 8 splits of 2 tiles
-// 10.3 us, 2 splits of 8 tiles 15.3).
-inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
+// gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on, not
+// `paged`); a shorter one keeps its splits of a tile or two (B1 KV1024 in a cluster: 8 splits of 2
+// tiles 10.3 us, 2 splits of 8 tiles 15.3).
+inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters, bool paged,
                                   int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t even = slots / (batch * hkv);
@@ -169,7 +171,8 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
   if (clusters && even > kMaxClusterSplits && tiles > 1 && short_cache) {
     return {static_cast<int>(tiles < kMaxClusterSplits ? tiles : kMaxClusterSplits), true};
   }
-  const int64_t min_tiles = short_cache ? 1 : (tiles >= kLongerSplitFromTiles ? 2 : 1) * long_split_tiles;
+  const bool longer = !paged && tiles >= kLongerSplitFromTiles;
+  const int64_t min_tiles = short_cache ? 1 : (longer ? 2 : 1) * long_split_tiles;
   const int64_t by_tiles = (tiles + min_tiles - 1) / min_tiles;
   const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
   return {static_cast<int>(even < 1 ? 1 : (even > most ? most : even)), false};
