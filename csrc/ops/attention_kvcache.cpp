@@ -107,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& block_table, std::optional<double> scale, const at::Tensor& key_ranges,
-    double softcap, const std::optional<at::Tensor>& sinks, bool append) {
+    int64_t kv_end, double softcap, const std::optional<at::Tensor>& sinks, bool append) {
   const int64_t batch = q.size(0);
   const bool paged = block_table.has_value();
   const int64_t page_size = k_cache.size(1), capacity = paged ? block_table->size(1) * page_size : page_size;
@@ -131,15 +131,23 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
     k_cache.index_put_(where, *k);
     v_cache.index_put_(where, *v);
   }
+  // The keys read: up to kv_end where it is known (at least one, so that the attention keeps its
+  // usual shapes; a row's empty range still gives 0).
+  const int64_t reach = kv_end < 0 ? capacity : std::min(capacity, std::max<int64_t>(kv_end, 1));
   at::Tensor keys = k_cache, values = v_cache;
-  if (paged) {
-    // Each sequence's pages in order, [B, max_pages, page_size, H, D] -> [B, C, H, D]. The copy is
-    // ours: slots no row sees are zeroed, so that a kernel multiplying a masked probability (0) by
-    // its value never meets a NaN there.
-    keys = k_cache.index({pages}).flatten(1, 2);
-    values = v_cache.index({pages}).flatten(1, 2);
+  if (!paged) {
+    keys = k_cache.narrow(1, 0, reach);
+    values = v_cache.narrow(1, 0, reach);
+  } else {
+    // Each sequence's pages in order, [B, max_pages, page_size, H, D] -> [B, C, H, D], up to the
+    // page of key reach - 1. The copy is ours: slots no row sees are zeroed, so that a kernel
+    // multiplying a masked probability (0) by its value never meets a NaN there.
+    const at::Tensor read = pages.narrow(1, 0, (reach + page_size - 1) / page_size);
+    keys = k_cache.index({read}).flatten(1, 2);
+    values = v_cache.index({read}).flatten(1, 2);
+    const int64_t gathered = keys.size(1);
     const at::Tensor seen = key_ranges.select(2, 1).amax(1, /*keepdim=*/true);  // [B, 1]
-    const at::Tensor unused = (at::arange(capacity, index).unsqueeze(0) >= seen).view({batch, capacity, 1, 1});
+    const at::Tensor unused = (at::arange(gathered, index).unsqueeze(0) >= seen).view({batch, gathered, 1, 1});
     keys.masked_fill_(unused, 0);
     values.masked_fill_(unused, 0);
   }
@@ -160,13 +168,15 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cpu(
   const int64_t batch = q.size(0), q_len = q.size(1);
   at::Tensor key_ranges = at::empty({batch, q_len, 2}, cache_seqlens.options());
   int* r = key_ranges.data_ptr<int>();
+  int64_t kv_end = 0;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < q_len; ++i, r += 2) {
       view.key_range(b, static_cast<int>(i), r[0], r[1]);
+      kv_end = std::max<int64_t>(kv_end, r[1]);
     }
   }
-  return attention_kvcache_composite(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale, key_ranges, softcap,
-                                     sinks, /*append=*/true);
+  return attention_kvcache_composite(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale, key_ranges, kv_end,
+                                     softcap, sinks, /*append=*/true);
 }
 
 }  // namespace

@@ -39,12 +39,14 @@ KvCacheView checked_kv_cache_view(const at::Tensor& q, const at::Tensor& k_cache
 // caller having written the tokens), the paged cache gathered into a contiguous copy, then
 // safeattn::attention with `key_ranges` ([B, Sq, 2] int32, KvCacheView::key_range of every row,
 // computed by the backend). The CPU kernel, and the CUDA kernel's fallback where the decode
-// kernel cannot take the call.
+// kernel cannot take the call. `kv_end`: one past the last key any row sees (the largest `hi`),
+// where the backend knows it without a host synchronisation, else -1; the attention then reads
+// the cache only up to it (a decode step costs what the sequences hold, not the capacity).
 std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
     const std::optional<at::Tensor>& block_table, std::optional<double> scale, const at::Tensor& key_ranges,
-    double softcap, const std::optional<at::Tensor>& sinks, bool append);
+    int64_t kv_end, double softcap, const std::optional<at::Tensor>& sinks, bool append);
 
 // Checks what keeps every kernel inside its tensors (the user-facing checks, with their messages,
 // are attention_with_kvcache's): ranks, shapes, dtypes, devices, int32 indices.

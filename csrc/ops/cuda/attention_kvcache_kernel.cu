@@ -117,8 +117,8 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_cuda(
                             c10::cuda::getCurrentCUDAStream()>>>(cache, key_ranges.data_ptr<int>(), rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  return attention_kvcache_composite(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale, key_ranges, softcap,
-                                     sinks, /*append=*/false);
+  return attention_kvcache_composite(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale, key_ranges,
+                                     /*kv_end=*/-1, softcap, sinks, /*append=*/false);
 }
 
 }  // namespace
