@@ -72,6 +72,30 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
 }
 
+// C[M, N] = A[M, K] @ B[N, K]^T, row-major, B read in place (its rows as a transposed operand) by
+// the BLAS sgemm. Whether it is there: blas_sgemm_available().
+inline bool blas_sgemm_available() {
+#if defined(SAFEATTN_BLAS_SGEMM)
+  return sgemm_ != nullptr;
+#else
+  return false;
+#endif
+}
+inline void gemm_transposed_b(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                              float* C, int64_t ldc) {
+#if defined(SAFEATTN_BLAS_SGEMM)
+  TORCH_INTERNAL_ASSERT(sgemm_ != nullptr && std::max({M, N, K, lda, ldb, ldc}) <= std::numeric_limits<int>::max());
+  // Column-major C^T [N, M] = B [N, K] (stored as a transposed K x N) times A^T.
+  const char trans = 'T', no_trans = 'N';
+  const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
+  const int ld_b = static_cast<int>(ldb), ld_a = static_cast<int>(lda), ld_c = static_cast<int>(ldc);
+  const float one = 1.0f, zero = 0.0f;
+  sgemm_(&trans, &no_trans, &m, &n, &k, &one, B, &ld_b, A, &ld_a, &zero, C, &ld_c);
+#else
+  TORCH_INTERNAL_ASSERT(false, "gemm_transposed_b without a BLAS sgemm");
+#endif
+}
+
 // float64 exists for gradcheck on small shapes only: a plain loop is enough.
 inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
                  int64_t ldc, bool accumulate) {

@@ -68,7 +68,13 @@ void for_each_pack_chunk(const FwdShape& s, int64_t keys, int64_t work_per_key, 
 
 // Tiles in the accumulation type: K^T per (batch, kv-head) converted once per call, so that every
 // tile's Q K^T is a row-major GEMM; V converted with a unit inner stride unless it already is
-// (float32 inputs: read in place, with its row stride as the GEMM's leading dimension).
+// (float32 inputs: read in place, with its row stride as the GEMM's leading dimension). A float32
+// call of at most kKeysInPlaceRows query rows (a decoding step) reads K in place too, its Q K^T
+// the BLAS sgemm with K as a transposed operand: the transposing copy of K cost more than the
+// products it served (2-core AVX-512 EPYC, B=8 Hq 8 Hkv 2, 1024 keys, D 64, one query, through
+// attention_with_kvcache: 1.16 -> 0.45 ms, SDPA 0.54).
+constexpr int64_t kKeysInPlaceRows = 4;
+
 template <typename scalar_t>
 class FloatTiles {
  public:
@@ -80,22 +86,35 @@ class FloatTiles {
   FloatTiles(const AttentionFwdArgs& a, const FwdShape& s, acc_t q_scale) : s_(s), q_scale_(q_scale) {
     const at::Tensor &key = a.key, &value = a.value;
     const bool pack_value = !std::is_same_v<scalar_t, acc_t> || value.stride(3) != 1 || value.stride(2) < s.dv;
-    key_t_ =
-        at::empty({s.batch, s.hkv, s.head_dim, s.kv_len}, key.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    value_acc_ = pack_value ? at::empty({s.batch, s.hkv, s.kv_len, s.dv}, key_t_.options()) : at::Tensor();
-    acc_t* kt_ptr = key_t_.data_ptr<acc_t>();
+    keys_in_place_ = std::is_same_v<scalar_t, float> && s.q_len <= kKeysInPlaceRows && blas_sgemm_available() &&
+                     key.stride(3) == 1 && key.stride(2) >= s.head_dim &&  // BLAS: a leading dimension >= D
+                     key.stride(2) <= std::numeric_limits<int>::max();
+    if (keys_in_place_) {
+      k_ptr_ = reinterpret_cast<const acc_t*>(key.const_data_ptr<scalar_t>());
+      k_sb_ = key.stride(0), k_sh_ = key.stride(1), k_sj_ = key.stride(2);
+    } else {
+      key_t_ = at::empty({s.batch, s.hkv, s.head_dim, s.kv_len},
+                         key.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    }
+    value_acc_ = pack_value ? at::empty({s.batch, s.hkv, s.kv_len, s.dv},
+                                        key.options().dtype(c10::CppTypeToScalarType<acc_t>::value))
+                            : at::Tensor();
+    acc_t* kt_ptr = keys_in_place_ ? nullptr : key_t_.data_ptr<acc_t>();
     const scalar_t* k_src = key.const_data_ptr<scalar_t>();
     const scalar_t* v_src = value.const_data_ptr<scalar_t>();
     acc_t* v_dst = pack_value ? value_acc_.data_ptr<acc_t>() : nullptr;
     const int64_t k_sb = key.stride(0), k_sh = key.stride(1), k_sj = key.stride(2), k_sd = key.stride(3);
     const int64_t v_sb = value.stride(0), v_sh = value.stride(1), v_sj = value.stride(2), v_sd = value.stride(3);
-    for_each_pack_chunk(s, s.kv_len, s.head_dim + (pack_value ? s.dv : 0), [&](int64_t bh, int64_t j0, int64_t j1) {
+    const int64_t pack_work = (keys_in_place_ ? 0 : s.head_dim) + (pack_value ? s.dv : 0);
+    auto pack = [&](int64_t bh, int64_t j0, int64_t j1) {
       const int64_t b = bh / s.hkv, hk = bh % s.hkv;
-      const scalar_t* k = k_src + b * k_sb + hk * k_sh;
-      acc_t* kt = kt_ptr + bh * s.head_dim * s.kv_len;
-      for (int64_t d = 0; d < s.head_dim; ++d) {
-        for (int64_t j = j0; j < j1; ++j) {
-          kt[d * s.kv_len + j] = static_cast<acc_t>(k[j * k_sj + d * k_sd]);
+      if (kt_ptr != nullptr) {
+        const scalar_t* k = k_src + b * k_sb + hk * k_sh;
+        acc_t* kt = kt_ptr + bh * s.head_dim * s.kv_len;
+        for (int64_t d = 0; d < s.head_dim; ++d) {
+          for (int64_t j = j0; j < j1; ++j) {
+            kt[d * s.kv_len + j] = static_cast<acc_t>(k[j * k_sj + d * k_sd]);
+          }
         }
       }
       if (v_dst != nullptr) {
@@ -106,7 +125,10 @@ class FloatTiles {
           }
         }
       }
-    });
+    };
+    if (pack_work > 0) {
+      for_each_pack_chunk(s, s.kv_len, pack_work, pack);
+    }
     const at::Tensor& v_used = pack_value ? value_acc_ : value;
     v_ptr_ = static_cast<const acc_t*>(v_used.const_data_ptr());
     v_sb_ = v_used.stride(0);
@@ -136,6 +158,13 @@ class FloatTiles {
 
   // S[m, n] = Q_tile @ K^T[:, j0 .. j0 + n) of kv-head bh, into s (row stride ld).
   void scores(Scratch& w, int64_t bh, int64_t j0, int64_t n, int64_t m, acc_t* s, int64_t ld) const {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (keys_in_place_) {
+        const acc_t* k = k_ptr_ + (bh / s_.hkv) * k_sb_ + (bh % s_.hkv) * k_sh_ + j0 * k_sj_;
+        gemm_transposed_b(m, n, s_.head_dim, w.q.data(), s_.head_dim, k, k_sj_, s, ld);
+        return;
+      }
+    }
     const acc_t* kt = key_t_.const_data_ptr<acc_t>() + bh * s_.head_dim * s_.kv_len;
     gemm(m, n, s_.head_dim, w.q.data(), s_.head_dim, kt + j0, s_.kv_len, s, ld, false);
   }
@@ -153,6 +182,9 @@ class FloatTiles {
   FwdShape s_;
   acc_t q_scale_;
   at::Tensor key_t_, value_acc_;
+  bool keys_in_place_ = false;
+  const acc_t* k_ptr_ = nullptr;
+  int64_t k_sb_ = 0, k_sh_ = 0, k_sj_ = 0;
   const acc_t* v_ptr_ = nullptr;
   int64_t v_sb_ = 0, v_sh_ = 0, v_si_ = 0;
 };
