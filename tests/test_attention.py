@@ -640,6 +640,33 @@ def test_softcap(device, dtype):
     _check_against_reference(q, k, v, attn_mask=mask, softcap=2.0, enable_gqa=True)
 
 
+@pytest.mark.parametrize("q_len", [1, 3, 4, 5])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "strided_d"])
+def test_cpu_decoding_steps(q_len, layout):
+    """float32 calls of up to 4 query rows read K in place on the CPU (no packed K^T); 5 rows and
+    a K whose head dim is strided take the packed route. Both against the reference: two key
+    tiles, GQA, causal bottom-right, a row masked out entirely, a softcap, sinks."""
+    batch, hq, hkv, kv_len, head_dim = 2, 8, 2, 700, 64
+    gen = torch.Generator().manual_seed(q_len)
+    q = torch.randn(batch, hq, q_len, head_dim, generator=gen).requires_grad_()
+    if layout == "bhsd":
+        k = torch.randn(batch, hkv, kv_len, head_dim, generator=gen)
+    elif layout == "bshd":  # Transformers' and the KV caches' layout, read through a transpose
+        k = torch.randn(batch, kv_len, hkv, head_dim, generator=gen).transpose(1, 2)
+    else:  # the head dim strided: packed
+        k = torch.randn(batch, hkv, kv_len, 2 * head_dim, generator=gen)[..., ::2]
+    k = k.requires_grad_()
+    v = torch.randn(batch, hkv, kv_len, head_dim, generator=gen).requires_grad_()
+    sinks = torch.randn(hq, generator=gen)
+    mask = torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    mask &= torch.arange(kv_len) <= torch.arange(q_len)[:, None] + kv_len - q_len
+    mask[1, 0, 0] = False  # a row that sees no key
+    mask[0, 0, :, :37] = False
+    _check_against_reference(
+        q, k, v, attn_mask=mask, softcap=30.0, sinks=sinks, enable_gqa=True, check_lse_grad=True
+    )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sinks(device, dtype):
