@@ -69,11 +69,13 @@ void for_each_pack_chunk(const FwdShape& s, int64_t keys, int64_t work_per_key, 
 // Tiles in the accumulation type: K^T per (batch, kv-head) converted once per call, so that every
 // tile's Q K^T is a row-major GEMM; V converted with a unit inner stride unless it already is
 // (float32 inputs: read in place, with its row stride as the GEMM's leading dimension). A float32
-// call of at most kKeysInPlaceRows query rows (a decoding step) reads K in place too, its Q K^T
-// the BLAS sgemm with K as a transposed operand: the transposing copy of K cost more than the
-// products it served (2-core AVX-512 EPYC, B=8 Hq 8 Hkv 2, 1024 keys, D 64, one query, through
-// attention_with_kvcache: 1.16 -> 0.45 ms, SDPA 0.54).
-constexpr int64_t kKeysInPlaceRows = 4;
+// call of at most kKeysInPlaceRows query rows (decoding, speculative tokens, short appends) reads
+// K in place too, its Q K^T the BLAS sgemm with K as a transposed operand: the transposing copy
+// of K cost more than the products it served. 2-core AVX-512 EPYC, Hq 8 Hkv 2 D 64, us, packed /
+// in place: B=8 1024 keys, Q 1 636 / 406, Q 4 792 / 652, Q 16 1902 / 1804, Q 32 3644 / 3522,
+// Q 64 6487 / 6414, Q 128 12218 / 12978; B=1 4096 keys, Q 1 368 / 248, Q 16 1183 / 907, Q 128
+// 5955 / 6306. Through attention_with_kvcache, B=8 1024 keys, Q 1: 1.16 -> 0.45 ms (SDPA 0.54).
+constexpr int64_t kKeysInPlaceRows = 16;
 
 template <typename scalar_t>
 class FloatTiles {
