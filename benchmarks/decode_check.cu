@@ -9,7 +9,8 @@
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
 // [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles when not
-// paged: decode_launch's long_split_tiles)].
+// paged: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
+// paged caches of 8192 and 32768 keys)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
@@ -45,6 +46,7 @@ static bool g_clusters = true;               // merge the splits in a thread blo
 static int g_cap_tiles = 8;                  // decode_launch's cap_tiles
 static int g_split_tiles = kLongSplitTiles;  // --split-tiles N: decode_launch's long_split_tiles
 static int g_hkv = 8;                        // --hkv N: the timings' kv heads (of 32 query heads)
+static int g_batch = 0;                      // --batch N: time only the shapes of that batch (0: all)
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -394,7 +396,14 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
                              {1, 32768},  {1, 131072}, {4, 1024},   {8, 1024},   {8, 4096},   {8, 32768},
                              {8, 131072}, {32, 2048},  {32, 32768}, {128, 1024}, {128, 4096}, {128, 32768}};
     for (const auto& s : shapes) {
-      time_shape<T, kD, false, Tiles>(shape, s[0], s[1], 0, flush, flush_bytes);
+      if (g_batch == 0 || s[0] == g_batch) {
+        time_shape<T, kD, false, Tiles>(shape, s[0], s[1], 0, flush, flush_bytes);
+      }
+    }
+    if (g_batch == 1) {
+      time_shape<T, kD, true, Tiles>(shape, 1, 8192, 256, flush, flush_bytes);
+      time_shape<T, kD, true, Tiles>(shape, 1, 32768, 256, flush, flush_bytes);
+      return failures;
     }
     time_shape<T, kD, false, Tiles>(shape, 8, 32768, 0, flush, flush_bytes, true);
     time_shape<T, kD, false, Tiles>(shape, 1, 1024, 0, flush, flush_bytes, true);
@@ -419,6 +428,8 @@ int main(int argc, char** argv) {
       g_split_tiles = std::max(1, atoi(argv[++i]));
     } else if (!strcmp(argv[i], "--hkv") && i + 1 < argc) {
       g_hkv = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--batch") && i + 1 < argc) {
+      g_batch = atoi(argv[++i]);
     }
   }
   CHECK_CUDA(cudaMalloc(&g_workspace, kWorkspaceFloats * sizeof(float)));
@@ -445,11 +456,11 @@ int main(int argc, char** argv) {
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 256>>("d128 prefetch 256", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128>>("d128 prefetch 128", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 64, DecodeTiles<2, 3, 128>>("d64 prefetch 128", checks, timing, flush, flush_bytes);
-  // Candidates: more tiles in flight per CTA, fewer CTAs.
-  failures += run_shape<bf16, 128, DecodeTiles<3, 2>>("d128 3stage 2cta", checks, timing, flush, flush_bytes);
-  failures += run_shape<bf16, 128, DecodeTiles<4, 1>>("d128 4stage 1cta", checks, timing, flush, flush_bytes);
-  failures += run_shape<bf16, 64, DecodeTiles<3, 3>>("d64 3stage 3cta", checks, timing, flush, flush_bytes);
-  failures += run_shape<bf16, 64, DecodeTiles<4, 2>>("d64 4stage 2cta", checks, timing, flush, flush_bytes);
+  // Candidates: more tiles in flight per CTA, one CTA an SM (for grids of one wave or less).
+  failures += run_shape<bf16, 128, DecodeTiles<4, 1, 128>>("d128 4stage 1cta", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 128, DecodeTiles<6, 1, 128>>("d128 6stage 1cta", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeTiles<6, 1, 128>>("d64 6stage 1cta", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeTiles<10, 1, 128>>("d64 10stage 1cta", checks, timing, flush, flush_bytes);
   CHECK_CUDA(cudaFree(g_workspace));
   CHECK_CUDA(cudaFree(flush));
   printf(failures ? "%d CHECKS FAILED\n" : "ALL CHECKS PASSED\n", failures);

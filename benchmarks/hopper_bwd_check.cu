@@ -8,7 +8,8 @@
 // (-DHOPPER_BWD_CHECK_D=64, 96, 128 or 256: that head dim's defaults alone; -DHOPPER_BWD_CHECK_TRY: with D=64's
 // alternative tiles and the deterministic route's alternatives: 128-row steps at D=64, 3 stages at D=128.)
 // Run: ./hopper_bwd_check [--quick] [--no-timing] [--no-check] [--only N (variant N)] [--head-group N (the
-// causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)]. For each
+// causal key-tile order, tile_order.h)] [--q-len N (timings: N query rows, no causality)] [--seq N (timings:
+// sequences of N, a batch of 16384 / N)]. For each
 // kernel variant: fresh random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN,
 // the kernel given row_shift and delta as the rows pre-pass makes them (from a float64 forward),
 // then a float64 CPU reference of dQ, dK, dV over odd shapes (Q/KV in 1, 17, 97, 300, 1025;
@@ -282,11 +283,12 @@ struct Timing {
   double ms, tflops;
 };
 static std::vector<Timing> g_timings;
+static int g_seq = 4096;  // --seq N: the timings' sequence length (batch 16384 / N)
 
 template <typename T, class Config>
 static void time_variant(const char* name, bool causal) {
   constexpr int D = Config::kHeadDim;
-  const int B = 4, H = 16, S = 4096;
+  const int H = 16, S = g_seq, B = 16384 / g_seq;
   const size_t n = size_t(B) * H * S * D;
   const size_t rows = size_t(B) * H * S;  // S is a multiple of kBwdRowPad: no padding
   T* buf[4];                              // q, k, v, dO
@@ -402,6 +404,8 @@ int main(int argc, char** argv) {
       g_head_group = atoi(argv[++i]);
     if (!strcmp(argv[i], "--q-len") && i + 1 < argc)
       g_q_len = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--seq") && i + 1 < argc)
+      g_seq = atoi(argv[++i]);
     if (!strcmp(argv[i], "--quick"))
       quick = true;
     if (!strcmp(argv[i], "--no-timing"))

@@ -7,12 +7,14 @@
 //
 // (-DHOPPER_CHECK_D96 or -DHOPPER_CHECK_D256: that head dim's candidates alone.)
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
-// [--profile (two causal launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
-// tile_order.h)]. For each kernel variant: fresh random
-// inputs (never zeros), outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1,
-// 17, 97, 1025, 4096; causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
-// strides) comparing out, lse, lse + lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16
-// S=4096 causal and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the
+// [--short (B x S = 16k tokens at S 512 and 1024, D 64 and 128, timed only)] [--profile (two causal
+// launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
+// tile_order.h)]. For each kernel variant: fresh random inputs (never zeros), outputs poisoned with
+// NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1, 17, 97, 1025, 4096;
+// causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
+// strides, the latter with an output 4-byte but not 16-byte aligned) comparing out, lse, lse +
+// lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 causal
+// and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the
 // flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
@@ -73,7 +75,11 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMalloc(&dq, qn * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&dk, kn * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&dv, vn * sizeof(T)));
-  CHECK_CUDA(cudaMalloc(&dout, on * sizeof(T)));
+  // Padded-stride cases also take an output 4 bytes past a 16-byte boundary: the epilogue's
+  // 4-byte stores instead of its 16-byte ones.
+  const size_t o_offset = cs.layout == 2 ? 2 : 0;
+  CHECK_CUDA(cudaMalloc(&dout, (on + o_offset) * sizeof(T)));
+  dout += o_offset;
   CHECK_CUDA(cudaMalloc(&dlse, rows * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&dlo, rows * sizeof(float)));
   CHECK_CUDA(cudaMemcpy(dq, hq.data(), qn * sizeof(T), cudaMemcpyHostToDevice));
@@ -112,7 +118,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
   CHECK_CUDA(cudaMemcpy(hout.data(), dout, on * sizeof(T), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hlse.data(), dlse, rows * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(hlo.data(), dlo, rows * sizeof(float), cudaMemcpyDeviceToHost));
-  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dout), cudaFree(dlse), cudaFree(dlo), cudaFree(counter);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dout - o_offset), cudaFree(dlse), cudaFree(dlo), cudaFree(counter);
 
   Errors e;
   double err2 = 0, ref2 = 0;
@@ -214,9 +220,10 @@ struct Timing {
 static std::vector<Timing> g_timings;
 
 template <typename T, class Config>
-static void time_variant(const char* name, bool causal, bool persistent, bool dynamic, int KV = 4096) {
+static void time_variant(const char* name, bool causal, bool persistent, bool dynamic, int KV = 4096, int S = 4096,
+                         int B = 4) {
   constexpr int D = Config::kHeadDim;
-  const int B = 4, H = 16, S = 4096;
+  const int H = 16;
   const size_t n = size_t(B) * H * S * D;
   constexpr int kSets = 2;  // rotate input sets so repeated runs do not sit in L2
   T* buf[kSets][3];
@@ -281,9 +288,9 @@ static void time_variant(const char* name, bool causal, bool persistent, bool dy
   const double med = ms[ms.size() / 2];
   const double flops = 4.0 * B * H * double(S) * KV * D * (causal ? 0.5 : 1.0);
   g_timings.push_back({name, causal, persistent ? sms : 0, dynamic, med, flops / (med * 1e-3) / 1e12});
-  printf("time %-28s %s %s %s KV %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name, causal ? "causal" : "full  ",
-         persistent ? "persistent" : "grid=tiles", dynamic ? "dynamic" : "static", KV, med, ms.front(), ms.back(),
-         g_timings.back().tflops);
+  printf("time %-28s %s %s %s B %d S %d KV %d: %.3f ms (min %.3f max %.3f) %.1f TFLOP/s\n", name,
+         causal ? "causal" : "full  ", persistent ? "persistent" : "grid=tiles", dynamic ? "dynamic" : "static", B, S,
+         KV, med, ms.front(), ms.back(), g_timings.back().tflops);
   for (int s = 0; s < kSets; ++s)
     for (int t = 0; t < 3; ++t)
       cudaFree(buf[s][t]);
@@ -343,6 +350,17 @@ int main(int argc, char** argv) {
     }
     for (int kv : {512, 1024, 2048, 4096}) {
       time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
+    }
+    return 0;
+  }
+  if (argc > 1 && !strcmp(argv[1], "--short")) {  // short sequences: B x S = 16k tokens, causal and not
+    for (int causal = 1; causal >= 0; --causal) {
+      for (int S : {512, 1024}) {
+        time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", causal, true, causal, S,
+                                                                         S, 16384 / S);
+        time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", causal, true, causal, S, S,
+                                                                        16384 / S);
+      }
     }
     return 0;
   }

@@ -412,8 +412,8 @@ struct BwdDq {
     }
 
     // dQ rounded to 16 bits, stored through grad_q's strides (rows past q_len are not).
-    store_rows(tdQrdQ, p.grad_q + t.batch * p.dq_sb + t.head * p.dq_sh + rows.row0 * p.dq_si + 2 * (lane % 4), p.dq_si,
-               rows.row0, p.q_len);
+    store_rows<kHeadDim>(tdQrdQ, p.grad_q + t.batch * p.dq_sb + t.head * p.dq_sh + rows.row0 * p.dq_si, p.dq_si,
+                         rows.row0, p.q_len, lane);
   }
 };
 

@@ -620,22 +620,18 @@ struct Bwd {
     }
   }
 
-  // dK and dV of the tile's keys (zero when no query sees them), rounded, at per-thread bases
-  // plus constant offsets; keys past kv_len are not written.
+  // dK and dV of the tile's keys (zero when no query sees them), rounded, from the thread's rows
+  // key_base and + 8 (column dkv_col_base holds the lane's 2 (lane % 4)); keys past kv_len are
+  // not written.
   template <class FragKV>
   static __device__ __forceinline__ void store_dkv(const Params& p, const FragKV& dk_acc, const FragKV& dv_acc,
                                                    int batch, int kv_head, int key0, int keys_in_tile, int key_base,
-                                                   int dkv_col_base) {
-    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + dkv_col_base;
-    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + dkv_col_base;
-#pragma unroll
-    for (int i = 0; i < size(dk_acc); i += 2) {
-      const int r = MaskKeys::acc_row(i), c = MaskKeys::acc_col(i);
-      if (key_base + r < keys_in_tile) {
-        pair_at(dk + r * p.dk_si + c) = rounded_pair<Element>(dk_acc(i), dk_acc(i + 1));
-        pair_at(dv + r * p.dv_si + c) = rounded_pair<Element>(dv_acc(i), dv_acc(i + 1));
-      }
-    }
+                                                   int dkv_col_base, int lane) {
+    const int col0 = dkv_col_base - 2 * (lane % 4);
+    Element* dk = p.grad_k + batch * p.dk_sb + kv_head * p.dk_sh + int64_t{key0 + key_base} * p.dk_si + col0;
+    Element* dv = p.grad_v + batch * p.dv_sb + kv_head * p.dv_sh + int64_t{key0 + key_base} * p.dv_si + col0;
+    store_rows<kdKVCols>(dk_acc, dk, p.dk_si, key_base, keys_in_tile, lane);
+    store_rows<kdKVCols>(dv_acc, dv, p.dv_si, key_base, keys_in_tile, lane);
   }
 
   static __device__ void consume(const Params& p, const Block& block, SharedStorage& smem, Pipeline& pipe_q,
@@ -795,7 +791,7 @@ struct Bwd {
     add_pending();
     wait_dq_added(mma_thread, steps);
 
-    store_dkv(p, tdKrdK, tdVrdV, batch, kv_head, key0, keys_in_tile, key_base, dkv_col_base);
+    store_dkv(p, tdKrdK, tdVrdV, batch, kv_head, key0, keys_in_tile, key_base, dkv_col_base, mma_thread % 32);
   }
 };
 
