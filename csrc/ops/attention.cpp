@@ -39,25 +39,6 @@ at::ScalarType acc_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// A tensor the kernels write in full before anything reads it (the outputs and the gradients):
-// at::empty, but without the fill that deterministic algorithms add to every new tensor
-// (torch.utils.deterministic.fill_uninitialized_memory). Its memory then holds what it holds
-// without deterministic algorithms, so the results are the same; the fill was a pass over each of
-// the call's largest tensors (H200, B4 H16 S4096 D128 bf16 fwd+bwd: 4 fills, 83 us of 2.35 ms).
-at::Tensor empty_written_in_full(c10::SymIntArrayRef sizes, const at::TensorOptions& options) {
-  const at::Context& context = at::globalContext();
-  const bool fills = context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory();
-  if (fills && options.device().is_cpu()) {
-    return at::detail::empty_cpu(C10_AS_INTARRAYREF_SLOW(sizes), options);
-  }
-#ifdef SAFEATTN_WITH_CUDA
-  if (fills && options.device().is_cuda()) {
-    return at::detail::empty_cuda(C10_AS_INTARRAYREF_SLOW(sizes), options);
-  }
-#endif
-  return at::empty_symint(sizes, options);  // Meta and fake tensors, or no fill to skip
-}
-
 // The outputs of attention and _attention_forward, for the kernels and the Meta kernels alike:
 // out [B, Hq, Q, Dv] stored as [B, Q, Hq, Dv] (so that out.transpose(1, 2), what Transformers
 // returns, is contiguous), lse and lse_lo [B, Hq, Q] in the acc dtype (lse_lo only if asked for).
@@ -92,6 +73,25 @@ at::Tensor mask_as_4d(const at::Tensor& mask) {
 }
 
 }  // namespace
+
+// A tensor written in full before it is read (attention.h): at::empty, without the fill that
+// deterministic algorithms add to every new tensor (torch.utils.deterministic.
+// fill_uninitialized_memory). Its memory then holds what it holds without deterministic
+// algorithms, so the results are the same; the fill was a pass over each of the call's largest
+// tensors (H200, B4 H16 S4096 D128 bf16 fwd+bwd: 4 fills, 83 us of 2.35 ms).
+at::Tensor empty_written_in_full(c10::SymIntArrayRef sizes, const at::TensorOptions& options) {
+  const at::Context& context = at::globalContext();
+  const bool fills = context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory();
+  if (fills && options.device().is_cpu()) {
+    return at::detail::empty_cpu(C10_AS_INTARRAYREF_SLOW(sizes), options);
+  }
+#ifdef SAFEATTN_WITH_CUDA
+  if (fills && options.device().is_cuda()) {
+    return at::detail::empty_cuda(C10_AS_INTARRAYREF_SLOW(sizes), options);
+  }
+#endif
+  return at::empty_symint(sizes, options);  // Meta and fake tensors, or no fill to skip
+}
 
 void check_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      const std::optional<at::Tensor>& attn_mask, double dropout_p, std::optional<double> scale,

@@ -246,6 +246,11 @@ struct NoEntry {
 // it some other way (the Hopper backward: attention_bwd_sm90.h).
 at::Tensor grad_out_without_empty_rows(const AttentionBwdArgs& args);
 
+// A tensor the kernels write in full before anything reads it (the outputs, the gradients, the
+// backward's per-row buffers): at::empty without the fill that deterministic algorithms add
+// (attention.cpp).
+at::Tensor empty_written_in_full(c10::SymIntArrayRef sizes, const at::TensorOptions& options);
+
 // Typed C++ entry points: call the dispatcher (autograd and tracing included).
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                              const std::optional<at::Tensor>& attn_mask = std::nullopt,

@@ -230,13 +230,15 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   const at::TensorOptions f32 = a.query.options().dtype(at::kFloat);
   const int64_t pitch = attention_bwd_sm90_row_pitch(q_len);
   Sm90BwdRows rows;
-  rows.delta = at::empty({batch, hq, pitch}, f32);
-  rows.row_shift = at::empty({batch, hq, pitch}, f32);
+  // Written in full by the rows pre-pass (and the clean copy by its kernel whenever it is read):
+  // no fill under deterministic algorithms.
+  rows.delta = empty_written_in_full({batch, hq, pitch}, f32);
+  rows.row_shift = empty_written_in_full({batch, hq, pitch}, f32);
   // A float mask's rows are in natural units, with row_lo, so that a huge bias (finfo.min) keeps
   // lse_lo apart; only its kernel variant (kBias) reads row_lo.
   const bool natural = attn::natural_units(a.mask);
   if (natural) {
-    rows.row_lo = at::empty({batch, hq, pitch}, f32);
+    rows.row_lo = empty_written_in_full({batch, hq, pitch}, f32);
   }
   const bool dq_pass = attention_bwd_sm90_dq_pass(a);  // writes grad_query itself
   if (!dq_pass) {
@@ -258,7 +260,7 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
   const at::Tensor lse = launch_rows<T>(a, r, stream);
   if (rows.grad_out_dirty.defined()) {
     const at::Tensor& go = a.grad_out;
-    rows.grad_out_clean = at::empty(go.sizes(), go.options());
+    rows.grad_out_clean = empty_written_in_full(go.sym_sizes(), go.options());
     const int64_t elements = go.numel();
     const auto blocks = static_cast<unsigned>(std::min<int64_t>((elements + 255) / 256, 1024));
     attention_bwd_clean_grad_out_kernel<T><<<blocks, 256, 0, stream>>>(
