@@ -416,7 +416,9 @@ def test_sm90_selection(deterministic_algorithms):
     assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
     bias = torch.randn(1, 1, 97, 130, device=DEVICE, requires_grad=True)
     names = kernels(attn_mask=bias)
-    assert any("hopper::detail::bwd_kernel" in n for n in names), f"a broadcast bias must take sm_90a: {names}"
+    assert any(
+        "hopper::detail::bwd_kernel" in n for n in names
+    ), f"a broadcast bias must take sm_90a: {names}"
     assert not any("attention_bwd_dkdv_kernel" in n for n in names), f"the mma.sync kernel ran too: {names}"
     assert not any("dq_pass_kernel" in n for n in kernels()), "the dQ pass ran while atomics are allowed"
     deterministic_algorithms(True)
