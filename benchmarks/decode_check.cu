@@ -8,8 +8,8 @@
 //
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
-// [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles when not
-// paged: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
+// [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles unless its
+// pages are shorter than a tile: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
 // paged caches of 8192 and 32768 keys)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
@@ -67,8 +67,8 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, kPaged, g_cap_tiles,
-                        g_split_tiles);
+    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
+                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles);
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;

@@ -384,6 +384,29 @@ def test_cuda_decode_long_cache(paged, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("page_size", [0, 32, 256])
+def test_cuda_decode_long_splits(page_size):
+    """Caches past 512 key tiles, where a split takes at least 16 tiles: contiguous, pages of 256
+    (each tile in one page: the same splits) and pages of 32 (tiles across pages: 8 tiles a
+    split); GQA 8:1 at batch 1-2, lengths ending inside a tile and a page."""
+    case = _case(
+        [32768 + 77, 40000],
+        1,
+        1,
+        8,
+        1,
+        128,
+        torch.bfloat16,
+        "cuda",
+        paged=page_size > 0,
+        page_size=page_size or 16,
+        capacity=40960,
+        poison=float("nan"),
+    )
+    _check(*case, causal=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_decode_nan_in_unused_slots(paged, dtype):

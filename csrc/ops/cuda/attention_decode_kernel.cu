@@ -64,7 +64,8 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     return std::max(n, 1);
   }();
   const decode::DecodeLaunch how =
-      decode::decode_launch(p.kv_end, batch, hkv, multiprocessor_count() * resident, has_clusters(), kPaged);
+      decode::decode_launch(p.kv_end, batch, hkv, multiprocessor_count() * resident, has_clusters(),
+                            kPaged && !decode::pages_hold_whole_tiles(p.cache));
   p.splits = how.splits;
   p.out = o;
 

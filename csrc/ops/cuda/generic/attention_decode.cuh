@@ -149,9 +149,18 @@ constexpr int kLongSplitTiles = 8;
 // From this many key tiles on (32768 keys) a split of a contiguous cache takes twice that: the same
 // check, B1 GQA 8:1 D 128, KV32768 39.1 -> 36.1 us (GQA 4:1 56.6 -> 53.0); D 64 and KV131072
 // unchanged; KV16384 slower (25.2 -> 27.6), so not below. Through the extension (H200, bench
-// decode, B1 GQA 8:1 D 128 KV32768) contiguous 33.5 -> 29.6 us, but paged 39.2 -> 49.6: a paged
-// cache keeps kLongSplitTiles.
+// decode, B1 GQA 8:1 D 128 KV32768) contiguous 33.5 -> 29.6 us, but paged 39.2 -> 49.6 while each
+// row of a paged tile was looked up by itself. Since a tile in one page loads as a contiguous one
+// (pages_hold_whole_tiles), a paged cache of such pages takes them too (the check, pages of 256:
+// D 128 KV32768 40.2 -> 36.8 us, the contiguous cache 36.0; D 64 27.8 -> 28.2); pages shorter
+// than a tile keep kLongSplitTiles.
 constexpr int64_t kLongerSplitFromTiles = 512;
+
+// Whether every key tile of a paged cache lies in one page: pages of a power of two, at least a
+// tile long (tiles start at multiples of kTileKeys). Such a tile's rows are one strided run.
+inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache) {
+  return cache.page_shift >= 0 && cache.page_size >= kTileKeys;
+}
 
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, at most
 // kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head) pairs (one wave would give
@@ -160,18 +169,18 @@ constexpr int64_t kLongerSplitFromTiles = 512;
 // kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1 KV1024 13.8 -> 11.3 us,
 // KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6 splits a cluster took 320 us
 // against 281 with the combine kernel. A cache longer than that reach (with clusters or without)
-// gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on, not
-// `paged`); a shorter one keeps its splits of a tile or two (B1 KV1024 in a cluster: 8 splits of 2
-// tiles 10.3 us, 2 splits of 8 tiles 15.3).
-inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters, bool paged,
-                                  int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
+// gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on, unless
+// `row_pages`: a paged cache whose tiles span pages); a shorter one keeps its splits of a tile or two (B1 KV1024 in a
+// cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
+inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
+                                  bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t even = slots / (batch * hkv);
   const bool short_cache = tiles <= kMaxClusterSplits * cap_tiles;
   if (clusters && even > kMaxClusterSplits && tiles > 1 && short_cache) {
     return {static_cast<int>(tiles < kMaxClusterSplits ? tiles : kMaxClusterSplits), true};
   }
-  const bool longer = !paged && tiles >= kLongerSplitFromTiles;
+  const bool longer = !row_pages && tiles >= kLongerSplitFromTiles;
   const int64_t min_tiles = short_cache ? 1 : (longer ? 2 : 1) * long_split_tiles;
   const int64_t by_tiles = (tiles + min_tiles - 1) / min_tiles;
   const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
@@ -534,13 +543,12 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
       }
     }
   };
-  // Paged: whether a key tile lies in one page (pages of a power of two at least a tile long; tiles
-  // start at multiples of kTileKeys). Its rows are then one strided run from that page's slot,
-  // loaded as a contiguous cache's are, without a page lookup and a 64-bit offset per 16-byte
+  // Paged: a key tile in one page (pages_hold_whole_tiles) is one strided run from that page's
+  // slot, loaded as a contiguous cache's are, without a page lookup and a 64-bit offset per 16-byte
   // chunk (benchmarks/decode_check.cu, H200, L2 flushed, pages of 256, us: B=1 GQA 8:1 KV8192
   // D 128 29.9 -> 22.7 and D 64 21.8 -> 18.1, the contiguous cache 19.7 and 16.7; B=8 GQA 4:1
   // KV32768 D 128 284 -> 275, contiguous 273).
-  const bool page_tiles = kPaged && p.cache.page_shift >= 0 && p.cache.page_size >= kTileKeys;
+  const bool page_tiles = kPaged && pages_hold_whole_tiles(p.cache);
   // The split's tile n's K and V rows (rows at or past hi_max zero-filled, not read), and, paged,
   // the pages of its tile n + kStages, in one commit group.
   auto load_kv = [&](int n, int stage) {
