@@ -170,8 +170,8 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
 // KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6 splits a cluster took 320 us
 // against 281 with the combine kernel. A cache longer than that reach (with clusters or without)
 // gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on, unless
-// `row_pages`: a paged cache whose tiles span pages); a shorter one keeps its splits of a tile or two (B1 KV1024 in a
-// cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
+// `row_pages`: a paged cache whose tiles span pages); a shorter one keeps its splits of a tile or
+// two (B1 KV1024 in a cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
                                   bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;

@@ -1,9 +1,9 @@
 // How the sm_90a attention kernels write their results from the accumulator registers. Contract:
 // float32 accumulators are rounded to the output's 16-bit type and stored through the output's
-// strides, 16 bytes a store where the rows are 16-byte aligned, else 4 (two adjacent columns;
-// rows are at least 4-byte aligned: the host checks it); rows
-// past the end (q_len, or keys past kv_len) are never written; an empty row (no visible key) is
-// written as exactly 0, its lse -inf and lse_lo 0 (OnlineSoftmax::finish, softmax.cuh).
+// strides, 16 bytes a store where the rows are 16-byte aligned, else 4 (two adjacent columns; rows
+// are at least 4-byte aligned: the host checks it); rows past the end (q_len, or keys past kv_len)
+// are never written; an empty row (no visible key) is written as exactly 0, its lse -inf and
+// lse_lo 0 (OnlineSoftmax::finish, softmax.cuh).
 #pragma once
 
 #include <cstdint>
@@ -15,18 +15,13 @@
 
 namespace safeattn::cuda::hopper::detail {
 
-// Two adjacent columns (lo, hi) rounded to Element, and the 4-byte slot they are stored to with one
-// store: pair_at(dst) = rounded_pair<Element>(lo, hi) (the conversion comes first).
+// Two accumulator values (lo, hi) rounded to Element: two adjacent columns, one 4-byte word.
 template <typename Element>
-__device__ __forceinline__ cutlass::AlignedArray<Element, 2> rounded_pair(float lo, float hi) {
+__device__ __forceinline__ uint32_t rounded_word(float lo, float hi) {
   cutlass::AlignedArray<Element, 2> pair;
   pair[0] = Element(lo);
   pair[1] = Element(hi);
-  return pair;
-}
-template <typename Element>
-__device__ __forceinline__ cutlass::AlignedArray<Element, 2>& pair_at(Element* dst) {
-  return *reinterpret_cast<cutlass::AlignedArray<Element, 2>*>(dst);
+  return reinterpret_cast<const uint32_t&>(pair);
 }
 
 // A quad's 4 x 4 words, transposed: lane q's word i becomes lane i's word q (two exchange rounds,
@@ -46,7 +41,7 @@ __device__ __forceinline__ void transpose_quad(uint32_t (&w)[4], int lane) {
 }
 
 // One row of a wgmma accumulator, rounded and stored: the row's kBlocks blocks of 8 columns are
-// spread over a quad, lane q holding columns 2 q and 2 q + 1 of each, word(c) (rounded_pair's 4
+// spread over a quad, lane q holding columns 2 q and 2 q + 1 of each, word(c) (rounded_word's 4
 // bytes). Four blocks at a time are transposed over the quad (transpose_quad), so each lane holds 8
 // consecutive columns and the quad writes 64 contiguous bytes, one 16-byte store a lane where `row`
 // (column 0) is 16-byte aligned, else four 4-byte stores: whole 32-byte sectors with a quarter of
@@ -85,13 +80,6 @@ __device__ __forceinline__ void store_row(Element* row, bool valid, int lane, co
       *reinterpret_cast<uint32_t*>(row + 8 * c + 2 * q) = w;
     }
   }
-}
-
-// Two accumulator values (lo, hi) rounded to Element as one 4-byte word.
-template <typename Element>
-__device__ __forceinline__ uint32_t rounded_word(float lo, float hi) {
-  const cutlass::AlignedArray<Element, 2> pair = rounded_pair<Element>(lo, hi);
-  return reinterpret_cast<const uint32_t&>(pair);
 }
 
 // The forward's epilogue: O / l of a consumer thread's two rows (a 64 x D accumulator), lse and
