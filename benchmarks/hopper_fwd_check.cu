@@ -7,15 +7,15 @@
 //
 // (-DHOPPER_CHECK_D96 or -DHOPPER_CHECK_D256: that head dim's candidates alone.)
 // Run: ./hopper_fwd_check [--quick] [--no-timing] [--only N (variant N; 99: the static schedule)]
-// [--short (B x S = 16k tokens at S 512 and 1024, D 64 and 128, timed only)] [--profile (two causal
+// [--seq N (timings: sequences of N, a batch of 16384 / N; default 4096)] [--profile (two causal
 // launches of each default, nothing else: for ncu)] [--head-group N (the causal tile order,
 // tile_order.h)]. For each kernel variant: fresh random inputs (never zeros), outputs poisoned with
 // NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1, 17, 97, 1025, 4096;
 // causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
 // strides, the latter with an output 4-byte but not 16-byte aligned) comparing out, lse, lse +
-// lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 causal
-// and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the
-// flops. Exit status 1 when any check fails.
+// lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 (or
+// --seq) causal and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal
+// counting half the flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -208,6 +208,7 @@ static bool run_case(const Case& cs, std::mt19937& rng, double scale, const char
 }
 
 static int g_only = -1, g_variant = 0;  // --only N: run variant N alone (a hang stays in its process)
+static int g_seq = 4096;                // --seq N: the timings' sequence length (batch 16384 / N)
 static bool g_profile = false;          // --profile: two launches of each default, causal, for ncu
 
 struct Timing {
@@ -220,10 +221,10 @@ struct Timing {
 static std::vector<Timing> g_timings;
 
 template <typename T, class Config>
-static void time_variant(const char* name, bool causal, bool persistent, bool dynamic, int KV = 4096, int S = 4096,
-                         int B = 4) {
+static void time_variant(const char* name, bool causal, bool persistent, bool dynamic, int KV = 0) {
   constexpr int D = Config::kHeadDim;
-  const int H = 16;
+  const int H = 16, S = g_seq, B = 16384 / g_seq;
+  KV = KV > 0 ? KV : S;
   const size_t n = size_t(B) * H * S * D;
   constexpr int kSets = 2;  // rotate input sets so repeated runs do not sit in L2
   T* buf[kSets][3];
@@ -341,6 +342,8 @@ int main(int argc, char** argv) {
       timing = false;
     if (!strcmp(argv[i], "--only") && i + 1 < argc)
       g_only = atoi(argv[++i]);
+    if (!strcmp(argv[i], "--seq") && i + 1 < argc)
+      g_seq = atoi(argv[++i]);
     if (!strcmp(argv[i], "--profile"))
       g_profile = true;
   }
@@ -350,17 +353,6 @@ int main(int argc, char** argv) {
     }
     for (int kv : {512, 1024, 2048, 4096}) {
       time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", false, true, false, kv);
-    }
-    return 0;
-  }
-  if (argc > 1 && !strcmp(argv[1], "--short")) {  // short sequences: B x S = 16k tokens, causal and not
-    for (int causal = 1; causal >= 0; --causal) {
-      for (int S : {512, 1024}) {
-        time_variant<__nv_bfloat16, FwdTileConfig<128, 128, 2, 2, true>>("bf16 d128 default", causal, true, causal, S,
-                                                                         S, 16384 / S);
-        time_variant<__nv_bfloat16, FwdTileConfig<64, 128, 4, 3, true>>("bf16 d64 default", causal, true, causal, S, S,
-                                                                        16384 / S);
-      }
     }
     return 0;
   }
