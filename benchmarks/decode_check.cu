@@ -47,6 +47,10 @@ static int g_cap_tiles = 8;                  // decode_launch's cap_tiles
 static int g_split_tiles = kLongSplitTiles;  // --split-tiles N: decode_launch's long_split_tiles
 static int g_hkv = 8;                        // --hkv N: the timings' kv heads (of 32 query heads)
 static int g_batch = 0;                      // --batch N: time only the shapes of that batch (0: all)
+static bool g_pdl = true;                    // the combine kernel's programmatic launch (launch_combine_kernel)
+static int g_default_cluster = kMaxClusterSplits;  // max_cluster_splits on this GPU (main)
+static int g_max_cluster = kMaxClusterSplits;      // the GPU's largest cluster of splits
+static bool g_step_rule = true;                    // step_max_cluster decides a step's (else g_max_cluster)
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -61,14 +65,15 @@ static auto* split_kernel() {
 template <typename T, int kD, bool kPaged, class Tiles>
 static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= kMaxClusterSplits};  // checks: forced
+  DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= g_max_cluster};  // checks: forced
   if (splits == 0) {
     int resident = 0, sms = 0;
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
-                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles);
+                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
+                        g_step_rule ? step_max_cluster(batch, hkv, sms, g_max_cluster) : g_max_cluster);
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -84,10 +89,7 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
     CHECK_CUDA(launch_split_kernel(split_kernel<T, kD, kPaged, false, Tiles>(), p, batch, hkv, kSmem, 0, false));
   }
   if (p.splits > 1 && !how.cluster) {
-    const int64_t blocks = (total_rows + kCombineWarps - 1) / kCombineWarps;
-    attention_decode_combine_kernel<T, kD>
-        <<<blocks, kCombineWarps * 32>>>(p.o_part, p.lse_part, p.out, total_rows, p.hq, p.q_len, p.splits);
-    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA((launch_combine_kernel<T, kD>(p, total_rows, 0, g_pdl)));
   }
 }
 
@@ -433,6 +435,12 @@ int main(int argc, char** argv) {
     }
   }
   CHECK_CUDA(cudaMalloc(&g_workspace, kWorkspaceFloats * sizeof(float)));
+  {
+    using Tiles = DecodeConfig<128>;
+    g_default_cluster = g_max_cluster = max_cluster_splits(split_kernel<__nv_bfloat16, 128, false, true, Tiles>(),
+                                                           Tiles::smem_bytes<__nv_bfloat16, 128>());
+    printf("clusters of up to %d splits\n", g_default_cluster);
+  }
   const size_t flush_bytes = size_t{256} << 20;
   void* flush;
   CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
@@ -452,6 +460,23 @@ int main(int argc, char** argv) {
   g_cap_tiles = 16;
   failures += run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> cap 16", false, timing, flush, flush_bytes);
   g_cap_tiles = 8;
+  // The combine kernel launched plainly (no programmatic dependency on the split kernel).
+  g_pdl = false;
+  failures += run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> no pdl", false, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeConfig<64>>("DecodeConfig<64> no pdl", false, timing, flush, flush_bytes);
+  g_pdl = true;
+  // Clusters of at most the portable 8 splits (what a GPU that cannot place 16 takes), and of 16
+  // wherever the cache is short enough (no step_max_cluster).
+  g_max_cluster = kMaxClusterSplits;
+  failures +=
+      run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> cluster 8", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeConfig<64>>("DecodeConfig<64> cluster 8", checks, timing, flush, flush_bytes);
+  g_max_cluster = g_default_cluster;
+  g_step_rule = false;
+  failures +=
+      run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> cluster 16", false, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeConfig<64>>("DecodeConfig<64> cluster 16", false, timing, flush, flush_bytes);
+  g_step_rule = true;
   // Candidates: L2 prefetch of whole rows with each load.
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 256>>("d128 prefetch 256", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128>>("d128 prefetch 128", checks, timing, flush, flush_bytes);

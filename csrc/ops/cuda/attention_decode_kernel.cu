@@ -27,8 +27,8 @@ using decode::kThreads;
 // The head dims the decode kernels are compiled for (bit D / 16): 64 and 128.
 constexpr uint64_t kDecodeHeadDims = (uint64_t{1} << (64 / 16)) | (uint64_t{1} << (128 / 16));
 
-// Whether the current GPU runs thread block clusters (sm_90 and later; torch caches the
-// properties).
+// Whether the current GPU runs thread block clusters and programmatic dependent launches (sm_90
+// and later; torch caches the properties).
 bool has_clusters() {
   return at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
@@ -63,9 +63,19 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmem));
     return std::max(n, 1);
   }();
-  const decode::DecodeLaunch how =
-      decode::decode_launch(p.kv_end, batch, hkv, multiprocessor_count() * resident, has_clusters(),
-                            kPaged && !decode::pages_hold_whole_tiles(p.cache));
+  // The largest cluster of splits (sm_90: 16 where the GPU places one, decode::max_cluster_splits).
+  static const int gpu_max_cluster = [&] {
+    auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, true, Tiles>;
+    if (kSmem > 48 * 1024) {
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    }
+    return has_clusters() ? decode::max_cluster_splits(kernel, kSmem) : decode::kMaxClusterSplits;
+  }();
+  const int64_t sms = multiprocessor_count();
+  const decode::DecodeLaunch how = decode::decode_launch(
+      p.kv_end, batch, hkv, sms * resident, has_clusters(), kPaged && !decode::pages_hold_whole_tiles(p.cache), 8,
+      decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster));
   p.splits = how.splits;
   p.out = o;
 
@@ -86,11 +96,7 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     launch_split<T, kD, kPaged, false>(p, batch, hkv, stream);
   }
   if (workspace) {
-    const int64_t blocks = (total_rows + decode::kCombineWarps - 1) / decode::kCombineWarps;
-    decode::attention_decode_combine_kernel<T, kD>
-        <<<static_cast<unsigned>(blocks), decode::kCombineWarps * 32, 0, stream>>>(p.o_part, p.lse_part, o, total_rows,
-                                                                                   p.hq, p.q_len, p.splits);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK((decode::launch_combine_kernel<T, kD>(p, total_rows, stream, has_clusters())));
   }
 }
 

@@ -16,10 +16,11 @@
 //      the CTA writes out and lse itself. Else each split's normalised output and lse are merged
 //      by their lse (with the sink logit in the denominator when there are sinks):
 //   2. on sm_90 for short caches with few (batch, kv head) pairs (decode_launch), inside the
-//      split kernel: kMaxClusterSplits splits are one thread block cluster, each keeps its
+//      split kernel: up to 16 splits are one thread block cluster, each keeps its
 //      partials in shared memory and merges a share of the rows from every split's (distributed
 //      shared memory): one kernel a step, no workspace;
-//   3. else in the combine kernel, one warp per row, from an fp32 workspace.
+//   3. else in the combine kernel, one warp per row, from an fp32 workspace (on sm_90 launched
+//      programmatically: scheduled while the splits run, it waits for them, launch_combine_kernel).
 // The split count fills the GPU once: CTAs resident per SM (occupancy) x SMs over B x Hkv, a long
 // cache's splits at least kLongSplitTiles tiles each (decode_launch).
 // Numerics as in the tensor-core forward: a row (or split, or warp) with no visible key keeps
@@ -38,6 +39,7 @@
 
 #include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/mask_view.cuh"
+#include "ops/cuda/pdl.cuh"
 #include "ops/cuda/score_rule.cuh"
 #include "ops/kv_cache_view.h"
 
@@ -51,8 +53,10 @@ constexpr int kTileKeys = kWarpKeys * kWarps;
 constexpr int kMaxSplits = 256;
 constexpr int kCombineWarps = 4;
 // The most splits that merge inside a thread block cluster (sm_90: through distributed shared
-// memory, no workspace and no combine kernel); the portable cluster size.
+// memory, no workspace and no combine kernel): the portable cluster size, and the largest one
+// sm_90 allows a kernel that asks for it (step_max_cluster says when a step takes it).
 constexpr int kMaxClusterSplits = 8;
+constexpr int kMaxClusterSplitsNonPortable = 16;
 
 // The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
 // one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
@@ -164,8 +168,8 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
 
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, at most
 // kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head) pairs (one wave would give
-// each more than kMaxClusterSplits splits) over a short cache (at most cap_tiles key tiles a split at
-// kMaxClusterSplits splits) takes at most kMaxClusterSplits splits, one cluster: there the combine
+// each more than max_cluster splits) over a short cache (at most cap_tiles key tiles a split at
+// max_cluster splits) takes at most max_cluster splits, one cluster: there the combine
 // kernel's launch costs more than the longer splits (H200, D 128, GQA 4: B1 KV1024 13.8 -> 11.3 us,
 // KV4096 22.6 -> 17.1). Clusters elsewhere lose: B8 KV32768 with 6 splits a cluster took 320 us
 // against 281 with the combine kernel. A cache longer than that reach (with clusters or without)
@@ -173,12 +177,13 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
 // `row_pages`: a paged cache whose tiles span pages); a shorter one keeps its splits of a tile or
 // two (B1 KV1024 in a cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
-                                  bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles) {
+                                  bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles,
+                                  int64_t max_cluster = kMaxClusterSplits) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t even = slots / (batch * hkv);
-  const bool short_cache = tiles <= kMaxClusterSplits * cap_tiles;
-  if (clusters && even > kMaxClusterSplits && tiles > 1 && short_cache) {
-    return {static_cast<int>(tiles < kMaxClusterSplits ? tiles : kMaxClusterSplits), true};
+  const bool short_cache = tiles <= max_cluster * cap_tiles;
+  if (clusters && even > max_cluster && tiles > 1 && short_cache) {
+    return {static_cast<int>(tiles < max_cluster ? tiles : max_cluster), true};
   }
   const bool longer = !row_pages && tiles >= kLongerSplitFromTiles;
   const int64_t min_tiles = short_cache ? 1 : (longer ? 2 : 1) * long_split_tiles;
@@ -204,7 +209,53 @@ inline cudaError_t launch_split_kernel(Kernel kernel, const DecodeParams& p, int
   attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = cluster ? 1 : 0;
+  if (cluster && p.splits > kMaxClusterSplits) {  // past the portable size (sm_90: up to 16)
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (err != cudaSuccess) {
+      return err;
+    }
+  }
   return cudaLaunchKernelEx(&config, kernel, p);
+}
+
+// The most splits a step's cluster takes: `gpu_max` (max_cluster_splits: 16 where the GPU places
+// such clusters) while the step's clusters of that size fill at most half the SMs, else the
+// portable 8. Where more of them would fill the GPU, the clusters are packed a few CTAs an SM
+// inside their GPCs, and 16 splits merged by the combine kernel run faster.
+// benchmarks/decode_check.cu, H200, B1, us, 8 -> 16 (D 128 unless said): GQA 8:1 (4 clusters)
+// KV4096 16.5 -> 13.1, KV8192 18.6 -> 17.7 (paged 20.5 -> 18.6), D 64 KV4096 13.7 -> 11.1, KV8192
+// 15.5 -> 14.5; GQA 4:1 (8 clusters, 128 CTAs) KV4096 16.9 -> 16.7 but KV8192 22.5 -> 23.3 (through
+// the extension, bench decode: 17.3 -> 19.8, D 64 14.2 -> 15.0).
+inline int step_max_cluster(int64_t batch, int64_t hkv, int64_t sms, int gpu_max) {
+  return batch * hkv * gpu_max <= sms / 2 ? gpu_max : kMaxClusterSplits;
+}
+
+// The most splits a cluster of `kernel` (the split kernel's cluster instance) takes on the
+// current GPU: kMaxClusterSplitsNonPortable where one such cluster fits (cudaOccupancyMaxActiveClusters;
+// a GPU partition may have fewer SMs a GPC), else kMaxClusterSplits.
+template <class Kernel>
+inline int max_cluster_splits(Kernel kernel, size_t smem) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+    cudaGetLastError();  // not sm_90 or later: no error left behind
+    return kMaxClusterSplits;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kMaxClusterSplitsNonPortable);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = kMaxClusterSplitsNonPortable;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();
+    return kMaxClusterSplits;
+  }
+  return clusters > 0 ? kMaxClusterSplitsNonPortable : kMaxClusterSplits;
 }
 
 // 16 bytes of a K or V row, global -> shared, zeros where not valid; kPrefetch: the L2 prefetch
@@ -453,6 +504,10 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   static_assert(
       ((2 + kD) * kWarps + kD + 1) * kMaxRows * sizeof(float) <= 2 * kStages * kTileKeys * kStride * sizeof(T),
       "decode: the merge scratch must fit in the K/V buffers");
+
+  // The combine kernel, launched after this one with a programmatic dependency
+  // (launch_combine_kernel), may be scheduled now: it waits for this grid's end before it reads.
+  programmatic_launch_dependents();
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* s_q = reinterpret_cast<T*>(smem_raw);                                    // [kMaxRows][kStride]
@@ -714,6 +769,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     attention_decode_combine_kernel(const float* __restrict__ o_part, const float* __restrict__ lse_part,
                                     const DecodeOutputs o, int64_t total_rows, int64_t hq, int64_t q_len, int splits) {
+  programmatic_wait();  // the split kernel's partials are complete and visible
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
   if (row >= total_rows) {
     return;
@@ -723,6 +779,26 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   combine_row<T, kD>(
       o, splits, [&](int s) { return lse_row[s]; }, [&](int s) { return o_row + s * kD; }, row, row / (q_len * hq),
       (row / q_len) % hq, row % q_len);
+}
+
+// Launches the combine kernel after the split kernel on `stream`. With `programmatic` (sm_90 and
+// later) its launch depends programmatically on the split kernel, which lets it go early
+// (programmatic_launch_dependents): its CTAs are scheduled while the splits run and wait in
+// programmatic_wait, so the launch's latency leaves the step's critical path.
+template <typename T, int kD>
+inline cudaError_t launch_combine_kernel(const DecodeParams& p, int64_t total_rows, cudaStream_t stream,
+                                         bool programmatic) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((total_rows + kCombineWarps - 1) / kCombineWarps));
+  config.blockDim = dim3(kCombineWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, &attention_decode_combine_kernel<T, kD>, static_cast<const float*>(p.o_part),
+                            static_cast<const float*>(p.lse_part), p.out, total_rows, p.hq, p.q_len, p.splits);
 }
 
 }  // namespace safeattn::cuda::decode

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "ops/cuda/hopper/tile_order.h"
+#include "ops/cuda/pdl.cuh"
 
 namespace safeattn::cuda::hopper::detail {
 
@@ -67,7 +68,7 @@ struct PersistentTileScheduler {
     if (p.tile_counter == nullptr) {
       return index + static_cast<int>(gridDim.x);
     }
-    asm volatile("griddepcontrol.wait;" ::: "memory");
+    programmatic_wait();
     return static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
   }
 };
