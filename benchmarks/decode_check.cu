@@ -51,6 +51,7 @@ static bool g_pdl = true;                    // the combine kernel's programmati
 static int g_default_cluster = kMaxClusterSplits;  // max_cluster_splits on this GPU (main)
 static int g_max_cluster = kMaxClusterSplits;      // the GPU's largest cluster of splits
 static bool g_step_rule = true;                    // step_max_cluster decides a step's (else g_max_cluster)
+static bool g_small_clusters = false;              // decode_launch's small_clusters (a candidate)
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -71,9 +72,10 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
-                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
-                        g_step_rule ? step_max_cluster(batch, hkv, sms, g_max_cluster) : g_max_cluster);
+    how =
+        decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
+                      kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
+                      g_step_rule ? step_max_cluster(batch, hkv, sms, g_max_cluster) : g_max_cluster, g_small_clusters);
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -477,6 +479,17 @@ int main(int argc, char** argv) {
       run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> cluster 16", false, timing, flush, flush_bytes);
   failures += run_shape<bf16, 64, DecodeConfig<64>>("DecodeConfig<64> cluster 16", false, timing, flush, flush_bytes);
   g_step_rule = true;
+  // Candidates: clusters of fewer than 8 splits where fewer fit in one wave (short caches, many
+  // (batch, kv head) pairs: no combine kernel).
+  g_small_clusters = true;
+  failures +=
+      run_shape<bf16, 128, DecodeConfig<128>>("DecodeConfig<128> small clusters", checks, timing, flush, flush_bytes);
+  failures +=
+      run_shape<bf16, 64, DecodeConfig<64>>("DecodeConfig<64> small clusters", checks, timing, flush, flush_bytes);
+  g_small_clusters = false;
+  // Candidates: two Q K^T accumulator chains.
+  failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128, 2>>("d128 2 chains", checks, timing, flush, flush_bytes);
+  failures += run_shape<bf16, 64, DecodeTiles<2, 3, 128, 2>>("d64 2 chains", checks, timing, flush, flush_bytes);
   // Candidates: L2 prefetch of whole rows with each load.
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 256>>("d128 prefetch 256", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128>>("d128 prefetch 128", checks, timing, flush, flush_bytes);

@@ -60,14 +60,18 @@ constexpr int kMaxClusterSplitsNonPortable = 16;
 
 // The split kernel's pipeline: kStages key tiles in shared memory (all of them in flight while
 // one is waited for), kMinBlocks CTAs per SM asked of the register allocator.
-// kPrefetch: the L2 prefetch size (0, 128 or 256 bytes) each K/V row load asks for.
-template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0>
+// kPrefetch: the L2 prefetch size (0, 128 or 256 bytes) each K/V row load asks for. kChains: the
+// accumulator chains of a warp's Q K^T over the head dim (1: each MMA waits for the one before;
+// 2: even and odd k16 steps apart, added at the end, half the dependent latency).
+template <int kStages_, int kMinBlocks_, int kPrefetch_ = 0, int kChains_ = 1>
 struct DecodeTiles {
   static_assert(kStages_ >= 2, "decode: at least double buffering");
   static_assert(kPrefetch_ == 0 || kPrefetch_ == 128 || kPrefetch_ == 256, "decode: L2 prefetch size");
+  static_assert(kChains_ == 1 || kChains_ == 2, "decode: one or two Q K^T chains");
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kPrefetch = kPrefetch_;
+  static constexpr int kChains = kChains_;
   // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
   // loads that read them, so that no load waits for the block table.
   static constexpr int kPageSlots = kStages + 1;
@@ -178,12 +182,17 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
 // two (B1 KV1024 in a cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
                                   bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles,
-                                  int64_t max_cluster = kMaxClusterSplits) {
+                                  int64_t max_cluster = kMaxClusterSplits, bool small_clusters = false) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t even = slots / (batch * hkv);
   const bool short_cache = tiles <= max_cluster * cap_tiles;
   if (clusters && even > max_cluster && tiles > 1 && short_cache) {
     return {static_cast<int>(tiles < max_cluster ? tiles : max_cluster), true};
+  }
+  // Candidate (benchmarks/decode_check.cu): a cluster of the splits one wave gives each pair when
+  // fewer than max_cluster fit, if the cache is short for that many.
+  if (small_clusters && clusters && even >= 2 && tiles > 1 && tiles <= even * cap_tiles) {
+    return {static_cast<int>(tiles < even ? tiles : even), true};
   }
   const bool longer = !row_pages && tiles >= kLongerSplitFromTiles;
   const int64_t min_tiles = short_cache ? 1 : (longer ? 2 : 1) * long_split_tiles;
@@ -691,11 +700,22 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
 
     // ---- S = Q K^T over this warp's 16 keys, in log2 units ----
     float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    float s_odd[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};  // kChains == 2
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       uint32_t kb[4];
       ldmatrix_x4(kb, k_s + k_row * kStride + kk * 16 + k_col);
-      mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
+      if (Tiles::kChains == 2 && kk % 2 == 1) {
+        mma_pair<T>(s_odd[0], s_odd[1], q_frag[kk], kb);
+      } else {
+        mma_pair<T>(s_acc[0], s_acc[1], q_frag[kk], kb);
+      }
+    }
+    if constexpr (Tiles::kChains == 2) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        s_acc[e / 4][e % 4] += s_odd[e / 4][e % 4];
+      }
     }
     p.score.score_all<8>(&s_acc[0][0]);
     // The rows' key ranges (the causal rule in them) and the mask: only where one can hide a key.
