@@ -478,6 +478,40 @@ def test_cuda_decode_step_kernels(paged, seqlens, capacity, cluster):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+@pytest.mark.parametrize("length", [4000, 8000])
+def test_cuda_decode_sixteen_split_clusters(page_size, length):
+    """Batch 1 over 4 kv heads (GQA 8:1), a cache of 8192 slots (128 key tiles) holding 4001 or
+    8001 keys after the append: on sm_90 its 16 splits merge in one thread block cluster
+    (step_max_cluster), no combine kernel; elsewhere the combine kernel merges them. Contiguous,
+    pages holding whole tiles and pages of 16 (tiles across pages); NaN in the unused slots."""
+    case = _case(
+        [length],
+        1,
+        1,
+        32,
+        4,
+        128,
+        torch.bfloat16,
+        "cuda",
+        paged=page_size > 0,
+        page_size=page_size or 16,
+        capacity=8192,
+        poison=float("nan"),
+    )
+    _check(*case, causal=True)
+    q, k_cache, v_cache, cache_seqlens, k, v, table = case
+    names = _kernel_names(
+        lambda: safeattn.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True
+        )
+    )
+    assert any("attention_decode_split" in n for n in names), names
+    if torch.cuda.get_device_capability()[0] == 9:  # H100 / H200 place clusters of 16
+        assert not any("attention_decode_combine" in n for n in names), names
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
 def test_cuda_decode_one_split_writes_out_itself(paged):
     """Enough (batch, kv head) pairs to fill the GPU: one split each, and the split kernel writes
