@@ -6,7 +6,13 @@
 // Both are no-ops on older GPUs and in a launch without the attribute. No torch.
 #pragma once
 
+#include <cuda_runtime.h>
+
 namespace safeattn::cuda {
+
+// Whether launches ask for the programmatic dependency: from CUDA 12.3 on, where stream capture
+// records it in a CUDA graph (a step captured with an older runtime launches plainly).
+constexpr bool kProgrammaticLaunches = CUDART_VERSION >= 12030;
 
 __device__ __forceinline__ void programmatic_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

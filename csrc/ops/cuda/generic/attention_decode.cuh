@@ -816,7 +816,7 @@ inline cudaError_t launch_combine_kernel(const DecodeParams& p, int64_t total_ro
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.numAttrs = programmatic && kProgrammaticLaunches ? 1 : 0;
   return cudaLaunchKernelEx(&config, &attention_decode_combine_kernel<T, kD>, static_cast<const float*>(p.o_part),
                             static_cast<const float*>(p.lse_part), p.out, total_rows, p.hq, p.q_len, p.splits);
 }

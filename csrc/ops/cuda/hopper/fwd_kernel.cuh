@@ -61,6 +61,7 @@
 #include "ops/cuda/hopper/softmax.cuh"
 #include "ops/cuda/hopper/tile_scheduler.cuh"
 #include "ops/cuda/hopper/tile_traits.cuh"
+#include "ops/cuda/pdl.cuh"
 
 namespace safeattn::cuda::hopper {
 namespace detail {
@@ -667,7 +668,7 @@ cudaError_t launch_fwd_variant(const FwdSm90Params& a, cudaStream_t stream) {
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
-  config.numAttrs = p.tile_counter != nullptr ? 1 : 0;
+  config.numAttrs = p.tile_counter != nullptr && kProgrammaticLaunches ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
