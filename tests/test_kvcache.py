@@ -535,10 +535,20 @@ def test_cuda_decode_one_split_writes_out_itself(paged):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
-def test_cuda_decode_step_replays_in_a_cuda_graph(paged):
+@pytest.mark.parametrize("batch", [3, 8])
+def test_cuda_decode_step_replays_in_a_cuda_graph(paged, batch):
     """Captured once, replayed with new lengths, queries and tokens written into the same
-    tensors (as a serving loop does): each replay matches the eager call on the same inputs."""
-    case = _case([40, 0, 90], 1, 1, 16, 4, 64, torch.float16, "cuda", paged=paged, capacity=256)
+    tensors (as a serving loop does): each replay matches the eager call on the same inputs.
+    On an H100 / H200, batch 3 over 4 kv heads merges its splits in a thread block cluster, and
+    batch 8 over 8 kv heads (a 1024-slot cache) leaves each pair too few splits for one: the
+    combine kernel, launched with its programmatic dependency (a graph edge of its own)."""
+    if batch == 3:
+        first, hkv, capacity = [40, 0, 90], 4, 256
+        lengths = lambda step: [41 + step, 1 + step, 120 - step]  # noqa: E731
+    else:
+        first, hkv, capacity = [40, 0, 900, 513, 7, 1000, 64, 300], 8, 1024
+        lengths = lambda step: [n + 1 + step for n in first]  # noqa: E731
+    case = _case(first, 1, 1, 16, hkv, 64, torch.float16, "cuda", paged=paged, capacity=capacity)
     q, k_cache, v_cache, seqlens, k, v, table = case
     kwargs = dict(block_table=table, causal=True, return_lse=True)
     safeattn.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), seqlens, k, v, **kwargs)  # warm-up
@@ -548,7 +558,7 @@ def test_cuda_decode_step_replays_in_a_cuda_graph(paged):
         got = safeattn.attention_with_kvcache(q, graph_k, graph_v, seqlens, k, v, **kwargs)
     gen = torch.Generator().manual_seed(5)
     for step in range(3):
-        seqlens.copy_(torch.tensor([41 + step, 1 + step, 120 - step], dtype=torch.int32))
+        seqlens.copy_(torch.tensor(lengths(step), dtype=torch.int32))
         q.copy_(torch.randn(q.shape, generator=gen))
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
