@@ -383,26 +383,32 @@ def test_cuda_decode_long_cache(paged, dtype):
     _check(*_long_cache(paged, dtype), causal=True)
 
 
+def _one_token_cache(seqlens, hq, hkv, page_size, capacity):
+    """A bf16 D=128 decode step on the GPU: one query and one new token a sequence, a contiguous
+    cache (page_size 0) or pages of page_size, NaN in the unused slots."""
+    return _case(
+        seqlens,
+        1,
+        1,
+        hq,
+        hkv,
+        128,
+        torch.bfloat16,
+        "cuda",
+        paged=page_size > 0,
+        page_size=page_size or 16,
+        capacity=capacity,
+        poison=float("nan"),
+    )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("page_size", [0, 32, 256])
 def test_cuda_decode_long_splits(page_size):
     """Caches past 512 key tiles, where a split takes at least 16 tiles: contiguous, pages of 256
     (each tile in one page: the same splits) and pages of 32 (tiles across pages: 8 tiles a
     split); GQA 8:1 at batch 1-2, lengths ending inside a tile and a page."""
-    case = _case(
-        [32768 + 77, 40000],
-        1,
-        1,
-        8,
-        1,
-        128,
-        torch.bfloat16,
-        "cuda",
-        paged=page_size > 0,
-        page_size=page_size or 16,
-        capacity=40960,
-        poison=float("nan"),
-    )
+    case = _one_token_cache([32768 + 77, 40000], 8, 1, page_size, 40960)
     _check(*case, causal=True)
 
 
@@ -485,20 +491,7 @@ def test_cuda_decode_sixteen_split_clusters(page_size, length):
     8001 keys after the append: on sm_90 its 16 splits merge in one thread block cluster
     (step_max_cluster), no combine kernel; elsewhere the combine kernel merges them. Contiguous,
     pages holding whole tiles and pages of 16 (tiles across pages); NaN in the unused slots."""
-    case = _case(
-        [length],
-        1,
-        1,
-        32,
-        4,
-        128,
-        torch.bfloat16,
-        "cuda",
-        paged=page_size > 0,
-        page_size=page_size or 16,
-        capacity=8192,
-        poison=float("nan"),
-    )
+    case = _one_token_cache([length], 32, 4, page_size, 8192)
     _check(*case, causal=True)
     q, k_cache, v_cache, cache_seqlens, k, v, table = case
     names = _kernel_names(
