@@ -42,6 +42,15 @@ export OUT STAGE_TIMEOUT="$TIMEOUT"
 : >"$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
+# The GPU host has no network and no nvidia-cutlass (the Hopper kernels' headers): a wheel
+# carried along in .whl/ (`pip download nvidia-cutlass==<pin> --no-deps -d .whl` here) goes in
+# first, into the Python that builds (a bare `pip` there may belong to another one).
+if ! python -c 'import cutlass_library' 2>/dev/null; then
+  for wheel in .whl/nvidia_cutlass-*.whl; do
+    [ -e "$wheel" ] && python -m pip install --no-deps -q "$wheel" >/dev/null 2>&1 && say "installed $wheel"
+  done
+fi
+
 stage_build() {
   local t0=$SECONDS
   if ! python -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
