@@ -466,8 +466,8 @@ static int check_shape(const char* name, bool timing) {
 // swizzled rows, warps across the head dim for dK/dV, CTAs per SM, scale folded, queries of a dQ
 // job> (BwdTiles).
 template <int D, int K, int Q, int W, int WQ, int SQ, int ST, bool SW = false, int DC = 1, int MB = 1, bool FS = false,
-          int DQ = 16>
-using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS, DQ>;
+          int DQ = 16, bool PS = true>
+using Tiles = BwdTiles<D, K, Q, W, WQ, SQ, ST, SW, DC, MB, FS, DQ, PS>;
 
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);  // each line as it comes, also into a pipe or a file
@@ -568,6 +568,25 @@ int main(int argc, char** argv) {
   // shipped 32 (DkvConfig<D, true>).
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 16>>("d128 large dq16", timing);
   failures += check_shape<bf16, Tiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true, 16>>("d64 large dq16", timing);
+  // S^T and dP^T one after the other (kPairScores false: half the fragment registers) on 32-query
+  // sub-tiles: each K / V fragment feeds four MMAs instead of two (ncu, H200, D = 64: the paired
+  // 16-query shape read 22% more shared memory than FlashAttention-2's and stalled on it 14% of the
+  // time). H200, causal / non-causal ms: D = 64 1.622 / 2.910 against 1.716 / 3.060 paired; D = 128
+  // 2.848 / 5.130 against 2.850 / 5.147.
+  // Not taken for D = 64's large shape: through the extension a dense causal + padding mask ran 6%
+  // slower (not profiled; the shape spills 144 bytes, the paired one none).
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true, 32, false>>("d64 large seq32", timing);
+  failures +=
+      check_shape<__half, Tiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true, 32, false>>("d64 large seq32 fp16", false);
+  // The same with two Q/dO buffers: 64-query steps (101 KB), and 128-query steps (167 KB with
+  // padded P^T / dS'^T rows: over sm_80's 163 KB, timed to show what the second buffer gives).
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 64, 8, 2, 32, 2, true, 2, 1, true, 16, false>>("d64 q64 seq32 2st", timing);
+  failures +=
+      check_shape<bf16, Tiles<64, 128, 128, 8, 4, 32, 2, true, 2, 1, true, 32, false>>("d64 q128 seq32 2st", timing);
+  failures +=
+      check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32, false>>("d128 large seq32", timing);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }

@@ -10,6 +10,11 @@
 #              occupancy, warp stalls, memory and compute of each prefill attention kernel
 #   softmax    our softmax forward and torch.softmax's at the float32 shapes where torch is
 #              closest (`python -m safeattn bench softmax --device cuda --profile`)
+#   generic    the generic kernels (forced: the A100 / Ada proxy) beside FlashAttention-2's (SDPA
+#              flash), D=PROFILE_HEAD_DIM (default 64), is_causal: the second call's forward and
+#              dK/dV kernels of each, every section, the instruction mix by opcode and, per
+#              kernel, its SASS with executed counts and stalls (ncu_generic_*_sass.csv);
+#              PROFILE_SIDES="ours" leaves FlashAttention-2 out
 # Environment: STAGE_TIMEOUT (seconds per target, default 420).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +41,33 @@ profile_softmax() {
     cut -c1-150
 }
 
+profile_generic() {
+  local d=${PROFILE_HEAD_DIM:-64} side regex args
+  for side in ${PROFILE_SIDES:-ours flash}; do
+    if [ $side = ours ]; then
+      regex='attention_fwd_kernel|attention_bwd_dkdv'
+      args=(--generic)
+    else
+      regex='flash_fwd_kernel|flash_bwd_dq_dk_dv'
+      args=(--peer flash)
+    fi
+    timeout -k 10 "$TIMEOUT" ncu --clock-control none --set full --import-source no --kernel-name regex:"$regex" \
+      --launch-skip 2 --launch-count 2 --print-metric-instances details -o "$OUT/ncu_generic_$side" -f \
+      python benchmarks/profile_attention.py "${args[@]}" --head-dim "$d" --calls 2 >"$OUT/ncu_generic_$side.log" 2>&1
+    echo "profile generic $side (rc $?): ncu_generic_$side.log"
+    ncu --import "$OUT/ncu_generic_$side.ncu-rep" --print-metric-instances details \
+      >"$OUT/ncu_generic_$side.txt" 2>&1
+    ncu --import "$OUT/ncu_generic_$side.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_generic_${side}_sass.csv" 2>&1
+    rm -f "$OUT/ncu_generic_$side.ncu-rep"
+    grep -E '^  [a-zA-Z_:<>]*(attention|flash)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th' \
+      "$OUT/ncu_generic_$side.txt" | cut -c1-150
+  done
+}
+
 for target in "${@:-attention}"; do
   case "$target" in
-    attention | softmax) "profile_$target" ;;
-    *) echo "profile: unknown target $target (attention, softmax)" ;;
+    attention | softmax | generic) "profile_$target" ;;
+    *) echo "profile: unknown target $target (attention, softmax, generic)" ;;
   esac
 done

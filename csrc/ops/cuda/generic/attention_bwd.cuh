@@ -160,10 +160,14 @@ constexpr int bwd_dq_cols(int head_dim, int warps, int row_blocks, int rows = 16
 //               the causal rule and the sequence ends (TileBounds) one compare an element.
 //   kDqRows     (atomic dQ) queries of a warp's dQ job, 16 or 32: with 32, each ldmatrix'd K
 //               fragment feeds two MMAs (FlashAttention-2's 32 x 32 warp blocks at D = 128).
+//   kPairScores S^T and dP^T in one pass over the head dim (each k-step's K and V fragments live
+//               together), or one product after the other (half the fragment registers, so
+//               that wider sub-tiles fit: each fragment feeds more MMAs).
 // Per thread: dK and dV, 2 * kWarpKeys x kDkvWarpCols / 32 floats, and the two score tiles,
 // 2 * kWarpKeys x kSubQueries / 32.
 template <int kHeadDim_, int kKeys_, int kQueries_, int kWarps_, int kWarpsQ_, int kSubQueries_, int kStages_,
-          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false, int kDqRows_ = 16>
+          bool kSwizzle_ = false, int kDkvCols_ = 1, int kMinBlocks_ = 1, bool kFoldScale_ = false, int kDqRows_ = 16,
+          bool kPairScores_ = true>
 struct BwdTiles {
   static constexpr int kHeadDim = kHeadDim_, kKeys = kKeys_, kQueries = kQueries_, kWarps = kWarps_;
   static constexpr int kWarpsQ = kWarpsQ_, kSubQueries = kSubQueries_, kStages = kStages_;
@@ -171,6 +175,7 @@ struct BwdTiles {
   static constexpr int kDkvCols = kDkvCols_, kMinBlocks = kMinBlocks_;
   static constexpr bool kFoldScale = kFoldScale_;
   static constexpr int kDqRows = kDqRows_;
+  static constexpr bool kPairScores = kPairScores_;
   static constexpr int kThreads = kWarps * 32;
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 128, "tensor-core backward: head_dim 16..128, multiple of 16");
   static_assert(kStages == 1 || kStages == 2, "one or two Q / dO buffers");
@@ -237,8 +242,12 @@ struct DkvShape<128, false> {
 // B4 H16 S4096 bf16, causal / non-causal): D = 128, 128 keys x 64 queries, 8 warps 4 x 2 over S^T,
 // dK / dV 2 warps across the head dim (134 KB): 2.92 / 5.36 ms (dQ jobs of 16 queries: 2.98 /
 // 5.53), against 3.38 / 6.27 for the 99 KB shape (two Q/dO buffers, 166 KB, are over sm_80's 163).
-// D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries at a time (135 KB): 1.78 / 3.28
-// ms (jobs of 16: 1.82 / 3.34).
+// D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries at a time (135 KB). With one
+// Q/dO buffer the next step's Q and dO load during the step's dQ: H200, causal / non-causal, D = 64
+// 1.787 / 3.267 -> 1.716 / 3.060 ms, D = 128 3.028 / 5.640 -> 2.850 / 5.147. Scoring D = 64 32
+// queries at a time with S^T and dP^T apart (kPairScores false) took is_causal to 1.622 / 2.910
+// (fwd+bwd 2.381 -> 2.307 ms through the extension) but spills 144 bytes, and a dense causal +
+// padding mask went 2.258 -> 2.398 ms: not taken.
 template <>
 struct DkvShape<128, true> {
   using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>;
@@ -352,7 +361,8 @@ __device__ __forceinline__ bool plain_tile(const BwdParams& p, uint8_t cls, int6
 // [m][k]). B1, B2: shared tiles laid out as RowsB, either [n][k] (kTransB false: B^T row-major, as
 // Q and dO in S^T = K Q^T and dP^T = V dO^T, or K and V in the dQ kernel's S and dP) or [k][n]
 // from column b_col.. (kTransB true, loaded transposed: dO and Q in dV += P^T dO and dK += dS'^T Q).
-template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTiles, int kN>
+// kSecond false: acc1 += A1 B1 alone (a2, b2 and acc2 untouched; one_product below).
+template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTiles, int kN, bool kSecond = true>
 __device__ __forceinline__ void paired_products(float (&acc1)[kMTiles][kN / 8][4], float (&acc2)[kMTiles][kN / 8][4],
                                                 const T* a1, const T* a2, int a_row, const T* b1, const T* b2,
                                                 int b_col, int lane) {
@@ -373,25 +383,39 @@ __device__ __forceinline__ void paired_products(float (&acc1)[kMTiles][kN / 8][4
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
       ldmatrix_x4(fa1[mt], RowsA::moved(a1_lane, mt * 16, ks * 16));
-      ldmatrix_x4(fa2[mt], RowsA::moved(a2_lane, mt * 16, ks * 16));
+      if constexpr (kSecond) {
+        ldmatrix_x4(fa2[mt], RowsA::moved(a2_lane, mt * 16, ks * 16));
+      }
     }
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t fb1[4], fb2[4];
       if constexpr (kTransB) {
         ldmatrix_x4_trans(fb1, RowsB::moved(b1_lane, ks * 16, np * 16));
-        ldmatrix_x4_trans(fb2, RowsB::moved(b2_lane, ks * 16, np * 16));
       } else {
         ldmatrix_x4(fb1, RowsB::moved(b1_lane, np * 16, ks * 16));
+      }
+      if constexpr (kSecond && kTransB) {
+        ldmatrix_x4_trans(fb2, RowsB::moved(b2_lane, ks * 16, np * 16));
+      } else if constexpr (kSecond) {
         ldmatrix_x4(fb2, RowsB::moved(b2_lane, np * 16, ks * 16));
       }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         mma_pair<T>(acc1[mt][2 * np], acc1[mt][2 * np + 1], fa1[mt], fb1);
-        mma_pair<T>(acc2[mt][2 * np], acc2[mt][2 * np + 1], fa2[mt], fb2);
+        if constexpr (kSecond) {
+          mma_pair<T>(acc2[mt][2 * np], acc2[mt][2 * np + 1], fa2[mt], fb2);
+        }
       }
     }
   }
+}
+
+// acc += A B alone, as paired_products takes each pair.
+template <typename T, class RowsA, class RowsB, bool kTransB, int kK, int kMTiles, int kN>
+__device__ __forceinline__ void one_product(float (&acc)[kMTiles][kN / 8][4], const T* a, int a_row, const T* b,
+                                            int b_col, int lane) {
+  paired_products<T, RowsA, RowsB, kTransB, kK, kMTiles, kN, false>(acc, acc, a, a, a_row, b, b, b_col, lane);
 }
 
 // Accumulator n-tiles 2 kk and 2 kk + 1 (m16n8, float) as the A fragment of an m16n8k16 product
@@ -638,11 +662,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
                                                      p.q_len);
     const int64_t row0 = (b * p.hq + h) * p.q_len;
+    // By cp.async, in the group of the step's tiles: a plain load would hold the thread until the
+    // value arrives (its store to shared memory waits on it), and with one Q/dO buffer it stood
+    // before the step's dQ (ncu, H200, D=64: 6% of the dK/dV kernel's stall samples).
     auto load_row_values = [&](int r) {
-      const bool valid = i0 + r < p.q_len;
-      lse_s[buf * kQueries + r] = valid ? p.row_shift[row0 + i0 + r] : INFINITY;
-      lo_s[buf * kQueries + r] = valid && p.score.natural ? p.row_lo[row0 + i0 + r] : 0.0f;
-      delta_s[buf * kQueries + r] = valid ? p.delta[row0 + i0 + r] : 0.0f;
+      const int64_t at = row0 + i0 + r;
+      const int slot = buf * kQueries + r;
+      if (i0 + r < p.q_len) {
+        cp_async_4(lse_s + slot, p.row_shift + at);
+        cp_async_4(delta_s + slot, p.delta + at);
+        if (p.score.natural) {
+          cp_async_4(lo_s + slot, p.row_lo + at);
+        } else {
+          lo_s[slot] = 0.0f;
+        }
+      } else {
+        lse_s[slot] = INFINITY;
+        lo_s[slot] = 0.0f;
+        delta_s[slot] = 0.0f;
+      }
     };
     if constexpr (kQueries <= kThreads) {
       // One row a thread (every shape): a test, not a loop the compiler unrolls with a remainder.
@@ -701,8 +739,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       float dpt[kMTiles][kQTiles][4];
       zero_fill(st);
       zero_fill(dpt);
-      paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
-                                                                            lane);
+      if constexpr (Cfg::kPairScores) {
+        paired_products<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, dpt, k_s, v_s, key_row0, qt, dot, 0,
+                                                                              lane);
+      } else {
+        one_product<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(st, k_s, key_row0, qt, 0, lane);
+        one_product<T, Rows, Rows, false, kHeadDim, kMTiles, kSubQueries>(dpt, v_s, key_row0, dot, 0, lane);
+      }
 
       // P^T and dS'^T in place (st holds p, dpt holds dS'): prob(mt, t, e, dscore) gives an
       // element's p and d score / d dot; its column is 8 t + 2 tig + (e & 1), its key 16 mt + g +
@@ -815,18 +858,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       __syncthreads();
       paired_products<T, SmemRows<kQueries>, Rows, true, kQueries, kDkvMTiles, Cfg::kDkvWarpCols>(
           dv_acc, dk_acc, p_s, ds_s, dkv_key0, do_buf, q_buf, dkv_col0, lane);
-    } else if constexpr (kAtomicDq) {
-      __syncthreads();  // every warp's dS'^T is in ds_s
     }
-    if constexpr (kAtomicDq) {
-      add_step_dq<T, Cfg>(p, ds_s, k_s, b, h, i0, warp, lane);
-    }
-    __syncthreads();  // this buffer (and p_s, ds_s) is refilled by the next step
-    if constexpr (kStages == 1) {
-      if (steps > next.index) {
-        prefetch(next, 0);
+    // With one Q/dO buffer, the next step's Q and dO load as soon as no warp reads this step's:
+    // with atomic dQ, before this step's dQ (which reads only dS'^T and K), so that the loads
+    // overlap it; the next step's top waits for them and syncs before anything is overwritten.
+    // ncu (H200, D=64, B4 H16 S4096 causal) had 6% of the kernel's stall samples at the step's
+    // end barrier with the loads after the dQ.
+    auto prefetch_single = [&] {
+      if constexpr (kStages == 1) {
+        if (steps > next.index) {
+          prefetch(next, 0);
+        }
+        cp_async_commit();
       }
-      cp_async_commit();
+    };
+    if constexpr (kAtomicDq) {
+      __syncthreads();  // every warp's dS'^T is in ds_s; no warp reads Q, dO or the row values
+      prefetch_single();
+      add_step_dq<T, Cfg>(p, ds_s, k_s, b, h, i0, warp, lane);
+      if constexpr (kStages == 2) {
+        __syncthreads();  // ds_s and the other buffer are refilled by the next step
+      }
+    } else {
+      __syncthreads();  // this buffer (and p_s, ds_s) is refilled by the next step
+      prefetch_single();
     }
     step = next;
   }
