@@ -398,8 +398,23 @@ def link_args():
 
     Elsewhere (macOS): nothing; libc++ is the system's and Apple's linker has no --exclude-libs."""
     if sys.platform.startswith("linux") and torch._C._GLIBCXX_USE_CXX11_ABI:
-        return ["-static-libstdc++", "-Wl,--exclude-libs,ALL"]
-    return []
+        return ["-static-libstdc++", "-Wl,--exclude-libs,ALL", *glibc_compat_wraps()]
+    return glibc_compat_wraps()
+
+
+def glibc_compat_wraps():
+    """x86_64 Linux with glibc: -Wl,--wrap=NAME for each __wrap_NAME that
+    csrc/common/glibc_compat.cpp defines (the one list of them), so that _C imports no glibc symbol
+    newer than 2.28 (manylinux_2_28) whatever glibc it is built on. Elsewhere nothing."""
+    if not (
+        sys.platform.startswith("linux")
+        and platform.machine() == "x86_64"
+        and platform.libc_ver()[0] == "glibc"
+    ):
+        return []
+    source = (ROOT / "csrc" / "common" / "glibc_compat.cpp").read_text()
+    names = sorted(set(re.findall(r"\b__wrap_(\w+)\s*(?:\(|=)", source)))
+    return ["-Wl," + ",".join(f"--wrap={name}" for name in names)] if names else []
 
 
 def build_env():

@@ -2,6 +2,8 @@
 loads _C, and a mismatch is an ImportError that names both sides and the rebuild command."""
 
 import os
+import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -165,3 +167,31 @@ def test_a_native_library_that_fails_to_load_says_how_to_rebuild(tmp_path):
     assert (
         "safeattn._C failed to load" in result.stderr and "--force-reinstall" in result.stderr
     ), result.stderr
+
+
+def glibc_versions_needed(library):
+    """The GLIBC_x.y versions `library` imports (readelf's version-needs section)."""
+    out = subprocess.run(
+        ["readelf", "-W", "--version-info", str(library)], capture_output=True, text=True, check=True
+    )
+    needs = out.stdout.split("Version needs section", 1)[-1] if "Version needs section" in out.stdout else ""
+    return {tuple(int(x) for x in v.split(".")) for v in re.findall(r"Name: GLIBC_([\d.]+)", needs)}
+
+
+@pytest.mark.skipif(
+    not (
+        sys.platform.startswith("linux")
+        and platform.machine() == "x86_64"
+        and platform.libc_ver()[0] == "glibc"
+    ),
+    reason="x86_64 glibc builds only (csrc/common/glibc_compat.cpp)",
+)
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="needs binutils' readelf")
+def test_c_needs_no_glibc_newer_than_manylinux_2_28():
+    # setup.py wraps the newer symbols a build on a newer glibc would import (exp, log, and what
+    # the static libstdc++ brings), so that a wheel made anywhere installs on glibc 2.28.
+    library = Path(safeattn._C.__file__)
+    versions = glibc_versions_needed(library)
+    assert versions, f"readelf found no GLIBC version needs in {library}"
+    too_new = sorted(v for v in versions if v > (2, 28))
+    assert too_new == [], f"{library.name} needs GLIBC {['.'.join(map(str, v)) for v in too_new]}"

@@ -753,6 +753,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       // registers first (load_columns), within each branch so that they live only where used; row
       // lo (natural units, the general path only) is read an element.
       float col_shift[kQTiles][2], col_delta[kQTiles][2];
+      // P^T and dS'^T of n-tile t of 16-key block mt to shared memory (P^T through shared
+      // memory): rows key_row0 + 16 mt + g (+8), columns q0 + 8 t + 2 tig (+1), one 32-bit pair
+      // per store.
+      auto store_p_and_ds = [&](int mt, int t) {
+        const int offset = (key_row0 + mt * 16 + g) * kPStride + q0 + t * 8 + 2 * tig;
+        *reinterpret_cast<uint32_t*>(p_s + offset) = pack2<T>(st[mt][t][0], st[mt][t][1]);
+        *reinterpret_cast<uint32_t*>(p_s + offset + 8 * kPStride) = pack2<T>(st[mt][t][2], st[mt][t][3]);
+        *reinterpret_cast<uint32_t*>(ds_s + offset) = pack2<T>(dpt[mt][t][0], dpt[mt][t][1]);
+        *reinterpret_cast<uint32_t*>(ds_s + offset + 8 * kPStride) = pack2<T>(dpt[mt][t][2], dpt[mt][t][3]);
+      };
+      // kPairScores false stores each n-tile as soon as it is made, so that no score tile outlives
+      // its store: made in one pass and stored in another, its 32-query sub-tiles spilled 296 bytes
+      // there (nvcc 13.0, sm_90; 0 this way). The shipped shapes keep the two passes until this is
+      // measured on them (D = 128's large shape: 8 -> 20 bytes of spill stores this way).
+      constexpr bool kStoreAsMade = !Cfg::kPInRegs && !Cfg::kPairScores;
       auto to_p_and_ds = [&](auto&& prob) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -764,6 +779,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
               const float pr = prob(mt, t, e, dscore);
               st[mt][t][e] = pr;
               dpt[mt][t][e] = pr * (dpt[mt][t][e] - col_delta[t][e & 1]) * dscore;
+            }
+            if constexpr (kStoreAsMade) {
+              store_p_and_ds(mt, t);
             }
           }
         }
@@ -835,18 +853,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
             mma_pair<T>(dk_acc[0][2 * dp], dk_acc[0][2 * dp + 1], a_ds, b_q);
           }
         }
-      } else {
-        // P^T and dS'^T to shared memory: rows key_row0 + 16 mt + g (+8), columns q0 + 8 t +
-        // 2 tig (+1), one 32-bit pair per store.
+      } else if constexpr (!kStoreAsMade) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int t = 0; t < kQTiles; ++t) {
-            const int offset = (key_row0 + mt * 16 + g) * kPStride + q0 + t * 8 + 2 * tig;
-            *reinterpret_cast<uint32_t*>(p_s + offset) = pack2<T>(st[mt][t][0], st[mt][t][1]);
-            *reinterpret_cast<uint32_t*>(p_s + offset + 8 * kPStride) = pack2<T>(st[mt][t][2], st[mt][t][3]);
-            *reinterpret_cast<uint32_t*>(ds_s + offset) = pack2<T>(dpt[mt][t][0], dpt[mt][t][1]);
-            *reinterpret_cast<uint32_t*>(ds_s + offset + 8 * kPStride) = pack2<T>(dpt[mt][t][2], dpt[mt][t][3]);
+            store_p_and_ds(mt, t);
           }
         }
       }
