@@ -13,7 +13,8 @@
 #   generic    the generic kernels (forced: the A100 / Ada proxy) beside FlashAttention-2's (SDPA
 #              flash), D=PROFILE_HEAD_DIM (default 64), is_causal: the second call's forward and
 #              dK/dV kernels of each, every section, the instruction mix by opcode and, per
-#              kernel, its SASS with executed counts and stalls (ncu_generic_*_sass.csv);
+#              kernel, its SASS with executed counts and stalls (ncu_generic_*_sass.csv, read
+#              by benchmarks/sass_counts.py);
 #              PROFILE_SIDES="ours" leaves FlashAttention-2 out
 # Environment: STAGE_TIMEOUT (seconds per target, default 420).
 set -uo pipefail
