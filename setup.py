@@ -404,8 +404,9 @@ def link_args():
 
 def glibc_compat_wraps():
     """x86_64 Linux with glibc: -Wl,--wrap=NAME for each __wrap_NAME that
-    csrc/common/glibc_compat.cpp defines (the one list of them), so that _C imports no glibc symbol
-    newer than 2.28 (manylinux_2_28) whatever glibc it is built on. Elsewhere nothing."""
+    csrc/common/glibc_compat.cpp defines (the one list of them), so that _C imports none of those
+    glibc symbols newer than 2.28 (manylinux_2_28); tests/test_build_check.py names any other that a
+    build host brings. Elsewhere nothing."""
     if not (
         sys.platform.startswith("linux")
         and platform.machine() == "x86_64"

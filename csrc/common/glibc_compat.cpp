@@ -1,6 +1,7 @@
 // The glibc symbols newer than manylinux_2_28 (glibc 2.28) that a build on a newer Linux would
-// make _C import, redirected to what glibc 2.28 has, so that a wheel built here installs on any
-// glibc from 2.28 on (scripts/build_wheel.sh checks it with auditwheel).
+// make _C import, redirected to what glibc 2.28 has, so that a wheel built on a newer glibc
+// installs on glibc 2.28 and later (scripts/build_wheel.sh checks it with auditwheel;
+// tests/test_build_check.py names any newer version _C still needs).
 //
 // Where they come from: the exp and log of <cmath> bind to GLIBC_2.29's new versions; the static
 // libstdc++ (setup.py's link_args, with a C++11-ABI torch) was compiled against the build host's

@@ -246,8 +246,9 @@ struct DkvShape<128, false> {
 // Q/dO buffer the next step's Q and dO load during the step's dQ: H200, causal / non-causal, D = 64
 // 1.787 / 3.267 -> 1.716 / 3.060 ms, D = 128 3.028 / 5.640 -> 2.850 / 5.147. Scoring D = 64 32
 // queries at a time with S^T and dP^T apart (kPairScores false) took is_causal to 1.622 / 2.910
-// (fwd+bwd 2.381 -> 2.307 ms through the extension) but spills 144 bytes, and a dense causal +
-// padding mask went 2.258 -> 2.398 ms: not taken.
+// (fwd+bwd 2.381 -> 2.307 ms through the extension) but spilled (296 bytes of stores), and a dense
+// causal + padding mask went 2.258 -> 2.398 ms: not taken. It now stores P^T and dS'^T as it makes
+// them, without spills: not yet timed (benchmarks/mma_sync_bwd_check.cu, "d64 large seq32").
 template <>
 struct DkvShape<128, true> {
   using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>;
