@@ -25,7 +25,10 @@
 #   harness   the standalone kernel checks (benchmarks/*_check.cu, no extension build needed):
 #             compiled in parallel, run (checks, and timings unless HARNESS_TIMING=0; HARNESS_ONLY
 #             passes --only), then compute-sanitizer memcheck and racecheck over the Hopper and
-#             decode checks' correctness cases (HARNESS_SANITIZE=0 skips them)
+#             decode checks' correctness cases (HARNESS_SANITIZE=0 skips them); HARNESS_ONLY_<name>
+#             (e.g. HARNESS_ONLY_decode_check, empty for all) overrides it for one; HARNESS_BIN=DIR
+#             runs the binaries built beforehand into DIR (carried: gpu_bin/, ignored) and
+#             compiles nothing, so the GPU's time goes to running them
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,8 +148,9 @@ stage_harness() {
   local cutlass="${SAFEATTN_CUTLASS_INCLUDE:-$(python -c 'import importlib.util, pathlib; s = importlib.util.find_spec("cutlass_library"); print(pathlib.Path(s.submodule_search_locations[0]) / "source" / "include" if s else "")')}"
   local common=(-std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -Xcompiler -fopenmp -lgomp)
   local bin name pids=()
-  bin=$(mktemp -d)  # not under $OUT: the binaries do not come back
+  bin=${HARNESS_BIN:-$(mktemp -d)}  # not under $OUT: the binaries do not come back
   for name in decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check; do
+    [ -z "${HARNESS_BIN:-}" ] || continue
     local arch=(-gencode=arch=compute_90,code=sm_90)
     if [[ $name == hopper_* ]]; then
       [ -n "$cutlass" ] || { say "harness $name: no CUTLASS headers (pip install nvidia-cutlass)"; continue; }
@@ -162,7 +166,9 @@ stage_harness() {
     [ -x "$bin/$name" ] || { say "harness $name: not built ($OUT/harness_build_$name.log)"; continue; }
     local quick=()
     [[ $name == hopper_* ]] && quick=(--quick)
-    timeout -k 10 "$TIMEOUT" "$bin/$name" "${quick[@]}" "${timing[@]}" ${HARNESS_ONLY:+--only "$HARNESS_ONLY"} \
+    local only_var="HARNESS_ONLY_$name"  # one binary's own --only, over HARNESS_ONLY
+    local only="${!only_var-${HARNESS_ONLY:-}}"
+    timeout -k 10 "$TIMEOUT" "$bin/$name" "${quick[@]}" "${timing[@]}" ${only:+--only "$only"} \
       >"$OUT/harness_$name.txt" 2>&1
     say "harness $name (rc $?): $(grep -E 'ALL CHECKS|CHECKS FAILED|PASS|FAIL' "$OUT/harness_$name.txt" | tail -1)"
   done
@@ -178,7 +184,7 @@ stage_harness() {
       say "harness $tool $name (rc $?): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/harness_${tool}_$name.txt" | tail -1)"
     done
   done
-  rm -rf "$bin"
+  [ -n "${HARNESS_BIN:-}" ] || rm -rf "$bin"
 }
 
 stage_profile() {
