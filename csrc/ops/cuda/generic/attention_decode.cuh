@@ -73,8 +73,11 @@ struct DecodeTiles {
   static constexpr int kPrefetch = kPrefetch_;
   static constexpr int kChains = kChains_;
   // A paged cache's page ids, kPageSlots tiles of them: fetched kStages tiles ahead of the tile
-  // loads that read them, so that no load waits for the block table.
-  static constexpr int kPageSlots = kStages + 1;
+  // loads that read them, so that no load waits for the block table. Before the loop's first
+  // barrier the prologue has fetched the pages of tiles 0 .. 2 kStages - 2 and read those of the
+  // first kStages - 1, so each needs a slot of its own (kStages + 1 slots let the fetch for tile
+  // kStages + 1 overwrite tile 0's while other threads read it: racecheck, 3+ stages).
+  static constexpr int kPageSlots = 2 * kStages - 1;
   template <typename T, int kD>
   static constexpr size_t smem_bytes() {
     return static_cast<size_t>(kMaxRows + 2 * kStages * kTileKeys) * attn::padded_row(kD) * sizeof(T) +
