@@ -569,17 +569,10 @@ int main(int argc, char** argv) {
   failures += check_shape<bf16, Tiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 16>>("d128 large dq16", timing);
   failures += check_shape<bf16, Tiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true, 16>>("d64 large dq16", timing);
   // S^T and dP^T one after the other (kPairScores false: half the fragment registers) on 32-query
-  // sub-tiles: each K / V fragment feeds four MMAs instead of two (ncu, H200, D = 64: the paired
-  // 16-query shape read 22% more shared memory than FlashAttention-2's and stalled on it 14% of the
-  // time). H200, causal / non-causal ms: D = 64 1.622 / 2.910 against 1.716 / 3.060 paired; D = 128
-  // 2.848 / 5.130 against 2.850 / 5.147.
-  // Not taken for D = 64's large shape: through the extension a dense causal + padding mask ran 6%
-  // slower (not profiled; the shape spilled 296 bytes, the paired one none). Since then its P^T and
-  // dS'^T are stored as they are made (to_p_and_ds): no spills, not yet timed.
-  failures +=
-      check_shape<bf16, Tiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true, 32, false>>("d64 large seq32", timing);
-  failures +=
-      check_shape<__half, Tiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true, 32, false>>("d64 large seq32 fp16", false);
+  // sub-tiles, as DkvConfig<64, true> now runs: each K / V fragment feeds four MMAs instead of two
+  // (ncu, H200, D = 64: the paired 16-query shape read 22% more shared memory than
+  // FlashAttention-2's and stalled on it 14% of the time). H200, causal / non-causal ms: D = 64
+  // 1.564 / 2.804 against 1.728 / 3.081 paired; D = 128 2.860 / 5.153 against 2.872 / 5.177.
   // The same with two Q/dO buffers: 64-query steps (101 KB), and 128-query steps (167 KB with
   // padded P^T / dS'^T rows: over sm_80's 163 KB, timed to show what the second buffer gives).
   failures +=

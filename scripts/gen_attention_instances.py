@@ -38,7 +38,7 @@ DIRECTIONS = {
     "fwd": (
         "forward",
         "launch_attention_fwd",
-        "const FwdParams&, cudaStream_t",
+        "const FwdParams&, bool, cudaStream_t",
         "#define SAFEATTN_ATTN_FWD_DEFINE_KERNELS\n",
         (32, 64, 80, 96, 128, 256),
     ),

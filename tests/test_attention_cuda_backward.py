@@ -446,6 +446,10 @@ def _sm90_masks(batch, heads, q_len, kv_len):
     per_head[:, :, :, 256:384] = True  # a fully visible key tile
     per_head[:, 1:3, :, :128] = False  # fully masked tiles in two heads
     staircase = positions[None, :] < 2 * torch.arange(q_len)[:, None] - 50
+    shifts = torch.tensor([-kv_len, -37, -1, 0, 1, 75, 130, kv_len])[torch.arange(heads) % 8]
+    diagonals = (
+        positions[None, None, :] <= torch.arange(q_len)[None, :, None] + shifts[:, None, None]
+    )  # [H, Q, KV]
     everything_masked_in_batch_0 = torch.stack([torch.zeros_like(causal)] + [causal] * (batch - 1))
     return {
         "causal_left_padding": (causal & keep_keys[:, None, :])[:, None],  # [B, 1, Q, KV], as Transformers
@@ -462,6 +466,10 @@ def _sm90_masks(batch, heads, q_len, kv_len):
         # and a staircase whose rows see prefixes that grow by two keys a row (not one diagonal).
         "causal_sliced": torch.nn.functional.pad(causal, (0, 8))[:, :kv_len],
         "staircase_sliced": torch.nn.functional.pad(staircase, (0, 8))[:, :kv_len],
+        # Aligned rows, one diagonal a head at offsets on both sides of the main one (the first
+        # head's rows see no key, the last head's every key): diagonal tiles whose diagonals
+        # differ from is_causal's, tested by a compare on every path that reads the class.
+        "diagonals_per_head_sliced": torch.nn.functional.pad(diagonals, (0, 8))[None, :, :, :kv_len],
     }
 
 
@@ -478,6 +486,7 @@ def _sm90_masks(batch, heads, q_len, kv_len):
         "sliced_from_wider",
         "causal_sliced",
         "staircase_sliced",
+        "diagonals_per_head_sliced",
     ],
 )
 def test_bool_masks_sm90(name, head_dim, dtype):
@@ -856,7 +865,14 @@ def test_head_dim_256_forward_sm90(kind, dtype):
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize(
-    "kind", ["causal", "causal_left_padding", "learnable_per_head", "softcap_key_ranges"]
+    "kind",
+    [
+        "causal",
+        "causal_left_padding",
+        "diagonals_per_head_sliced",
+        "learnable_per_head",
+        "softcap_key_ranges",
+    ],
 )
 @pytest.mark.parametrize("head_dim", SM90_HEAD_DIMS)
 def test_deterministic_sm90(deterministic_algorithms, head_dim, kind, dtype):
@@ -869,7 +885,7 @@ def test_deterministic_sm90(deterministic_algorithms, head_dim, kind, dtype):
     q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, dtype, DEVICE, seed=head_dim + 1)
     kwargs = {"enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
     extra = ()
-    if kind == "causal_left_padding":
+    if kind in ("causal_left_padding", "diagonals_per_head_sliced"):
         kwargs = {"enable_gqa": True, "attn_mask": _sm90_masks(batch, heads, q_len, kv_len)[kind].to(DEVICE)}
     elif kind == "learnable_per_head":
         bias = _float_mask_cases(batch, heads, q_len, kv_len)[kind][0].to(DEVICE).requires_grad_(True)

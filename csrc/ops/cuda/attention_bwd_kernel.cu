@@ -320,7 +320,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   p.grad_mask = nullptr;
   p.batch_begin = 0;
   p.mask = attn::make_mask_view(a.mask);
-  at::Tensor summary_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
+  at::Tensor summary_dkdv, diagonals_dkdv, summary_dq;  // kept alive until the launches are queued (stream-ordered)
   // Where the walks stop: the dK/dV kernel's up a column at its last query tile not masked, the
   // dQ kernel's along a row starts at its first key tile not masked (TileWalkBounds).
   attn::TileWalkBounds bounds_dkdv, bounds_dq;
@@ -336,8 +336,10 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     const bool shared = tiles.dq_q == tiles.dkdv_q && tiles.dq_kv == tiles.dkdv_kv;
     bounds_dkdv.columns = true;
     bounds_dkdv.rows = !atomic_dq && shared;
-    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv, nullptr, &bounds_dkdv);
-    p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv, {}, bounds_dkdv);
+    // With diagonals: the dK/dV kernel tests a bool mask's diagonal tiles by a compare; the dQ
+    // kernel, sharing the summary, reads their elements (they are not plain tiles).
+    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv, &diagonals_dkdv, &bounds_dkdv);
+    p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv, diagonals_dkdv, bounds_dkdv);
     if (!atomic_dq) {
       bounds_dq.rows = true;
       summary_dq =

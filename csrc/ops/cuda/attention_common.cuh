@@ -150,7 +150,8 @@ struct TileWalkBounds {
 // the backward can each ask for their own.
 // With `diagonals` (block_q <= 128): also the tiles of a bool mask with 16-byte aligned rows that
 // are one diagonal (kTileDiagonal), their diagonals written to *diagonals (int16, the summary's
-// shape); only the sm_90a kernels read that class.
+// shape); the kernels that ask for them read that class (the sm_90a kernels, the generic
+// forward and dK/dV kernels).
 // With `bounds`: also where the kernels' walks over the summary may stop (TileWalkBounds).
 // With `causal` enabled (for kernels that apply the same causal rule themselves): the tiles no
 // row of which sees any key are masked without being read (half of a [1, H, S, S] bias's bytes).

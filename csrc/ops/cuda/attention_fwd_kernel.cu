@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -44,8 +45,11 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   const at::Tensor key = attn::with_aligned_rows(a.key);
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const int64_t head_dim = query.size(3);
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
+  const bool large =
+      attn::fwd_large_tiles(head_dim, props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock);
   int block_q = 0, block_kv = 0;
-  attn::fwd_tile_sizes(head_dim, block_q, block_kv);
+  attn::fwd_tile_sizes(head_dim, large, block_q, block_kv);
 
   FwdParams p;
   attn::set_forward_tensors(p, query, key, value, a);
@@ -57,18 +61,20 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   p.kv_len = key.size(2);
   p.score = attn::score_rule(a.scale, a.softcap, attn::natural_units(a.mask));
   p.causal = attn::causal_rule(a);
-  at::Tensor summary;           // kept alive until the launch is queued (stream-ordered allocator)
-  attn::TileWalkBounds bounds;  // each row of tiles' first key tile not masked: where the walk starts
+  at::Tensor summary, diagonals;  // kept alive until the launch is queued (stream-ordered allocator)
+  attn::TileWalkBounds bounds;    // each row of tiles' first key tile not masked: where the walk starts
   bounds.rows = true;
   if (a.mask.defined()) {
     p.mask = attn::make_mask_view(a.mask);
-    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, nullptr, &bounds);
-    p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv, {}, bounds);
+    // With diagonals: a bool mask's tiles that are one diagonal (a causal mask's, with padding
+    // or not) are tested by a compare, without reading the mask.
+    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, &diagonals, &bounds);
+    p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv, diagonals, bounds);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   attn::with_16bit_type(query, [&](auto type) {
     attn::launch_for_head_dim<kFwdHeadDims>(head_dim, "attention (CUDA, tensor cores)", [&](auto dim) {
-      attn::launch_attention_fwd<decltype(type), decltype(dim)::value>(p, stream);
+      attn::launch_attention_fwd<decltype(type), decltype(dim)::value>(p, large, stream);
     });
   });
 }

@@ -113,7 +113,8 @@ struct KeyRangeView {
 // What a (query tile, key tile) block of the mask holds, so that the kernels skip whole tiles
 // (kTileMasked: neither K/V nor the mask is read), read no mask (kTileVisible), or read it once
 // per element (kTileMixed). NaN counts as mixed, so it reaches the rows it belongs to.
-// kTileDiagonal, only in a summary asked for with diagonals (the sm_90a kernels): a tile that is
+// kTileDiagonal, only in a summary asked for with diagonals (the sm_90a kernels, the generic forward
+// and dK/dV kernels; the dQ kernel reads such a tile's elements): a tile that is
 // neither masked nor visible whose row r (counted from the tile's first) sees exactly its keys
 // c <= r + diagonal (counted from the tile's first key): the diagonal tiles of a causal mask, read
 // as a compare instead of the mask's elements.

@@ -244,18 +244,18 @@ struct DkvShape<128, false> {
 // 5.53), against 3.38 / 6.27 for the 99 KB shape (two Q/dO buffers, 166 KB, are over sm_80's 163).
 // D = 64, 128 keys x 128 queries, 8 warps 2 x 4 scoring 16 queries at a time (135 KB). With one
 // Q/dO buffer the next step's Q and dO load during the step's dQ: H200, causal / non-causal, D = 64
-// 1.787 / 3.267 -> 1.716 / 3.060 ms, D = 128 3.028 / 5.640 -> 2.850 / 5.147. Scoring D = 64 32
-// queries at a time with S^T and dP^T apart (kPairScores false) took is_causal to 1.622 / 2.910
-// (fwd+bwd 2.381 -> 2.307 ms through the extension) but spilled (296 bytes of stores), and a dense
-// causal + padding mask went 2.258 -> 2.398 ms: not taken. It now stores P^T and dS'^T as it makes
-// them, without spills: not yet timed (benchmarks/mma_sync_bwd_check.cu, "d64 large seq32").
+// 1.787 / 3.267 -> 1.716 / 3.060 ms, D = 128 3.028 / 5.640 -> 2.850 / 5.147. D = 64 is scored 32
+// queries at a time with S^T and dP^T apart (kPairScores false: each K / V fragment feeds four
+// MMAs, as in FlashAttention-2), P^T and dS'^T stored as they are made (no spills in the loop):
+// 1.728 / 3.081 -> 1.564 / 2.804 ms. (Before the stores moved it spilled 296 bytes, and a dense
+// causal + padding mask ran 2.258 -> 2.398 ms through the extension.)
 template <>
 struct DkvShape<128, true> {
   using type = BwdTiles<128, 128, 64, 8, 2, 32, 1, true, 2, 1, true, 32>;
 };
 template <>
 struct DkvShape<64, true> {
-  using type = BwdTiles<64, 128, 128, 8, 4, 16, 1, true, 2, 1, true, 32>;
+  using type = BwdTiles<64, 128, 128, 8, 4, 32, 1, true, 2, 1, true, 32, false>;
 };
 template <int D, bool kLarge = false>
 using DkvConfig = typename DkvShape<D, kLarge>::type;
@@ -715,11 +715,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, blockIdx.x);
     const bool plain = plain_tile(p, tile_class, i0, kQueries, j0, kKeys);
     // kFoldScale's cases, in log2 units without softcap: a plain tile (folded), or one whose only
-    // per-element tests are the causal rule and the sequence ends (bounded: the causal diagonal,
-    // the last tiles of odd lengths), made in tile coordinates by tile_bounds.
+    // per-element tests are the causal rule, the sequence ends and a mask's diagonal (bounded: the
+    // causal diagonal, the last tiles of odd lengths, a bool mask's kTileDiagonal tiles), made in
+    // tile coordinates by tile_bounds.
     const bool log2_scaled = !p.score.natural && p.score.softcap_post == 0.0f;
     const bool folded = plain && log2_scaled;
-    const bool bounded = !plain && log2_scaled && tile_class == kTileVisible;
+    const bool bounded = !plain && log2_scaled && (tile_class == kTileVisible || tile_class == kTileDiagonal);
     const T* q_buf = q_s + buf * kQueries * kStride;
     const T* do_buf = do_s + buf * kQueries * kStride;
 
@@ -797,7 +798,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       } else if (Cfg::kFoldScale && bounded) {
         // The last visible key row of each of the thread's columns, from its first row key_row0 + g.
         int col_last[kQTiles][2];
-        const TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0, kKeys);
+        TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0, kKeys);
+        if (tile_class == kTileDiagonal) {  // query r sees keys c <= r + the mask's diagonal too
+          bounds.diagonal = min(bounds.diagonal, p.tiles_dkdv.diagonal_at(b, h, q_tile, blockIdx.x));
+        }
 #pragma unroll
         for (int t = 0; t < kQTiles; ++t) {
 #pragma unroll

@@ -122,56 +122,87 @@ struct FwdTiles {
 constexpr size_t kSmemPerBlockSm86 = 99 * 1024;
 
 // The shape each head dim runs (measured on an H200 against the other shapes of
-// benchmarks/mma_sync_fwd_check.cu). Shared memory must fit the 99 KB a block may have on sm_86 /
-// sm_89 / sm_120 at D <= 128 (asserted below; 163 KB on sm_80): smem_fits sends a call elsewhere
-// when it does not.
+// benchmarks/mma_sync_fwd_check.cu), FwdShape<D, false>::type. Shared memory must fit the 99 KB a
+// block may have on sm_86 / sm_89 / sm_120 at D <= 128 (asserted below; 163 KB on sm_80):
+// smem_fits sends a call elsewhere when it does not.
 //   D <= 64: 4 warps of 32 rows (each K / V fragment feeds two MMAs), Q held in registers, 64-key
 //     tiles double buffered in 36 KB (D = 64: swizzled rows, 32 KB, below).
-//   D = 128 (FwdConfig<128> below): 4 warps of 32 rows, Q re-read from shared memory, 32-key tiles
-//     double buffered: 68 KB, two CTAs an SM. 64-key tiles ran 6% faster but take 102 KB with
-//     padded rows; Q in registers spilled. The 64-key candidates within 99 KB: swizzled rows (96
-//     KB), two K buffers and one V (85 KB), both (80 KB).
+//   D = 128 (below): 4 warps of 32 rows, Q re-read from shared memory, 64-key tiles in swizzled
+//     rows, 96 KB, two CTAs an SM.
 //   D = 80 / 96: 8 warps of 16 rows, Q in registers, 64-key tiles (68 KB at D = 96).
 //   D = 256: O alone takes 128 registers, so 8 warps of 16 rows, Q from shared memory, 32-key
 //     tiles (135 KB).
-template <int D, bool kFourWarps = D <= 64 || D == 128>
-struct FwdConfig : FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)> {
-  static_assert(D > 128 || FwdConfig::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
+// A head dim may also have a large shape (FwdShape<D, true>), taken on GPUs whose SMs hold as
+// many of its CTAs as it was measured with (fwd_large_tiles: sm_80, sm_90 and sm_100 do, not
+// sm_86 / sm_89 / sm_120 with their 100 KB an SM); the others run the same type both ways.
+template <int D, bool kLarge>
+struct FwdShape {
+  static constexpr bool kFourWarps = D <= 64 || D == 128;
+  using type = FwdTiles<D, 128, (D >= 128 ? 32 : 64), (kFourWarps ? 4 : 8), (D < 128), 2, (kFourWarps ? 2 : 1)>;
 };
 // D = 64 in swizzled unpadded rows (32 KB): H200, B4 H16 S4096 bf16, causal 0.639 ms, not 0.679
 // with padded rows (non-causal 0.983 / 1.044); 128-key tiles spilled (0.78 ms), 8 warps 0.71.
 template <>
-struct FwdConfig<64> : FwdTiles<64, 128, 64, 4, true, 2, 2, true> {};
+struct FwdShape<64, false> {
+  using type = FwdTiles<64, 128, 64, 4, true, 2, 2, true>;
+};
+// D = 64's large shape: FlashAttention-2's 128 x 128 tiles, Q re-read from shared memory (its 32
+// registers a thread freed: no spills in the loop), double buffered, 80 KB: two CTAs an SM of
+// 164 KB or more. H200, B4 H16 S4096 bf16 (mma_sync_fwd_check), causal / non-causal: 0.541 /
+// 0.940 ms against the small shape's 0.600 / 1.027. FlashAttention-2's own single-buffered order
+// in 48 KB (which two CTAs would fit on sm_86) spilled 104 bytes and ran 0.603 / 1.022.
+template <>
+struct FwdShape<64, true> {
+  using type = FwdTiles<64, 128, 128, 4, false, 2, 2, true>;
+};
 // The one line that picks D = 128's shape (FwdTiles<D, BlockM, BlockN, Warps, QInRegs, Stages,
 // MinBlocks, Swizzle, VStages>): 64-key tiles in swizzled unpadded rows, 96 KB. H200, B4 H16
 // S4096 bf16 (benchmarks/mma_sync_fwd_check.cu): causal 0.977 ms, not 1.600, where the padded
 // 32-key shape took 1.180 / 1.958.
-template <>
-struct FwdConfig<128> : FwdTiles<128, 128, 64, 4, false, 2, 2, true> {
-  static_assert(FwdConfig::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
+template <bool kLarge>
+struct FwdShape<128, kLarge> {
+  using type = FwdTiles<128, 128, 64, 4, false, 2, 2, true>;
 };
+template <int D, bool kLarge = false>
+using FwdConfig = typename FwdShape<D, kLarge>::type;
 
-// Host: the (query, key) tile sizes of head dim d, for the mask summary; {0, 0} if none.
-inline void fwd_tile_sizes(int64_t d, int& block_q, int& block_kv) {
+// Host: whether head dim d runs its large shape on a GPU whose SMs have `smem_per_sm` bytes of
+// shared memory, `reserved_per_block` of them taken by each CTA: where an SM holds as many of its
+// CTAs (kMinBlocks) as it was measured with.
+inline bool fwd_large_tiles(int64_t d, size_t smem_per_sm, size_t reserved_per_block) {
+  bool large = false;
+  with_head_dim<kFwdHeadDims>(d, [&](auto dim) {
+    using Large = FwdConfig<decltype(dim)::value, true>;
+    large = Large::kMinBlocks * (Large::smem_bytes(2) + reserved_per_block) <= smem_per_sm;
+  });
+  return large;
+}
+
+// Host: the (query, key) tile sizes of head dim d (its large shape when `large`), for the mask
+// summary; {0, 0} if none.
+inline void fwd_tile_sizes(int64_t d, bool large, int& block_q, int& block_kv) {
   block_q = block_kv = 0;
   with_head_dim<kFwdHeadDims>(d, [&](auto dim) {
-    block_q = FwdConfig<decltype(dim)::value>::kBlockM;
-    block_kv = FwdConfig<decltype(dim)::value>::kBlockN;
+    constexpr int D = decltype(dim)::value;
+    block_q = large ? FwdConfig<D, true>::kBlockM : FwdConfig<D>::kBlockM;
+    block_kv = large ? FwdConfig<D, true>::kBlockN : FwdConfig<D>::kBlockN;
   });
 }
 
-// Host: the shared memory the kernel of head dim d takes (bytes, 16-bit elements); 0 if none.
+// Host: the shared memory the kernel of head dim d takes at the least, its small shape (bytes,
+// 16-bit elements); 0 if none.
 inline size_t fwd_smem_bytes(int64_t d) {
   size_t bytes = 0;
   with_head_dim<kFwdHeadDims>(d, [&](auto dim) { bytes = FwdConfig<decltype(dim)::value>::smem_bytes(2); });
   return bytes;
 }
 
-// Launches the kernel for one (dtype, head dim) on `stream`. Defined (with the kernel) only where
-// SAFEATTN_ATTN_FWD_DEFINE_KERNELS is set: in the generated attention_fwd_d<D>_<dtype>.cu, each
-// of which instantiates one pair; the dispatch code sees this declaration.
+// Launches the kernel for one (dtype, head dim), its large shape when `large` (fwd_large_tiles),
+// on `stream`. Defined (with the kernel) only where SAFEATTN_ATTN_FWD_DEFINE_KERNELS is set: in
+// the generated attention_fwd_d<D>_<dtype>.cu, each of which instantiates one pair; the dispatch
+// code sees this declaration.
 template <typename T, int kHeadDim>
-void launch_attention_fwd(const FwdParams& p, cudaStream_t stream);
+void launch_attention_fwd(const FwdParams& p, bool large, cudaStream_t stream);
 
 #ifdef SAFEATTN_ATTN_FWD_DEFINE_KERNELS
 
@@ -233,18 +264,25 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
   }
 }
 
-// The element tests of a tile on the causal diagonal, at the end of the keys or that the mask
-// summary calls mixed: out-of-range and causally hidden elements become -inf, and (read_mask)
-// the mask is applied. In tile coordinates (TileBounds, 32-bit): the thread's columns of row r
-// are c = 8 nt + 2 t + e, visible when c <= last_key(r); with the row's 2 t taken off once, each
-// element is one compare of the constant 8 nt + e. Without mask values (the causal diagonal, the
-// sequence ends) that compare and a select are all an element takes.
+// The element tests of key tile `tile` of query tile `q_tile` (summary class tile_class) on the
+// causal diagonal, at the end of the keys, or that the mask summary calls mixed or diagonal:
+// out-of-range and causally hidden elements become -inf, and (kTileMixed) the mask is applied. In
+// tile coordinates (TileBounds, 32-bit): the thread's columns of row r are c = 8 nt + 2 t + e,
+// visible when c <= last_key(r) (a kTileDiagonal tile's own diagonal joins the causal one); with
+// the row's 2 t taken off once, each element is one compare of the constant 8 nt + e. Without mask
+// values (the causal diagonal, a mask's diagonal tiles, the sequence ends) that compare and a
+// select are all an element takes.
 template <class Cfg>
 __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN / 8][4], const FwdParams& p, int64_t b,
-                                          int64_t h, int64_t i0, int64_t j0, bool read_mask, int warp_row0,
+                                          int64_t h, int64_t q_tile, int64_t tile, uint8_t tile_class, int warp_row0,
                                           const Lanes& ln) {
   constexpr int kBlockN = Cfg::kBlockN;
-  const TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, Cfg::kBlockM, j0, kBlockN);
+  const int64_t i0 = q_tile * Cfg::kBlockM, j0 = tile * kBlockN;
+  const bool read_mask = tile_class == kTileMixed;
+  TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, Cfg::kBlockM, j0, kBlockN);
+  if (tile_class == kTileDiagonal) {  // row r sees keys c <= r + the mask's diagonal too
+    bounds.diagonal = min(bounds.diagonal, p.tiles.diagonal_at(b, h, q_tile, tile));
+  }
 #pragma unroll
   for (int mt = 0; mt < Cfg::kMTiles; ++mt) {
 #pragma unroll
@@ -604,9 +642,9 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       if (!fold_scale) {
         p.score.score_all<kMTiles * kBlockN / 8 * 4>(&s_acc[0][0][0]);
       }
-      const bool read_mask = p.tiles.at(b, h, q_tile, tile) == kTileMixed;
-      if (read_mask || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
-        mask_tile<Cfg>(s_acc, p, b, h, i0, j0, read_mask, warp_row0, ln);
+      const uint8_t tile_class = p.tiles.at(b, h, q_tile, tile);
+      if (tile_class != kTileVisible || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
+        mask_tile<Cfg>(s_acc, p, b, h, q_tile, tile, tile_class, warp_row0, ln);
       }
       softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
@@ -637,9 +675,10 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
 }
 
 #ifndef SAFEATTN_STANDALONE
-template <typename T, int kHeadDim>
-void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Cfg = FwdConfig<kHeadDim>;
+namespace fwd_detail {
+
+template <typename T, class Cfg>
+void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kThreads = Cfg::kWarps * 32;
   constexpr size_t kSmem = Cfg::smem_bytes(sizeof(T));
   static_assert(kSmem <= 227 * 1024, "the tiles do not fit in shared memory");
@@ -652,6 +691,22 @@ void launch_attention_fwd(const FwdParams& p, cudaStream_t stream) {
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): too many query tiles (", blocks, ")");
   kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace fwd_detail
+
+template <typename T, int kHeadDim>
+void launch_attention_fwd(const FwdParams& p, bool large, cudaStream_t stream) {
+  using Small = FwdConfig<kHeadDim, false>;
+  using Large = FwdConfig<kHeadDim, true>;
+  static_assert(kHeadDim > 128 || Small::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
+  if constexpr (!std::is_same_v<Small, Large>) {
+    if (large) {
+      fwd_detail::launch_fwd<T, Large>(p, stream);
+      return;
+    }
+  }
+  fwd_detail::launch_fwd<T, Small>(p, stream);
 }
 #endif
 

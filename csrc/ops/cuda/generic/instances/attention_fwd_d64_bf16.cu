@@ -5,6 +5,6 @@
 
 namespace safeattn::cuda::attn {
 
-template void launch_attention_fwd<__nv_bfloat16, 64>(const FwdParams&, cudaStream_t);
+template void launch_attention_fwd<__nv_bfloat16, 64>(const FwdParams&, bool, cudaStream_t);
 
 }  // namespace safeattn::cuda::attn

@@ -5,6 +5,6 @@
 
 namespace safeattn::cuda::attn {
 
-template void launch_attention_fwd<__half, 96>(const FwdParams&, cudaStream_t);
+template void launch_attention_fwd<__half, 96>(const FwdParams&, bool, cudaStream_t);
 
 }  // namespace safeattn::cuda::attn
