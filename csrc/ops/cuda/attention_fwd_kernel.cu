@@ -46,8 +46,8 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const int64_t head_dim = query.size(3);
   const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
-  const bool large =
-      attn::fwd_large_tiles(head_dim, props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock);
+  const bool large = attn::fwd_large_tiles(head_dim, props->sharedMemPerBlockOptin, props->sharedMemPerMultiprocessor,
+                                           props->reservedSharedMemPerBlock);
   int block_q = 0, block_kv = 0;
   attn::fwd_tile_sizes(head_dim, large, block_q, block_kv);
 
