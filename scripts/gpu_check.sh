@@ -29,6 +29,8 @@
 #             (e.g. HARNESS_ONLY_decode_check, empty for all) overrides it for one; HARNESS_BIN=DIR
 #             runs the binaries built beforehand into DIR (carried: gpu_bin/, ignored) and
 #             compiles nothing, so the GPU's time goes to running them
+#   harness_build  compiles the harnesses (HARNESS_NAMES, default all) into HARNESS_BIN (default
+#             gpu_bin/), with the harness stage's flags; no GPU needed (the development machine)
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -143,14 +145,21 @@ stage_bench() {
   done
 }
 
-stage_harness() {
+HARNESSES=(decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check)
+
+# Compiles the harnesses named (default: all five) into directory $1, in parallel; nvcc's logs
+# under $OUT. Needs no GPU: `OUT=/tmp/h bash scripts/gpu_check.sh harness_build` on the
+# development machine fills gpu_bin/ for a later `HARNESS_BIN=gpu_bin ... harness` there.
+build_harnesses() {
+  local bin=$1 name pids=()
+  shift
   # The nvidia-cutlass package's headers, as setup.py finds them (SAFEATTN_CUTLASS_INCLUDE first).
   local cutlass="${SAFEATTN_CUTLASS_INCLUDE:-$(python -c 'import importlib.util, pathlib; s = importlib.util.find_spec("cutlass_library"); print(pathlib.Path(s.submodule_search_locations[0]) / "source" / "include" if s else "")')}"
   local common=(-std=c++17 -O3 --expt-relaxed-constexpr -Icsrc -Xcompiler -fopenmp -lgomp)
-  local bin name pids=()
-  bin=${HARNESS_BIN:-$(mktemp -d)}  # not under $OUT: the binaries do not come back
-  for name in decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check; do
-    [ -z "${HARNESS_BIN:-}" ] || continue
+  local names=("$@")
+  [ ${#names[@]} -gt 0 ] || names=("${HARNESSES[@]}")
+  mkdir -p "$bin"
+  for name in "${names[@]}"; do
     local arch=(-gencode=arch=compute_90,code=sm_90)
     if [[ $name == hopper_* ]]; then
       [ -n "$cutlass" ] || { say "harness $name: no CUTLASS headers (pip install nvidia-cutlass)"; continue; }
@@ -160,9 +169,25 @@ stage_harness() {
     pids+=($!)
   done
   wait "${pids[@]}"
+}
+
+# HARNESS_NAMES: the harnesses to build (default all); into HARNESS_BIN (default gpu_bin).
+stage_harness_build() {
+  # shellcheck disable=SC2086
+  build_harnesses "${HARNESS_BIN:-gpu_bin}" ${HARNESS_NAMES:-}
+  local name
+  for name in ${HARNESS_NAMES:-${HARNESSES[*]}}; do
+    say "harness_build $name: $([ -x "${HARNESS_BIN:-gpu_bin}/$name" ] && echo built || echo "FAILED ($OUT/harness_build_$name.log)")"
+  done
+}
+
+stage_harness() {
+  local bin name
+  bin=${HARNESS_BIN:-$(mktemp -d)}  # not under $OUT: the binaries do not come back
+  [ -n "${HARNESS_BIN:-}" ] || build_harnesses "$bin"
   local timing=()
   [ "${HARNESS_TIMING:-1}" = 1 ] || timing=(--no-timing)
-  for name in decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check; do
+  for name in "${HARNESSES[@]}"; do
     [ -x "$bin/$name" ] || { say "harness $name: not built ($OUT/harness_build_$name.log)"; continue; }
     local quick=()
     [[ $name == hopper_* ]] && quick=(--quick)
@@ -197,7 +222,7 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | profile | harness) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | profile | harness | harness_build) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done
