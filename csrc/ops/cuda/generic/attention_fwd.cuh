@@ -115,6 +115,17 @@ struct FwdTiles {
   static constexpr size_t smem_bytes(size_t element_size) {
     return static_cast<size_t>(kSmemRows) * Rows::kStride * element_size;
   }
+  // Whether the kernel carries the code that reads a mask and its tile summary (WithoutMask below).
+  static constexpr bool kReadsMask = true;
+};
+
+// A shape's kernel without the mask code, for calls with neither a mask nor a summary
+// (is_causal, no mask): the element loop of mixed tiles and the summary walks compiled out. The
+// mask code's registers cost the plain loop its spills (nvcc 13.0, sm_90: D = 128 and D = 64's
+// large shape 32 bytes -> 0). A candidate in benchmarks/mma_sync_fwd_check.cu, not yet dispatched.
+template <class Tiles>
+struct WithoutMask : Tiles {
+  static constexpr bool kReadsMask = false;
 };
 
 // The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB; sm_80 and
@@ -191,11 +202,14 @@ inline void fwd_tile_sizes(int64_t d, bool large, int& block_q, int& block_kv) {
   });
 }
 
-// Host: the shared memory the kernel of head dim d takes at the least, its small shape (bytes,
-// 16-bit elements); 0 if none.
-inline size_t fwd_smem_bytes(int64_t d) {
+// Host: the shared memory the kernel of head dim d takes (bytes, 16-bit elements), its small
+// shape by default (the least it takes); 0 if none.
+inline size_t fwd_smem_bytes(int64_t d, bool large = false) {
   size_t bytes = 0;
-  with_head_dim<kFwdHeadDims>(d, [&](auto dim) { bytes = FwdConfig<decltype(dim)::value>::smem_bytes(2); });
+  with_head_dim<kFwdHeadDims>(d, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    bytes = large ? FwdConfig<D, true>::smem_bytes(2) : FwdConfig<D>::smem_bytes(2);
+  });
   return bytes;
 }
 
@@ -280,9 +294,9 @@ __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN 
                                           const Lanes& ln) {
   constexpr int kBlockN = Cfg::kBlockN;
   const int64_t i0 = q_tile * Cfg::kBlockM, j0 = tile * kBlockN;
-  const bool read_mask = tile_class == kTileMixed;
+  const bool read_mask = Cfg::kReadsMask && tile_class == kTileMixed;
   TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, Cfg::kBlockM, j0, kBlockN);
-  if (tile_class == kTileDiagonal) {  // row r sees keys c <= r + the mask's diagonal too
+  if (Cfg::kReadsMask && tile_class == kTileDiagonal) {  // row r sees keys c <= r + the mask's diagonal too
     bounds.diagonal = min(bounds.diagonal, p.tiles.diagonal_at(b, h, q_tile, tile));
   }
 #pragma unroll
@@ -534,8 +548,10 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   const int64_t kv_end = p.causal.kv_end(i0 + rows, p.kv_len);
   const int64_t n_tiles = (kv_end + kBlockN - 1) / kBlockN;
   auto next_tile = [&](int64_t j) {
-    while (j < n_tiles && p.tiles.at(b, h, q_tile, j) == kTileMasked) {
-      ++j;
+    if constexpr (Cfg::kReadsMask) {
+      while (j < n_tiles && p.tiles.at(b, h, q_tile, j) == kTileMasked) {
+        ++j;
+      }
     }
     return j;
   };
@@ -559,7 +575,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   load_tile<T, kBlockM, D, kThreads, kQRounds, Rows, kWalk>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
   // From the row's first key tile not masked (the summary's record; 0 without a mask): the keys
   // left padding or a window hides from it are not walked one load at a time.
-  int64_t tile = next_tile(p.tiles.first_visible_at(b, h, q_tile));
+  int64_t tile = Cfg::kReadsMask ? next_tile(p.tiles.first_visible_at(b, h, q_tile)) : 0;
   int64_t fetch = tile;  // the next tile whose K and V are loaded (staged)
   if constexpr (Cfg::kInterleaved) {
     if (tile < n_tiles) {
@@ -644,7 +660,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       if (!fold_scale) {
         p.score.score_all<kMTiles * kBlockN / 8 * 4>(&s_acc[0][0][0]);
       }
-      const uint8_t tile_class = p.tiles.at(b, h, q_tile, tile);
+      const uint8_t tile_class = Cfg::kReadsMask ? p.tiles.at(b, h, q_tile, tile) : uint8_t{kTileVisible};
       if (tile_class != kTileVisible || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
         mask_tile<Cfg>(s_acc, p, b, h, q_tile, tile, tile_class, warp_row0, ln);
       }
