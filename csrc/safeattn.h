@@ -55,6 +55,12 @@ bool hopper_kernels_built();
 // can be tested and measured on the Hopper GPUs at hand. Process-wide; not a user setting.
 void set_generic_kernels_only(bool on);
 bool generic_kernels_only();
+// Private to the tests (safeattn._C._generic_tile_shapes): the generic kernels' tile shapes for
+// head dim d on a GPU with these shared-memory limits (bytes), as attention's forward and backward
+// choose them: {forward large (0 / 1), its query tile, key tile, shared bytes, dK/dV large, its
+// query tile, key tile, the backward's shared bytes}, zeros for a direction without d.
+std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_block, int64_t smem_per_sm,
+                                         int64_t reserved_per_block);
 // Streaming multiprocessors of a device (the current one by default), for grid sizes.
 int64_t multiprocessor_count(int device);
 int64_t multiprocessor_count();

@@ -143,3 +143,75 @@ def test_a_gpu_without_code_gets_a_clear_error():
     ):
         assert part in message, f"{part!r} missing from: {message}"
     assert "not covered" in safeattn.gpu_coverage()
+
+
+# Shared memory (bytes) a block may opt into and an SM has, per compute capability (CUDA C++
+# Programming Guide, "Technical Specifications per Compute Capability"); every block reserves 1 KB.
+KB = 1024
+GPU_SMEM = {
+    "8.0 (A100)": (163 * KB, 164 * KB),
+    "8.6 (A10, RTX 30)": (99 * KB, 100 * KB),
+    "8.7 (Jetson Orin)": (163 * KB, 164 * KB),
+    "8.9 (L4, L40S, RTX 40)": (99 * KB, 100 * KB),
+    "9.0 (H100, H200)": (227 * KB, 228 * KB),
+    "10.0 (B200)": (227 * KB, 228 * KB),
+    "12.0 (RTX 50)": (99 * KB, 100 * KB),
+}
+# The GPUs with 164 KB or more an SM: they hold two CTAs of the large shapes.
+LARGE_SMEM_GPUS = {"8.0 (A100)", "8.7 (Jetson Orin)", "9.0 (H100, H200)", "10.0 (B200)"}
+NEEDS_GENERIC = pytest.mark.skipif(
+    not hasattr(safeattn._C, "_generic_tile_shapes"), reason="a build without CUDA kernels"
+)
+
+
+@NEEDS_GENERIC
+@pytest.mark.parametrize("gpu", sorted(GPU_SMEM))
+def test_generic_tile_shapes_fit_every_gpu(gpu):
+    """On every GPU generation the generic kernels serve, each compiled head dim's tile shapes fit
+    its shared memory wherever the kernel runs there (or the call is left to the ATen path, as
+    smem_fits decides with the small shape), and a large shape is taken only where an SM holds
+    two of its CTAs, as it was measured."""
+    from safeattn import _testing
+
+    per_block, per_sm = GPU_SMEM[gpu]
+    info = safeattn.build_info()
+    small_fwd = {d: _testing.generic_tile_shapes(d, 0, 0, 0) for d in info["attention_fwd_head_dims"]}
+    for d in info["attention_fwd_head_dims"]:
+        tiles = _testing.generic_tile_shapes(d, per_block, per_sm, KB)
+        assert tiles.fwd_block_q > 0 and tiles.fwd_block_kv > 0, (gpu, d, tiles)
+        if small_fwd[d].fwd_smem > per_block:
+            continue  # the forward leaves this head dim to the ATen path here
+        assert tiles.fwd_smem <= per_block, (gpu, d, tiles)
+        if tiles.fwd_large:
+            assert 2 * (tiles.fwd_smem + KB) <= per_sm, (gpu, d, tiles)
+            assert tiles.fwd_smem > small_fwd[d].fwd_smem, (gpu, d, tiles)
+    for d in info["attention_bwd_head_dims"]:
+        tiles = _testing.generic_tile_shapes(d, per_block, per_sm, KB)
+        small = _testing.generic_tile_shapes(d, 0, 0, 0)
+        assert tiles.bwd_block_q > 0 and tiles.bwd_block_kv > 0, (gpu, d, tiles)
+        if small.bwd_smem > per_block:
+            continue  # the backward leaves this head dim to the ATen path here (D=96 on 8.6 / 8.9)
+        assert tiles.bwd_smem <= per_block, (gpu, d, tiles)
+
+
+@NEEDS_GENERIC
+@pytest.mark.parametrize("gpu", sorted(GPU_SMEM))
+def test_generic_large_shapes_where_measured(gpu):
+    """D=64's forward takes its 128 x 128 tiles (80 KB) on the GPUs with 164 KB or more an SM
+    (A100, H100, B200) and keeps its 32 KB 64-key tiles on those with 100 KB (RTX 30/40/50, L4,
+    L40S: one 80 KB CTA an SM would halve their occupancy); the dK/dV kernel takes
+    FlashAttention-2's 128-key layouts where a block may have more than 99 KB."""
+    from safeattn import _testing
+
+    info = safeattn.build_info()
+    per_block, per_sm = GPU_SMEM[gpu]
+    large = gpu in LARGE_SMEM_GPUS
+    if 64 in info["attention_fwd_head_dims"]:
+        tiles = _testing.generic_tile_shapes(64, per_block, per_sm, KB)
+        assert tiles.fwd_large == large, tiles
+        assert (tiles.fwd_block_q, tiles.fwd_block_kv) == ((128, 128) if large else (128, 64)), tiles
+    for d in (64, 128):
+        if d in info["attention_bwd_head_dims"]:
+            tiles = _testing.generic_tile_shapes(d, per_block, per_sm, KB)
+            assert tiles.bwd_large == large, (d, tiles)
+            assert tiles.bwd_block_kv == (128 if large else (128 if d == 64 else 64)), (d, tiles)

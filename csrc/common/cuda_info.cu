@@ -1,6 +1,7 @@
 // Compiled only in CUDA builds: reports what nvcc compiled, for build_info(), and what the device
 // has, for the kernels' grid sizes. It also proves, in every CI run, that the CUDA toolchain path
-// of the build works.
+// of the build works. Also the generic kernels' tile shapes for a GPU's shared-memory limits, for
+// the tests (generic_tile_shapes).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -12,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "ops/cuda/generic/attention_bwd.cuh"  // generic_tile_shapes: the tile-shape rules
+#include "ops/cuda/generic/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
 
@@ -26,6 +29,31 @@ std::vector<std::string> compiled_archs() {
   }
 #endif
   return archs;
+}
+
+std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_block, int64_t smem_per_sm,
+                                         int64_t reserved_per_block) {
+  const auto block = static_cast<size_t>(smem_per_block), sm = static_cast<size_t>(smem_per_sm);
+  const auto reserved = static_cast<size_t>(reserved_per_block);
+  std::vector<int64_t> shapes(8, 0);
+  if (has_head_dim<kFwdHeadDims>(head_dim)) {
+    const bool large = attn::fwd_large_tiles(head_dim, block, sm, reserved);
+    int block_q = 0, block_kv = 0;
+    attn::fwd_tile_sizes(head_dim, large, block_q, block_kv);
+    shapes[0] = large;
+    shapes[1] = block_q;
+    shapes[2] = block_kv;
+    shapes[3] = static_cast<int64_t>(attn::fwd_smem_bytes(head_dim, large));
+  }
+  attn::BwdTileSizes tiles;
+  const bool large = attn::bwd_large_tiles(head_dim, block);
+  if (attn::bwd_tile_sizes(head_dim, large, tiles)) {
+    shapes[4] = large;
+    shapes[5] = tiles.dkdv_q;
+    shapes[6] = tiles.dkdv_kv;
+    shapes[7] = static_cast<int64_t>(attn::bwd_smem_bytes(head_dim, large));
+  }
+  return shapes;
 }
 
 std::vector<int> attention_head_dims(bool backward, bool sm90) {

@@ -5,6 +5,9 @@ ones A100, Ada and Blackwell GPUs run) instead of the sm_90a kernels, so that th
 test and measure them. It is process-wide and not thread-safe by design: tests and benchmarks
 switch it around whole runs (``pytest --generic-kernels``, ``bench attention --generic-kernels``).
 
+``generic_tile_shapes(...)`` gives the generic kernels' tile shapes for a GPU's shared-memory
+limits, so that the choice for GPUs not at hand (A100, Ada, Blackwell) is tested anywhere.
+
 ``attention_path(...)`` says which kernel ``safeattn.attention`` (or its backward) would run for
 its arguments, and why not the kernels asked before it, without running any: so a test can assert
 the kernel a call takes, and a fallback to a slower one fails it.
@@ -25,6 +28,33 @@ def set_generic_kernels_only(on: bool) -> None:
     if not hasattr(_C, "_set_generic_kernels_only"):
         raise RuntimeError("this build of safeattn has no CUDA kernels")
     _C._set_generic_kernels_only(bool(on))
+
+
+class GenericTiles(NamedTuple):
+    """The generic kernels' tile shapes for one head dim on one GPU (zeros for a direction the
+    build lacks that head dim in): the forward's (large shape or not, query and key tile, shared
+    memory bytes) and the dK/dV kernel's (the same; bytes: the backward's whole need)."""
+
+    fwd_large: bool
+    fwd_block_q: int
+    fwd_block_kv: int
+    fwd_smem: int
+    bwd_large: bool
+    bwd_block_q: int
+    bwd_block_kv: int
+    bwd_smem: int
+
+
+def generic_tile_shapes(
+    head_dim: int, smem_per_block: int, smem_per_sm: int, reserved_per_block: int
+) -> GenericTiles:
+    """The tile shapes attention's generic CUDA kernels take for ``head_dim`` on a GPU with these
+    shared-memory limits (bytes: a block's opt-in, an SM's, what each block reserves), as the
+    forward and backward choose them at run time: so the choice for GPUs not at hand is tested."""
+    if not hasattr(_C, "_generic_tile_shapes"):
+        raise RuntimeError("this build of safeattn has no CUDA kernels")
+    v = _C._generic_tile_shapes(head_dim, smem_per_block, smem_per_sm, reserved_per_block)
+    return GenericTiles(bool(v[0]), v[1], v[2], v[3], bool(v[4]), v[5], v[6], v[7])
 
 
 @contextlib.contextmanager

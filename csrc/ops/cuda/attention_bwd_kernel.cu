@@ -325,8 +325,7 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   // dQ kernel's along a row starts at its first key tile not masked (TileWalkBounds).
   attn::TileWalkBounds bounds_dkdv, bounds_dq;
   // The dK/dV kernel's large shape where this GPU's blocks may take its shared memory.
-  const bool large_tiles =
-      attn::bwd_large_tiles(head_dim, at::cuda::getDeviceProperties(query.get_device())->sharedMemPerBlockOptin);
+  const bool large_tiles = attn::bwd_large_tiles(head_dim, attn::smem_limits(query).per_block);
   if (a.mask.defined()) {
     attn::BwdTileSizes tiles;
     TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, large_tiles, tiles),

@@ -137,6 +137,11 @@ bool smem_fits(size_t bytes, const at::Tensor& t) {
   return bytes <= at::cuda::getDeviceProperties(t.get_device())->sharedMemPerBlockOptin;
 }
 
+SmemLimits smem_limits(const at::Tensor& t) {
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(t.get_device());
+  return {props->sharedMemPerBlockOptin, props->sharedMemPerMultiprocessor, props->reservedSharedMemPerBlock};
+}
+
 at::Tensor with_aligned_rows(const at::Tensor& t) {
   return rows_aligned_16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }

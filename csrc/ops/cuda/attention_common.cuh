@@ -94,6 +94,14 @@ bool sizes_fit_int32(const at::Tensor& t);
 // tiles do not fit leaves the call to the next path rather than fail at launch.
 bool smem_fits(size_t bytes, const at::Tensor& t);
 
+// Host: the shared-memory limits of t's device that choose the generic kernels' tile shapes
+// (fwd_large_tiles, bwd_large_tiles): what a block may opt into, what an SM has, and what each
+// block's launch reserves of it.
+struct SmemLimits {
+  size_t per_block = 0, per_sm = 0, reserved_per_block = 0;
+};
+SmemLimits smem_limits(const at::Tensor& t);
+
 // Host: t itself when rows_aligned_16(t), else an aligned contiguous copy. A clone, since
 // contiguous() returns a contiguous view with an odd offset unchanged.
 at::Tensor with_aligned_rows(const at::Tensor& t);

@@ -17,7 +17,6 @@
 #include <cstdint>
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -45,9 +44,8 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   const at::Tensor key = attn::with_aligned_rows(a.key);
   const at::Tensor value = attn::with_aligned_rows(a.value);
   const int64_t head_dim = query.size(3);
-  const cudaDeviceProp* props = at::cuda::getDeviceProperties(query.get_device());
-  const bool large = attn::fwd_large_tiles(head_dim, props->sharedMemPerBlockOptin, props->sharedMemPerMultiprocessor,
-                                           props->reservedSharedMemPerBlock);
+  const attn::SmemLimits smem = attn::smem_limits(query);
+  const bool large = attn::fwd_large_tiles(head_dim, smem.per_block, smem.per_sm, smem.reserved_per_block);
   int block_q = 0, block_kv = 0;
   attn::fwd_tile_sizes(head_dim, large, block_q, block_kv);
 

@@ -286,14 +286,16 @@ inline bool bwd_tile_sizes(int64_t d, bool large, BwdTileSizes& sizes) {
   });
 }
 
-// Host: the shared memory the backward kernels of head dim d need at the least, with the dK/dV
-// kernel's small shape (bytes); 0 if none. At D = 96 (124 KB) it exceeds the 99 KB of sm_86 /
-// sm_89 / sm_120, whose backward at that head dim takes the ATen path (attention_backward_chunked).
-inline size_t bwd_smem_bytes(int64_t d) {
+// Host: the shared memory the backward kernels of head dim d need (bytes), with the dK/dV
+// kernel's small shape by default (the least they need); 0 if none. At D = 96 (124 KB) the least
+// exceeds the 99 KB of sm_86 / sm_89 / sm_120, whose backward at that head dim takes the ATen path
+// (attention_backward_chunked).
+inline size_t bwd_smem_bytes(int64_t d, bool large = false) {
   size_t bytes = 0;
   with_head_dim<kBwdHeadDims>(d, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    bytes = std::max(DkvConfig<D, false>::smem_bytes(true), DqConfig<D>::kDqSmem);
+    const size_t dkdv = large ? DkvConfig<D, true>::smem_bytes(true) : DkvConfig<D, false>::smem_bytes(true);
+    bytes = std::max(dkdv, DqConfig<D>::kDqSmem);
   });
   return bytes;
 }
