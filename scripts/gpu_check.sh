@@ -111,8 +111,9 @@ stage_cuda() {
 }
 
 stage_sanitize() {
-  # Small CUDA cases of every op (no compile, opcheck or 2^31-element cases: too slow under the
-  # tool). -n 1: the tool serialises kernels anyway. SANITIZE_TOOL: memcheck (default) or
+  # Small CUDA cases of every op, the serving ops' bad inputs included (block tables and cache
+  # lengths out of range, cu_seqlens that decrease) (no compile, opcheck or 2^31-element cases: too
+  # slow under the tool). -n 1: the tool serialises kernels anyway. SANITIZE_TOOL: memcheck (default) or
   # racecheck, synccheck, initcheck. memcheck instruments only the kernels whose names contain
   # SANITIZE_KERNELS (default safeattn), so the reference's cuBLAS calls run at full speed;
   # racecheck instruments every kernel: with a kernel filter it stops at the first launch with
@@ -123,7 +124,7 @@ stage_sanitize() {
   timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "${SANITIZE_TOOL:-memcheck}" \
     "${filter[@]}" --error-exitcode 3 --print-limit 20 \
     python -m pytest -q -p no:cacheprovider -x \
-    ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py} \
+    ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py tests/test_attention_cuda_decode.py tests/test_kvcache.py tests/test_varlen.py} \
     -k "${SANITIZE_K:-cuda and not compile and not opcheck and not pow_31}" \
     >"$OUT/sanitize.log" 2>&1
   local rc=$?
