@@ -177,15 +177,15 @@ struct FwdShape<128, kLarge> {
 template <int D, bool kLarge = false>
 using FwdConfig = typename FwdShape<D, kLarge>::type;
 
-// Host: whether head dim d runs its large shape on a GPU whose blocks may opt into
+// Host: whether head dim d runs a large shape of its own on a GPU whose blocks may opt into
 // `smem_per_block` bytes of shared memory and whose SMs have `smem_per_sm`, `reserved_per_block`
 // of them taken by each CTA: where an SM holds as many of its CTAs (kMinBlocks) as it was
-// measured with.
+// measured with. False for a head dim without one.
 inline bool fwd_large_tiles(int64_t d, size_t smem_per_block, size_t smem_per_sm, size_t reserved_per_block) {
   bool large = false;
   with_head_dim<kFwdHeadDims>(d, [&](auto dim) {
     using Large = FwdConfig<decltype(dim)::value, true>;
-    large = Large::smem_bytes(2) <= smem_per_block &&
+    large = !std::is_same_v<Large, FwdConfig<decltype(dim)::value>> && Large::smem_bytes(2) <= smem_per_block &&
             Large::kMinBlocks * (Large::smem_bytes(2) + reserved_per_block) <= smem_per_sm;
   });
   return large;
