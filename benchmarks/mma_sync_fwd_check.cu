@@ -9,10 +9,11 @@
 // them)] [--profile (one launch of each shape at the timing sizes, no checks: for ncu)].
 // For each shape: random inputs, outputs poisoned with NaN, the kernel, then a float64 CPU reference over odd shapes
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
-// scale folded into the exponent, natural units, a softcap, and a float mask with sinks: natural units, every tile read
-// element by element, a quarter of the mask -inf), comparing out and lse, and fully masked rows (out exactly 0, lse
-// -inf, or the sink). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3 warm-ups,
-// median of 20), TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
+// scale folded into the exponent, natural units, a softcap, a float mask with sinks: natural units, every tile read
+// element by element, a quarter of the mask -inf; a bool mask of one diagonal a head whose tiles the summary calls
+// masked, visible, diagonal (a compare, not read) or mixed), comparing out and lse, and fully masked rows (out exactly
+// 0, lse -inf, or the sink). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3
+// warm-ups, median of 20), TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -52,7 +53,10 @@ struct SmallCase {
   int q_len, kv_len;
   bool causal;
   int64_t shift;
-  int mode;  // 0: log2 units (scale folded), 1: natural units, 2: softcap 5, 3: float mask [Q, KV] and sinks
+  // 0: log2 units (scale folded), 1: natural units, 2: softcap 5, 3: float mask [Q, KV] and sinks, 4: a bool
+  // mask [H, Q, KV] of one diagonal a head, its tiles summarised as the kernel meets them (masked, visible,
+  // and the others alternately diagonal, tested by a compare, and mixed, read element by element)
+  int mode;
 };
 
 template <typename T, class Cfg>
@@ -90,6 +94,39 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   float* mask = masked ? upload(hmask) : nullptr;
   float* sinks = masked ? upload(hsinks) : nullptr;
   uint8_t* summary = masked ? upload(hsummary) : nullptr;
+  // Mode 4: head h sees keys j <= i + kDiagonalShift[h]; each tile's class from its elements inside [Q, KV].
+  const bool diagonals = cs.mode == 4;
+  constexpr int64_t kDiagonalShift[H] = {-37, 75};
+  std::vector<uint8_t> hbool(diagonals ? size_t(H) * cs.q_len * cs.kv_len : 0);
+  std::vector<uint8_t> hclass(diagonals ? size_t(H) * q_tiles * kv_tiles : 0);
+  std::vector<int16_t> hdiag(hclass.size(), 0);
+  for (int h = 0; diagonals && h < H; ++h) {
+    for (int i = 0; i < cs.q_len; ++i) {
+      for (int j = 0; j < cs.kv_len; ++j) {
+        hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j] = j <= i + kDiagonalShift[h];
+      }
+    }
+    for (int qt = 0; qt < q_tiles; ++qt) {
+      for (int kt = 0; kt < kv_tiles; ++kt) {
+        const int i0 = qt * Cfg::kBlockM, j0 = kt * Cfg::kBlockN;
+        int seen = 0, total = 0;
+        for (int i = i0; i < std::min(i0 + Cfg::kBlockM, cs.q_len); ++i) {
+          for (int j = j0; j < std::min(j0 + Cfg::kBlockN, cs.kv_len); ++j) {
+            seen += hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j];
+            ++total;
+          }
+        }
+        const size_t t = (size_t(h) * q_tiles + qt) * kv_tiles + kt;
+        using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMasked;
+        using safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
+        hclass[t] = seen == 0 ? kTileMasked : seen == total ? kTileVisible : (qt + kt) % 2 ? kTileMixed : kTileDiagonal;
+        hdiag[t] = static_cast<int16_t>(i0 + kDiagonalShift[h] - j0);
+      }
+    }
+  }
+  uint8_t* bool_mask = diagonals ? upload(hbool) : nullptr;
+  uint8_t* classes = diagonals ? upload(hclass) : nullptr;
+  int16_t* tile_diagonals = diagonals ? upload(hdiag) : nullptr;
   T* out;
   float* lse;
   const size_t n_out = size_t(B) * H * cs.q_len * D, n_lse = size_t(B) * H * cs.q_len;
@@ -114,6 +151,14 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     p.tiles.ptr = summary, p.tiles.stride_q = kv_tiles, p.tiles.kv_tiles = kv_tiles;
     p.tiles.block_q = Cfg::kBlockM, p.tiles.block_kv = Cfg::kBlockN;
   }
+  if (diagonals) {
+    p.mask.ptr = bool_mask, p.mask.kind = safeattn::cuda::attn::MaskKind::kBool;
+    p.mask.stride_h = int64_t{cs.q_len} * cs.kv_len, p.mask.stride_q = cs.kv_len, p.mask.stride_kv = 1;
+    p.tiles.ptr = classes, p.tiles.diagonal = tile_diagonals;
+    p.tiles.stride_h = int64_t{q_tiles} * kv_tiles, p.tiles.stride_q = kv_tiles, p.tiles.kv_tiles = kv_tiles;
+    p.tiles.slice_tiles = int64_t{q_tiles} * kv_tiles;
+    p.tiles.block_q = Cfg::kBlockM, p.tiles.block_kv = Cfg::kBlockN;
+  }
   launch<T, Cfg>(p);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<T> ho(n_out);
@@ -122,7 +167,8 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   CHECK_CUDA(cudaMemcpy(hl.data(), lse, n_lse * sizeof(float), cudaMemcpyDeviceToHost));
   for (void* ptr :
        {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
-        static_cast<void*>(lse), static_cast<void*>(mask), static_cast<void*>(sinks), static_cast<void*>(summary)}) {
+        static_cast<void*>(lse), static_cast<void*>(mask), static_cast<void*>(sinks), static_cast<void*>(summary),
+        static_cast<void*>(bool_mask), static_cast<void*>(classes), static_cast<void*>(tile_diagonals)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
 
@@ -136,7 +182,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
         const T* qi = &hq[((size_t(b) * H + h) * cs.q_len + i) * D];
         double m = -INFINITY;
         for (int j = 0; j < cs.kv_len; ++j) {
-          const bool visible = !cs.causal || j <= i + cs.shift;
+          const bool visible = (!cs.causal || j <= i + cs.shift) && (!diagonals || j <= i + kDiagonalShift[h]);
           double dot = 0.0;
           const T* kj = &hk[((size_t(b) * Hkv + hkv) * cs.kv_len + j) * D];
           for (int d = 0; d < D; ++d) {
@@ -266,7 +312,7 @@ static int check_shape(const char* name, bool timing) {
     std::mt19937 rng(1234);
     for (int ql : {1, 97, 300}) {
       for (int kl : {17, 300}) {
-        for (int mode = 0; mode < (Cfg::kReadsMask ? 4 : 3); ++mode) {  // mode 3 reads a mask
+        for (int mode = 0; mode < (Cfg::kReadsMask ? 5 : 3); ++mode) {  // modes 3 and 4 read a mask
           failures += !run_case<T, Cfg>({ql, kl, false, 0, mode}, rng);
           for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
             failures += !run_case<T, Cfg>({ql, kl, true, shift, mode}, rng);

@@ -25,8 +25,9 @@
 #   harness   the standalone kernel checks (benchmarks/*_check.cu, no extension build needed):
 #             compiled in parallel, run (checks, and timings unless HARNESS_TIMING=0; HARNESS_ONLY
 #             passes --only), then compute-sanitizer memcheck and racecheck over the Hopper and
-#             decode checks' correctness cases (HARNESS_SANITIZE=0 skips them); HARNESS_ONLY_<name>
-#             (e.g. HARNESS_ONLY_decode_check, empty for all) overrides it for one; HARNESS_BIN=DIR
+#             decode checks' correctness cases and the generic forward's shipped shapes
+#             (HARNESS_SANITIZE=0 skips them); HARNESS_ONLY_<name> (e.g.
+#             HARNESS_ONLY_decode_check, empty for all) overrides it for one; HARNESS_BIN=DIR
 #             runs the binaries built beforehand into DIR (carried: gpu_bin/, ignored) and
 #             compiles nothing, so the GPU's time goes to running them
 #   harness_build  compiles the harnesses (HARNESS_NAMES, default all) into HARNESS_BIN (default
@@ -201,10 +202,11 @@ stage_harness() {
   [ "${HARNESS_SANITIZE:-1}" = 1 ] || return 0
   local tool
   for tool in memcheck racecheck; do
-    for name in hopper_fwd_check hopper_bwd_check decode_check; do
+    for name in hopper_fwd_check hopper_bwd_check decode_check mma_sync_fwd_check; do
       [ -x "$bin/$name" ] || continue
       local args=(--no-timing)
       [[ $name == hopper_* ]] && args+=(--quick)
+      [[ $name == mma_sync_fwd_check ]] && args+=(--only FwdConfig)
       timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin/$name" "${args[@]}" \
         >"$OUT/harness_${tool}_$name.txt" 2>&1
       say "harness $tool $name (rc $?): $(grep -E '(ERROR|RACECHECK) SUMMARY' "$OUT/harness_${tool}_$name.txt" | tail -1)"
