@@ -80,7 +80,7 @@ void warn_if_hopper_kernels_missing(const at::Tensor& query) {
         "safeattn was built without its H100/H200 attention kernels (sm_90a: the build found no CUTLASS "
         "headers, or SAFEATTN_SM90=0), so attention on ",
         props->name,
-        " runs the generic kernels, about 2.5x slower. Rebuild with them:\n"
+        " runs the generic kernels, about 2x slower. Rebuild with them:\n"
         "    pip install nvidia-cutlass==4.2.0.0\n"
         "    pip install --no-build-isolation --no-deps --no-cache-dir --force-reinstall safeattn\n"
         "(in a source tree: pip install --no-build-isolation --no-deps -e .); `python -m safeattn info` "
