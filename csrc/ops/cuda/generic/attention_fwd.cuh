@@ -122,11 +122,14 @@ struct FwdTiles {
 // A shape's kernel without the mask code, for calls with neither a mask nor a summary
 // (is_causal, no mask): the element loop of mixed tiles and the summary walks compiled out. The
 // mask code's registers cost the plain loop its spills (nvcc 13.0, sm_90: D = 128 and D = 64's
-// large shape 32 bytes -> 0). A candidate in benchmarks/mma_sync_fwd_check.cu, not yet dispatched.
+// large shape 32 bytes -> 0). A candidate timed in benchmarks/mma_sync_fwd_check.cu; the
+// extension dispatches it only with kDispatchWithoutMask (false until it is measured faster and
+// tested on a GPU; true doubles each forward instance's kernels).
 template <class Tiles>
 struct WithoutMask : Tiles {
   static constexpr bool kReadsMask = false;
 };
+constexpr bool kDispatchWithoutMask = false;
 
 // The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB; sm_80 and
 // sm_87 allow 163 KB, sm_90 227 KB).
@@ -713,6 +716,22 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 }  // namespace fwd_detail
 
+namespace fwd_detail {
+
+// The shape's kernel, without its mask code where the call has no mask (kDispatchWithoutMask).
+template <typename T, class Cfg>
+void launch_fwd_for_mask(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kDispatchWithoutMask) {
+    if (p.mask.kind == MaskKind::kNone && p.tiles.ptr == nullptr) {
+      launch_fwd<T, WithoutMask<Cfg>>(p, stream);
+      return;
+    }
+  }
+  launch_fwd<T, Cfg>(p, stream);
+}
+
+}  // namespace fwd_detail
+
 template <typename T, int kHeadDim>
 void launch_attention_fwd(const FwdParams& p, bool large, cudaStream_t stream) {
   using Small = FwdConfig<kHeadDim, false>;
@@ -720,11 +739,11 @@ void launch_attention_fwd(const FwdParams& p, bool large, cudaStream_t stream) {
   static_assert(kHeadDim > 128 || Small::smem_bytes(2) <= kSmemPerBlockSm86, "D <= 128 must fit sm_86's 99 KB");
   if constexpr (!std::is_same_v<Small, Large>) {
     if (large) {
-      fwd_detail::launch_fwd<T, Large>(p, stream);
+      fwd_detail::launch_fwd_for_mask<T, Large>(p, stream);
       return;
     }
   }
-  fwd_detail::launch_fwd<T, Small>(p, stream);
+  fwd_detail::launch_fwd_for_mask<T, Small>(p, stream);
 }
 #endif
 
