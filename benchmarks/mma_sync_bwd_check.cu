@@ -14,13 +14,14 @@
 // For each shape: random Q, K, V, dO and grad_lse (never zeros), gradients poisoned with NaN, the kernels given row
 // shift, row lo and Delta as the rows pre-pass makes them (from a float64 forward), then a float64 CPU reference of
 // dQ, dK, dV over odd shapes (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties
-// every row; log2 units, natural units, a softcap; contiguous, transposed-view and padded input strides), in both dQ
-// modes (atomics from the dK/dV kernel into a float32 buffer, and the deterministic dQ kernel): relative L2 error
-// and max error against the largest reference value, no NaN, and exact zeros where the contract says 0 (dQ of rows
-// with no visible key, dK and dV of keys no row sees). Then B=4 H=16 S=4096 at the shape's head dim, causal and not,
-// timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV kernel and dQ's
-// conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5 forwards and
-// causal as half. Exit status 1 when any check fails.
+// every row; log2 units, natural units, a softcap, a bool mask of one diagonal a head whose tiles the summaries call
+// masked, visible, diagonal (a compare, dK/dV kernel) or mixed (read); contiguous, transposed-view and padded input
+// strides), in both dQ modes (atomics from the dK/dV kernel into a float32 buffer, and the deterministic dQ kernel):
+// relative L2 error and max error against the largest reference value, no NaN, and exact zeros where the contract says
+// 0 (dQ of rows with no visible key, dK and dV of keys no row sees). Then B=4 H=16 S=4096 at the shape's head dim,
+// causal and not, timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV
+// kernel and dQ's conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5
+// forwards and causal as half. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -86,7 +87,10 @@ struct SmallCase {
   int q_len, kv_len;
   bool causal;
   int64_t shift;
-  int mode;    // 0: log2 units, 1: natural units, 2: softcap 5 (log2 units)
+  // 0: log2 units, 1: natural units, 2: softcap 5 (log2 units), 3: a bool mask [H, Q, KV] of one diagonal a head
+  // (log2 units), its dK/dV tiles summarised as masked, visible, or alternately diagonal (a compare) and mixed (read),
+  // the dQ kernel's as masked, visible or mixed
+  int mode;
   int layout;  // of Q, K, V, dO: check_common.h's make_strides
 };
 
@@ -97,6 +101,9 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   const int B = 2, H = 2, Hkv = 1, group = H / Hkv;
   const double scale = 1.0 / std::sqrt(double(D)), softcap = cs.mode == 2 ? 5.0 : 0.0;
   const bool natural = cs.mode == 1;
+  // Mode 3: head h sees keys j <= i + kDiagonalShift[h].
+  const bool diagonals = cs.mode == 3;
+  constexpr int64_t kDiagonalShift[H] = {-37, 75};
   int64_t qs[3], ks[3], vs[3], dos[3];
   const size_t qn = make_strides(cs.layout, B, H, cs.q_len, D, qs);
   const size_t kn = make_strides(cs.layout, B, Hkv, cs.kv_len, D, ks);
@@ -144,7 +151,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
         s = softcap * t;
         drow[j] = scale * (1.0 - t * t);
       }
-      prow[j] = cs.causal && j > i + cs.shift ? -INFINITY : s;
+      prow[j] = (cs.causal && j > i + cs.shift) || (diagonals && j > i + kDiagonalShift[h]) ? -INFINITY : s;
       m = std::max(m, prow[j]);
     }
     double l = 0;
@@ -239,6 +246,55 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   p.score = safeattn::cuda::attn::score_rule(scale, softcap, natural);
   p.hq = H, p.hkv = Hkv, p.q_len = cs.q_len, p.kv_len = cs.kv_len;
 
+  // Mode 3's mask and the two kernels' summaries of it, built on the host as the kernels meet them.
+  std::vector<uint8_t> hbool(diagonals ? size_t(H) * cs.q_len * cs.kv_len : 0);
+  for (size_t e = 0; e < hbool.size(); ++e) {
+    const int64_t h = e / (size_t(cs.q_len) * cs.kv_len), i = e / cs.kv_len % cs.q_len, j = e % cs.kv_len;
+    hbool[e] = j <= i + kDiagonalShift[h];
+  }
+  // Classes of [H, q_tiles, kv_tiles] tiles of tq x tk; with_diagonal: the non-trivial ones alternately
+  // kTileDiagonal (their diagonals in *diag) and kTileMixed, else all kTileMixed.
+  auto summarize = [&](int tq, int tk, bool with_diagonal, std::vector<int16_t>* diag) {
+    using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMasked;
+    using safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
+    const int q_tiles = (cs.q_len + tq - 1) / tq, kv_tiles = (cs.kv_len + tk - 1) / tk;
+    std::vector<uint8_t> cls(size_t(H) * q_tiles * kv_tiles);
+    diag->assign(cls.size(), 0);
+    for (int h = 0; h < H; ++h) {
+      for (int qt = 0; qt < q_tiles; ++qt) {
+        for (int kt = 0; kt < kv_tiles; ++kt) {
+          int seen = 0, total = 0;
+          for (int i = qt * tq; i < std::min((qt + 1) * tq, cs.q_len); ++i) {
+            for (int j = kt * tk; j < std::min((kt + 1) * tk, cs.kv_len); ++j) {
+              seen += hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j];
+              ++total;
+            }
+          }
+          const size_t t = (size_t(h) * q_tiles + qt) * kv_tiles + kt;
+          const bool diagonal = with_diagonal && (qt + kt) % 2 == 0;
+          cls[t] = seen == 0 ? kTileMasked : seen == total ? kTileVisible : diagonal ? kTileDiagonal : kTileMixed;
+          (*diag)[t] = static_cast<int16_t>(qt * tq + kDiagonalShift[h] - kt * tk);
+        }
+      }
+    }
+    safeattn::cuda::attn::TileSummaryView view;
+    view.ptr = upload(cls);
+    view.diagonal = with_diagonal ? upload(*diag) : nullptr;
+    view.kv_tiles = kv_tiles, view.slice_tiles = int64_t{q_tiles} * kv_tiles;
+    view.stride_h = int64_t{q_tiles} * kv_tiles, view.stride_q = kv_tiles;
+    view.block_q = tq, view.block_kv = tk;
+    return view;
+  };
+  uint8_t* bool_mask = nullptr;
+  std::vector<int16_t> diag_dkdv, diag_dq;
+  if (diagonals) {
+    bool_mask = upload(hbool);
+    p.mask.ptr = bool_mask, p.mask.kind = safeattn::cuda::attn::MaskKind::kBool;
+    p.mask.stride_h = int64_t{cs.q_len} * cs.kv_len, p.mask.stride_q = cs.kv_len, p.mask.stride_kv = 1;
+    p.tiles_dkdv = summarize(Cfg::kQueries, Cfg::kKeys, true, &diag_dkdv);
+    p.tiles_dq = summarize(DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys, false, &diag_dq);
+  }
+
   bool ok = true;
   for (bool atomic : {true, false}) {
     CHECK_CUDA(cudaMemset(gq, 0xff, dq_n * sizeof(T)));  // NaN in both 16-bit formats
@@ -306,7 +362,10 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   for (void* ptr :
        {static_cast<void*>(dq_in), static_cast<void*>(dk_in), static_cast<void*>(dv_in), static_cast<void*>(ddo),
         static_cast<void*>(dshift), static_cast<void*>(dlo), static_cast<void*>(ddelta), static_cast<void*>(dq_accum),
-        static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv)}) {
+        static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv), static_cast<void*>(bool_mask),
+        static_cast<void*>(const_cast<uint8_t*>(p.tiles_dkdv.ptr)),
+        static_cast<void*>(const_cast<int16_t*>(p.tiles_dkdv.diagonal)),
+        static_cast<void*>(const_cast<uint8_t*>(p.tiles_dq.ptr))}) {
     CHECK_CUDA(cudaFree(ptr));
   }
   return ok;
@@ -433,7 +492,7 @@ static int check_shape(const char* name, bool timing) {
     int layout = 0;
     for (int ql : {1, 97, 300}) {
       for (int kl : {17, 300}) {
-        for (int mode = 0; mode < 3; ++mode) {
+        for (int mode = 0; mode < 4; ++mode) {
           failures += !run_case<T, Cfg>({ql, kl, false, 0, mode, layout++ % 3}, rng);
           for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
             failures += !run_case<T, Cfg>({ql, kl, true, shift, mode, layout++ % 3}, rng);
