@@ -121,15 +121,15 @@ struct FwdTiles {
 
 // A shape's kernel without the mask code, for calls with neither a mask nor a summary
 // (is_causal, no mask): the element loop of mixed tiles and the summary walks compiled out. The
-// mask code's registers cost the plain loop its spills (nvcc 13.0, sm_90: D = 128 and D = 64's
-// large shape 32 bytes -> 0). A candidate timed in benchmarks/mma_sync_fwd_check.cu; the
-// extension dispatches it only with kDispatchWithoutMask (false until it is measured faster and
-// tested on a GPU; true doubles each forward instance's kernels).
+// mask code's registers cost the plain loop its spills (nvcc 13.0, sm_90: D = 128 32 bytes -> 0,
+// D = 64's large shape 32 -> 16). H200, B4 H16 S4096 is_causal (benchmarks/mma_sync_fwd_check.cu):
+// D = 128 0.950 -> 0.870 ms, D = 64 large 0.544 -> 0.539. kDispatchWithoutMask sends those calls
+// to it (each forward instance compiles two kernels a shape).
 template <class Tiles>
 struct WithoutMask : Tiles {
   static constexpr bool kReadsMask = false;
 };
-constexpr bool kDispatchWithoutMask = false;
+constexpr bool kDispatchWithoutMask = true;
 
 // The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB; sm_80 and
 // sm_87 allow 163 KB, sm_90 227 KB).
