@@ -122,7 +122,7 @@ stage_sanitize() {
   # 13 driver, 2026-11-26, whatever kernel the filter names), so give it few tests and time.
   local filter=()
   [ "${SANITIZE_TOOL:-memcheck}" = racecheck ] || filter=(--kernel-name "kns=${SANITIZE_KERNELS:-safeattn}")
-  timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "${SANITIZE_TOOL:-memcheck}" \
+  SAFEATTN_TEST_SANITIZER=1 timeout -k 10 "$TIMEOUT" compute-sanitizer --tool "${SANITIZE_TOOL:-memcheck}" \
     "${filter[@]}" --error-exitcode 3 --print-limit 20 \
     python -m pytest -q -p no:cacheprovider -x \
     ${SANITIZE_FILES:-tests/test_sdpa_mask.py tests/test_softmax.py tests/test_attention.py tests/test_attention_cuda_backward.py tests/test_attention_cuda_decode.py tests/test_kvcache.py tests/test_varlen.py} \

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import safeattn
 import torch
+from conftest import cuda_kernel_names
 from safeattn import reference
 from test_attention import FLOOR, _check_against_reference, _compare, _qkv, _random_key_ranges
-from test_attention_cuda_decode import _cuda_kernel_names
 
 _OPS = ("safeattn::attention", "safeattn::_attention_backward")
 _HAS_KERNELS = all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in _OPS)
@@ -345,7 +345,7 @@ def _backward_kernels(q, k, v, **kwargs):
     out, _ = safeattn.attention(q, k, v, **kwargs)
     mask = kwargs.get("attn_mask")
     inputs = (q, k, v, *([mask] if mask is not None and mask.requires_grad else []))
-    names = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
+    names = cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
     return {n for n in names if "attention_bwd" in n}
 
 
@@ -393,7 +393,7 @@ def test_sm90_selection(deterministic_algorithms):
     q, k, v = _qkv(1, 4, 2, 97, 130, 128, torch.bfloat16, DEVICE)
     if not any(
         "hopper::detail::fwd_kernel" in n
-        for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
+        for n in cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
     ):
         pytest.skip("a build without the sm_90a kernels (no CUTLASS headers)")
 
@@ -401,7 +401,7 @@ def test_sm90_selection(deterministic_algorithms):
         out, _ = safeattn.attention(q, k, v, enable_gqa=True, is_causal=True, **kwargs)
         mask = kwargs.get("attn_mask")
         inputs = (q, k, v, *([mask] if mask is not None and mask.requires_grad else []))
-        return _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
+        return cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), inputs))
 
     names = kernels()
     assert any("hopper::detail::bwd_kernel" in n for n in names), f"no sm_90a backward kernel among {names}"
@@ -537,7 +537,7 @@ def _hopper_build(q, k, v):
     """An sm_90 device and a build with the sm_90a kernels: a plain call of q, k, v took them."""
     return torch.cuda.get_device_capability() == (9, 0) and any(
         "hopper::detail::fwd_kernel" in n
-        for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
+        for n in cuda_kernel_names(lambda: safeattn.attention(q, k, v, enable_gqa=True))
     )
 
 
@@ -546,10 +546,10 @@ def _assert_sm90_took_mask(q, k, v, mask, **kwargs):
     ran through them."""
     if _hopper_build(q, k, v):  # the kernels under test must be the ones that ran
         out, _ = safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
-        fwd = _cuda_kernel_names(
+        fwd = cuda_kernel_names(
             lambda: safeattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **kwargs)
         )
-        bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+        bwd = cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
         assert any("hopper::detail::fwd_kernel" in n for n in fwd), f"the mask must take sm_90a: {fwd}"
         assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"the mask must take sm_90a: {bwd}"
 
@@ -854,11 +854,11 @@ def test_head_dim_256_forward_sm90(kind, dtype):
         kwargs["sinks"] = torch.tensor([-float("inf"), 40.0, 0.5, -1.0], device=DEVICE)
     _check_against_reference(q, k, v, attn_mask=mask, grads=kind in ("plain", "causal"), **kwargs)
     if _hopper_build(q, k, v):
-        names = _cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, **kwargs))
+        names = cuda_kernel_names(lambda: safeattn.attention(q, k, v, attn_mask=mask, **kwargs))
         assert any("hopper::detail::fwd_kernel" in n for n in names), f"D=256 must take sm_90a: {names}"
         if kind in ("plain", "causal"):
             out, _ = safeattn.attention(q, k, v, attn_mask=mask, **kwargs)
-            bwd = _cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
+            bwd = cuda_kernel_names(lambda: torch.autograd.grad(out.float().sum(), (q, k, v)))
             assert any("hopper::detail::bwd_kernel" in n for n in bwd), f"D=256 must take sm_90a: {bwd}"
             assert any("hopper::detail::dq_pass_kernel" in n for n in bwd), f"D=256 has a dQ pass: {bwd}"
 
@@ -905,7 +905,7 @@ def test_deterministic_sm90(deterministic_algorithms, head_dim, kind, dtype):
         assert torch.equal(a, b), f"grad_{name} differs between two identical deterministic runs"
     if _hopper_build(q, k, v):
         out, _ = safeattn.attention(q, k, v, **kwargs)
-        names = _cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v, *extra), grad_out))
+        names = cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v, *extra), grad_out))
         assert any(
             "hopper::detail::bwd_kernel" in n for n in names
         ), f"D={head_dim} must keep sm_90a: {names}"
@@ -951,10 +951,10 @@ def test_grad_out_as_given(upstream, grad_layout, head_dim):
         _compare(name, g, w, lo, 3, FLOOR[dtype] * max(1.0, w.abs().max().item()) * 4)
     assert (got[0].masked_select(empty) == 0).all(), "an empty row's grad_query must be 0"
     if torch.cuda.get_device_capability() == (9, 0):
-        names = _cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v), given, retain_graph=True))
+        names = cuda_kernel_names(lambda: torch.autograd.grad(out, (q, k, v), given, retain_graph=True))
         if any(
             "hopper::detail::fwd_kernel" in n
-            for n in _cuda_kernel_names(lambda: safeattn.attention(q, k, v, **kwargs))
+            for n in cuda_kernel_names(lambda: safeattn.attention(q, k, v, **kwargs))
         ):
             assert any("hopper::detail::bwd_kernel" in n for n in names), f"sm_90a did not run: {names}"
 

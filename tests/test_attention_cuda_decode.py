@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import safeattn
 import torch
+from conftest import cuda_kernel_names
 from test_attention import _check_against_reference, _qkv
 
 _HAS_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key("safeattn::attention", "CUDA")
@@ -38,22 +39,15 @@ SHAPES = [
 ]
 
 
-def _cuda_kernel_names(fn):
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {event.name for event in prof.events()}
-
-
 def test_decode_kernels_run_for_at_most_16_rows_per_kv_head():
     def call(hq, q_len):
         q, k, v = _qkv(2, hq, 1, q_len, 1000, 128, torch.bfloat16, DEVICE)
         with torch.no_grad():
             safeattn.attention(q, k, v, enable_gqa=True)
 
-    names = _cuda_kernel_names(lambda: call(16, 1))
+    names = cuda_kernel_names(lambda: call(16, 1))
     assert any("attention_decode_split" in n for n in names), f"no decode split kernel among {names}"
-    names = _cuda_kernel_names(lambda: call(16, 2))  # 32 rows per kv head: the prefill kernel
+    names = cuda_kernel_names(lambda: call(16, 2))  # 32 rows per kv head: the prefill kernel
     assert not any("attention_decode" in n for n in names), f"decode kernels ran for 32 rows: {names}"
 
 

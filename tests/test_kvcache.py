@@ -14,6 +14,7 @@ import safeattn
 import torch
 from _serving_cases import DTYPES, compare_grads, compare_outputs, low_dtype
 from conftest import ATTENTION_DEVICES as DEVICES
+from conftest import cuda_kernel_names
 from safeattn import reference
 from safeattn.flash_attn_interface import flash_attn_with_kvcache
 
@@ -449,17 +450,6 @@ def test_cuda_decode_kernel_cases(dtype, head_dim, paged, page_size, hq, hkv, q_
     _check(*case, window_size=(100, 0), softcap=20.0, sinks=sinks)
 
 
-def _kernel_names(fn):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()  # the first call's one-time work (occupancy, attributes) stays out of the trace
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize(
@@ -472,10 +462,11 @@ def test_cuda_decode_step_kernels(paged, seqlens, capacity, cluster):
     kv head) pairs."""
     case = _case(seqlens, 1, 1, 32, 8, 128, torch.bfloat16, "cuda", paged=paged, capacity=capacity)
     q, k_cache, v_cache, cache_seqlens, k, v, table = case
-    names = _kernel_names(
+    names = cuda_kernel_names(
         lambda: safeattn.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True
-        )
+        ),
+        warmup=True,
     )
     kinds = ["kvcache_append", "kvcache_append", "attention_decode_split", "attention_decode_combine"]
     if cluster and torch.cuda.get_device_capability()[0] >= 9:
@@ -494,10 +485,11 @@ def test_cuda_decode_sixteen_split_clusters(page_size, length):
     case = _one_token_cache([length], 32, 4, page_size, 8192)
     _check(*case, causal=True)
     q, k_cache, v_cache, cache_seqlens, k, v, table = case
-    names = _kernel_names(
+    names = cuda_kernel_names(
         lambda: safeattn.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True
-        )
+        ),
+        warmup=True,
     )
     assert any("attention_decode_split" in n for n in names), names
     if torch.cuda.get_device_capability()[0] == 9:  # H100 / H200 place clusters of 16
@@ -517,10 +509,11 @@ def test_cuda_decode_one_split_writes_out_itself(paged):
     _check(*case, causal=True, sinks=sinks)
     _check(*case, window_size=(5, 0))
     q, k_cache, v_cache, cache_seqlens, k, v, table = case
-    names = _kernel_names(
+    names = cuda_kernel_names(
         lambda: safeattn.attention_with_kvcache(
             q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True, sinks=sinks
-        )
+        ),
+        warmup=True,
     )
     assert any("attention_decode_split" in n for n in names), names
     assert not any("attention_decode_combine" in n for n in names), names
