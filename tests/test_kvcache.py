@@ -625,3 +625,101 @@ def _bad_inputs():
 def test_bad_inputs(args, kwargs, message):
     with pytest.raises(ValueError, match=message):
         safeattn.attention_with_kvcache(*args, **kwargs)
+
+
+def _direct(q, k_cache, v_cache, cache_seqlens, k=None, v=None, block_table=None, window=(-1, -1), **kwargs):
+    """safeattn._C._attention_kvcache: attention_with_kvcache's C++ route, (out, lse) or NotImplemented."""
+    return safeattn._C._attention_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k,
+        v,
+        block_table,
+        kwargs.get("softmax_scale"),
+        kwargs.get("causal", False),
+        window,
+        kwargs.get("softcap", 0.0),
+        kwargs.get("sinks"),
+    )
+
+
+class _PythonRoute(torch.overrides.TorchFunctionMode):
+    """Under a __torch_function__ mode the C++ route declines: attention_with_kvcache's Python
+    checks and torch.ops call take every step."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("paged", [False, True])
+def test_direct_route_matches_the_python_route(device, paged):
+    """A step without gradients runs in C++ from attention_with_kvcache on (safeattn._C.
+    _attention_kvcache) with int32, int64 or int lengths and int32 or int64 tables: the same out,
+    lse and appended cache as the Python route's checks and torch.ops call, and both the float64
+    reference's (_check)."""
+    q, k_cache, v_cache, seqlens, k, v, table = _case(
+        [5, 0, 17], 2, 1, 4, 2, 32, torch.float32, device, paged=paged, poison=float("nan")
+    )
+    kwargs = dict(causal=True, window_size=(6, 0), softcap=5.0)
+    _check(q, k_cache, v_cache, seqlens, k, v, table, **kwargs)
+    with _PythonRoute():
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want = safeattn.attention_with_kvcache(
+            q, want_k, want_v, seqlens, k, v, block_table=table, return_lse=True, **kwargs
+        )
+    tables = (table, table.long()) if paged else (None,)
+    for lengths in (seqlens, seqlens.long()):
+        for tab in tables:
+            got_k, got_v = k_cache.clone(), v_cache.clone()
+            got = _direct(q, got_k, got_v, lengths, k, v, tab, causal=True, window=[6, 0], softcap=5.0)
+            assert got is not NotImplemented, (lengths.dtype, None if tab is None else tab.dtype)
+            for name, a, b in (
+                ("out", got[0], want[0]),
+                ("lse", got[1], want[1]),
+                ("k_cache", got_k, want_k),
+            ):
+                assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)), name
+            assert torch.equal(got_v.nan_to_num(7.0), want_v.nan_to_num(7.0)), "v_cache"
+    # One int length for every sequence: as the tensor of it.
+    q1, k1, v1 = (
+        q[:, :1],
+        k_cache[:, :20] if not paged else k_cache,
+        v_cache[:, :20] if not paged else v_cache,
+    )
+    got = _direct(q1, k1.clone(), v1.clone(), 9, None, None, table)
+    want = safeattn.attention_with_kvcache(
+        q1, k1, v1, torch.full_like(seqlens, 9), block_table=table, return_lse=True
+    )
+    assert got is not NotImplemented
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_direct_route_declines_to_the_python_route():
+    """What the C++ route does not take it returns NotImplemented for, having written nothing:
+    a gradient asked for, a window entry below -1, a page size out of 16..256, arguments its
+    checks refuse (the Python route then raises the API's message), a tensor subclass."""
+    q, k_cache, v_cache, seqlens, k, v, _ = _case([3, 4], 1, 1, 4, 2, 8, torch.float32, "cpu", paged=False)
+    before = k_cache.clone()
+    assert _direct(q.requires_grad_(), k_cache, v_cache, seqlens, k, v) is NotImplemented
+    with torch.no_grad():
+        assert _direct(q, k_cache.clone(), v_cache.clone(), seqlens, k, v) is not NotImplemented
+    q = q.detach()
+    assert _direct(q, k_cache, v_cache, seqlens, k, v, window=(0, -3)) is NotImplemented
+    assert _direct(q, k_cache, v_cache, seqlens[:1], k, v) is NotImplemented
+    assert _direct(q, k_cache, v_cache, seqlens, k[:, :, :1], v) is NotImplemented
+    assert _direct(q, k_cache, v_cache, seqlens.float(), k, v) is NotImplemented
+    assert _direct(q, k_cache, v_cache, 2**40, k, v) is NotImplemented
+    assert _direct(q, k_cache, v_cache, seqlens, k, v, window=(0, 1.0)) is NotImplemented
+    pages = torch.zeros(4, 8, 2, 8)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    assert _direct(q, pages, pages.clone(), seqlens, k, v, table) is NotImplemented
+    assert torch.equal(pages, torch.zeros_like(pages)), "a declined call wrote into the pages"
+    assert torch.equal(k_cache, before), "a declined call wrote into the cache"
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _direct(q.as_subclass(Sub), k_cache, v_cache, seqlens, k, v) is NotImplemented

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -38,7 +39,9 @@ void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, con
                              const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& block_table,
                              const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK_VALUE(q.dim() == 4, "_attention_kvcache: q must be 4-D [B, Sq, Hq, D], got ", q.dim(), "-D");
-  TORCH_CHECK_VALUE(at::isFloatingType(q.scalar_type()), "_attention_kvcache: q must be floating point");
+  const at::ScalarType dtype = q.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+                    "_attention_kvcache: q must be float32, float16, bfloat16 or float64, got ", dtype);
   check_float(k_cache, "k_cache", q);
   check_float(v_cache, "v_cache", q);
   const int64_t batch = q.size(0), heads = q.size(2), head_dim = q.size(3), kv_heads = k_cache.size(2);
@@ -51,9 +54,10 @@ void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, con
   int64_t capacity = k_cache.size(1);
   if (block_table.has_value()) {
     check_index(*block_table, "block_table", 2, q);
-    TORCH_CHECK_VALUE(block_table->size(0) == batch && k_cache.size(0) > 0 && k_cache.size(1) > 0,
-                      "_attention_kvcache: block_table ", block_table->sizes(), " does not fit q ", q.sizes(),
-                      " and k_cache ", k_cache.sizes());
+    TORCH_CHECK_VALUE(block_table->size(0) == batch && k_cache.size(0) > 0, "_attention_kvcache: block_table ",
+                      block_table->sizes(), " does not fit q ", q.sizes(), " and k_cache ", k_cache.sizes());
+    TORCH_CHECK_VALUE(k_cache.size(1) >= 16 && k_cache.size(1) <= 256,
+                      "_attention_kvcache: page_size (k_cache.shape[1]) must be 16 to 256, got ", k_cache.size(1));
     capacity = block_table->size(1) * k_cache.size(1);
   } else {
     TORCH_CHECK_VALUE(k_cache.size(0) == batch, "_attention_kvcache: k_cache has batch ", k_cache.size(0),
@@ -172,6 +176,18 @@ std::tuple<at::Tensor, at::Tensor> attention_kvcache_composite(
   auto [out, lse] = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), std::nullopt, 0.0, false,
                               scale, /*enable_gqa=*/true, 0, 0, softcap, sinks, key_ranges);
   return {out.transpose(1, 2), lse};  // out is stored [B, Sq, Hq, Dv]: contiguous
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& block_table, std::optional<double> scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("safeattn::_attention_kvcache", "")
+                             .typed<decltype(attention_kvcache)>();
+  return op.call(q, k_cache, v_cache, cache_seqlens, k, v, block_table, scale, causal, window_left, window_right,
+                 softcap, sinks);
 }
 
 namespace {

@@ -55,4 +55,12 @@ void check_attention_kvcache(const at::Tensor& q, const at::Tensor& k_cache, con
                              const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& block_table,
                              const std::optional<at::Tensor>& sinks);
 
+// _attention_kvcache through the dispatcher's typed handle: the op as torch.ops calls it, without
+// its boxed argument parsing (safeattn._C._attention_kvcache, csrc/python_module.cpp).
+std::tuple<at::Tensor, at::Tensor> attention_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& block_table, std::optional<double> scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks);
+
 }  // namespace safeattn

@@ -246,6 +246,9 @@ def _write_positions(cache_seqlens: torch.Tensor, new_tokens: int, capacity: int
     return cache_seqlens.to(torch.int64).clamp(0, capacity - new_tokens)
 
 
+_DIRECT_KVCACHE = []  # [safeattn._C._attention_kvcache], once _C has loaded
+
+
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -308,6 +311,29 @@ def attention_with_kvcache(
         ``[B, Hq, Sq]`` float32 (float64 for float64 inputs). Differentiable in ``q``, the
         cache's read values and ``sinks`` (``k``/``v`` through the in-place write).
     """
+    if not torch.compiler.is_compiling():
+        # A step without gradients, in C++ from here (csrc/python_module.cpp): NotImplemented
+        # sends what it does not take to the checks below, whose messages are the API's.
+        if not _DIRECT_KVCACHE:
+            from . import _C
+
+            _DIRECT_KVCACHE.append(_C._attention_kvcache)
+        result = _DIRECT_KVCACHE[0](
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            k,
+            v,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            sinks,
+        )
+        if result is not NotImplemented:
+            return result if return_lse else result[0]
     name = "attention_with_kvcache"
     _check_float(name, "q", q, 4, "[batch, q_length, num_heads, head_dim]")
     paged = block_table is not None
