@@ -54,8 +54,8 @@ struct AttentionFwdArgs {
   at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
   at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
   // Undefined, or [B, Q, 2] int32 with rows of 2 contiguous: the key ranges, ANDed with mask.
-  // The sm_90a, decode and CPU kernels read them; every other kernel gets
-  // with_key_ranges_drawn(args).
+  // The sm_90a, decode and CPU kernels read them (the mma.sync ones can: kMmaSyncReadsKeyRanges,
+  // cuda/generic/mma_sync.cuh); every other kernel gets with_key_ranges_drawn(args).
   at::Tensor key_ranges;
   at::Tensor sinks;   // undefined, or [Hq] acc dtype contiguous
   at::Tensor out;     // [B, Hq, Q, Dv], input dtype, strided view (written)
@@ -167,8 +167,8 @@ void check_attention_backward(const at::Tensor& grad_out, const std::optional<at
                               const std::optional<at::Tensor>& key_ranges);
 
 // The arguments with the key ranges drawn into the mask (a bool [B, 1, Q, KV] ANDed with it, or
-// -inf filled into a float one) and key_ranges undefined: what every kernel but the sm_90a ones
-// runs. Unchanged without key ranges.
+// -inf filled into a float one) and key_ranges undefined: what the kernels that do not read key
+// ranges run (AttentionFwdArgs::key_ranges). Unchanged without key ranges.
 AttentionFwdArgs with_key_ranges_drawn(const AttentionFwdArgs& args);
 AttentionBwdArgs with_key_ranges_drawn(const AttentionBwdArgs& args);
 

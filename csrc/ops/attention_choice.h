@@ -41,7 +41,8 @@ struct AttentionChoice {
   };
   AttentionPath path = AttentionPath::kNone;
   // The chosen kernel reads with_key_ranges_drawn(args) (ops/attention.h): the key ranges as a
-  // mask. Only the sm_90a and decode kernels read key ranges themselves.
+  // mask. The CUDA decode and sm_90a kernels read key ranges themselves, as the CPU kernels do
+  // (the mma.sync ones can: kMmaSyncReadsKeyRanges, cuda/generic/mma_sync.cuh).
   bool draw_key_ranges = false;
   // The kernels asked before `path`, in order, each with why it declined. No heap: the choice is
   // made on every call (decode runs once per layer and token).

@@ -10,7 +10,7 @@
 //     non-finite value: Sm90BwdRows);
 //   - the paths below read grad_out_without_empty_rows (ops/attention.h);
 //   - bf16 / fp16 with D == Dv and a head dim that has an instantiation (attention_bwd.cuh,
-//     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's tile summaries here,
+//     attention_bwd_d<D>_<dtype>.cu): the rows pre-pass and the mask's (and key ranges') tile summaries here,
 //     then the dK/dV and dQ tensor-core kernels. A broadcast mask gets its gradient through a
 //     [B, Hq, Q, KV] float32 buffer (batch chunks of bounded size) reduced by at::sum,
 //     deterministically. Without a mask gradient and with deterministic algorithms off, the
@@ -326,7 +326,20 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   attn::TileWalkBounds bounds_dkdv, bounds_dq;
   // The dK/dV kernel's large shape where this GPU's blocks may take its shared memory.
   const bool large_tiles = attn::bwd_large_tiles(head_dim, attn::smem_limits(query).per_block);
-  if (a.mask.defined()) {
+  p.causal.enabled = a.is_causal;
+  p.causal.shift = a.q_offset - a.kv_offset;
+  // Key ranges come beside no mask or a bool one (choose_attention_bwd): the summaries are of
+  // both, the causal rule masking the tiles no row sees by it, as the kernels apply it too.
+  p.ranges = attn::make_key_range_view(a.key_ranges);
+  auto summarize = [&](int block_q, int block_kv, at::Tensor* diagonals, attn::TileWalkBounds* bounds) {
+    if (a.key_ranges.defined()) {
+      at::Tensor unused;  // the dQ kernel reads a diagonal tile's elements
+      return attn::summarize_key_ranges(a.key_ranges, kv_len, a.mask, block_q, block_kv,
+                                        diagonals != nullptr ? diagonals : &unused, bounds, p.causal);
+    }
+    return attn::summarize_mask_tiles(a.mask, block_q, block_kv, diagonals, bounds);
+  };
+  if (a.mask.defined() || a.key_ranges.defined()) {
     attn::BwdTileSizes tiles;
     TORCH_INTERNAL_ASSERT(attn::bwd_tile_sizes(head_dim, large_tiles, tiles),
                           "attention backward (CUDA): no tile sizes for ", head_dim);
@@ -337,18 +350,15 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
     bounds_dkdv.rows = !atomic_dq && shared;
     // With diagonals: the dK/dV kernel tests a bool mask's diagonal tiles by a compare; the dQ
     // kernel, sharing the summary, reads their elements (they are not plain tiles).
-    summary_dkdv = attn::summarize_mask_tiles(a.mask, tiles.dkdv_q, tiles.dkdv_kv, &diagonals_dkdv, &bounds_dkdv);
+    summary_dkdv = summarize(tiles.dkdv_q, tiles.dkdv_kv, &diagonals_dkdv, &bounds_dkdv);
     p.tiles_dkdv = attn::make_tile_summary_view(summary_dkdv, tiles.dkdv_q, tiles.dkdv_kv, diagonals_dkdv, bounds_dkdv);
     if (!atomic_dq) {
       bounds_dq.rows = true;
-      summary_dq =
-          shared ? summary_dkdv : attn::summarize_mask_tiles(a.mask, tiles.dq_q, tiles.dq_kv, nullptr, &bounds_dq);
+      summary_dq = shared ? summary_dkdv : summarize(tiles.dq_q, tiles.dq_kv, nullptr, &bounds_dq);
       p.tiles_dq =
           attn::make_tile_summary_view(summary_dq, tiles.dq_q, tiles.dq_kv, {}, shared ? bounds_dkdv : bounds_dq);
     }
   }
-  p.causal.enabled = a.is_causal;
-  p.causal.shift = a.q_offset - a.kv_offset;
   p.score = attn::score_rule(a.scale, a.softcap, natural);
   p.hq = hq;
   p.hkv = hkv;

@@ -5,18 +5,26 @@
 #include <ATen/Context.h>
 
 #include "ops/cuda/attention_decode.h"
+#include "ops/cuda/generic/mma_sync.cuh"
 #include "ops/cuda/hopper/attention_bwd_sm90.h"
 #include "ops/cuda/hopper/attention_fwd_sm90.h"
 
 namespace safeattn::cuda {
 namespace {
 
-// The paths after the ones that read key ranges, in both directions: the key ranges drawn into
-// the mask, then the mma.sync kernels (unless `mma_sync_reason`), else the chunked ATen ops.
-AttentionChoice offer_generic(AttentionChoice& choice, const at::Tensor& key_ranges, const char* mma_sync_reason) {
-  choice.draw_key_ranges = key_ranges.defined();
-  if (!choice.offer(AttentionPath::kMmaSync, mma_sync_reason)) {
+// The paths after the sm_90a kernels, in both directions: the mma.sync kernels (unless
+// `mma_sync_reason`), which read key ranges beside no mask or a bool one (kMmaSyncReadsKeyRanges,
+// mma_sync.cuh;
+// their tile summary ANDs the two, summarize_key_ranges) and get them drawn into a floating mask;
+// else the chunked ATen ops, with the key ranges drawn into the mask.
+AttentionChoice offer_generic(AttentionChoice& choice, const at::Tensor& key_ranges, const at::Tensor& mask,
+                              const char* mma_sync_reason) {
+  if (choice.offer(AttentionPath::kMmaSync, mma_sync_reason)) {
+    const bool reads = attn::kMmaSyncReadsKeyRanges && (!mask.defined() || mask.scalar_type() == at::kBool);
+    choice.draw_key_ranges = key_ranges.defined() && !reads;
+  } else {
     choice.offer(AttentionPath::kChunkedAten, nullptr);
+    choice.draw_key_ranges = key_ranges.defined();
   }
   return choice;
 }
@@ -38,12 +46,12 @@ const char* sm90_bwd_rejects(const AttentionBwdArgs& args) {
 
 AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args) {
   AttentionChoice choice;
-  // decode and sm90a read key ranges; the kernels after them get them drawn into the mask.
+  // decode and sm90a read key ranges; the kernels after them as offer_generic says.
   if (choice.offer(AttentionPath::kDecode, attention_fwd_decode_rejects(args)) ||
       choice.offer(AttentionPath::kSm90a, attention_fwd_sm90_rejects(args))) {
     return choice;
   }
-  return offer_generic(choice, args.key_ranges, attention_fwd_mma_sync_rejects(args));
+  return offer_generic(choice, args.key_ranges, args.mask, attention_fwd_mma_sync_rejects(args));
 }
 
 AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args) {
@@ -51,7 +59,7 @@ AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args) {
   if (choice.offer(AttentionPath::kSm90a, sm90_bwd_rejects(args))) {
     return choice;
   }
-  return offer_generic(choice, args.key_ranges, attention_bwd_mma_sync_rejects(args));
+  return offer_generic(choice, args.key_ranges, args.mask, attention_bwd_mma_sync_rejects(args));
 }
 
 bool attention_bwd_sums_broadcast(const AttentionBwdArgs& args) {

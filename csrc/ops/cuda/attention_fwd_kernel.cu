@@ -6,8 +6,8 @@
 //   - on an H100/H200, the sm_90a TMA + wgmma kernels (attention_fwd_sm90.h) for what they cover;
 //   - the tensor-core kernel (attention_fwd.cuh) for float16 / bfloat16 inputs with D == Dv and
 //     a head dim that has a generated instantiation in this build (SAFEATTN_ATTN_FWD_D<D>);
-//     a mask is first summarised per tile (summarize_mask_tiles) so that whole tiles are
-//     skipped or read without the mask;
+//     a mask is first summarised per tile (summarize_mask_tiles; key ranges with a bool mask
+//     or none: summarize_key_ranges) so that whole tiles are skipped or read without the mask;
 //   - for everything else (float32, float64 for gradcheck, other head dims, D != Dv), the
 //     device-independent ATen forward attention_forward_chunked (ops/attention_composite.h),
 //     in float32 / float64 over chunks of queries, so memory stays bounded.
@@ -64,9 +64,19 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
   bounds.rows = true;
   if (a.mask.defined()) {
     p.mask = attn::make_mask_view(a.mask);
+  }
+  if (a.key_ranges.defined()) {
+    // Beside no mask or a bool one (choose_attention_fwd): one summary of both; the causal rule
+    // masks the tiles no row sees by causality, as the kernel applies it too.
+    summary =
+        attn::summarize_key_ranges(a.key_ranges, p.kv_len, a.mask, block_q, block_kv, &diagonals, &bounds, p.causal);
+    p.ranges = attn::make_key_range_view(a.key_ranges);
+  } else if (a.mask.defined()) {
     // With diagonals: a bool mask's tiles that are one diagonal (a causal mask's, with padding
     // or not) are tested by a compare, without reading the mask.
     summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, &diagonals, &bounds);
+  }
+  if (summary.defined()) {
     p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv, diagonals, bounds);
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -103,9 +103,13 @@ struct BwdParams {
   float* grad_mask;
   int64_t batch_begin;
   MaskView mask;
-  // The mask's per-tile classes at each kernel's tile sizes (bwd_tile_sizes); null views (all
-  // visible) without a mask. Fully masked tiles are skipped, all-visible interior tiles take
-  // no per-element test.
+  // Null, or each query row's one interval of keys (AttentionBwdArgs::key_ranges), ANDed with a
+  // bool mask or none: the summaries then cover both (summarize_key_ranges), and exp2_arg tests
+  // each element of a mixed tile against its row's interval.
+  KeyRangeView ranges;
+  // The mask's (and key ranges') per-tile classes at each kernel's tile sizes (bwd_tile_sizes);
+  // null views (all visible) without either. Fully masked tiles are skipped, all-visible interior
+  // tiles take no per-element test.
   TileSummaryView tiles_dkdv, tiles_dq;
   Causal causal;
   // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
@@ -210,6 +214,8 @@ struct BwdTiles {
     const int score_tiles = kPInRegs ? (atomic_dq ? 1 : 0) : 2;
     return kTilesSmem + sizeof(uint16_t) * score_tiles * kKeys * kPStride;
   }
+  // Whether the kernels carry the key ranges' per-element test (WithRanges, mma_sync.cuh).
+  static constexpr bool kReadsRanges = false;
 };
 
 // The most dynamic shared memory a block may opt into on sm_86 / sm_89 / sm_120 (99 KB).
@@ -331,16 +337,21 @@ __device__ __forceinline__ void load_rows(T* smem, const T* base, int64_t stride
 
 // The exponent of p = 2^x for (query i, key j) from the raw dot product and the row's shift and lo
 // (BwdParams::row_shift): the transformed, masked score in the kernel's units minus the row's
-// lse; -inf where the element is masked, outside the sequence, or hidden by the causal rule.
+// lse; -inf where the element is masked, outside the sequence or its row's key interval (key
+// ranges), or hidden by the causal rule.
 // `dscore` gets d score / d dot (the chain rule of the scale and the softcap). `plain`: the tile
 // is interior, causally visible and all visible in the mask summary, so none of those tests is
 // needed. Without softcap, in log2 units (the common case) it is one multiply and one subtract.
+template <bool kRanges>
 __device__ __forceinline__ float exp2_arg(const BwdParams& p, bool plain, float dot, int64_t b, int64_t h, int64_t i,
                                           int64_t j, float shift, float lo, float& dscore) {
   float x = p.score.score(dot);
   dscore = p.score.derivative(x);
   if (!plain) {
     if (i >= p.q_len || j >= p.kv_len || !p.causal.visible(i, j)) {
+      return -INFINITY;
+    }
+    if (kRanges && (j < p.ranges.lo(b, i) || j >= p.ranges.hi(b, i))) {
       return -INFINITY;
     }
     if (p.mask.kind != MaskKind::kNone) {
@@ -827,7 +838,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
           const int col = t * 8 + 2 * tig + (e & 1);
           const int64_t i = i0 + q0 + col;
           const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
-          return fast_exp2(exp2_arg(p, plain, st[mt][t][e], b, h, i, j, col_shift[t][e & 1], lo_t[col], dscore));
+          return fast_exp2(
+              exp2_arg<Cfg::kReadsRanges>(p, plain, st[mt][t][e], b, h, i, j, col_shift[t][e & 1], lo_t[col], dscore));
         });
       }
 
@@ -931,7 +943,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
 
 // ---- dQ (and the mask gradient) --------------------------------------------------------------
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kRanges = false>
 __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq_kernel(const BwdParams p) {
   using Tr = DqConfig<kHeadDim>;
   constexpr int kStride = Tr::kStride;
@@ -1056,7 +1068,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
           const int64_t j = j0 + t * 8 + 2 * tig + c;
           float dscore;
           const float prob =
-              fast_exp2(exp2_arg(p, plain, s_acc[t][e], b, h, i, j, row_lse[half], row_lo[half], dscore));
+              fast_exp2(exp2_arg<kRanges>(p, plain, s_acc[t][e], b, h, i, j, row_lse[half], row_lo[half], dscore));
           ds[c] = prob * (dp_acc[t][e] - row_delta[half]);
           dp_acc[t][e] = ds[c] * dscore;
         }
@@ -1117,7 +1129,7 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
 // The dK/dV kernel of shape Cfg; params.dq_accum set: the atomic mode, dQ added by this kernel
 // (the caller then skips the dQ kernel).
 template <typename T, class Cfg>
-void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
+void launch_dkdv_shape(const BwdParams& params, int64_t batch, cudaStream_t stream) {
   const bool atomic_dq = params.dq_accum != nullptr;
   auto* kernel = atomic_dq ? &attention_bwd_dkdv_kernel<T, Cfg, true> : &attention_bwd_dkdv_kernel<T, Cfg, false>;
   const size_t smem = Cfg::smem_bytes(atomic_dq);
@@ -1126,6 +1138,18 @@ void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
                   static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The shape's dK/dV kernel, with the key ranges' test where the call has key ranges.
+template <typename T, class Cfg>
+void launch_dkdv(const BwdParams& params, int64_t batch, cudaStream_t stream) {
+  if constexpr (kMmaSyncReadsKeyRanges) {
+    if (params.ranges.ptr != nullptr) {
+      launch_dkdv_shape<T, WithRanges<Cfg>>(params, batch, stream);
+      return;
+    }
+  }
+  launch_dkdv_shape<T, Cfg>(params, batch, stream);
 }
 #endif
 
@@ -1143,7 +1167,12 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
   }
   if (launch.run_dq) {
     using Tr = DqConfig<kHeadDim>;
-    auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim>;
+    auto* kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, false>;
+    if constexpr (kMmaSyncReadsKeyRanges) {
+      if (params.ranges.ptr != nullptr) {
+        kernel = &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, true>;
+      }
+    }
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
     const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),

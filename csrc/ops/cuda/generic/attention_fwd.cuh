@@ -78,7 +78,11 @@ struct FwdParams {
   ScoreRule score;
   Causal causal;
   MaskView mask;
-  TileSummaryView tiles;  // null ptr without a mask
+  // Null, or each query row's one interval of keys (AttentionFwdArgs::key_ranges), ANDed with a
+  // bool mask or none: `tiles` then summarises both (summarize_key_ranges), and a mixed tile
+  // tests each element against its row's interval.
+  KeyRangeView ranges;
+  TileSummaryView tiles;  // null ptr without a mask or key ranges
 };
 
 // A forward tile shape: kBlockM queries x kBlockN keys a CTA, kWarps warps of kMTiles 16-row MMA
@@ -115,8 +119,10 @@ struct FwdTiles {
   static constexpr size_t smem_bytes(size_t element_size) {
     return static_cast<size_t>(kSmemRows) * Rows::kStride * element_size;
   }
-  // Whether the kernel carries the code that reads a mask and its tile summary (WithoutMask below).
+  // Whether the kernel carries the code that reads a mask and its tile summary (WithoutMask below),
+  // and the one that tests key ranges (WithRanges, mma_sync.cuh).
   static constexpr bool kReadsMask = true;
+  static constexpr bool kReadsRanges = false;
 };
 
 // A shape's kernel without the mask code, for calls with neither a mask nor a summary
@@ -287,7 +293,8 @@ __device__ __forceinline__ void score_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN
 // causal diagonal, at the end of the keys, or that the mask summary calls mixed or diagonal:
 // out-of-range and causally hidden elements become -inf, and (kTileMixed) the mask is applied. In
 // tile coordinates (TileBounds, 32-bit): the thread's columns of row r are c = 8 nt + 2 t + e,
-// visible when c <= last_key(r) (a kTileDiagonal tile's own diagonal joins the causal one); with
+// visible when c <= last_key(r) (a kTileDiagonal tile's own diagonal joins the causal one; a mixed
+// tile of key ranges also asks lo - j0 <= c < hi - j0 of the row's interval); with
 // the row's 2 t taken off once, each element is one compare of the constant 8 nt + e. Without mask
 // values (the causal diagonal, a mask's diagonal tiles, the sequence ends) that compare and a
 // select are all an element takes.
@@ -318,14 +325,28 @@ __device__ __forceinline__ void mask_tile(float (&s)[Cfg::kMTiles][Cfg::kBlockN 
           }
         }
       } else {
-        const int64_t mask_row = r < bounds.query_rows ? p.mask.offset(b, h, i0 + r, j0) : 0;
+        const bool in_rows = r < bounds.query_rows;
+        const int64_t mask_row = in_rows ? p.mask.offset(b, h, i0 + r, j0) : 0;
+        // The row's key interval (key ranges) in the same coordinates: columns first .. last.
+        int first = -kBlockN, last_in_range = last;
+        if constexpr (Cfg::kReadsRanges) {
+          auto column = [](int64_t key) {  // a key relative to j0, clamped into 32 bits
+            return static_cast<int>(key < -kBlockN ? -kBlockN : (key > kBlockN ? kBlockN : key));
+          };
+          if (in_rows) {
+            first = column(p.ranges.lo(b, i0 + r) - j0) - 2 * ln.t;
+            last_in_range = min(last, column(p.ranges.hi(b, i0 + r) - j0) - 1 - 2 * ln.t);
+          }
+        }
+        // Key ranges may come without a mask: no mask values to add then.
+        const bool mask_values = !Cfg::kReadsRanges || p.mask.kind != MaskKind::kNone;
 #pragma unroll
         for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const bool visible = nt * 8 + e <= last;
+            const bool visible = nt * 8 + e >= first && nt * 8 + e <= last_in_range;
             float x = s[mt][nt][2 * half + e];
-            if (visible) {
+            if (visible && mask_values) {
               x = p.score.masked(x, p.mask.additive(mask_row + (nt * 8 + 2 * ln.t + e) * p.mask.stride_kv));
             }
             s[mt][nt][2 * half + e] = visible ? x : -INFINITY;
@@ -718,9 +739,16 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
 
 namespace fwd_detail {
 
-// The shape's kernel, without its mask code where the call has no mask (kDispatchWithoutMask).
+// The shape's kernel: with the key ranges' test where the call has key ranges; without its mask
+// code where it has no mask (kDispatchWithoutMask).
 template <typename T, class Cfg>
 void launch_fwd_for_mask(const FwdParams& p, cudaStream_t stream) {
+  if constexpr (kMmaSyncReadsKeyRanges) {
+    if (p.ranges.ptr != nullptr) {
+      launch_fwd<T, WithRanges<Cfg>>(p, stream);
+      return;
+    }
+  }
   if constexpr (kDispatchWithoutMask) {
     if (p.mask.kind == MaskKind::kNone && p.tiles.ptr == nullptr) {
       launch_fwd<T, WithoutMask<Cfg>>(p, stream);

@@ -219,4 +219,20 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// A tile shape's kernels with the per-element test of key ranges (FwdParams / BwdParams::ranges)
+// compiled in: a mixed tile's elements are tested against their row's key interval. The shape
+// itself (Tiles, kReadsRanges false) carries none of that code, whose registers the plain loops
+// would pay for (nvcc 13.0, sm_90: the D = 128 forward's spills 32 -> 80 bytes, the large dK/dV
+// kernel's 8 -> 32 bytes of stores): the launchers take this one only for calls with key ranges.
+template <class Tiles>
+struct WithRanges : Tiles {
+  static constexpr bool kReadsRanges = true;
+};
+// Whether the mma.sync kernels read key ranges (WithRanges; choose_attention_fwd / bwd give them
+// the ranges beside no mask or a bool one) rather than get them drawn into the mask (a bool
+// [B, 1, Q, KV]: quadratic in a packed batch's tokens). Off, and the WithRanges kernels not
+// instantiated, until they have run on a GPU: with it on, nvcc 13.0 leaves the kernels without
+// ranges as they were (sm_90 SASS: the same instructions, parameter offsets aside).
+constexpr bool kMmaSyncReadsKeyRanges = false;
+
 }  // namespace safeattn::cuda::attn
