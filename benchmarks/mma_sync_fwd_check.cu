@@ -11,9 +11,10 @@
 // (Q in 1, 97, 300, KV in 17, 300; GQA 2:1; causal shifts 0, -5, +7 and one that empties every row; log2 units with the
 // scale folded into the exponent, natural units, a softcap, a float mask with sinks: natural units, every tile read
 // element by element, a quarter of the mask -inf; a bool mask of one diagonal a head whose tiles the summary calls
-// masked, visible, diagonal (a compare, not read) or mixed), comparing out and lse, and fully masked rows (out exactly
-// 0, lse -inf, or the sink). Then B=4 H=16 S=4096 at the shape's head dim, causal and not, timed with CUDA events (3
-// warm-ups, median of 20), TFLOP/s with causal counting half the flops. Exit status 1 when any check fails.
+// masked, visible, diagonal (a compare, not read) or mixed; key ranges for the WithRanges kernels), comparing out and
+// lse, and fully masked rows (out exactly 0, lse -inf, or the sink). Then B=4 H=16 S=4096 at the shape's head dim,
+// causal and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the flops. Exit
+// status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +35,7 @@ using safeattn::cuda::attn::FwdParams;
 using safeattn::cuda::attn::FwdTiles;
 using safeattn::cuda::attn::ScoreRule;
 using safeattn::cuda::attn::WithoutMask;
+using safeattn::cuda::attn::WithRanges;
 
 static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
@@ -55,7 +57,8 @@ struct SmallCase {
   int64_t shift;
   // 0: log2 units (scale folded), 1: natural units, 2: softcap 5, 3: float mask [Q, KV] and sinks, 4: a bool
   // mask [H, Q, KV] of one diagonal a head, its tiles summarised as the kernel meets them (masked, visible,
-  // and the others alternately diagonal, tested by a compare, and mixed, read element by element)
+  // and the others alternately diagonal, tested by a compare, and mixed, read element by element), 5: key ranges
+  // (WithRanges kernels only), no mask, their tiles summarised as masked, visible or mixed
   int mode;
 };
 
@@ -124,6 +127,47 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
       }
     }
   }
+  // Mode 5: batch 0 a random interval of keys a row (every eighth row empty; ends past both sides of
+  // [0, KV)), batch 1 a band (keys i - 50 .. i + 30); each tile's class from its rows' intervals.
+  const bool ranged = cs.mode == 5;
+  std::vector<int> hranges(ranged ? size_t(B) * cs.q_len * 2 : 0);
+  std::uniform_int_distribution<int> key(-20, cs.kv_len + 20);
+  for (int i = 0; ranged && i < cs.q_len; ++i) {
+    int lo = key(rng), hi = key(rng);
+    if (hi < lo) {
+      std::swap(lo, hi);
+    }
+    hranges[2 * i] = i % 8 == 5 ? hi : lo;  // empty: lo = hi
+    hranges[2 * i + 1] = hi;
+    hranges[2 * (cs.q_len + i)] = i - 50;
+    hranges[2 * (cs.q_len + i) + 1] = i + 31;
+  }
+  auto in_range = [&](int b, int i, int j) {
+    const size_t at = 2 * (size_t(b) * cs.q_len + i);
+    return !ranged || (j >= hranges[at] && j < hranges[at + 1]);
+  };
+  std::vector<uint8_t> hrange_class(ranged ? size_t(B) * q_tiles * kv_tiles : 0);
+  for (int b = 0; ranged && b < B; ++b) {
+    for (int qt = 0; qt < q_tiles; ++qt) {
+      for (int kt = 0; kt < kv_tiles; ++kt) {
+        const int i0 = qt * Cfg::kBlockM, j0 = kt * Cfg::kBlockN;
+        int seen = 0, total = 0;
+        for (int i = i0; i < std::min(i0 + Cfg::kBlockM, cs.q_len); ++i) {
+          for (int j = j0; j < std::min(j0 + Cfg::kBlockN, cs.kv_len); ++j) {
+            seen += in_range(b, i, j);
+            ++total;
+          }
+        }
+        using safeattn::cuda::attn::kTileMasked, safeattn::cuda::attn::kTileMixed;
+        using safeattn::cuda::attn::kTileVisible;
+        hrange_class[(size_t(b) * q_tiles + qt) * kv_tiles + kt] = seen == 0       ? kTileMasked
+                                                                   : seen == total ? kTileVisible
+                                                                                   : kTileMixed;
+      }
+    }
+  }
+  int* ranges = ranged ? upload(hranges) : nullptr;
+  uint8_t* range_classes = ranged ? upload(hrange_class) : nullptr;
   uint8_t* bool_mask = diagonals ? upload(hbool) : nullptr;
   uint8_t* classes = diagonals ? upload(hclass) : nullptr;
   int16_t* tile_diagonals = diagonals ? upload(hdiag) : nullptr;
@@ -159,6 +203,13 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     p.tiles.slice_tiles = int64_t{q_tiles} * kv_tiles;
     p.tiles.block_q = Cfg::kBlockM, p.tiles.block_kv = Cfg::kBlockN;
   }
+  if (ranged) {
+    p.ranges.ptr = ranges, p.ranges.stride_b = 2 * int64_t{cs.q_len};
+    p.tiles.ptr = range_classes;
+    p.tiles.stride_b = int64_t{q_tiles} * kv_tiles, p.tiles.stride_q = kv_tiles, p.tiles.kv_tiles = kv_tiles;
+    p.tiles.slice_tiles = int64_t{q_tiles} * kv_tiles;
+    p.tiles.block_q = Cfg::kBlockM, p.tiles.block_kv = Cfg::kBlockN;
+  }
   launch<T, Cfg>(p);
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<T> ho(n_out);
@@ -168,7 +219,8 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   for (void* ptr :
        {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v), static_cast<void*>(out),
         static_cast<void*>(lse), static_cast<void*>(mask), static_cast<void*>(sinks), static_cast<void*>(summary),
-        static_cast<void*>(bool_mask), static_cast<void*>(classes), static_cast<void*>(tile_diagonals)}) {
+        static_cast<void*>(bool_mask), static_cast<void*>(classes), static_cast<void*>(tile_diagonals),
+        static_cast<void*>(ranges), static_cast<void*>(range_classes)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
 
@@ -182,7 +234,8 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
         const T* qi = &hq[((size_t(b) * H + h) * cs.q_len + i) * D];
         double m = -INFINITY;
         for (int j = 0; j < cs.kv_len; ++j) {
-          const bool visible = (!cs.causal || j <= i + cs.shift) && (!diagonals || j <= i + kDiagonalShift[h]);
+          const bool visible =
+              (!cs.causal || j <= i + cs.shift) && (!diagonals || j <= i + kDiagonalShift[h]) && in_range(b, i, j);
           double dot = 0.0;
           const T* kj = &hk[((size_t(b) * Hkv + hkv) * cs.kv_len + j) * D];
           for (int d = 0; d < D; ++d) {
@@ -312,7 +365,9 @@ static int check_shape(const char* name, bool timing) {
     std::mt19937 rng(1234);
     for (int ql : {1, 97, 300}) {
       for (int kl : {17, 300}) {
-        for (int mode = 0; mode < (Cfg::kReadsMask ? 5 : 3); ++mode) {  // modes 3 and 4 read a mask
+        // Modes 3 and 4 read a mask; mode 5, key ranges, alone for the WithRanges kernels (the others
+        // without ranges would not run them).
+        for (int mode = Cfg::kReadsRanges ? 5 : 0; mode < (Cfg::kReadsRanges ? 6 : Cfg::kReadsMask ? 5 : 3); ++mode) {
           failures += !run_case<T, Cfg>({ql, kl, false, 0, mode}, rng);
           for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
             failures += !run_case<T, Cfg>({ql, kl, true, shift, mode}, rng);
@@ -405,6 +460,12 @@ int main(int argc, char** argv) {
   failures += check_shape<__half, WithoutMask<FwdConfig<64, true>>>("FwdConfig<64> large nomask fp16", false);
   failures += check_shape<bf16, WithoutMask<FwdConfig<128>>>("FwdConfig<128> nomask", timing);
   failures += check_shape<__half, WithoutMask<FwdConfig<128>>>("FwdConfig<128> nomask fp16", false);
+  // The shipped shapes with the key ranges' test (WithRanges: what calls with key ranges run once
+  // kMmaSyncReadsKeyRanges is on), checked, not timed.
+  failures += check_shape<bf16, WithRanges<FwdConfig<64>>>("FwdConfig<64> ranges", false);
+  failures += check_shape<bf16, WithRanges<FwdConfig<64, true>>>("FwdConfig<64> large ranges", false);
+  failures += check_shape<bf16, WithRanges<FwdConfig<128>>>("FwdConfig<128> ranges", false);
+  failures += check_shape<__half, WithRanges<FwdConfig<128>>>("FwdConfig<128> ranges fp16", false);
   printf("%s\n", failures == 0 ? "ALL CHECKS PASSED" : "CHECKS FAILED");
   return failures == 0 ? 0 : 1;
 }
