@@ -43,6 +43,7 @@ using safeattn::cuda::attn::DkvConfig;
 using safeattn::cuda::attn::DqConfig;
 using safeattn::cuda::attn::kBwdSmemSm86;
 using safeattn::cuda::attn::ScoreRule;
+using safeattn::cuda::attn::WithRanges;
 using safeattn::cuda::attn::bwd_detail::attention_bwd_dkdv_kernel;
 using safeattn::cuda::attn::bwd_detail::attention_bwd_dq_kernel;
 
@@ -71,11 +72,11 @@ static void launch_dkdv(const BwdParams& p, int batch, bool atomic) {
   CHECK_CUDA(cudaGetLastError());
 }
 
-// The deterministic dQ kernel of head dim D over `batch` batches.
-template <typename T, int D>
+// The deterministic dQ kernel of head dim D over `batch` batches (kRanges: its key ranges' test).
+template <typename T, int D, bool kRanges = false>
 static void launch_dq(const BwdParams& p, int batch) {
   using Tr = DqConfig<D>;
-  auto kernel = &attention_bwd_dq_kernel<T, D>;
+  auto kernel = &attention_bwd_dq_kernel<T, D, kRanges>;
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
   const dim3 grid(static_cast<unsigned>((p.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries), static_cast<unsigned>(p.hq),
                   static_cast<unsigned>(batch));
@@ -89,7 +90,8 @@ struct SmallCase {
   int64_t shift;
   // 0: log2 units, 1: natural units, 2: softcap 5 (log2 units), 3: a bool mask [H, Q, KV] of one diagonal a head
   // (log2 units), its dK/dV tiles summarised as masked, visible, or alternately diagonal (a compare) and mixed (read),
-  // the dQ kernel's as masked, visible or mixed
+  // the dQ kernel's as masked, visible or mixed; 4: key ranges (WithRanges shapes only, log2 units), both kernels'
+  // tiles summarised as masked, visible or mixed
   int mode;
   int layout;  // of Q, K, V, dO: check_common.h's make_strides
 };
@@ -104,6 +106,25 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   // Mode 3: head h sees keys j <= i + kDiagonalShift[h].
   const bool diagonals = cs.mode == 3;
   constexpr int64_t kDiagonalShift[H] = {-37, 75};
+  // Mode 4: batch 0 a random interval of keys a row (every eighth row empty; ends past both sides
+  // of [0, KV)), batch 1 a band (keys i - 50 .. i + 30).
+  const bool ranged = cs.mode == 4;
+  std::vector<int> hranges(ranged ? size_t(B) * cs.q_len * 2 : 0);
+  std::uniform_int_distribution<int> key(-20, cs.kv_len + 20);
+  for (int i = 0; ranged && i < cs.q_len; ++i) {
+    int lo = key(rng), hi = key(rng);
+    if (hi < lo) {
+      std::swap(lo, hi);
+    }
+    hranges[2 * i] = i % 8 == 5 ? hi : lo;  // empty: lo = hi
+    hranges[2 * i + 1] = hi;
+    hranges[2 * (cs.q_len + i)] = i - 50;
+    hranges[2 * (cs.q_len + i) + 1] = i + 31;
+  }
+  auto in_range = [&](int b, int i, int j) {
+    const size_t at = 2 * (size_t(b) * cs.q_len + i);
+    return !ranged || (j >= hranges[at] && j < hranges[at + 1]);
+  };
   int64_t qs[3], ks[3], vs[3], dos[3];
   const size_t qn = make_strides(cs.layout, B, H, cs.q_len, D, qs);
   const size_t kn = make_strides(cs.layout, B, Hkv, cs.kv_len, D, ks);
@@ -151,7 +172,9 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
         s = softcap * t;
         drow[j] = scale * (1.0 - t * t);
       }
-      prow[j] = (cs.causal && j > i + cs.shift) || (diagonals && j > i + kDiagonalShift[h]) ? -INFINITY : s;
+      prow[j] = (cs.causal && j > i + cs.shift) || (diagonals && j > i + kDiagonalShift[h]) || !in_range(b, i, j)
+                    ? -INFINITY
+                    : s;
       m = std::max(m, prow[j]);
     }
     double l = 0;
@@ -285,6 +308,41 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     view.block_q = tq, view.block_kv = tk;
     return view;
   };
+  // Mode 4's summaries, [B, 1, q_tiles, kv_tiles] tiles of tq x tk from the rows' intervals.
+  auto summarize_ranges = [&](int tq, int tk) {
+    using safeattn::cuda::attn::kTileMasked, safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
+    const int q_tiles = (cs.q_len + tq - 1) / tq, kv_tiles = (cs.kv_len + tk - 1) / tk;
+    std::vector<uint8_t> cls(size_t(B) * q_tiles * kv_tiles);
+    for (int b = 0; b < B; ++b) {
+      for (int qt = 0; qt < q_tiles; ++qt) {
+        for (int kt = 0; kt < kv_tiles; ++kt) {
+          int seen = 0, total = 0;
+          for (int i = qt * tq; i < std::min((qt + 1) * tq, cs.q_len); ++i) {
+            for (int j = kt * tk; j < std::min((kt + 1) * tk, cs.kv_len); ++j) {
+              seen += in_range(b, i, j);
+              ++total;
+            }
+          }
+          cls[(size_t(b) * q_tiles + qt) * kv_tiles + kt] = seen == 0       ? kTileMasked
+                                                            : seen == total ? kTileVisible
+                                                                            : kTileMixed;
+        }
+      }
+    }
+    safeattn::cuda::attn::TileSummaryView view;
+    view.ptr = upload(cls);
+    view.kv_tiles = kv_tiles, view.slice_tiles = int64_t{q_tiles} * kv_tiles;
+    view.stride_b = int64_t{q_tiles} * kv_tiles, view.stride_q = kv_tiles;
+    view.block_q = tq, view.block_kv = tk;
+    return view;
+  };
+  int* ranges = nullptr;
+  if (ranged) {
+    ranges = upload(hranges);
+    p.ranges.ptr = ranges, p.ranges.stride_b = 2 * int64_t{cs.q_len};
+    p.tiles_dkdv = summarize_ranges(Cfg::kQueries, Cfg::kKeys);
+    p.tiles_dq = summarize_ranges(DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys);
+  }
   uint8_t* bool_mask = nullptr;
   std::vector<int16_t> diag_dkdv, diag_dq;
   if (diagonals) {
@@ -309,7 +367,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     } else {
       p.dq_accum = nullptr;
       launch_dkdv<T, Cfg>(p, B, false);
-      launch_dq<T, D>(p, B);
+      launch_dq<T, D, Cfg::kReadsRanges>(p, B);
     }
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<T> hgq(dq_n), hgk(dkv_n), hgv(dkv_n);
@@ -365,7 +423,7 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
         static_cast<void*>(gq), static_cast<void*>(gk), static_cast<void*>(gv), static_cast<void*>(bool_mask),
         static_cast<void*>(const_cast<uint8_t*>(p.tiles_dkdv.ptr)),
         static_cast<void*>(const_cast<int16_t*>(p.tiles_dkdv.diagonal)),
-        static_cast<void*>(const_cast<uint8_t*>(p.tiles_dq.ptr))}) {
+        static_cast<void*>(const_cast<uint8_t*>(p.tiles_dq.ptr)), static_cast<void*>(ranges)}) {
     CHECK_CUDA(cudaFree(ptr));
   }
   return ok;
@@ -492,7 +550,8 @@ static int check_shape(const char* name, bool timing) {
     int layout = 0;
     for (int ql : {1, 97, 300}) {
       for (int kl : {17, 300}) {
-        for (int mode = 0; mode < 4; ++mode) {
+        // Mode 4, key ranges, alone for the WithRanges shapes (the others would not run them).
+        for (int mode = Cfg::kReadsRanges ? 4 : 0; mode < (Cfg::kReadsRanges ? 5 : 4); ++mode) {
           failures += !run_case<T, Cfg>({ql, kl, false, 0, mode, layout++ % 3}, rng);
           for (int64_t shift : {int64_t{0}, int64_t{-5}, int64_t{7}, int64_t{-400}}) {
             failures += !run_case<T, Cfg>({ql, kl, true, shift, mode, layout++ % 3}, rng);
@@ -561,6 +620,13 @@ int main(int argc, char** argv) {
   failures += check_shape<__half, DkvConfig<64, true>>("DkvConfig<64> large fp16", false);
   failures += check_shape<bf16, DkvConfig<128, true>>("DkvConfig<128> large", timing);
   failures += check_shape<__half, DkvConfig<128, true>>("DkvConfig<128> large fp16", false);
+  // The shipped shapes with the key ranges' test (WithRanges: what calls with key ranges run once
+  // kMmaSyncReadsKeyRanges is on), checked, not timed.
+  failures += check_shape<bf16, WithRanges<DkvConfig<64>>>("DkvConfig<64> ranges", false);
+  failures += check_shape<bf16, WithRanges<DkvConfig<64, true>>>("DkvConfig<64> large ranges", false);
+  failures += check_shape<bf16, WithRanges<DkvConfig<128>>>("DkvConfig<128> ranges", false);
+  failures += check_shape<bf16, WithRanges<DkvConfig<128, true>>>("DkvConfig<128> large ranges", false);
+  failures += check_shape<__half, WithRanges<DkvConfig<128, true>>>("DkvConfig<128> large ranges fp16", false);
   // Candidates within sm_86's 99 KB. D = 128: 64-key tiles with P^T in shared memory
   // (FlashAttention-2's layout): 4 warps as 2 x 2 blocks of 32 keys x 32 queries, dK/dV 32 keys x
   // 64 columns a warp, one Q/dO buffer, two CTAs an SM (83 KB); the same scored 16 queries at a
