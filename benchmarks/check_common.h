@@ -1,6 +1,7 @@
 // What the standalone checks of the attention kernels (benchmarks/hopper_fwd_check.cu,
-// benchmarks/hopper_bwd_check.cu, benchmarks/mma_sync_fwd_check.cu) share: error checking, 16-bit
-// conversions, the test cases' shape and storage layouts, and device-side random inputs for the
+// benchmarks/hopper_bwd_check.cu, benchmarks/mma_sync_fwd_check.cu, mma_sync_bwd_check.cu,
+// decode_check.cu) share: error checking, 16-bit conversions, the test cases' shape and storage
+// layouts, key ranges and tile classes for the summaries, and device-side random inputs for the
 // timings. No torch.
 #pragma once
 
@@ -10,12 +11,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include "ops/cuda/mask_view.cuh"
 
 #define CHECK_CUDA(x)                                                                                    \
   do {                                                                                                   \
@@ -122,3 +126,38 @@ struct GradError {
     return max_ref > 0 ? max_abs / max_ref : max_abs;
   }
 };
+
+// Key ranges ([2, q_len, 2] int32 lo, hi) for the checks of the kernels that read them: batch 0 a
+// random interval of keys a row (every eighth row empty; ends past both sides of [0, kv_len)),
+// batch 1 a band (keys i - 50 .. i + 30).
+static std::vector<int> make_key_ranges(int q_len, int kv_len, std::mt19937& rng) {
+  std::vector<int> ranges(size_t(2) * q_len * 2);
+  std::uniform_int_distribution<int> key(-20, kv_len + 20);
+  for (int i = 0; i < q_len; ++i) {
+    int lo = key(rng), hi = key(rng);
+    if (hi < lo) {
+      std::swap(lo, hi);
+    }
+    ranges[2 * i] = i % 8 == 5 ? hi : lo;  // empty: lo = hi
+    ranges[2 * i + 1] = hi;
+    ranges[2 * (q_len + i)] = i - 50;
+    ranges[2 * (q_len + i) + 1] = i + 31;
+  }
+  return ranges;
+}
+
+// The summary class of the tile of rows [i0, i0 + tq) x keys [j0, j0 + tk) (within q_len x kv_len)
+// whose element (i, j) is visible(i, j): masked, visible, or `partial` (kTileMixed, or
+// kTileDiagonal where the caller knows its diagonal).
+template <class Visible>
+static uint8_t tile_class(int i0, int tq, int j0, int tk, int q_len, int kv_len, uint8_t partial, Visible&& visible) {
+  int seen = 0, total = 0;
+  for (int i = i0; i < std::min(i0 + tq, q_len); ++i) {
+    for (int j = j0; j < std::min(j0 + tk, kv_len); ++j) {
+      seen += visible(i, j) ? 1 : 0;
+      ++total;
+    }
+  }
+  using safeattn::cuda::attn::kTileMasked, safeattn::cuda::attn::kTileVisible;
+  return seen == 0 ? uint8_t{kTileMasked} : seen == total ? uint8_t{kTileVisible} : partial;
+}

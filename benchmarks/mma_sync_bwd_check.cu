@@ -106,21 +106,9 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   // Mode 3: head h sees keys j <= i + kDiagonalShift[h].
   const bool diagonals = cs.mode == 3;
   constexpr int64_t kDiagonalShift[H] = {-37, 75};
-  // Mode 4: batch 0 a random interval of keys a row (every eighth row empty; ends past both sides
-  // of [0, KV)), batch 1 a band (keys i - 50 .. i + 30).
+  // Mode 4: key ranges (check_common.h's make_key_ranges).
   const bool ranged = cs.mode == 4;
-  std::vector<int> hranges(ranged ? size_t(B) * cs.q_len * 2 : 0);
-  std::uniform_int_distribution<int> key(-20, cs.kv_len + 20);
-  for (int i = 0; ranged && i < cs.q_len; ++i) {
-    int lo = key(rng), hi = key(rng);
-    if (hi < lo) {
-      std::swap(lo, hi);
-    }
-    hranges[2 * i] = i % 8 == 5 ? hi : lo;  // empty: lo = hi
-    hranges[2 * i + 1] = hi;
-    hranges[2 * (cs.q_len + i)] = i - 50;
-    hranges[2 * (cs.q_len + i) + 1] = i + 31;
-  }
+  const std::vector<int> hranges = ranged ? make_key_ranges(cs.q_len, cs.kv_len, rng) : std::vector<int>();
   auto in_range = [&](int b, int i, int j) {
     const size_t at = 2 * (size_t(b) * cs.q_len + i);
     return !ranged || (j >= hranges[at] && j < hranges[at + 1]);
@@ -275,28 +263,24 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     const int64_t h = e / (size_t(cs.q_len) * cs.kv_len), i = e / cs.kv_len % cs.q_len, j = e % cs.kv_len;
     hbool[e] = j <= i + kDiagonalShift[h];
   }
-  // Classes of [H, q_tiles, kv_tiles] tiles of tq x tk; with_diagonal: the non-trivial ones alternately
-  // kTileDiagonal (their diagonals in *diag) and kTileMixed, else all kTileMixed.
+  // The classes of [Hs, q_tiles, kv_tiles] tiles of tq x tk, Hs = H (mode 3, by head: the non-trivial ones alternately
+  // kTileDiagonal, their diagonals in *diag, and kTileMixed when with_diagonal, else kTileMixed) or B (mode 4, by
+  // batch: kTileMixed), uploaded as a summary view.
   auto summarize = [&](int tq, int tk, bool with_diagonal, std::vector<int16_t>* diag) {
-    using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMasked;
-    using safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
-    const int q_tiles = (cs.q_len + tq - 1) / tq, kv_tiles = (cs.kv_len + tk - 1) / tk;
-    std::vector<uint8_t> cls(size_t(H) * q_tiles * kv_tiles);
+    using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMixed;
+    const int q_tiles = (cs.q_len + tq - 1) / tq, kv_tiles = (cs.kv_len + tk - 1) / tk, slices = ranged ? B : H;
+    std::vector<uint8_t> cls(size_t(slices) * q_tiles * kv_tiles);
     diag->assign(cls.size(), 0);
-    for (int h = 0; h < H; ++h) {
+    for (int x = 0; x < slices; ++x) {
       for (int qt = 0; qt < q_tiles; ++qt) {
         for (int kt = 0; kt < kv_tiles; ++kt) {
-          int seen = 0, total = 0;
-          for (int i = qt * tq; i < std::min((qt + 1) * tq, cs.q_len); ++i) {
-            for (int j = kt * tk; j < std::min((kt + 1) * tk, cs.kv_len); ++j) {
-              seen += hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j];
-              ++total;
-            }
-          }
-          const size_t t = (size_t(h) * q_tiles + qt) * kv_tiles + kt;
+          const size_t t = (size_t(x) * q_tiles + qt) * kv_tiles + kt;
           const bool diagonal = with_diagonal && (qt + kt) % 2 == 0;
-          cls[t] = seen == 0 ? kTileMasked : seen == total ? kTileVisible : diagonal ? kTileDiagonal : kTileMixed;
-          (*diag)[t] = static_cast<int16_t>(qt * tq + kDiagonalShift[h] - kt * tk);
+          cls[t] = tile_class(
+              qt * tq, tq, kt * tk, tk, cs.q_len, cs.kv_len, diagonal ? kTileDiagonal : kTileMixed, [&](int i, int j) {
+                return ranged ? in_range(x, i, j) : hbool[(size_t(x) * cs.q_len + i) * cs.kv_len + j] != 0;
+              });
+          (*diag)[t] = static_cast<int16_t>(qt * tq + (ranged ? 0 : kDiagonalShift[x]) - kt * tk);
         }
       }
     }
@@ -304,47 +288,20 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     view.ptr = upload(cls);
     view.diagonal = with_diagonal ? upload(*diag) : nullptr;
     view.kv_tiles = kv_tiles, view.slice_tiles = int64_t{q_tiles} * kv_tiles;
-    view.stride_h = int64_t{q_tiles} * kv_tiles, view.stride_q = kv_tiles;
-    view.block_q = tq, view.block_kv = tk;
-    return view;
-  };
-  // Mode 4's summaries, [B, 1, q_tiles, kv_tiles] tiles of tq x tk from the rows' intervals.
-  auto summarize_ranges = [&](int tq, int tk) {
-    using safeattn::cuda::attn::kTileMasked, safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
-    const int q_tiles = (cs.q_len + tq - 1) / tq, kv_tiles = (cs.kv_len + tk - 1) / tk;
-    std::vector<uint8_t> cls(size_t(B) * q_tiles * kv_tiles);
-    for (int b = 0; b < B; ++b) {
-      for (int qt = 0; qt < q_tiles; ++qt) {
-        for (int kt = 0; kt < kv_tiles; ++kt) {
-          int seen = 0, total = 0;
-          for (int i = qt * tq; i < std::min((qt + 1) * tq, cs.q_len); ++i) {
-            for (int j = kt * tk; j < std::min((kt + 1) * tk, cs.kv_len); ++j) {
-              seen += in_range(b, i, j);
-              ++total;
-            }
-          }
-          cls[(size_t(b) * q_tiles + qt) * kv_tiles + kt] = seen == 0       ? kTileMasked
-                                                            : seen == total ? kTileVisible
-                                                                            : kTileMixed;
-        }
-      }
-    }
-    safeattn::cuda::attn::TileSummaryView view;
-    view.ptr = upload(cls);
-    view.kv_tiles = kv_tiles, view.slice_tiles = int64_t{q_tiles} * kv_tiles;
-    view.stride_b = int64_t{q_tiles} * kv_tiles, view.stride_q = kv_tiles;
+    (ranged ? view.stride_b : view.stride_h) = int64_t{q_tiles} * kv_tiles;
+    view.stride_q = kv_tiles;
     view.block_q = tq, view.block_kv = tk;
     return view;
   };
   int* ranges = nullptr;
+  std::vector<int16_t> diag_dkdv, diag_dq;
   if (ranged) {
     ranges = upload(hranges);
     p.ranges.ptr = ranges, p.ranges.stride_b = 2 * int64_t{cs.q_len};
-    p.tiles_dkdv = summarize_ranges(Cfg::kQueries, Cfg::kKeys);
-    p.tiles_dq = summarize_ranges(DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys);
+    p.tiles_dkdv = summarize(Cfg::kQueries, Cfg::kKeys, false, &diag_dkdv);
+    p.tiles_dq = summarize(DqConfig<D>::kDqQueries, DqConfig<D>::kDqKeys, false, &diag_dq);
   }
   uint8_t* bool_mask = nullptr;
-  std::vector<int16_t> diag_dkdv, diag_dq;
   if (diagonals) {
     bool_mask = upload(hbool);
     p.mask.ptr = bool_mask, p.mask.kind = safeattn::cuda::attn::MaskKind::kBool;

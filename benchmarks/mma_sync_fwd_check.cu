@@ -112,36 +112,18 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     for (int qt = 0; qt < q_tiles; ++qt) {
       for (int kt = 0; kt < kv_tiles; ++kt) {
         const int i0 = qt * Cfg::kBlockM, j0 = kt * Cfg::kBlockN;
-        int seen = 0, total = 0;
-        for (int i = i0; i < std::min(i0 + Cfg::kBlockM, cs.q_len); ++i) {
-          for (int j = j0; j < std::min(j0 + Cfg::kBlockN, cs.kv_len); ++j) {
-            seen += hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j];
-            ++total;
-          }
-        }
         const size_t t = (size_t(h) * q_tiles + qt) * kv_tiles + kt;
-        using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMasked;
-        using safeattn::cuda::attn::kTileMixed, safeattn::cuda::attn::kTileVisible;
-        hclass[t] = seen == 0 ? kTileMasked : seen == total ? kTileVisible : (qt + kt) % 2 ? kTileMixed : kTileDiagonal;
+        using safeattn::cuda::attn::kTileDiagonal, safeattn::cuda::attn::kTileMixed;
+        hclass[t] = tile_class(i0, Cfg::kBlockM, j0, Cfg::kBlockN, cs.q_len, cs.kv_len,
+                               (qt + kt) % 2 ? kTileMixed : kTileDiagonal,
+                               [&](int i, int j) { return hbool[(size_t(h) * cs.q_len + i) * cs.kv_len + j] != 0; });
         hdiag[t] = static_cast<int16_t>(i0 + kDiagonalShift[h] - j0);
       }
     }
   }
-  // Mode 5: batch 0 a random interval of keys a row (every eighth row empty; ends past both sides of
-  // [0, KV)), batch 1 a band (keys i - 50 .. i + 30); each tile's class from its rows' intervals.
+  // Mode 5: key ranges (check_common.h's make_key_ranges); each tile's class from its rows' intervals.
   const bool ranged = cs.mode == 5;
-  std::vector<int> hranges(ranged ? size_t(B) * cs.q_len * 2 : 0);
-  std::uniform_int_distribution<int> key(-20, cs.kv_len + 20);
-  for (int i = 0; ranged && i < cs.q_len; ++i) {
-    int lo = key(rng), hi = key(rng);
-    if (hi < lo) {
-      std::swap(lo, hi);
-    }
-    hranges[2 * i] = i % 8 == 5 ? hi : lo;  // empty: lo = hi
-    hranges[2 * i + 1] = hi;
-    hranges[2 * (cs.q_len + i)] = i - 50;
-    hranges[2 * (cs.q_len + i) + 1] = i + 31;
-  }
+  const std::vector<int> hranges = ranged ? make_key_ranges(cs.q_len, cs.kv_len, rng) : std::vector<int>();
   auto in_range = [&](int b, int i, int j) {
     const size_t at = 2 * (size_t(b) * cs.q_len + i);
     return !ranged || (j >= hranges[at] && j < hranges[at + 1]);
@@ -150,19 +132,9 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   for (int b = 0; ranged && b < B; ++b) {
     for (int qt = 0; qt < q_tiles; ++qt) {
       for (int kt = 0; kt < kv_tiles; ++kt) {
-        const int i0 = qt * Cfg::kBlockM, j0 = kt * Cfg::kBlockN;
-        int seen = 0, total = 0;
-        for (int i = i0; i < std::min(i0 + Cfg::kBlockM, cs.q_len); ++i) {
-          for (int j = j0; j < std::min(j0 + Cfg::kBlockN, cs.kv_len); ++j) {
-            seen += in_range(b, i, j);
-            ++total;
-          }
-        }
-        using safeattn::cuda::attn::kTileMasked, safeattn::cuda::attn::kTileMixed;
-        using safeattn::cuda::attn::kTileVisible;
-        hrange_class[(size_t(b) * q_tiles + qt) * kv_tiles + kt] = seen == 0       ? kTileMasked
-                                                                   : seen == total ? kTileVisible
-                                                                                   : kTileMixed;
+        hrange_class[(size_t(b) * q_tiles + qt) * kv_tiles + kt] =
+            tile_class(qt * Cfg::kBlockM, Cfg::kBlockM, kt * Cfg::kBlockN, Cfg::kBlockN, cs.q_len, cs.kv_len,
+                       safeattn::cuda::attn::kTileMixed, [&](int i, int j) { return in_range(b, i, j); });
       }
     }
   }
