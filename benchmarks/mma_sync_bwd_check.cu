@@ -40,8 +40,10 @@
 using safeattn::cuda::attn::BwdParams;
 using safeattn::cuda::attn::BwdTiles;
 using safeattn::cuda::attn::DkvConfig;
+using safeattn::cuda::attn::DqAccumLayout;
 using safeattn::cuda::attn::DqConfig;
 using safeattn::cuda::attn::kBwdSmemSm86;
+using safeattn::cuda::attn::launch_dq_accum_to_grad;
 using safeattn::cuda::attn::ScoreRule;
 using safeattn::cuda::attn::WithRanges;
 using safeattn::cuda::attn::bwd_detail::attention_bwd_dkdv_kernel;
@@ -51,14 +53,6 @@ static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
 static bool g_deterministic = false;  // --deterministic: also time the dK/dV kernel + dQ kernel
 static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
-
-// dq_accum (float32) rounded to grad_query's dtype, as the extension's copy_ does.
-template <typename T>
-__global__ void convert_dq(const float* __restrict__ from, T* __restrict__ to, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    to[i] = from_f<T>(from[i]);
-  }
-}
 
 // The dK/dV kernel of shape Cfg over `batch` batches; atomic: dQ added into p.dq_accum.
 template <typename T, class Cfg>
@@ -239,8 +233,9 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
   T *dq_in = upload(hq), *dk_in = upload(hk), *dv_in = upload(hv), *ddo = upload(hdo);
   float *dshift = upload(row_shift), *dlo = upload(row_lo), *ddelta = upload(delta), *dq_accum;
   const size_t dq_n = size_t(rows) * D, dkv_n = size_t(B) * Hkv * cs.kv_len * D;
+  const size_t accum_n = DqAccumLayout::floats(int64_t{B} * H, cs.q_len, D);
   T *gq, *gk, *gv;
-  CHECK_CUDA(cudaMalloc(&dq_accum, dq_n * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dq_accum, accum_n * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&gq, dq_n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gk, dkv_n * sizeof(T)));
   CHECK_CUDA(cudaMalloc(&gv, dkv_n * sizeof(T)));
@@ -316,11 +311,10 @@ static bool run_case(const SmallCase& cs, std::mt19937& rng) {
     CHECK_CUDA(cudaMemset(gk, 0xff, dkv_n * sizeof(T)));
     CHECK_CUDA(cudaMemset(gv, 0xff, dkv_n * sizeof(T)));
     if (atomic) {
-      CHECK_CUDA(cudaMemset(dq_accum, 0, dq_n * sizeof(float)));
+      CHECK_CUDA(cudaMemset(dq_accum, 0, accum_n * sizeof(float)));
       p.dq_accum = dq_accum;
       launch_dkdv<T, Cfg>(p, B, true);
-      convert_dq<T><<<256, 256>>>(dq_accum, gq, dq_n);
-      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(launch_dq_accum_to_grad(dq_accum, gq, int64_t{B} * H, cs.q_len, D, nullptr));
     } else {
       p.dq_accum = nullptr;
       launch_dkdv<T, Cfg>(p, B, false);
@@ -435,8 +429,7 @@ static float time_shape(bool causal, bool deterministic, int B, int H, int S) {
     } else {
       CHECK_CUDA(cudaMemsetAsync(dq_accum, 0, n * sizeof(float)));  // the rows pre-pass's share
       launch_dkdv<T, Cfg>(p, B, true);
-      convert_dq<T><<<1024, 256>>>(dq_accum, gq, n);
-      CHECK_CUDA(cudaGetLastError());
+      CHECK_CUDA(launch_dq_accum_to_grad(dq_accum, gq, int64_t{B} * H, S, D, nullptr));
     }
   };
   float median = 0.0f;

@@ -376,11 +376,14 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
   };
   if (atomic_dq) {
     // dQ summed over the key tiles in float32 (zeroed on the stream: rows no step reaches, such
-    // as rows with no visible key, stay exactly 0), then rounded once to the input dtype.
-    const at::Tensor dq_accum = at::zeros({batch, hq, q_len, head_dim}, f32);
+    // as rows with no visible key, stay exactly 0), in the kernel's tiles (DqAccumLayout), then
+    // rounded once to the input dtype into grad_query ([B, Hq, Q, D] contiguous, as the dQ
+    // kernel writes it).
+    const at::Tensor dq_accum = at::zeros({attn::DqAccumLayout::floats(batch * hq, q_len, head_dim)}, f32);
     p.dq_accum = dq_accum.data_ptr<float>();
     launch(/*dkdv=*/true, /*dq=*/false, batch);
-    a.grad_query.copy_(dq_accum);
+    C10_CUDA_CHECK(attn::launch_dq_accum_to_grad(p.dq_accum, static_cast<T*>(p.grad_query), batch * hq, q_len,
+                                                 static_cast<int>(head_dim), stream));
     return;
   }
   if (!partial.defined() || a.grad_mask_write == GradMaskWrite::kAssign) {

@@ -24,8 +24,9 @@
 //      - atomic (FlashAttention-2's way, 5 products): the dK/dV kernel also stores each step's
 //        dS'^T in shared memory (input dtype, as the dQ kernel's dS' operand) and its warps
 //        compute dQ_step = dS' K[tile] for the step's queries (each warp kDqRows queries and a
-//        share of the head dim, kDqCols: BwdTiles), added into a zeroed [B, Hq, Q, D] float32 buffer
-//        with red.global.add; the buffer is then converted to grad_query. Every key tile of the kv
+//        share of the head dim, kDqCols: BwdTiles), added into a zeroed float32 buffer of [B, Hq,
+//        Q, D] in accumulator tiles (DqAccumLayout) with red.global.add; the buffer is then
+//        converted to grad_query (dq_accum_to_grad_kernel). Every key tile of the kv
 //        head adds into the same rows, in no fixed order: not bit-reproducible. Used unless
 //        deterministic algorithms are on (torch.use_deterministic_algorithms) or a mask
 //        gradient is needed (the dQ kernel writes it). Skipped tiles and rows with no visible key
@@ -306,6 +307,70 @@ inline size_t bwd_smem_bytes(int64_t d, bool large = false) {
   return bytes;
 }
 
+// The atomic mode's dQ buffer (BwdParams::dq_accum), float32, zeroed before the dK/dV kernel: per
+// (batch, query head), its [Q rounded up to 16, D] rows as 16 x 8 tiles in row-major tile order,
+// each tile's 128 values in the order of the m16n8 accumulator's lanes (lane l = 4 g + t holds
+// rows g and g + 8, columns 2 t and 2 t + 1, at 4 l .. 4 l + 3). A warp adds a whole tile with
+// one 16-byte red a lane: 512 contiguous bytes, 4 cache lines. Its 8-byte adds into [Q, D]
+// row-major rows touched 8 lines an instruction (ncu, H200, D=128 is_causal dK/dV kernel: 69M L1
+// tag requests for its 69M sectors of atomics against 17M in FlashAttention-2's, and 8% of the
+// kernel's stall samples on them, mostly lg throttle). dq_accum_to_grad_kernel reads it back.
+struct DqAccumLayout {
+  static constexpr int kTileFloats = 16 * 8;
+  __host__ __device__ static constexpr int64_t padded_rows(int64_t q_len) {
+    return (q_len + 15) / 16 * 16;
+  }
+  // Floats of the buffer for `heads` (batch x query heads) of q_len rows and head dim d.
+  static constexpr int64_t floats(int64_t heads, int64_t q_len, int64_t d) {
+    return heads * padded_rows(q_len) * d;
+  }
+  // Where the tile of rows row0.. (a multiple of 16) and columns col0.. (a multiple of 8) of
+  // head `head` (b * hq + h) starts: (head's first row + row0) * d, then 128 floats a tile.
+  __host__ __device__ static constexpr int64_t tile(int64_t head, int64_t q_len, int64_t d, int64_t row0,
+                                                    int64_t col0) {
+    return (head * padded_rows(q_len) + row0) * d + col0 * 16;
+  }
+};
+
+// grad_query ([B, Hq, Q, D] contiguous, T) from the atomic mode's dQ buffer (DqAccumLayout),
+// rounded once: one thread a lane's four values of a tile (a 16-byte load; the warp reads a
+// tile's 512 bytes), rows past q_len left out.
+template <typename T>
+__global__ void dq_accum_to_grad_kernel(const float* __restrict__ accum, T* __restrict__ grad_query, int64_t q_len,
+                                        int d, int64_t quads) {
+  const int64_t row_blocks = DqAccumLayout::padded_rows(q_len) / 16, col_blocks = d / 8;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = reinterpret_cast<const float4*>(accum)[i];
+    const int lane = static_cast<int>(i % 32);
+    const int64_t tile = i / 32;
+    const int64_t rows_of = tile / col_blocks;  // (head, row block)
+    const int64_t head = rows_of / row_blocks;
+    const int64_t row = rows_of % row_blocks * 16 + lane / 4;
+    const int64_t col = tile % col_blocks * 8 + 2 * (lane % 4);
+    T* out = grad_query + (head * q_len + row) * d + col;
+    if (row < q_len) {
+      *reinterpret_cast<uint32_t*>(out) = pack2<T>(v.x, v.y);
+    }
+    if (row + 8 < q_len) {
+      *reinterpret_cast<uint32_t*>(out + 8 * d) = pack2<T>(v.z, v.w);
+    }
+  }
+}
+
+// Launches dq_accum_to_grad_kernel over `heads` (batch x query heads) of q_len rows; the launch's
+// error, if any.
+template <typename T>
+cudaError_t launch_dq_accum_to_grad(const float* accum, T* grad_query, int64_t heads, int64_t q_len, int d,
+                                    cudaStream_t stream) {
+  const int64_t quads = DqAccumLayout::floats(heads, q_len, d) / 4;
+  const int64_t blocks = std::min<int64_t>((quads + 255) / 256, 8192);
+  if (blocks > 0) {
+    dq_accum_to_grad_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(accum, grad_query, q_len, d, quads);
+  }
+  return cudaGetLastError();
+}
+
 // What one backward launch runs (the rows pre-pass is the caller's).
 struct BwdLaunch {
   int64_t batch = 0;        // the dK/dV kernel's grid covers batches [0, batch)
@@ -488,23 +553,29 @@ __device__ __forceinline__ void zero_fill(Acc& acc) {
 
 // ---- dK / dV ---------------------------------------------------------------------------------
 
-// address[0] += first and address[1] += second in global memory (8-byte aligned), the result
-// unused: RED, not ATOM. One 8-byte red.global.add.v2.f32 on sm_90, two 4-byte ones before. In
-// PTX, with the global state space named: from a pointer the compiler cannot trace to global
-// memory, atomicAdd would be a generic ATOM (sm_90) or test for shared memory (sm_80).
-__device__ __forceinline__ void red_add_pair(float* address, float first, float second) {
+// address[0..3] += values in global memory (16-byte aligned), the result unused: RED, not ATOM.
+// One 16-byte red.global.add.v4.f32 on sm_90, four 4-byte ones before. In PTX, with the global
+// state space named: from a pointer the compiler cannot trace to global memory, atomicAdd would
+// be a generic ATOM (sm_90) or test for shared memory (sm_80).
+__device__ __forceinline__ void red_add_quad(float* address, const float (&values)[4]) {
   const size_t global = __cvta_generic_to_global(address);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(global), "f"(first), "f"(second) : "memory");
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(global), "f"(values[0]), "f"(values[1]),
+               "f"(values[2]), "f"(values[3])
+               : "memory");
 #else
-  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global), "f"(first) : "memory");
-  asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(global), "f"(second) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(global), "f"(values[0]) : "memory");
+  asm volatile("red.global.add.f32 [%0+4], %1;" ::"l"(global), "f"(values[1]) : "memory");
+  asm volatile("red.global.add.f32 [%0+8], %1;" ::"l"(global), "f"(values[2]) : "memory");
+  asm volatile("red.global.add.f32 [%0+12], %1;" ::"l"(global), "f"(values[3]) : "memory");
 #endif
 }
 
 // The atomic mode's dQ of one dK/dV step: dQ[i0 + m, :] += sum over the tile's keys j of
 // dS'[m, j] K[j, :], for the step's queries m < Cfg::kQueries of query head h, added into
-// p.dq_accum with red.global.add (rows past q_len are not written; they hold dS' = 0 anyway).
+// p.dq_accum (DqAccumLayout) with red.global.add, a tile a warp instruction (16-row blocks wholly
+// past q_len are not written; the rows past q_len of the others hold dS' = 0, and the buffer has
+// room for them).
 // ds_s: dS'^T [kKeys][kPStride] (keys along rows); k_s: K [kKeys] rows laid out as Cfg::Rows.
 // dS' already holds d score / d(q.k) (the scale, the softcap's derivative): no scale here. The
 // work is Cfg::kDqJobs jobs of kDqRows queries x kDqCols head-dim columns, dealt round the warps.
@@ -515,8 +586,6 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
   constexpr int kMTiles = Cfg::kDqRows / 16;
   constexpr int kNTiles = Cfg::kDqCols / 8;
   constexpr int kColBlocks = Cfg::kHeadDim / Cfg::kDqCols;
-  const int g = lane / 4, tig = lane % 4;
-  float* dq = p.dq_accum + (b * p.hq + h) * p.q_len * Cfg::kHeadDim;
   auto job_dq = [&](int job) {
     const int row0 = Cfg::kDqRows * (job / kColBlocks);  // the job's queries within the step
     const int col0 = Cfg::kDqCols * (job % kColBlocks);  // and head-dim columns
@@ -548,28 +617,21 @@ __device__ __forceinline__ void add_step_dq(const BwdParams& p, const T* ds_s, c
         }
       }
     }
-    // Rows g and g + 8 of each of the job's 16-query blocks, columns 2 * tig (+1) of every n-tile:
-    // one address for the thread, the rest constant offsets from it. Rows past q_len are not
-    // written.
-    const int64_t first_row = i0 + row0 + g;
+    // Each 16 x 8 accumulator tile whole, the lane's four values at 4 lane of its DqAccumLayout
+    // tile: one address for the thread, the rest constant offsets from it (16 rows: 16 D floats;
+    // 8 columns: a tile, 128). The address is opaque to the compiler so that it is made once,
+    // here: left to itself, nvcc 13.0 rebuilt it (64-bit products) inside each block's branch.
+    const int64_t first_row = i0 + row0;
     const int64_t rows_left = p.q_len - first_row;
-    // The address is opaque to the compiler so that it is made once, here: left to itself, nvcc
-    // 13.0 rebuilt it (64-bit products) inside each row's branch.
-    float* dq_thread = dq + first_row * Cfg::kHeadDim + col0 + 2 * tig;
+    float* dq_thread =
+        p.dq_accum + DqAccumLayout::tile(b * p.hq + h, p.q_len, Cfg::kHeadDim, first_row, col0) + 4 * lane;
     asm("" : "+l"(dq_thread));
-    auto add_row = [&](int mt, int half) {
-      float* dq_row = dq_thread + (mt * 16 + half * 8) * Cfg::kHeadDim;
-#pragma unroll
-      for (int t = 0; t < kNTiles; ++t) {
-        red_add_pair(dq_row + t * 8, acc[mt][t][2 * half], acc[mt][t][2 * half + 1]);
-      }
-    };
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
+      if (mt * 16 < rows_left) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        if (mt * 16 + half * 8 < rows_left) {
-          add_row(mt, half);
+        for (int t = 0; t < kNTiles; ++t) {
+          red_add_quad(dq_thread + mt * 16 * Cfg::kHeadDim + t * DqAccumLayout::kTileFloats, acc[mt][t]);
         }
       }
     }
