@@ -230,9 +230,8 @@ struct WithRanges : Tiles {
 };
 // Whether the mma.sync kernels read key ranges (WithRanges; choose_attention_fwd / bwd give them
 // the ranges beside no mask or a bool one) rather than get them drawn into the mask (a bool
-// [B, 1, Q, KV]: quadratic in a packed batch's tokens). Off, and the WithRanges kernels not
-// instantiated, until they have run on a GPU: with it on, nvcc 13.0 leaves the kernels without
-// ranges as they were (sm_90 SASS: the same instructions, parameter offsets aside).
-constexpr bool kMmaSyncReadsKeyRanges = false;
+// [B, 1, Q, KV]: quadratic in a packed batch's tokens). nvcc 13.0 leaves the kernels without
+// ranges as they were beside them (sm_90 SASS: the same instructions, parameter offsets aside).
+constexpr bool kMmaSyncReadsKeyRanges = true;
 
 }  // namespace safeattn::cuda::attn
