@@ -151,3 +151,29 @@ def test_nan_score_reaches_its_row_only():
     assert out[0, 3].isnan().all() and lse[0, 3].isnan().all(), "a NaN query must make its row NaN"
     others = [h for h in range(8) if h != 3]
     assert not out[0, others].isnan().any(), "NaN must stay in its row"
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_one_wave_of_kv_heads(dtype):
+    """(batch, kv head) pairs filling between a third of the SMs and all of them over a short cache:
+    D=128 takes the one-CTA-an-SM shape (uses_wave_config in attention_decode.cuh), one split a
+    pair. Left padding of every length, a batch with no key, two query tokens, bottom-right causal."""
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    hkv, q_len, kv_len = 4, 2, 1500
+    batch = max(2, 3 * sms // 4 // hkv)
+    keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+    for b in range(batch):
+        keep[b, ..., : b * kv_len // batch] = False
+    keep[-1] = False
+    keep = keep.to(DEVICE)
+    q, k, v = _qkv(batch, 4 * hkv, hkv, q_len, kv_len, 128, dtype, DEVICE, seed=batch)
+    kwargs = {"attn_mask": keep, "enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
+    _check_against_reference(q, k, v, **kwargs)
+
+    def call():
+        with torch.no_grad():
+            safeattn.attention(q, k, v, **kwargs)
+
+    names = cuda_kernel_names(call)
+    wave = ("DecodeTiles<4, 1, 128", "DecodeTilesILi4ELi1ELi128")
+    assert any(w in n for n in names for w in wave), f"the one-wave decode shape did not run: {names}"

@@ -33,9 +33,8 @@ bool has_clusters() {
   return at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-template <typename T, int kD, bool kPaged, bool kCluster>
+template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 void launch_split(const DecodeParams& p, int64_t batch, int64_t hkv, cudaStream_t stream) {
-  using Tiles = decode::DecodeConfig<kD>;
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
   auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, kCluster, Tiles>;
   if constexpr (kSmem > 48 * 1024) {  // each call: the attribute belongs to the current device
@@ -44,9 +43,9 @@ void launch_split(const DecodeParams& p, int64_t batch, int64_t hkv, cudaStream_
   C10_CUDA_CHECK(decode::launch_split_kernel(kernel, p, batch, hkv, kSmem, stream, kCluster));
 }
 
-template <typename T, int kD, bool kPaged>
-void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_t hkv, at::TensorOptions options) {
-  using Tiles = decode::DecodeConfig<kD>;
+template <typename T, int kD, bool kPaged, class Tiles>
+void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_t hkv, int64_t sms,
+                   at::TensorOptions options) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
   // One wave: as many splits as the resident CTAs (per SM, by occupancy) leave to each (batch,
   // kv head). The occupancy of one kernel does not change, nor between the cluster instance and
@@ -72,7 +71,6 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     }
     return has_clusters() ? decode::max_cluster_splits(kernel, kSmem) : decode::kMaxClusterSplits;
   }();
-  const int64_t sms = multiprocessor_count();
   const decode::DecodeLaunch how = decode::decode_launch(
       p.kv_end, batch, hkv, sms * resident, has_clusters(), kPaged && !decode::pages_hold_whole_tiles(p.cache), 8,
       decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster));
@@ -91,9 +89,9 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     p.lse_part = lse_part.data_ptr<float>();
   }
   if (how.cluster) {
-    launch_split<T, kD, kPaged, true>(p, batch, hkv, stream);
+    launch_split<T, kD, kPaged, true, Tiles>(p, batch, hkv, stream);
   } else {
-    launch_split<T, kD, kPaged, false>(p, batch, hkv, stream);
+    launch_split<T, kD, kPaged, false, Tiles>(p, batch, hkv, stream);
   }
   if (workspace) {
     C10_CUDA_CHECK((decode::launch_combine_kernel<T, kD>(p, total_rows, stream, has_clusters())));
@@ -102,16 +100,28 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
 
 void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, const DecodeOutputs& o, int64_t batch,
                 int64_t hkv, at::TensorOptions options) {
+  const int64_t sms = multiprocessor_count();
+  const bool wave = decode::uses_wave_config(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms);
   with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
     constexpr int kD = decltype(dim)::value;
-    const bool paged = p.cache.block_table != nullptr;
-    if (dtype == at::kBFloat16) {
-      paged ? launch_decode<__nv_bfloat16, kD, true>(p, o, batch, hkv, options)
-            : launch_decode<__nv_bfloat16, kD, false>(p, o, batch, hkv, options);
-    } else {
-      paged ? launch_decode<__half, kD, true>(p, o, batch, hkv, options)
-            : launch_decode<__half, kD, false>(p, o, batch, hkv, options);
+    auto launch = [&](auto tiles) {
+      using Tiles = decltype(tiles);
+      const bool paged = p.cache.block_table != nullptr;
+      if (dtype == at::kBFloat16) {
+        paged ? launch_decode<__nv_bfloat16, kD, true, Tiles>(p, o, batch, hkv, sms, options)
+              : launch_decode<__nv_bfloat16, kD, false, Tiles>(p, o, batch, hkv, sms, options);
+      } else {
+        paged ? launch_decode<__half, kD, true, Tiles>(p, o, batch, hkv, sms, options)
+              : launch_decode<__half, kD, false, Tiles>(p, o, batch, hkv, sms, options);
+      }
+    };
+    if constexpr (kD == 128) {
+      if (wave) {
+        launch(decode::DecodeWaveConfig<kD>{});
+        return;
+      }
     }
+    launch(decode::DecodeConfig<kD>{});
   });
 }
 

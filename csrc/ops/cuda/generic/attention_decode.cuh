@@ -92,6 +92,24 @@ struct DecodeTiles {
 template <int kD>
 using DecodeConfig = DecodeTiles<2, 3, 128>;
 
+// The shape of a step whose (batch, kv head) pairs fill between a third of the SMs and all of
+// them over a short cache (uses_wave_config): one CTA an SM, 4 tiles in flight, so that each pair
+// takes one split (two at most), where DecodeConfig's three CTAs an SM cut each pair's few tiles
+// into splits merged by the combine kernel. benchmarks/decode_check.cu (H200, L2 flushed, bf16
+// D 128, us, DecodeConfig -> this): B32 Hkv4 KV1024 35.7 -> 30.6, KV4096 84.8 -> 80.1; B8 Hkv8
+// KV1024 24.9 -> 22.2, KV4096 52.3 -> 50.6; outside the rule it lost (B8 Hkv4 KV1024 16.5 -> 17.6,
+// B32 Hkv8 KV1024 47.6 -> 49.0). Through the extension (bench decode, GQA 32:4): B32 KV1024 30.1 ->
+// 23.8 us, KV4096 78.6 -> 70.6 (cuDNN 22.2, 66.3); B8 Hkv8, from the check alone. D 64 stays on DecodeConfig: its
+// one-CTA shapes won at 128 pairs (10 stages: 24.2 -> 19.2 us) and lost at 64 (16.4 -> 17.8).
+template <int kD>
+using DecodeWaveConfig = DecodeTiles<4, 1, 128>;
+constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on DecodeWaveConfig
+
+inline bool uses_wave_config(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms) {
+  const int64_t pairs = batch * hkv;
+  return head_dim == 128 && 3 * pairs >= sms && pairs <= sms && kv_end <= kWaveMaxKeys;
+}
+
 // What the step writes when it has one split (else the combine kernel writes it): out (rows
 // strided, unit inner stride), lse and lse_lo ([B, Hq, Q] float32 contiguous; lse_lo may be
 // null), reading sinks ([Hq] float32, or null).
