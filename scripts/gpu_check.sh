@@ -163,7 +163,7 @@ stage_wheel() {
     PIP_NO_INDEX=1 timeout -k 10 "${WHEEL_BUILD_TIMEOUT:-540}" bash scripts/build_wheel.sh "$dir" \
     >"$OUT/wheel_build.log" 2>&1; then
     tail -20 "$OUT/wheel_build.log"
-    say "wheel: build FAILED or timed out after $((SECONDS - t0)) s (wheel_build.log)"
+    say "wheel: build FAILED or timed out after $((SECONDS - t0)) s (wheel_build.log); ninja got to $(grep -o '\[[0-9]*/[0-9]*\]' "$dir/build_wheel.log" 2>/dev/null | tail -1)"
     return 1
   fi
   wheel="$(tail -1 "$OUT/wheel_build.log" | sed 's/^== //')"
