@@ -215,3 +215,30 @@ def test_generic_large_shapes_where_measured(gpu):
             tiles = _testing.generic_tile_shapes(d, per_block, per_sm, KB)
             assert tiles.bwd_large == large, (d, tiles)
             assert tiles.bwd_block_kv == (128 if large else (128 if d == 64 else 64)), (d, tiles)
+
+
+@NEEDS_GENERIC
+@pytest.mark.parametrize("gpu", sorted(GPU_SMEM))
+def test_decode_wave_shape_where_measured_and_it_fits(gpu):
+    """The decode kernel's one-CTA-an-SM shape (142 KB) is taken at D=128 where the (batch, kv head)
+    pairs fill a third of the SMs to all of them over at most 4096 keys, as measured on an H200,
+    and only on GPUs whose blocks may take its shared memory: never on the 99 KB ones (RTX
+    30/40/50, L4, L40S), whose launch of it would fail."""
+    from safeattn import _testing
+
+    per_block, _ = GPU_SMEM[gpu]
+    fits = per_block >= 142 * KB
+    assert fits == (gpu in LARGE_SMEM_GPUS), gpu
+    for sms in (108, 132, 148):  # A100, H100/H200, B200
+        for pairs, keys in ((sms // 3 + 1, 1024), (sms // 2, 4096), (sms, 1024)):
+            got = _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block)
+            assert got == fits, (gpu, sms, pairs, keys)
+        for pairs, keys in ((sms // 3 - 1, 1024), (sms + 1, 1024), (sms // 2, 4097)):
+            assert not _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block), (
+                gpu,
+                sms,
+                pairs,
+                keys,
+            )
+        assert not _testing.decode_uses_wave_config(64, 1024, sms // 2, 1, sms, per_block), (gpu, sms)
+    assert _testing.decode_uses_wave_config(128, 1024, 16, 8, 132, per_block) == fits  # batch x kv heads

@@ -1,7 +1,7 @@
 // Compiled only in CUDA builds: reports what nvcc compiled, for build_info(), and what the device
 // has, for the kernels' grid sizes. It also proves, in every CI run, that the CUDA toolchain path
-// of the build works. Also the generic kernels' tile shapes for a GPU's shared-memory limits, for
-// the tests (generic_tile_shapes).
+// of the build works. Also the generic kernels' tile shapes and the decode kernel's shape rule for
+// a GPU's limits, for the tests (generic_tile_shapes, decode_uses_wave_config).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "ops/cuda/generic/attention_bwd.cuh"  // generic_tile_shapes: the tile-shape rules
+#include "ops/cuda/generic/attention_bwd.cuh"     // generic_tile_shapes: the tile-shape rules
+#include "ops/cuda/generic/attention_decode.cuh"  // decode_uses_wave_config
 #include "ops/cuda/generic/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
@@ -54,6 +55,12 @@ std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_bloc
     shapes[7] = static_cast<int64_t>(attn::bwd_smem_bytes(head_dim, large));
   }
   return shapes;
+}
+
+bool decode_uses_wave_config(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
+                             int64_t smem_per_block) {
+  return decode::uses_wave_config(static_cast<int>(head_dim), kv_end, batch, hkv, sms,
+                                  static_cast<size_t>(smem_per_block));
 }
 
 std::vector<int> attention_head_dims(bool backward, bool sm90) {

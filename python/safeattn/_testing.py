@@ -6,7 +6,8 @@ test and measure them. It is process-wide and not thread-safe by design: tests a
 switch it around whole runs (``pytest --generic-kernels``, ``bench attention --generic-kernels``).
 
 ``generic_tile_shapes(...)`` gives the generic kernels' tile shapes for a GPU's shared-memory
-limits, so that the choice for GPUs not at hand (A100, Ada, Blackwell) is tested anywhere.
+limits, so that the choice for GPUs not at hand (A100, Ada, Blackwell) is tested anywhere;
+``decode_uses_wave_config(...)`` the decode kernel's choice of shape the same way.
 
 ``attention_path(...)`` says which kernel ``safeattn.attention`` (or its backward) would run for
 its arguments, and why not the kernels asked before it, without running any: so a test can assert
@@ -55,6 +56,16 @@ def generic_tile_shapes(
         raise RuntimeError("this build of safeattn has no CUDA kernels")
     v = _C._generic_tile_shapes(head_dim, smem_per_block, smem_per_sm, reserved_per_block)
     return GenericTiles(bool(v[0]), v[1], v[2], v[3], bool(v[4]), v[5], v[6], v[7])
+
+
+def decode_uses_wave_config(
+    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int
+) -> bool:
+    """Whether a decode step takes the decode kernel's one-CTA-an-SM shape (DecodeWaveConfig) on a
+    GPU with ``sms`` SMs and ``smem_per_block`` bytes of shared memory a block may opt into."""
+    if not hasattr(_C, "_decode_uses_wave_config"):
+        raise RuntimeError("this build of safeattn has no CUDA kernels")
+    return bool(_C._decode_uses_wave_config(head_dim, kv_end, batch, kv_heads, sms, smem_per_block))
 
 
 @contextlib.contextmanager

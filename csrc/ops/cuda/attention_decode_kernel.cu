@@ -101,7 +101,8 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
 void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, const DecodeOutputs& o, int64_t batch,
                 int64_t hkv, at::TensorOptions options) {
   const int64_t sms = multiprocessor_count();
-  const bool wave = decode::uses_wave_config(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms);
+  const bool wave = decode::uses_wave_config(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms,
+                                             at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
   with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
     constexpr int kD = decltype(dim)::value;
     auto launch = [&](auto tiles) {

@@ -105,9 +105,12 @@ template <int kD>
 using DecodeWaveConfig = DecodeTiles<4, 1, 128>;
 constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on DecodeWaveConfig
 
-inline bool uses_wave_config(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms) {
+// `smem_optin`: the shared memory a block of the GPU may opt into (its 142 KB exceed the 99 KB of
+// sm_86 / sm_89 / sm_120, which keep DecodeConfig).
+inline bool uses_wave_config(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin) {
   const int64_t pairs = batch * hkv;
-  return head_dim == 128 && 3 * pairs >= sms && pairs <= sms && kv_end <= kWaveMaxKeys;
+  return head_dim == 128 && DecodeWaveConfig<128>::smem_bytes<__half, 128>() <= smem_optin && 3 * pairs >= sms &&
+         pairs <= sms && kv_end <= kWaveMaxKeys;
 }
 
 // What the step writes when it has one split (else the combine kernel writes it): out (rows
