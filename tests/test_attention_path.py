@@ -204,9 +204,7 @@ def test_generic_kernels_take_mma_sync(request, backward, mask):
     with contextlib.nullcontext() if forced else _testing.generic_kernels():
         path = attention_path(q, k, v, backward=backward, **_cuda_mask_kwargs(mask, torch.bfloat16))
     assert path.kernel == "mma_sync", f"generic kernels, {mask}, backward={backward}: took {path}"
-    assert (
-        not path.key_ranges_drawn
-    ), f"{mask}: the mma.sync kernels read key ranges, yet they were drawn: {path}"
+    assert not path.key_ranges_drawn, f"{mask}: mma.sync reads key ranges, yet they were drawn: {path}"
     assert "sm90a" in _names(path), f"sm90a was not asked first: {path.rejected}"
 
 

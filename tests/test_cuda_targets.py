@@ -234,11 +234,7 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu):
             got = _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block)
             assert got == fits, (gpu, sms, pairs, keys)
         for pairs, keys in ((sms // 3 - 1, 1024), (sms + 1, 1024), (sms // 2, 4097)):
-            assert not _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block), (
-                gpu,
-                sms,
-                pairs,
-                keys,
-            )
+            case = (gpu, sms, pairs, keys)
+            assert not _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block), case
         assert not _testing.decode_uses_wave_config(64, 1024, sms // 2, 1, sms, per_block), (gpu, sms)
     assert _testing.decode_uses_wave_config(128, 1024, 16, 8, 132, per_block) == fits  # batch x kv heads

@@ -99,8 +99,9 @@ using DecodeConfig = DecodeTiles<2, 3, 128>;
 // D 128, us, DecodeConfig -> this): B32 Hkv4 KV1024 35.7 -> 30.6, KV4096 84.8 -> 80.1; B8 Hkv8
 // KV1024 24.9 -> 22.2, KV4096 52.3 -> 50.6; outside the rule it lost (B8 Hkv4 KV1024 16.5 -> 17.6,
 // B32 Hkv8 KV1024 47.6 -> 49.0). Through the extension (bench decode, GQA 32:4): B32 KV1024 30.1 ->
-// 23.8 us, KV4096 78.6 -> 70.6 (cuDNN 22.2, 66.3); B8 Hkv8, from the check alone. D 64 stays on DecodeConfig: its
-// one-CTA shapes won at 128 pairs (10 stages: 24.2 -> 19.2 us) and lost at 64 (16.4 -> 17.8).
+// 23.8 us, KV4096 78.6 -> 70.6 (cuDNN 22.2, 66.3); B8 Hkv8 from the check alone. D 64 stays on
+// DecodeConfig: its one-CTA shapes won at 128 pairs (10 stages: 24.2 -> 19.2 us) and lost at 64
+// (16.4 -> 17.8).
 template <int kD>
 using DecodeWaveConfig = DecodeTiles<4, 1, 128>;
 constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on DecodeWaveConfig
