@@ -12,7 +12,9 @@
 #             aoti_load_package segfault seen on torch 2.11, does not hide the others), -n 4,
 #             a per-test timeout; failures listed by name
 #   suite     the whole suite in one pytest process (-n PYTEST_WORKERS): the summary line to quote
-#   pick      the files in PICK (one pytest process, -k PICK_K when set)
+#   pick      the files in PICK (one pytest process, -k PICK_K when set). A run cut by its time
+#             limit goes on in the next call with `--resume-from LOG` in PICK, LOG its
+#             pytest_pick.log carried back (tests/conftest.py: what it finished is left out)
 #   cuda      only the CUDA cases (-k cuda) plus the CUDA-only files: the short form of `tests`
 #   sanitize  compute-sanitizer (SANITIZE_TOOL, default memcheck) over a reduced CUDA selection of
 #             every op, safeattn's kernels only (SANITIZE_FILES and SANITIZE_K override the files

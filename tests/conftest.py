@@ -1,4 +1,6 @@
 import os
+import re
+from pathlib import Path
 
 import pytest
 import safeattn  # noqa: F401  registers torch.ops.safeattn.*
@@ -54,6 +56,25 @@ def pytest_addoption(parser):
         help="run only shard K (or shards K1,K2,...) of N, dealt round-robin after the slow-first "
         "order below, so that the suite can be split over calls of limited length",
     )
+    parser.addoption(
+        "--resume-from",
+        default=None,
+        metavar="LOG",
+        help="leave out the tests that a run cut short (a time limit) finished, as its -v output "
+        "LOG names them (passed, skipped, xfailed, xpassed); failed and errored ones run again",
+    )
+
+
+# A test's end in pytest -v output, with or without xdist: "tests/x.py::t[a] PASSED [ 3%]" or
+# "[gw3] [ 54%] PASSED tests/x.py::t[a]" (a parameter id may hold spaces: "t[8.0 (A100)]").
+_NODE = r"tests/[^\s:]+::[^\s\[]+(?:\[[^\]]*\])?"
+_END = r"(?:PASSED|SKIPPED|XFAIL|XPASS)"
+_FINISHED = re.compile(rf"({_NODE}) {_END}\b|\b{_END} ({_NODE})")
+
+
+def finished_test_ids(log: str) -> set[str]:
+    """The node ids a pytest -v log reports as passed, skipped, xfailed or xpassed."""
+    return {a or b for a, b in _FINISHED.findall(log)}
 
 
 def pytest_configure(config):
@@ -114,3 +135,11 @@ def pytest_collection_modifyitems(config, items):
         keep = [item for i, item in enumerate(items) if i % n in wanted]
         config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n not in wanted])
         items[:] = keep
+    resume = config.getoption("--resume-from")
+    if resume:
+        try:
+            done = finished_test_ids(Path(resume).read_text(errors="replace"))
+        except OSError as e:
+            raise pytest.UsageError(f"--resume-from: cannot read {resume!r}: {e}") from None
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = [item for item in items if item.nodeid not in done]
