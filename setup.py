@@ -29,6 +29,8 @@ Environment switches:
   SAFEATTN_BUILD_TEMP=dir       where the object files go (default: setuptools', a temporary
                                 directory for an editable install; scripts/env.sh: build/temp)
   MAX_JOBS                      parallel compile jobs (default: from cores and memory)
+  NVCC_THREADS=N                nvcc compiles a file's CUDA targets N at a time (--threads; default
+                                1): a build for several targets on many cores, such as a wheel's
   SAFEATTN_LOCAL_VERSION=auto   a binary wheel's version names its torch, CUDA and C++ ABI
                                 (0.1.0+cu130torch2.14.1cxx11abiTRUE; see package_version)
 
@@ -224,6 +226,16 @@ def cuda_targets():
     return targets, source, sm90 == "1" and any(sm.startswith("9") for sm in targets)
 
 
+def nvcc_threads_flags(n_targets):
+    """NVCC_THREADS: how many of a file's targets nvcc compiles at once. With few files and many
+    targets (the wheel's six) the build's longest file is otherwise six compiles in a row."""
+    setting = os.environ.get("NVCC_THREADS", "1")
+    if not setting.isdigit() or int(setting) < 1:
+        raise SystemExit(f"NVCC_THREADS must be a whole number of at least 1; got {setting!r}")
+    threads = min(int(setting), n_targets)
+    return [f"--threads={threads}"] if threads > 1 else []
+
+
 def gencode_flags(targets):
     flags = []
     for sm, ptx in targets.items():
@@ -382,6 +394,7 @@ nvcc_flags = [
     # The newest PTX target (0: none), for the message of a GPU the build has no code for.
     f"-DSAFEATTN_CUDA_PTX_ARCH={max((int(sm.rstrip('af')) for sm, ptx in CUDA_TARGETS.items() if ptx), default=0)}",
     *gencode_flags(CUDA_TARGETS),
+    *nvcc_threads_flags(len(CUDA_TARGETS)),
 ]
 
 

