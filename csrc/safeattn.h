@@ -62,7 +62,7 @@ bool generic_kernels_only();
 std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_block, int64_t smem_per_sm,
                                          int64_t reserved_per_block);
 // Private to the tests (safeattn._C._decode_uses_wave_config): whether a decode step of head dim d
-// over kv_end keys with batch x hkv (batch, kv head) pairs takes the one-CTA-an-SM shape on a GPU
+// over kv_end keys with batch x hkv (batch, kv head) pairs takes its wave shape (DecodeWaveShape) on a GPU
 // with `sms` SMs and `smem_per_block` bytes of shared memory a block (decode::uses_wave_config).
 bool decode_uses_wave_config(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
                              int64_t smem_per_block);

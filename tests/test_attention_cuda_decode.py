@@ -153,27 +153,45 @@ def test_nan_score_reaches_its_row_only():
     assert not out[0, others].isnan().any(), "NaN must stay in its row"
 
 
+# The decode wave shapes (DecodeWaveShape in attention_decode.cuh): head dim -> (CTAs an SM, the
+# DecodeTiles arguments as the kernel's name spells them, demangled or mangled).
+WAVE_SHAPES = {
+    128: (1, ("DecodeTiles<4, 1, 128", "DecodeTilesILi4ELi1ELi128")),
+    64: (2, ("DecodeTiles<6, 1, 128", "DecodeTilesILi6ELi1ELi128")),
+}
+
+
+@pytest.mark.parametrize("head_dim", sorted(WAVE_SHAPES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_one_wave_of_kv_heads(dtype):
-    """(batch, kv head) pairs filling between a third of the SMs and all of them over a short cache:
-    D=128 takes the one-CTA-an-SM shape (uses_wave_config in attention_decode.cuh), one split a
-    pair. Left padding of every length, a batch with no key, two query tokens, bottom-right causal."""
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+def test_one_wave_of_kv_heads(dtype, head_dim):
+    """(batch, kv head) pairs filling between a third of a wave (SMs x the shape's CTAs an SM) and
+    one wave over a short cache: D=128 and D=64 take their wave shapes (uses_wave_config in
+    attention_decode.cuh), one split a pair, on GPUs where they fit (H100/H200; elsewhere the test
+    checks the values alone). Left padding of every length, a batch with no key, two query tokens,
+    bottom-right causal."""
+    from safeattn import _testing
+
+    props = torch.cuda.get_device_properties(DEVICE)
+    sms = props.multi_processor_count
+    ctas, wave = WAVE_SHAPES[head_dim]
     hkv, q_len, kv_len = 4, 2, 1500
-    batch = max(2, 3 * sms // 4 // hkv)
+    batch = max(2, 3 * sms * ctas // 4 // hkv)
     keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
     for b in range(batch):
         keep[b, ..., : b * kv_len // batch] = False
     keep[-1] = False
     keep = keep.to(DEVICE)
-    q, k, v = _qkv(batch, 4 * hkv, hkv, q_len, kv_len, 128, dtype, DEVICE, seed=batch)
+    q, k, v = _qkv(batch, 4 * hkv, hkv, q_len, kv_len, head_dim, dtype, DEVICE, seed=batch)
     kwargs = {"attn_mask": keep, "enable_gqa": True, "is_causal": True, "q_offset": kv_len - q_len}
     _check_against_reference(q, k, v, **kwargs)
+
+    per_block = getattr(props, "shared_memory_per_block_optin", 0)
+    if not _testing.decode_uses_wave_config(head_dim, kv_len, batch, hkv, sms, per_block):
+        return  # a GPU without room for the shape: the values above are the test
 
     def call():
         with torch.no_grad():
             safeattn.attention(q, k, v, **kwargs)
 
     names = cuda_kernel_names(call)
-    wave = ("DecodeTiles<4, 1, 128", "DecodeTilesILi4ELi1ELi128")
     assert any(w in n for n in names for w in wave), f"the one-wave decode shape did not run: {names}"

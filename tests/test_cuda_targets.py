@@ -217,24 +217,34 @@ def test_generic_large_shapes_where_measured(gpu):
             assert tiles.bwd_block_kv == (128 if large else (128 if d == 64 else 64)), (d, tiles)
 
 
+# The decode wave shapes as measured (attention_decode.cuh, DecodeWaveShape): head dim -> (CTAs an
+# SM, shared memory of one in KB). Taken where the (batch, kv head) pairs fill a third of a wave to
+# one wave (SMs x CTAs an SM) over at most 4096 keys, and where that many CTAs fit a block's limit.
+DECODE_WAVE_SHAPES = {128: (1, 142), 64: (2, 113)}
+
+
 @NEEDS_GENERIC
 @pytest.mark.parametrize("gpu", sorted(GPU_SMEM))
-def test_decode_wave_shape_where_measured_and_it_fits(gpu):
-    """The decode kernel's one-CTA-an-SM shape (142 KB) is taken at D=128 where the (batch, kv head)
-    pairs fill a third of the SMs to all of them over at most 4096 keys, as measured on an H200,
-    and only on GPUs whose blocks may take its shared memory: never on the 99 KB ones (RTX
-    30/40/50, L4, L40S), whose launch of it would fail."""
+@pytest.mark.parametrize("head_dim", sorted(DECODE_WAVE_SHAPES))
+def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
+    """The decode kernel's wave shapes are taken where they were measured faster on an H200 and
+    only on GPUs whose blocks may take their shared memory: D=128's one CTA of 142 KB never on the
+    99 KB GPUs (RTX 30/40/50, L4, L40S), whose launch of it would fail; D=64's two CTAs of 113 KB an
+    SM only on the 227 KB ones (H100/H200, B200)."""
     from safeattn import _testing
 
     per_block, _ = GPU_SMEM[gpu]
-    fits = per_block >= 142 * KB
-    assert fits == (gpu in LARGE_SMEM_GPUS), gpu
+    ctas, kb = DECODE_WAVE_SHAPES[head_dim]
+    fits = per_block >= ctas * kb * KB
+    assert fits == (gpu in (LARGE_SMEM_GPUS if head_dim == 128 else {"9.0 (H100, H200)", "10.0 (B200)"})), gpu
     for sms in (108, 132, 148):  # A100, H100/H200, B200
-        for pairs, keys in ((sms // 3 + 1, 1024), (sms // 2, 4096), (sms, 1024)):
-            got = _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block)
+        wave = sms * ctas
+        for pairs, keys in ((wave // 3 + 1, 1024), (wave // 2, 4096), (wave, 1024)):
+            got = _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block)
             assert got == fits, (gpu, sms, pairs, keys)
-        for pairs, keys in ((sms // 3 - 1, 1024), (sms + 1, 1024), (sms // 2, 4097)):
+        for pairs, keys in ((wave // 3 - 1, 1024), (wave + 1, 1024), (wave // 2, 4097)):
             case = (gpu, sms, pairs, keys)
-            assert not _testing.decode_uses_wave_config(128, keys, pairs, 1, sms, per_block), case
-        assert not _testing.decode_uses_wave_config(64, 1024, sms // 2, 1, sms, per_block), (gpu, sms)
-    assert _testing.decode_uses_wave_config(128, 1024, 16, 8, 132, per_block) == fits  # batch x kv heads
+            assert not _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block), case
+    for other in (32, 96, 256):
+        assert not _testing.decode_uses_wave_config(other, 1024, 100, 1, 132, per_block), (gpu, other)
+    assert _testing.decode_uses_wave_config(head_dim, 1024, 16 * ctas, 8, 132, per_block) == fits  # batch x kv heads

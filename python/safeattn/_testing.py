@@ -61,8 +61,9 @@ def generic_tile_shapes(
 def decode_uses_wave_config(
     head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int
 ) -> bool:
-    """Whether a decode step takes the decode kernel's one-CTA-an-SM shape (DecodeWaveConfig) on a
-    GPU with ``sms`` SMs and ``smem_per_block`` bytes of shared memory a block may opt into."""
+    """Whether a decode step takes the decode kernel's wave shape for its head dim (DecodeWaveShape:
+    one or two CTAs an SM, many tiles in flight) on a GPU with ``sms`` SMs and ``smem_per_block``
+    bytes of shared memory a block may opt into."""
     if not hasattr(_C, "_decode_uses_wave_config"):
         raise RuntimeError("this build of safeattn has no CUDA kernels")
     return bool(_C._decode_uses_wave_config(head_dim, kv_end, batch, kv_heads, sms, smem_per_block))

@@ -116,7 +116,7 @@ void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, c
               : launch_decode<__half, kD, false, Tiles>(p, o, batch, hkv, sms, options);
       }
     };
-    if constexpr (kD == 128) {
+    if constexpr (decode::DecodeWaveShape<kD>::kCtasPerSm > 0) {
       if (wave) {
         launch(decode::DecodeWaveConfig<kD>{});
         return;

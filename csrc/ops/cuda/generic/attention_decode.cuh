@@ -92,26 +92,62 @@ struct DecodeTiles {
 template <int kD>
 using DecodeConfig = DecodeTiles<2, 3, 128>;
 
-// The shape of a step whose (batch, kv head) pairs fill between a third of the SMs and all of
-// them over a short cache (uses_wave_config): one CTA an SM, 4 tiles in flight, so that each pair
-// takes one split (two at most), where DecodeConfig's three CTAs an SM cut each pair's few tiles
-// into splits merged by the combine kernel. benchmarks/decode_check.cu (H200, L2 flushed, bf16
-// D 128, us, DecodeConfig -> this): B32 Hkv4 KV1024 35.7 -> 30.6, KV4096 84.8 -> 80.1; B8 Hkv8
-// KV1024 24.9 -> 22.2, KV4096 52.3 -> 50.6; outside the rule it lost (B8 Hkv4 KV1024 16.5 -> 17.6,
-// B32 Hkv8 KV1024 47.6 -> 49.0). Through the extension (bench decode, GQA 32:4): B32 KV1024 30.1 ->
-// 23.8 us, KV4096 78.6 -> 70.6 (cuDNN 22.2, 66.3); B8 Hkv8 from the check alone. D 64 stays on
-// DecodeConfig: its one-CTA shapes won at 128 pairs (10 stages: 24.2 -> 19.2 us) and lost at 64
-// (16.4 -> 17.8).
+// The shape of a step whose (batch, kv head) pairs fill between a third of a wave and one wave of
+// it (kCtasPerSm CTAs on each SM) over a short cache (uses_wave_config): few CTAs an SM, many tiles
+// in flight, so that each pair takes one split (two at most), where DecodeConfig's three CTAs an SM
+// cut each pair's few tiles into splits merged by the combine kernel. benchmarks/decode_check.cu
+// (H200, 132 SMs, L2 flushed, bf16, us, DecodeConfig -> this):
+// - D 128, 4 stages, one CTA an SM (142 KB): B32 Hkv4 KV1024 35.7 -> 30.6, KV4096 84.8 -> 80.1; B8
+//   Hkv8 KV1024 24.9 -> 22.2, KV4096 52.3 -> 50.6; outside the rule it lost (B8 Hkv4 KV1024 16.5 ->
+//   17.6, B32 Hkv8 KV1024 47.6 -> 49.0). Through the extension (bench decode, GQA 32:4): B32 KV1024
+//   30.1 -> 23.8 us, KV4096 78.6 -> 70.6 (cuDNN 22.2, 66.3).
+// - D 64, 6 stages, two CTAs an SM (113 KB each): B32 Hkv8 (256 pairs) KV1024 35.7 -> 31.8, KV2048
+//   53.9 -> 48.2, KV4096 86.0 -> 80.4; B32 Hkv4 (128) KV1024 26.0 -> 25.2, KV4096 54.0 -> 53.6; below
+//   the rule it lost (B8 Hkv8, 64 pairs: KV1024 18.1 -> 20.0; B8 Hkv4 14.3 -> 16.5).
+// A head dim without one (kCtasPerSm 0) runs DecodeConfig everywhere.
 template <int kD>
-using DecodeWaveConfig = DecodeTiles<4, 1, 128>;
-constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on DecodeWaveConfig
+struct DecodeWaveShape {
+  static constexpr int kCtasPerSm = 0;
+};
+template <>
+struct DecodeWaveShape<128> {
+  using type = DecodeTiles<4, 1, 128>;
+  static constexpr int kCtasPerSm = 1;
+};
+template <>
+struct DecodeWaveShape<64> {
+  using type = DecodeTiles<6, 1, 128>;
+  static constexpr int kCtasPerSm = 2;
+};
+template <int kD>
+using DecodeWaveConfig = typename DecodeWaveShape<kD>::type;
+constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on the wave shapes
 
-// `smem_optin`: the shared memory a block of the GPU may opt into (its 142 KB exceed the 99 KB of
-// sm_86 / sm_89 / sm_120, which keep DecodeConfig).
+// `smem_optin`: the shared memory a block of the GPU may opt into. The shape is taken only where
+// its kCtasPerSm CTAs fit an SM as measured (D 128's 142 KB and D 64's two of 113 KB are over the
+// 99 KB of sm_86 / sm_89 / sm_120; D 64's two are over sm_80's 163 KB), else DecodeConfig.
+template <int kD>
+inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin) {
+  using Shape = DecodeWaveShape<kD>;
+  if constexpr (Shape::kCtasPerSm == 0) {
+    return false;
+  } else {
+    const int64_t wave = sms * Shape::kCtasPerSm;
+    return Shape::kCtasPerSm * Shape::type::template smem_bytes<__half, kD>() <= smem_optin && 3 * pairs >= wave &&
+           pairs <= wave && kv_end <= kWaveMaxKeys;
+  }
+}
+
 inline bool uses_wave_config(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin) {
   const int64_t pairs = batch * hkv;
-  return head_dim == 128 && DecodeWaveConfig<128>::smem_bytes<__half, 128>() <= smem_optin && 3 * pairs >= sms &&
-         pairs <= sms && kv_end <= kWaveMaxKeys;
+  switch (head_dim) {
+    case 64:
+      return uses_wave_shape<64>(kv_end, pairs, sms, smem_optin);
+    case 128:
+      return uses_wave_shape<128>(kv_end, pairs, sms, smem_optin);
+    default:
+      return false;
+  }
 }
 
 // What the step writes when it has one split (else the combine kernel writes it): out (rows
