@@ -164,7 +164,7 @@ WAVE_SHAPES = {
 @pytest.mark.parametrize("head_dim", sorted(WAVE_SHAPES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 def test_one_wave_of_kv_heads(dtype, head_dim):
-    """(batch, kv head) pairs filling between a third of a wave (SMs x the shape's CTAs an SM) and
+    """(batch, kv head) pairs filling between half a wave (SMs x the shape's CTAs an SM) and
     one wave over a short cache: D=128 and D=64 take their wave shapes (uses_wave_config in
     attention_decode.cuh), one split a pair, on GPUs where they fit (H100/H200; elsewhere the test
     checks the values alone). Left padding of every length, a batch with no key, two query tokens,

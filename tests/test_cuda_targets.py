@@ -218,7 +218,7 @@ def test_generic_large_shapes_where_measured(gpu):
 
 
 # The decode wave shapes as measured (attention_decode.cuh, DecodeWaveShape): head dim -> (CTAs an
-# SM, shared memory of one in KB). Taken where the (batch, kv head) pairs fill a third of a wave to
+# SM, shared memory of one in KB). Taken where the (batch, kv head) pairs fill half a wave to
 # one wave (SMs x CTAs an SM) over at most 4096 keys, and where that many CTAs fit a block's limit.
 DECODE_WAVE_SHAPES = {128: (1, 142), 64: (2, 113)}
 
@@ -239,12 +239,12 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
     assert fits == (gpu in (LARGE_SMEM_GPUS if head_dim == 128 else {"9.0 (H100, H200)", "10.0 (B200)"})), gpu
     for sms in (108, 132, 148):  # A100, H100/H200, B200
         wave = sms * ctas
-        for pairs, keys in ((wave // 3 + 1, 1024), (wave // 2, 4096), (wave, 1024)):
+        for pairs, keys in (((wave + 1) // 2, 1024), (3 * wave // 4, 4096), (wave, 1024)):
             got = _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block)
             assert got == fits, (gpu, sms, pairs, keys)
-        for pairs, keys in ((wave // 3 - 1, 1024), (wave + 1, 1024), (wave // 2, 4097)):
+        for pairs, keys in ((wave // 2 - 1, 1024), (wave // 3, 1024), (wave + 1, 1024), (3 * wave // 4, 4097)):
             case = (gpu, sms, pairs, keys)
             assert not _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block), case
     for other in (32, 96, 256):
         assert not _testing.decode_uses_wave_config(other, 1024, 100, 1, 132, per_block), (gpu, other)
-    assert _testing.decode_uses_wave_config(head_dim, 1024, 16 * ctas, 8, 132, per_block) == fits  # batch x kv heads
+    assert _testing.decode_uses_wave_config(head_dim, 1024, 12 * ctas, 8, 132, per_block) == fits  # batch x kv heads
