@@ -497,9 +497,11 @@ int main(int argc, char** argv) {
   // More tiles in flight per CTA, one or two CTAs an SM (for grids of one wave or less):
   // DecodeWaveConfig is what the extension runs where uses_wave_config says; the others are candidates.
   failures += run_shape<bf16, 128, DecodeWaveConfig<128>>("DecodeWaveConfig<128>", checks, timing, flush, flush_bytes);
-  failures += run_shape<__half, 128, DecodeWaveConfig<128>>("DecodeWaveConfig<128> fp16", checks, false, flush, flush_bytes);
+  failures +=
+      run_shape<__half, 128, DecodeWaveConfig<128>>("DecodeWaveConfig<128> fp16", checks, false, flush, flush_bytes);
   failures += run_shape<bf16, 64, DecodeWaveConfig<64>>("DecodeWaveConfig<64>", checks, timing, flush, flush_bytes);
-  failures += run_shape<__half, 64, DecodeWaveConfig<64>>("DecodeWaveConfig<64> fp16", checks, false, flush, flush_bytes);
+  failures +=
+      run_shape<__half, 64, DecodeWaveConfig<64>>("DecodeWaveConfig<64> fp16", checks, false, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<6, 1, 128>>("d128 6stage 1cta", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 64, DecodeTiles<10, 1, 128>>("d64 10stage 1cta", checks, timing, flush, flush_bytes);
   CHECK_CUDA(cudaFree(g_workspace));

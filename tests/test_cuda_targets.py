@@ -65,13 +65,23 @@ def test_torch_cuda_arch_list_chooses_the_targets(setting, expected):
 
 
 @NEEDS_NVCC
-def test_default_targets_without_a_visible_gpu_span_ampere_to_blackwell():
-    output, code = run_setup()
+@pytest.mark.parametrize("arch_list", [None, ""])
+def test_default_targets_without_a_visible_gpu_span_ampere_to_blackwell(arch_list):
+    """Unset or empty (how scripts/gpu_check.sh's wheel stage clears a host's own setting)."""
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST=arch_list)
     assert code == 0, output
     line = targets_line(output)
     for target in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120 + PTX"):
         assert target in line, f"{target} missing from the default targets: {line}"
     assert line.endswith("from the default list"), line
+
+
+@NEEDS_NVCC
+@pytest.mark.parametrize("threads", ["0", "four", "-2"])
+def test_nvcc_threads_must_be_a_count(threads):
+    output, code = run_setup(TORCH_CUDA_ARCH_LIST="8.0", NVCC_THREADS=threads)
+    assert code != 0, output
+    assert "NVCC_THREADS" in output and repr(threads) in output, output
 
 
 @NEEDS_NVCC
@@ -242,9 +252,16 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
         for pairs, keys in (((wave + 1) // 2, 1024), (3 * wave // 4, 4096), (wave, 1024)):
             got = _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block)
             assert got == fits, (gpu, sms, pairs, keys)
-        for pairs, keys in ((wave // 2 - 1, 1024), (wave // 3, 1024), (wave + 1, 1024), (3 * wave // 4, 4097)):
+        for pairs, keys in (
+            (wave // 2 - 1, 1024),
+            (wave // 3, 1024),
+            (wave + 1, 1024),
+            (3 * wave // 4, 4097),
+        ):
             case = (gpu, sms, pairs, keys)
             assert not _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block), case
     for other in (32, 96, 256):
         assert not _testing.decode_uses_wave_config(other, 1024, 100, 1, 132, per_block), (gpu, other)
-    assert _testing.decode_uses_wave_config(head_dim, 1024, 12 * ctas, 8, 132, per_block) == fits  # batch x kv heads
+    assert (
+        _testing.decode_uses_wave_config(head_dim, 1024, 12 * ctas, 8, 132, per_block) == fits
+    )  # batch x kv heads
