@@ -59,14 +59,15 @@ def generic_tile_shapes(
 
 
 def decode_wave_ctas(
-    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int
+    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int, paged: bool = False
 ) -> int:
     """The CTAs an SM of the decode kernel's wave shape (DecodeWaveShape: many tiles in flight) that
-    a decode step takes on a GPU with ``sms`` SMs and ``smem_per_block`` bytes of shared memory a
-    block may opt into; 0 where it takes the default shape."""
+    a decode step over a contiguous (or ``paged``) cache takes on a GPU with ``sms`` SMs and
+    ``smem_per_block`` bytes of shared memory a block may opt into; 0 where it takes the default
+    shape."""
     if not hasattr(_C, "_decode_wave_ctas"):
         raise RuntimeError("this build of safeattn has no CUDA kernels")
-    return int(_C._decode_wave_ctas(head_dim, kv_end, batch, kv_heads, sms, smem_per_block))
+    return int(_C._decode_wave_ctas(head_dim, kv_end, batch, kv_heads, sms, smem_per_block, paged))
 
 
 @contextlib.contextmanager

@@ -102,7 +102,8 @@ void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, c
                 int64_t hkv, at::TensorOptions options) {
   const int64_t sms = multiprocessor_count();
   const int wave_ctas = decode::wave_config_ctas(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms,
-                                                 at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+                                                 at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin,
+                                                 p.cache.block_table != nullptr);
   with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
     constexpr int kD = decltype(dim)::value;
     auto launch = [&](auto tiles) {

@@ -110,10 +110,12 @@ using DecodeConfig = DecodeTiles<2, 3, 128>;
 // 20.3 -> 24.2 us at 1024 keys and 46.5 -> 55.6 at 4096 on this shape, and D 64 gained nothing at
 // 128 pairs (B32 Hkv4: 0.65x -> 0.66x).
 // Candidate (not yet measured through the extension): D 64 at half a wave to one wave of one CTA
-// an SM, 10 stages (193 KB): B32 Hkv4 KV1024 24.2 -> 19.2 us, KV4096 53.7 -> 48.4 (decode_check,
-// first run; the 6-stage two-CTA shape there 23.5 / 52.5).
-// DecodeWaveShape<kD, kCtas>: the head dim's shape of kCtas CTAs an SM, if it has one (kHas). A
-// head dim without any runs DecodeConfig everywhere.
+// an SM, 10 stages (187 KB), contiguous caches only. decode_check, B32 Hkv4 (128 pairs), us:
+// KV1024 24.2 -> 19.2 (first run), 26.0 -> 20.8 (second); KV2048 36.7 -> 31.7; KV4096 53.7 ->
+// 48.4, 54.0 -> 49.9; but paged16 KV2048 38.0 -> 66.1 (and the 6-stage shape 44.4 there): its
+// page fetches do not keep up, so a paged cache keeps DecodeConfig (kPaged false).
+// DecodeWaveShape<kD, kCtas>: the head dim's shape of kCtas CTAs an SM, if it has one (kHas), and
+// whether a paged cache takes it (kPaged). A head dim without any runs DecodeConfig everywhere.
 template <int kD, int kCtas>
 struct DecodeWaveShape {
   static constexpr bool kHas = false;
@@ -122,16 +124,19 @@ template <>
 struct DecodeWaveShape<128, 1> {
   using type = DecodeTiles<4, 1, 128>;
   static constexpr bool kHas = true;
+  static constexpr bool kPaged = true;  // B32 Hkv4: paged 24.7 / 75.4 us, contiguous 24.0 / 70.5
 };
 template <>
 struct DecodeWaveShape<64, 1> {
   using type = DecodeTiles<10, 1, 128>;
   static constexpr bool kHas = true;
+  static constexpr bool kPaged = false;
 };
 template <>
 struct DecodeWaveShape<64, 2> {
   using type = DecodeTiles<6, 1, 128>;
   static constexpr bool kHas = true;
+  static constexpr bool kPaged = true;  // B32 Hkv8 paged16 KV2048 56.3 -> 55.3 us
 };
 constexpr int kMaxWaveCtas = 2;  // the most CTAs an SM of any wave shape
 template <int kD, int kCtas>
@@ -140,17 +145,17 @@ constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on 
 
 // `smem_optin`: the shared memory a block of the GPU may opt into. A shape is taken only where its
 // kCtas CTAs fit an SM as measured (D 128's 142 KB and D 64's two of 113 KB are over the 99 KB of
-// sm_86 / sm_89 / sm_120; D 64's 193 KB and its two of 113 KB over sm_80's 163 KB), else
+// sm_86 / sm_89 / sm_120; D 64's 187 KB and its two of 113 KB over sm_80's 163 KB), else
 // DecodeConfig.
 template <int kD, int kCtas>
-inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin) {
+inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
   using Shape = DecodeWaveShape<kD, kCtas>;
   if constexpr (!Shape::kHas) {
     return false;
   } else {
     const int64_t wave = sms * kCtas;
     return kCtas * Shape::type::template smem_bytes<__half, kD>() <= smem_optin && 2 * pairs >= wave && pairs <= wave &&
-           kv_end <= kWaveMaxKeys;
+           kv_end <= kWaveMaxKeys && (Shape::kPaged || !paged);
   }
 }
 
@@ -158,20 +163,21 @@ inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t s
 // of pairs (half a wave to a wave) of one and two CTAs an SM do not overlap but at sms pairs, where
 // the one-CTA shape is taken.
 template <int kD>
-inline int wave_shape_ctas(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin) {
-  if (uses_wave_shape<kD, 1>(kv_end, pairs, sms, smem_optin)) {
+inline int wave_shape_ctas(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
+  if (uses_wave_shape<kD, 1>(kv_end, pairs, sms, smem_optin, paged)) {
     return 1;
   }
-  return uses_wave_shape<kD, 2>(kv_end, pairs, sms, smem_optin) ? 2 : 0;
+  return uses_wave_shape<kD, 2>(kv_end, pairs, sms, smem_optin, paged) ? 2 : 0;
 }
 
-inline int wave_config_ctas(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin) {
+inline int wave_config_ctas(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin,
+                            bool paged) {
   const int64_t pairs = batch * hkv;
   switch (head_dim) {
     case 64:
-      return wave_shape_ctas<64>(kv_end, pairs, sms, smem_optin);
+      return wave_shape_ctas<64>(kv_end, pairs, sms, smem_optin, paged);
     case 128:
-      return wave_shape_ctas<128>(kv_end, pairs, sms, smem_optin);
+      return wave_shape_ctas<128>(kv_end, pairs, sms, smem_optin, paged);
     default:
       return 0;
   }
