@@ -495,15 +495,21 @@ int main(int argc, char** argv) {
   failures += run_shape<bf16, 128, DecodeTiles<2, 3, 128>>("d128 prefetch 128", checks, timing, flush, flush_bytes);
   failures += run_shape<bf16, 64, DecodeTiles<2, 3, 128>>("d64 prefetch 128", checks, timing, flush, flush_bytes);
   // More tiles in flight per CTA, one or two CTAs an SM (for grids of one wave or less):
-  // DecodeWaveConfig is what the extension runs where uses_wave_config says; the others are candidates.
-  failures += run_shape<bf16, 128, DecodeWaveConfig<128>>("DecodeWaveConfig<128>", checks, timing, flush, flush_bytes);
+  // DecodeWaveConfig<D, CTAs> is what the extension runs where wave_config_ctas says; the others
+  // are candidates.
   failures +=
-      run_shape<__half, 128, DecodeWaveConfig<128>>("DecodeWaveConfig<128> fp16", checks, false, flush, flush_bytes);
-  failures += run_shape<bf16, 64, DecodeWaveConfig<64>>("DecodeWaveConfig<64>", checks, timing, flush, flush_bytes);
+      run_shape<bf16, 128, DecodeWaveConfig<128, 1>>("DecodeWaveConfig<128, 1>", checks, timing, flush, flush_bytes);
+  failures += run_shape<__half, 128, DecodeWaveConfig<128, 1>>("DecodeWaveConfig<128, 1> fp16", checks, false, flush,
+                                                               flush_bytes);
   failures +=
-      run_shape<__half, 64, DecodeWaveConfig<64>>("DecodeWaveConfig<64> fp16", checks, false, flush, flush_bytes);
+      run_shape<bf16, 64, DecodeWaveConfig<64, 1>>("DecodeWaveConfig<64, 1>", checks, timing, flush, flush_bytes);
+  failures +=
+      run_shape<__half, 64, DecodeWaveConfig<64, 1>>("DecodeWaveConfig<64, 1> fp16", checks, false, flush, flush_bytes);
+  failures +=
+      run_shape<bf16, 64, DecodeWaveConfig<64, 2>>("DecodeWaveConfig<64, 2>", checks, timing, flush, flush_bytes);
+  failures +=
+      run_shape<__half, 64, DecodeWaveConfig<64, 2>>("DecodeWaveConfig<64, 2> fp16", checks, false, flush, flush_bytes);
   failures += run_shape<bf16, 128, DecodeTiles<6, 1, 128>>("d128 6stage 1cta", checks, timing, flush, flush_bytes);
-  failures += run_shape<bf16, 64, DecodeTiles<10, 1, 128>>("d64 10stage 1cta", checks, timing, flush, flush_bytes);
   CHECK_CUDA(cudaFree(g_workspace));
   CHECK_CUDA(cudaFree(flush));
   printf(failures ? "%d CHECKS FAILED\n" : "ALL CHECKS PASSED\n", failures);

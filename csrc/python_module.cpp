@@ -224,8 +224,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_generic_kernels_only", &safeattn::cuda::set_generic_kernels_only);
   m.def("_generic_tile_shapes", &safeattn::cuda::generic_tile_shapes,
         "The generic kernels' tile shapes for a head dim on a GPU with these shared-memory limits.");
-  m.def("_decode_uses_wave_config", &safeattn::cuda::decode_uses_wave_config,
-        "Whether a decode step takes the one-CTA-an-SM shape on a GPU with these SMs and shared memory.");
+  m.def("_decode_wave_ctas", &safeattn::cuda::decode_wave_ctas,
+        "The CTAs an SM of the wave shape a decode step takes on a GPU with these SMs and shared memory "
+        "(0: the default shape).");
   m.def("_check_device_supported", &safeattn::cuda::check_device_supported,
         "Raises the error a CUDA op raises on a GPU this build has no code for.");
 #endif

@@ -61,11 +61,12 @@ bool generic_kernels_only();
 // query tile, key tile, the backward's shared bytes}, zeros for a direction without d.
 std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_block, int64_t smem_per_sm,
                                          int64_t reserved_per_block);
-// Private to the tests (safeattn._C._decode_uses_wave_config): whether a decode step of head dim d
-// over kv_end keys with batch x hkv (batch, kv head) pairs takes its wave shape (DecodeWaveShape) on a GPU
-// with `sms` SMs and `smem_per_block` bytes of shared memory a block (decode::uses_wave_config).
-bool decode_uses_wave_config(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
-                             int64_t smem_per_block);
+// Private to the tests (safeattn._C._decode_wave_ctas): the CTAs an SM of the wave shape
+// (DecodeWaveShape) a decode step of head dim d over kv_end keys with batch x hkv (batch, kv head)
+// pairs takes on a GPU with `sms` SMs and `smem_per_block` bytes of shared memory a block, over a
+// paged cache or a contiguous one, 0 for the default shape (decode::wave_config_ctas).
+int64_t decode_wave_ctas(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
+                         int64_t smem_per_block, bool paged);
 // Streaming multiprocessors of a device (the current one by default), for grid sizes.
 int64_t multiprocessor_count(int device);
 int64_t multiprocessor_count();

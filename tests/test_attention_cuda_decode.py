@@ -153,27 +153,27 @@ def test_nan_score_reaches_its_row_only():
     assert not out[0, others].isnan().any(), "NaN must stay in its row"
 
 
-# The decode wave shapes (DecodeWaveShape in attention_decode.cuh): head dim -> (CTAs an SM, the
-# DecodeTiles arguments as the kernel's name spells them, demangled or mangled).
+# The decode wave shapes (DecodeWaveShape in attention_decode.cuh): (head dim, CTAs an SM) -> the
+# DecodeTiles arguments as the kernel's name spells them, demangled or mangled.
 WAVE_SHAPES = {
-    128: (1, ("DecodeTiles<4, 1, 128", "DecodeTilesILi4ELi1ELi128")),
-    64: (2, ("DecodeTiles<6, 1, 128", "DecodeTilesILi6ELi1ELi128")),
+    (128, 1): ("DecodeTiles<4, 1, 128", "DecodeTilesILi4ELi1ELi128"),
+    (64, 1): ("DecodeTiles<10, 1, 128", "DecodeTilesILi10ELi1ELi128"),
+    (64, 2): ("DecodeTiles<6, 1, 128", "DecodeTilesILi6ELi1ELi128"),
 }
 
 
-@pytest.mark.parametrize("head_dim", sorted(WAVE_SHAPES))
+@pytest.mark.parametrize("shape", sorted(WAVE_SHAPES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
-def test_one_wave_of_kv_heads(dtype, head_dim):
-    """(batch, kv head) pairs filling between half a wave (SMs x the shape's CTAs an SM) and
-    one wave over a short cache: D=128 and D=64 take their wave shapes (uses_wave_config in
-    attention_decode.cuh), one split a pair, on GPUs where they fit (H100/H200; elsewhere the test
-    checks the values alone). Left padding of every length, a batch with no key, two query tokens,
-    bottom-right causal."""
+def test_one_wave_of_kv_heads(dtype, shape):
+    """(batch, kv head) pairs filling three quarters of a wave (SMs x the shape's CTAs an SM) over a
+    short cache take the head dim's wave shape (wave_config_ctas in attention_decode.cuh), one split
+    a pair, on GPUs where it fits (H100/H200; elsewhere the test checks the values alone). Left
+    padding of every length, a batch with no key, two query tokens, bottom-right causal."""
     from safeattn import _testing
 
+    head_dim, ctas = shape
     props = torch.cuda.get_device_properties(DEVICE)
     sms = props.multi_processor_count
-    ctas, wave = WAVE_SHAPES[head_dim]
     hkv, q_len, kv_len = 4, 2, 1500
     batch = max(2, 3 * sms * ctas // 4 // hkv)
     keep = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
@@ -186,7 +186,7 @@ def test_one_wave_of_kv_heads(dtype, head_dim):
     _check_against_reference(q, k, v, **kwargs)
 
     per_block = getattr(props, "shared_memory_per_block_optin", 0)
-    if not _testing.decode_uses_wave_config(head_dim, kv_len, batch, hkv, sms, per_block):
+    if _testing.decode_wave_ctas(head_dim, kv_len, batch, hkv, sms, per_block) != ctas:
         return  # a GPU without room for the shape: the values above are the test
 
     def call():
@@ -194,4 +194,5 @@ def test_one_wave_of_kv_heads(dtype, head_dim):
             safeattn.attention(q, k, v, **kwargs)
 
     names = cuda_kernel_names(call)
-    assert any(w in n for n in names for w in wave), f"the one-wave decode shape did not run: {names}"
+    wave = WAVE_SHAPES[shape]
+    assert any(w in n for n in names for w in wave), f"the wave decode shape did not run: {names}"

@@ -227,41 +227,52 @@ def test_generic_large_shapes_where_measured(gpu):
             assert tiles.bwd_block_kv == (128 if large else (128 if d == 64 else 64)), (d, tiles)
 
 
-# The decode wave shapes as measured (attention_decode.cuh, DecodeWaveShape): head dim -> (CTAs an
-# SM, shared memory of one in KB). Taken where the (batch, kv head) pairs fill half a wave to
-# one wave (SMs x CTAs an SM) over at most 4096 keys, and where that many CTAs fit a block's limit.
-DECODE_WAVE_SHAPES = {128: (1, 142), 64: (2, 113)}
+# The decode wave shapes (attention_decode.cuh, DecodeWaveShape): (head dim, CTAs an SM) -> the
+# shared memory of one CTA in KB. A step takes the shape of the fewest CTAs an SM whose wave
+# (SMs x CTAs an SM) its (batch, kv head) pairs fill half of to all of, over at most 4096 keys,
+# where that many CTAs fit a block's limit; else the default shape (0).
+# (head dim, CTAs an SM) -> (KB of one CTA, whether a paged cache takes it).
+DECODE_WAVE_SHAPES = {(128, 1): (142, True), (64, 1): (187, False), (64, 2): (113, True)}
+
+
+def expected_wave_ctas(head_dim, keys, pairs, sms, per_block, paged):
+    for ctas in (1, 2):
+        kb, pages = DECODE_WAVE_SHAPES.get((head_dim, ctas), (0, False))
+        wave = sms * ctas
+        fits = kb and ctas * kb * KB <= per_block and (pages or not paged)
+        if fits and 2 * pairs >= wave and pairs <= wave and keys <= 4096:
+            return ctas
+    return 0
 
 
 @NEEDS_GENERIC
 @pytest.mark.parametrize("gpu", sorted(GPU_SMEM))
-@pytest.mark.parametrize("head_dim", sorted(DECODE_WAVE_SHAPES))
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
     """The decode kernel's wave shapes are taken where they were measured faster on an H200 and
     only on GPUs whose blocks may take their shared memory: D=128's one CTA of 142 KB never on the
-    99 KB GPUs (RTX 30/40/50, L4, L40S), whose launch of it would fail; D=64's two CTAs of 113 KB an
-    SM only on the 227 KB ones (H100/H200, B200)."""
+    99 KB GPUs (RTX 30/40/50, L4, L40S), whose launch of it would fail; D=64's one CTA of 187 KB
+    and two of 113 KB an SM only on the 227 KB ones (H100/H200, B200); the one-CTA D=64 shape
+    never over a paged cache (its page fetches ran slower there)."""
     from safeattn import _testing
 
     per_block, _ = GPU_SMEM[gpu]
-    ctas, kb = DECODE_WAVE_SHAPES[head_dim]
-    fits = per_block >= ctas * kb * KB
-    assert fits == (gpu in (LARGE_SMEM_GPUS if head_dim == 128 else {"9.0 (H100, H200)", "10.0 (B200)"})), gpu
     for sms in (108, 132, 148):  # A100, H100/H200, B200
-        wave = sms * ctas
-        for pairs, keys in (((wave + 1) // 2, 1024), (3 * wave // 4, 4096), (wave, 1024)):
-            got = _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block)
-            assert got == fits, (gpu, sms, pairs, keys)
-        for pairs, keys in (
-            (wave // 2 - 1, 1024),
-            (wave // 3, 1024),
-            (wave + 1, 1024),
-            (3 * wave // 4, 4097),
+        for pairs in sorted(
+            {1, sms // 3, sms // 2 - 1, sms // 2, sms - 1, sms, sms + 1, 3 * sms // 2, 2 * sms, 2 * sms + 1}
         ):
-            case = (gpu, sms, pairs, keys)
-            assert not _testing.decode_uses_wave_config(head_dim, keys, pairs, 1, sms, per_block), case
-    for other in (32, 96, 256):
-        assert not _testing.decode_uses_wave_config(other, 1024, 100, 1, 132, per_block), (gpu, other)
-    assert (
-        _testing.decode_uses_wave_config(head_dim, 1024, 12 * ctas, 8, 132, per_block) == fits
-    )  # batch x kv heads
+            for keys, paged in ((1024, False), (1024, True), (4096, False), (4097, False)):
+                want = expected_wave_ctas(head_dim, keys, pairs, sms, per_block, paged)
+                got = _testing.decode_wave_ctas(head_dim, keys, pairs, 1, sms, per_block, paged)
+                assert got == want, (gpu, sms, pairs, keys, paged)
+    big = gpu in {"9.0 (H100, H200)", "10.0 (B200)"}
+    # As measured on the H200 (132 SMs): B32 x 4 kv heads (128 pairs), B32 x 8 (256), B8 x 8 (64).
+    if head_dim == 64:
+        assert _testing.decode_wave_ctas(64, 1024, 32, 4, 132, per_block) == (1 if big else 0)
+        assert _testing.decode_wave_ctas(64, 1024, 32, 4, 132, per_block, paged=True) == 0
+        assert _testing.decode_wave_ctas(64, 1024, 32, 8, 132, per_block) == (2 if big else 0)
+    if head_dim == 128:
+        fits = gpu in LARGE_SMEM_GPUS
+        assert _testing.decode_wave_ctas(128, 1024, 32, 4, 132, per_block) == (1 if fits else 0)
+        assert _testing.decode_wave_ctas(128, 1024, 32, 8, 132, per_block) == 0
+    assert _testing.decode_wave_ctas(head_dim, 1024, 8, 8, 132, per_block) == 0

@@ -1,7 +1,7 @@
 // Compiled only in CUDA builds: reports what nvcc compiled, for build_info(), and what the device
 // has, for the kernels' grid sizes. It also proves, in every CI run, that the CUDA toolchain path
 // of the build works. Also the generic kernels' tile shapes and the decode kernel's shape rule for
-// a GPU's limits, for the tests (generic_tile_shapes, decode_uses_wave_config).
+// a GPU's limits, for the tests (generic_tile_shapes, decode_wave_ctas).
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "ops/cuda/generic/attention_bwd.cuh"     // generic_tile_shapes: the tile-shape rules
-#include "ops/cuda/generic/attention_decode.cuh"  // decode_uses_wave_config
+#include "ops/cuda/generic/attention_decode.cuh"  // decode_wave_ctas
 #include "ops/cuda/generic/attention_fwd.cuh"
 #include "ops/cuda/head_dim_switch.h"
 #include "safeattn.h"
@@ -57,10 +57,10 @@ std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_bloc
   return shapes;
 }
 
-bool decode_uses_wave_config(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
-                             int64_t smem_per_block) {
-  return decode::uses_wave_config(static_cast<int>(head_dim), kv_end, batch, hkv, sms,
-                                  static_cast<size_t>(smem_per_block));
+int64_t decode_wave_ctas(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
+                         int64_t smem_per_block, bool paged) {
+  return decode::wave_config_ctas(static_cast<int>(head_dim), kv_end, batch, hkv, sms,
+                                  static_cast<size_t>(smem_per_block), paged);
 }
 
 std::vector<int> attention_head_dims(bool backward, bool sm90) {

@@ -7,7 +7,7 @@ switch it around whole runs (``pytest --generic-kernels``, ``bench attention --g
 
 ``generic_tile_shapes(...)`` gives the generic kernels' tile shapes for a GPU's shared-memory
 limits, so that the choice for GPUs not at hand (A100, Ada, Blackwell) is tested anywhere;
-``decode_uses_wave_config(...)`` the decode kernel's choice of shape the same way.
+``decode_wave_ctas(...)`` the decode kernel's choice of shape the same way.
 
 ``attention_path(...)`` says which kernel ``safeattn.attention`` (or its backward) would run for
 its arguments, and why not the kernels asked before it, without running any: so a test can assert
@@ -58,15 +58,16 @@ def generic_tile_shapes(
     return GenericTiles(bool(v[0]), v[1], v[2], v[3], bool(v[4]), v[5], v[6], v[7])
 
 
-def decode_uses_wave_config(
-    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int
-) -> bool:
-    """Whether a decode step takes the decode kernel's wave shape for its head dim (DecodeWaveShape:
-    one or two CTAs an SM, many tiles in flight) on a GPU with ``sms`` SMs and ``smem_per_block``
-    bytes of shared memory a block may opt into."""
-    if not hasattr(_C, "_decode_uses_wave_config"):
+def decode_wave_ctas(
+    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int, paged: bool = False
+) -> int:
+    """The CTAs an SM of the decode kernel's wave shape (DecodeWaveShape: many tiles in flight) that
+    a decode step over a contiguous (or ``paged``) cache takes on a GPU with ``sms`` SMs and
+    ``smem_per_block`` bytes of shared memory a block may opt into; 0 where it takes the default
+    shape."""
+    if not hasattr(_C, "_decode_wave_ctas"):
         raise RuntimeError("this build of safeattn has no CUDA kernels")
-    return bool(_C._decode_uses_wave_config(head_dim, kv_end, batch, kv_heads, sms, smem_per_block))
+    return int(_C._decode_wave_ctas(head_dim, kv_end, batch, kv_heads, sms, smem_per_block, paged))
 
 
 @contextlib.contextmanager

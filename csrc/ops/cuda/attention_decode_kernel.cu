@@ -101,8 +101,9 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
 void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, const DecodeOutputs& o, int64_t batch,
                 int64_t hkv, at::TensorOptions options) {
   const int64_t sms = multiprocessor_count();
-  const bool wave = decode::uses_wave_config(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms,
-                                             at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  const int wave_ctas = decode::wave_config_ctas(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms,
+                                                 at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin,
+                                                 p.cache.block_table != nullptr);
   with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
     constexpr int kD = decltype(dim)::value;
     auto launch = [&](auto tiles) {
@@ -116,9 +117,15 @@ void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, c
               : launch_decode<__half, kD, false, Tiles>(p, o, batch, hkv, sms, options);
       }
     };
-    if constexpr (decode::DecodeWaveShape<kD>::kCtasPerSm > 0) {
-      if (wave) {
-        launch(decode::DecodeWaveConfig<kD>{});
+    if constexpr (decode::DecodeWaveShape<kD, 1>::kHas) {
+      if (wave_ctas == 1) {
+        launch(decode::DecodeWaveConfig<kD, 1>{});
+        return;
+      }
+    }
+    if constexpr (decode::DecodeWaveShape<kD, 2>::kHas) {
+      if (wave_ctas == 2) {
+        launch(decode::DecodeWaveConfig<kD, 2>{});
         return;
       }
     }

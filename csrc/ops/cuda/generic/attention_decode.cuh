@@ -93,7 +93,7 @@ template <int kD>
 using DecodeConfig = DecodeTiles<2, 3, 128>;
 
 // The shape of a step whose (batch, kv head) pairs fill between half a wave and one wave of
-// it (kCtasPerSm CTAs on each SM) over a short cache (uses_wave_config): few CTAs an SM, many tiles
+// it (kCtas CTAs on each SM) over a short cache (wave_config_ctas): few CTAs an SM, many tiles
 // in flight, so that each pair takes one split (two at most), where DecodeConfig's three CTAs an SM
 // cut each pair's few tiles into splits merged by the combine kernel. benchmarks/decode_check.cu
 // (H200, 132 SMs, L2 flushed, bf16, us, DecodeConfig -> this):
@@ -109,49 +109,77 @@ using DecodeConfig = DecodeTiles<2, 3, 128>;
 // Half a wave, not a third: D 128 at 64 pairs (B8 Hkv8, a third of the SMs) ran its paged cache
 // 20.3 -> 24.2 us at 1024 keys and 46.5 -> 55.6 at 4096 on this shape, and D 64 gained nothing at
 // 128 pairs (B32 Hkv4: 0.65x -> 0.66x).
-// A head dim without one (kCtasPerSm 0) runs DecodeConfig everywhere.
-template <int kD>
+// D 64 from half a wave to one wave of one CTA an SM: 10 stages (187 KB), contiguous caches only.
+// decode_check, B32 Hkv4 (128 pairs), three runs, us: KV1024 24.2 -> 19.2, 26.0 -> 20.8, 25.6 ->
+// 21.3; KV2048 36.7 -> 31.7, 36.9 -> 31.4; KV4096 53.7 -> 48.4, 54.0 -> 49.9, 54.9 -> 50.9; but
+// paged16 KV2048 38.0 -> 66.1 (61.7 in the third run; the two-CTA shape 44.4): its page fetches do
+// not keep up, so a paged cache keeps DecodeConfig (kPaged false).
+// DecodeWaveShape<kD, kCtas>: the head dim's shape of kCtas CTAs an SM, if it has one (kHas), and
+// whether a paged cache takes it (kPaged). A head dim without any runs DecodeConfig everywhere.
+template <int kD, int kCtas>
 struct DecodeWaveShape {
-  static constexpr int kCtasPerSm = 0;
+  static constexpr bool kHas = false;
 };
 template <>
-struct DecodeWaveShape<128> {
+struct DecodeWaveShape<128, 1> {
   using type = DecodeTiles<4, 1, 128>;
-  static constexpr int kCtasPerSm = 1;
+  static constexpr bool kHas = true;
+  static constexpr bool kPaged = true;  // B32 Hkv4: paged 24.7 / 75.4 us, contiguous 24.0 / 70.5
 };
 template <>
-struct DecodeWaveShape<64> {
-  using type = DecodeTiles<6, 1, 128>;
-  static constexpr int kCtasPerSm = 2;
+struct DecodeWaveShape<64, 1> {
+  using type = DecodeTiles<10, 1, 128>;
+  static constexpr bool kHas = true;
+  static constexpr bool kPaged = false;
 };
-template <int kD>
-using DecodeWaveConfig = typename DecodeWaveShape<kD>::type;
+template <>
+struct DecodeWaveShape<64, 2> {
+  using type = DecodeTiles<6, 1, 128>;
+  static constexpr bool kHas = true;
+  static constexpr bool kPaged = true;  // B32 Hkv8 paged16 KV2048 56.3 -> 55.3 us
+};
+constexpr int kMaxWaveCtas = 2;  // the most CTAs an SM of any wave shape
+template <int kD, int kCtas>
+using DecodeWaveConfig = typename DecodeWaveShape<kD, kCtas>::type;
 constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on the wave shapes
 
-// `smem_optin`: the shared memory a block of the GPU may opt into. The shape is taken only where
-// its kCtasPerSm CTAs fit an SM as measured (D 128's 142 KB and D 64's two of 113 KB are over the
-// 99 KB of sm_86 / sm_89 / sm_120; D 64's two are over sm_80's 163 KB), else DecodeConfig.
-template <int kD>
-inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin) {
-  using Shape = DecodeWaveShape<kD>;
-  if constexpr (Shape::kCtasPerSm == 0) {
+// `smem_optin`: the shared memory a block of the GPU may opt into. A shape is taken only where its
+// kCtas CTAs fit an SM as measured (D 128's 142 KB and D 64's two of 113 KB are over the 99 KB of
+// sm_86 / sm_89 / sm_120; D 64's 187 KB and its two of 113 KB over sm_80's 163 KB), else
+// DecodeConfig.
+template <int kD, int kCtas>
+inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
+  using Shape = DecodeWaveShape<kD, kCtas>;
+  if constexpr (!Shape::kHas) {
     return false;
   } else {
-    const int64_t wave = sms * Shape::kCtasPerSm;
-    return Shape::kCtasPerSm * Shape::type::template smem_bytes<__half, kD>() <= smem_optin && 2 * pairs >= wave &&
-           pairs <= wave && kv_end <= kWaveMaxKeys;
+    const int64_t wave = sms * kCtas;
+    return kCtas * Shape::type::template smem_bytes<__half, kD>() <= smem_optin && 2 * pairs >= wave && pairs <= wave &&
+           kv_end <= kWaveMaxKeys && (Shape::kPaged || !paged);
   }
 }
 
-inline bool uses_wave_config(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin) {
+// The CTAs an SM of the wave shape a step takes (uses_wave_shape), 0 for DecodeConfig. The ranges
+// of pairs (half a wave to a wave) of one and two CTAs an SM do not overlap but at sms pairs, where
+// the one-CTA shape is taken.
+template <int kD>
+inline int wave_shape_ctas(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
+  if (uses_wave_shape<kD, 1>(kv_end, pairs, sms, smem_optin, paged)) {
+    return 1;
+  }
+  return uses_wave_shape<kD, 2>(kv_end, pairs, sms, smem_optin, paged) ? 2 : 0;
+}
+
+inline int wave_config_ctas(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin,
+                            bool paged) {
   const int64_t pairs = batch * hkv;
   switch (head_dim) {
     case 64:
-      return uses_wave_shape<64>(kv_end, pairs, sms, smem_optin);
+      return wave_shape_ctas<64>(kv_end, pairs, sms, smem_optin, paged);
     case 128:
-      return uses_wave_shape<128>(kv_end, pairs, sms, smem_optin);
+      return wave_shape_ctas<128>(kv_end, pairs, sms, smem_optin, paged);
     default:
-      return false;
+      return 0;
   }
 }
 
