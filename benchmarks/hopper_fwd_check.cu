@@ -394,8 +394,8 @@ int main(int argc, char** argv) {
   failed += check_variant<__half, FwdTileConfig<128, 128, 3, 2, true, 1>>("fp16 d128 n128 s3 wg2 pp q1", quick, timing);
   VARIANT(bf16, 64, 128, 5, 3, true);
   VARIANT(bf16, 64, 192, 3, 2, true);
-  VARIANT(bf16, 128, 64, 4, 2, true);    // short sequences: 64-key tiles, four stages (192 KB)
-  VARIANT(bf16, 64, 128, 4, 2, true);    // short sequences: 128-row tiles at D = 64
+  VARIANT(bf16, 128, 64, 4, 2, true);  // short sequences: 64-key tiles, four stages (192 KB)
+  VARIANT(bf16, 64, 128, 4, 2, true);  // short sequences: 128-row tiles at D = 64
   VARIANT(__half, 64, 128, 4, 2, true);
 #endif
 #undef VARIANT

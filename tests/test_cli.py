@@ -569,3 +569,55 @@ def test_bench_attention_sweep_skips_head_dims_not_built(tmp_path, monkeypatch, 
     saved = json.loads(path.read_text())["records"]
     assert {r["head_dim"] for r in saved} == {c.head_dim for c in cases} and len(saved) == 2 * len(cases)
     assert "skipped" not in capsys.readouterr().out
+
+
+def _attention_bench_args(*argv):
+    import argparse
+
+    from safeattn import _bench_attention
+
+    parser = argparse.ArgumentParser()
+    _bench_attention.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    _bench_attention.resolve_shape(args)
+    return args
+
+
+def test_bench_attention_shape_defaults_by_device():
+    """--batch / --heads / --seq left out take the device's shape; given, they are kept."""
+    cpu = _attention_bench_args()
+    assert (cpu.batch, cpu.heads, cpu.seq) == (1, 8, [512, 2048])
+    cuda = _attention_bench_args("--device", "cuda")
+    assert (cuda.batch, cuda.heads, cuda.seq) == (4, 16, [4096])
+    given = _attention_bench_args("--device", "cuda", "--batch", "32", "--heads", "8", "--seq", "512", "1024")
+    assert (given.batch, given.heads, given.seq) == (32, 8, [512, 1024])
+
+
+@pytest.mark.parametrize("argv", [("--seq", "0"), ("--batch", "0"), ("--heads", "-2")])
+def test_bench_attention_rejects_a_shape_below_one(argv):
+    with pytest.raises(SystemExit, match=argv[0]):
+        _attention_bench_args("--device", "cuda", *argv)
+
+
+def test_bench_attention_cuda_prefill_takes_the_given_shape(monkeypatch, capsys):
+    """--device cuda times its prefill table at --batch / --heads and each --seq (it used to time
+    B=4 H=16 S=4096 whatever was given); with several lengths each row names its S."""
+    import torch
+    from safeattn import _bench_attention
+
+    timed = []
+
+    def fake_prefill(args, batch, heads, seq, dtypes):
+        timed.append((batch, heads, seq))
+        return [["safeattn, is_causal", 64, "0.100", "1", "0.300", "1"]]
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "fake GPU")
+    monkeypatch.setattr(_bench_attention, "_has_cuda_backward", lambda: True)
+    monkeypatch.setattr(_bench_attention, "_cuda_prefill", fake_prefill)
+    args = _attention_bench_args(
+        "--device", "cuda", "--generic-kernels", "--batch", "32", "--seq", "512", "1024"
+    )
+    prefill, decode = _bench_attention.main_cuda(args)
+    assert timed == [(32, 16, 512), (32, 16, 1024)]
+    assert [row[0] for row in prefill] == ["safeattn, is_causal (S=512)", "safeattn, is_causal (S=1024)"]
+    assert decode == []

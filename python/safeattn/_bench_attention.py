@@ -8,9 +8,10 @@ Peers, measured in the same run on fresh random data (median of repeats):
 
   python -m safeattn bench attention --device cpu --threads 2
 
-With --device cuda (H100 / H200) it prints a markdown table for bf16 B=4 H=16 S=4096, D 64 and
-128, forward and forward+backward TFLOP/s (causal work counted as half of the dense work, the
-backward as 2.5x the forward, as FlashAttention counts), all in the same run:
+With --device cuda (H100 / H200) it prints a markdown table for bf16 B=4 H=16 S=4096 (--batch,
+--heads and --seq change it: a table for each length), D 64 and 128, forward and forward+backward
+TFLOP/s (causal work counted as half of the dense work, the backward as 2.5x the forward, as
+FlashAttention counts), all in the same run:
   SDPA flash, is_causal      sdpa_kernel(FLASH_ATTENTION)
   SDPA cuDNN, is_causal      sdpa_kernel(CUDNN_ATTENTION)
   SDPA, causal+padding mask  a dense [B,1,S,S] bool mask, PyTorch's default backend choice
@@ -55,6 +56,8 @@ import safeattn
 from ._bench import Case, Settings, markdown_table
 
 KINDS = ("none", "causal", "bool", "bias")
+# (batch, heads, sequence lengths) by device when --batch / --heads / --seq are left out.
+SHAPE_DEFAULTS = {"cpu": (1, 8, (512, 2048)), "cuda": (4, 16, (4096,))}
 
 
 def _inputs(kind, batch, heads, seq, head_dim, dtype, device, backward):
@@ -416,22 +419,17 @@ def _window_pairs(batch, seq, window):
     return total
 
 
-def main_cuda(args):
-    """Prints the prefill and decode tables; returns their rows for the README's tables."""
+def _cuda_repeats(args):
+    """(timed calls, warm-up calls) per CUDA case: few with --quick."""
+    return (5, 2) if args.quick else (args.repeats_cuda, 5)
+
+
+def _cuda_prefill(args, batch, heads, seq, dtypes):
+    """The prefill table at (batch, heads, seq): every case of each head dim and dtype, forward and
+    forward+backward, with the ratios against SDPA flash; returns its rows."""
     device = "cuda"
-    repeats, warmup = (5, 2) if args.quick else (args.repeats_cuda, 5)
-    batch, heads, seq = 4, 16, 4096
+    repeats, warmup = _cuda_repeats(args)
     has_bwd = _has_cuda_backward()
-    dtypes = [getattr(torch, name) for name in args.cuda_dtype]
-    shown = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {shown}, median of {repeats} calls")
-    if args.generic_kernels:
-        print(
-            "safeattn on its generic kernels (mma.sync: what A100 / Ada / Blackwell run), against SDPA flash"
-        )
-    if not has_bwd:
-        print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
-    print()
     work = (
         f"a causal window of {args.window} keys: its visible pairs"
         if args.window
@@ -446,7 +444,7 @@ def main_cuda(args):
         + " fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd vs flash | fwd+bwd vs flash |"
     )
     print("|---|---|" + ("---|" if dtype_column else "") + "---|---|---|---|---|---|")
-    prefill_rows, decode_rows = [], []
+    prefill_rows = []
     for head_dim, dtype in [(d, t) for d in args.head_dim for t in dtypes]:  # D 64 and 128 by default
         flops_fwd = 4 * batch * heads * seq * seq * head_dim / 2
         if args.window:  # the window's own work: its visible (query, key) pairs, padding out
@@ -505,9 +503,33 @@ def main_cuda(args):
                 flush=True,
             )
             prefill_rows.append([name, head_dim, f_ms, f_tf, b_ms, b_tf])
+    return prefill_rows
+
+
+def main_cuda(args):
+    """Prints the prefill table of each --seq (B=--batch, H=--heads) and the decode table; returns
+    their rows for the README's tables (a prefill case is named with its S when there are several)."""
+    device = "cuda"
+    repeats, warmup = _cuda_repeats(args)
+    dtypes = [getattr(torch, name) for name in args.cuda_dtype]
+    shown = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {shown}, median of {repeats} calls")
+    if args.generic_kernels:
+        print(
+            "safeattn on its generic kernels (mma.sync: what A100 / Ada / Blackwell run), against SDPA flash"
+        )
+    if not _has_cuda_backward():
+        print("safeattn forward+backward: n/a (no CUDA kernel for _attention_backward in this build)")
+    prefill_rows = []
+    for seq in args.seq:
+        print()
+        rows = _cuda_prefill(args, args.batch, args.heads, seq, dtypes)
+        if len(args.seq) > 1:
+            rows = [[f"{row[0]} (S={seq})", *row[1:]] for row in rows]
+        prefill_rows += rows
+    decode_rows = []
     if args.generic_kernels:
         return prefill_rows, decode_rows
-
     print()
     batch, hq, hkv, head_dim, dtype = 8, 32, 4, 128, torch.bfloat16
     print(f"### Decode: Q=1, B={batch}, Hq={hq}, Hkv={hkv}, D={head_dim} (GB/s: K and V bytes read)")
@@ -692,13 +714,37 @@ def readme_tables(tables: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"batch (default: {SHAPE_DEFAULTS['cpu'][0]} on the CPU, "
+        f"{SHAPE_DEFAULTS['cuda'][0]} with --device cuda; its prefill table)",
+    )
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=None,
+        help=f"heads (default: {SHAPE_DEFAULTS['cpu'][1]} on the CPU, "
+        f"{SHAPE_DEFAULTS['cuda'][1]} with --device cuda)",
+    )
+    parser.add_argument(
+        "--seq",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths (default: "
+        f"{' '.join(map(str, SHAPE_DEFAULTS['cpu'][2]))} on the CPU, {SHAPE_DEFAULTS['cuda'][2][0]} with "
+        "--device cuda: a prefill table each)",
+    )
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dtype", nargs="+", default=["bfloat16", "float32"], help="CPU dtypes (CUDA: --cuda-dtype)"
+    )
+    parser.add_argument(
+        "--kinds", nargs="+", default=list(KINDS), choices=KINDS, help="CPU masks (CUDA: its fixed cases)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="CPU repeats (CUDA: --repeats-cuda)")
     parser.add_argument(
         "--repeats-cuda", type=int, default=30, help="timed calls per case with --device cuda"
     )
@@ -746,11 +792,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _bench_sweep.add_arguments(parser)
 
 
+def resolve_shape(args: argparse.Namespace) -> None:
+    """--batch, --heads and --seq left out take their device's defaults (SHAPE_DEFAULTS); a value
+    below 1 is refused, naming the argument."""
+    batch, heads, seqs = SHAPE_DEFAULTS[args.device]
+    args.batch = batch if args.batch is None else args.batch
+    args.heads = heads if args.heads is None else args.heads
+    args.seq = list(seqs) if args.seq is None else args.seq
+    for name, values in (("--batch", [args.batch]), ("--heads", [args.heads]), ("--seq", args.seq)):
+        if any(v < 1 for v in values):
+            raise SystemExit(f"bench attention: {name} must be at least 1, got {values}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.sweep or args.dry_run or args.report:
         from . import _bench_sweep
 
         return _bench_sweep.run(args)
+    resolve_shape(args)
     tables = {}
     if args.overhead:
         torch.set_num_threads(args.threads)
