@@ -22,9 +22,10 @@ for) and passing the turn on. This simulates that against today's unordered addi
     query step up to the diagonal with ranks ascending (key tile n waits for n - 1, launched
     before it: no deadlock); then every CTA of a column starts at the same step and CTA n's adds
     trail CTA 0's by n adds;
-  - or ("deferred") that walk with the add issued by a consumer thread as now: at each step's add
-    point the thread waits for its previous add to complete, passes that step's turn on, waits for
-    this step's turn and issues this step's add, so a turn passes one step after the add.
+  - or ("deferred") that walk with the add issued by a consumer thread as bwd_kernel.cuh does: a
+    step's dQ is stored at its end and added at the next step's add point (after its S^T and dP^T
+    are issued), where the thread first waits for its previous add to complete and passes that
+    turn on, then waits for this add's turn: a turn passes two add points after its step.
 
     python benchmarks/ordered_dq_sim.py                      # B4 H16 S4096 D=64 (H200 fit)
     python benchmarks/ordered_dq_sim.py --seq 32768 --heads 16
@@ -66,21 +67,29 @@ def simulate(args, ordered, launch):
         # The consumer's own thread, the add deferred as today's: at each step's add point it waits
         # for its last add to complete, passes that step's turn on (released), waits for this step's
         # turn (key tile n - 1's release) and issues this step's add.
+        # As bwd_kernel.cuh does it: a step's dQ is stored at its end and added at the next step's
+        # add point (add_pending), where the add before it is also passed on (pass_turn).
         n, h = cta
         t = start + args.fixed / 2
         first = 0 if args.full else 2 * n
         walk = list(range(steps_total - 1, first - 1, -1))
-        last_add, last_m = None, None
-        for m in walk:
-            t += args.step
-            if last_add is not None:
-                t = max(t, last_add)
-                added[(n, h, last_m)] = t  # released
-            t = max(t, added.get((n - 1, h, m), 0.0))
-            last_add, last_m = t + args.add, m
-        if last_add is not None:
-            t = max(t, last_add)
-            added[(n, h, last_m)] = t
+        held, held_m, stored_m = None, None, None  # the add in flight; the dQ stored, not added
+        for m in [*walk, None]:
+            if m is not None:
+                t += args.step / 2  # S^T and dP^T issued: the add point
+            if held is not None:
+                t = max(t, held)
+                added[(n, h, held_m)] = t  # passed on
+                held = None
+            if stored_m is not None:
+                t = max(t, added.get((n - 1, h, stored_m), 0.0))
+                held, held_m = t + args.add, stored_m
+            if m is not None:
+                t += args.step / 2
+            stored_m = m
+        if held is not None:
+            t = max(t, held)
+            added[(n, h, held_m)] = t
         return t + args.fixed / 2
 
     def duration(cta, start):
