@@ -695,7 +695,14 @@ cudaError_t launch_fwd_config(const FwdSm90Params& a, cudaStream_t stream) {
 template <typename T, int kHeadDim>
 cudaError_t launch_attention_fwd_sm90(const FwdSm90Params& params, cudaStream_t stream) {
   if (params.mask_tiles.ptr == nullptr) {
-    return launch_fwd_variant<T, typename DefaultFwdConfig<kHeadDim>::type, false>(params, stream);
+    using Default = typename DefaultFwdConfig<kHeadDim>::type;
+    using ShortCausal = typename ShortCausalFwdConfig<kHeadDim>::type;
+    if constexpr (!std::is_same_v<ShortCausal, Default>) {
+      if (params.causal && params.q_len <= kShortCausalFwdLen && params.kv_len <= kShortCausalFwdLen) {
+        return launch_fwd_variant<T, ShortCausal, false>(params, stream);
+      }
+    }
+    return launch_fwd_variant<T, Default, false>(params, stream);
   }
   if (params.mask.is_bias() && bias_tile_fits<T>(params.mask)) {
     return launch_fwd_variant<T, typename BiasFwdConfig<kHeadDim>::type, true, true, true>(params, stream);
