@@ -63,10 +63,11 @@ struct DefaultFwdConfig<256> {
 };
 // is_causal without a mask over at most kShortCausalFwdLen queries and keys
 // (launch_attention_fwd_sm90): at D = 64 two consumer warpgroups (128-row tiles) instead of three,
-// whose 192-row tiles leave a ragged last tile and a larger diagonal there. hopper_fwd_check, H200, B x S = 16k, bf16, causal ms, three -> two:
-// S=512 0.101 -> 0.093, S=1024 0.146 -> 0.131, but S=2048 0.200 -> 0.208 and S=4096 0.332 -> 0.355
-// (hence the bound); without causality three are faster at every length. The other head dims run
-// their default there.
+// whose 192-row tiles leave a ragged last tile and a larger diagonal there. hopper_fwd_check,
+// H200, B x S = 16k, bf16, causal ms, three -> two: S=512 0.101 -> 0.093 (again later: 0.099 ->
+// 0.094), S=1024 0.146 -> 0.131, but S=2048 0.200 -> 0.208 and S=4096 0.332 -> 0.355 (hence the
+// bound); without causality three are faster at every length. The other head dims run their
+// default there.
 template <int kHeadDim>
 struct ShortCausalFwdConfig {
   using type = typename DefaultFwdConfig<kHeadDim>::type;
