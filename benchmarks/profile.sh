@@ -16,6 +16,10 @@
 #              kernel, its SASS with executed counts and stalls (ncu_generic_*_sass.csv, read
 #              by benchmarks/sass_counts.py);
 #              PROFILE_SIDES="ours" leaves FlashAttention-2 out
+#   short      the sm_90a forward beside cuDNN's at the sweep's shortest causal shape (S=512 B=32
+#              H=16 D=128 is_causal, PROFILE_CASE to change it): one warm launch of each, every
+#              section and the SASS with executed counts and stalls (ncu_short_*_sass.csv, read by
+#              benchmarks/sass_counts.py): where a short tile's fixed cost goes
 # Environment: STAGE_TIMEOUT (seconds per target, default 420).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,9 +70,33 @@ profile_generic() {
   done
 }
 
+profile_short() {
+  local case=${PROFILE_CASE:-S=512 B=32 H=16:16 D=128 causal} side regex impl
+  for side in ours cudnn; do
+    if [ $side = ours ]; then
+      regex='fwd_kernel'
+      impl=safeattn
+    else
+      regex='flash_fprop'
+      impl='SDPA cuDNN'
+    fi
+    timeout -k 10 "$TIMEOUT" ncu --clock-control none --set full --import-source no --kernel-name regex:"$regex" \
+      --launch-skip 1 --launch-count 1 -o "$OUT/ncu_short_$side" -f \
+      python benchmarks/profile_attention.py --case "$case" --impl "$impl" --forward-only --calls 3 \
+      >"$OUT/ncu_short_$side.log" 2>&1
+    echo "profile short $side (rc $?): ncu_short_$side.log"
+    ncu --import "$OUT/ncu_short_$side.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_short_${side}_sass.csv" 2>&1
+    ncu --import "$OUT/ncu_short_$side.ncu-rep" >"$OUT/ncu_short_$side.txt" 2>&1
+    rm -f "$OUT/ncu_short_$side.ncu-rep"
+    grep -E '^  [a-zA-Z_:<>]*(fwd_kernel|fprop)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th' \
+      "$OUT/ncu_short_$side.txt" | cut -c1-150
+  done
+}
+
 for target in "${@:-attention}"; do
   case "$target" in
-    attention | softmax | generic) "profile_$target" ;;
-    *) echo "profile: unknown target $target (attention, softmax, generic)" ;;
+    attention | softmax | generic | short) "profile_$target" ;;
+    *) echo "profile: unknown target $target (attention, softmax, generic, short)" ;;
   esac
 done

@@ -23,7 +23,7 @@
 #             (default: sdpa_mask softmax attention), BENCH_ARGS added (e.g. --quick); the README
 #             tables end each bench_NAME.txt
 #   profile   benchmarks/profile.sh over the targets in PROFILE (default: attention; also softmax,
-#             generic)
+#             generic, short)
 #   harness   the standalone kernel checks (benchmarks/*_check.cu, no extension build needed):
 #             compiled in parallel, run (checks, and timings unless HARNESS_TIMING=0; HARNESS_ONLY
 #             passes --only), then compute-sanitizer memcheck and racecheck over the Hopper and
