@@ -61,22 +61,6 @@ template <>
 struct DefaultFwdConfig<256> {
   using type = FwdTileConfig<256, fwd_key_tile(256), 2, 2, true, 1>;
 };
-// is_causal without a mask over at most kShortCausalFwdLen queries and keys
-// (launch_attention_fwd_sm90): at D = 64 two consumer warpgroups (128-row tiles) instead of three,
-// whose 192-row tiles leave a ragged last tile and a larger diagonal there. hopper_fwd_check,
-// H200, B x S = 16k, bf16, causal ms, three -> two: S=512 0.101 -> 0.093 (again later: 0.099 ->
-// 0.094), S=1024 0.146 -> 0.131, but S=2048 0.200 -> 0.208 and S=4096 0.332 -> 0.355 (hence the
-// bound); without causality three are faster at every length. The other head dims run their
-// default there.
-template <int kHeadDim>
-struct ShortCausalFwdConfig {
-  using type = typename DefaultFwdConfig<kHeadDim>::type;
-};
-template <>
-struct ShortCausalFwdConfig<64> {
-  using type = FwdTileConfig<64, 128, 4, 2, true>;
-};
-constexpr int kShortCausalFwdLen = 1024;  // the most queries and keys a short causal call has
 // With a mask (the kMasked variant): at D = 64, two consumer warpgroups of 232 registers, since
 // the mask's bits and addresses do not fit beside three warpgroups' 160 (168 bytes of spills).
 template <int kHeadDim>
@@ -87,6 +71,16 @@ template <>
 struct MaskedFwdConfig<64> {
   using type = FwdTileConfig<64, 128, 4, 2, true>;
 };
+// is_causal without a mask over at most kShortCausalFwdLen queries and keys
+// (launch_attention_fwd_sm90) takes the masked variant's shape: at D = 64 two consumer warpgroups
+// (128-row tiles) instead of three, whose 192-row tiles leave a ragged last tile and a larger
+// diagonal there; the other head dims, their default. hopper_fwd_check, H200, B x S = 16k, bf16,
+// causal ms, three -> two: S=512 0.101 -> 0.093 (again later: 0.099 -> 0.094), S=1024 0.146 ->
+// 0.131, but S=2048 0.200 -> 0.208 and S=4096 0.332 -> 0.355 (hence the bound); without causality
+// three are faster at every length.
+template <int kHeadDim>
+using ShortCausalFwdConfig = MaskedFwdConfig<kHeadDim>;
+constexpr int kShortCausalFwdLen = 1024;  // the most queries and keys a short causal call has
 // With a bias read through shared memory (the kBiasTile variant: a 128 x key tile 16-bit tile per
 // K stage, 32 KB each for 128 keys): two K/V stages, and at D = 128 one Q buffer, to stay within
 // 227 KB (D = 256 has one already).
