@@ -383,6 +383,43 @@ def test_atomic_dq_mode_selection(deterministic_algorithms):
     assert dq_kernel_ran(attn_mask=keep), "torch.use_deterministic_algorithms(True) must take the dQ kernel"
 
 
+# The sm_90a forward's D=64 tile shapes (tile_traits.cuh) by consumer warpgroups, as the kernel's
+# name spells FwdTileConfig's first arguments, demangled or mangled.
+SM90_FWD_D64_SHAPES = {
+    3: ("FwdTileConfig<64, 128, 4, 3,", "FwdTileConfigILi64ELi128ELi4ELi3E"),
+    2: ("FwdTileConfig<64, 128, 4, 2,", "FwdTileConfigILi64ELi128ELi4ELi2E"),
+}
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, is_causal, warpgroups",
+    [
+        (512, 512, True, 2),
+        (1024, 1024, True, 2),
+        (17, 1024, True, 2),
+        (1025, 1025, True, 3),
+        (512, 1100, True, 3),
+        (512, 512, False, 3),
+    ],
+)
+def test_sm90_d64_forward_shape(q_len, kv_len, is_causal, warpgroups):
+    """At D=64 the sm_90a forward runs 192-row tiles on three consumer warpgroups, except is_causal
+    without a mask over at most 1024 queries and keys (ShortCausalFwdConfig: 128-row tiles on
+    two); each against the float64 reference, causality bottom-right where the lengths differ."""
+    q, k, v = _qkv(2, 4, 2, q_len, kv_len, 64, torch.bfloat16, DEVICE, seed=q_len + kv_len)
+    kwargs = {"enable_gqa": True, "is_causal": is_causal}
+    if is_causal:
+        kwargs["q_offset"] = kv_len - q_len
+    _check_against_reference(q, k, v, **kwargs)
+    if not _hopper_build(q, k, v):
+        return  # not an sm_90 device with the sm_90a kernels: the values above are the test
+    names = cuda_kernel_names(lambda: safeattn.attention(q, k, v, **kwargs))
+    shape = SM90_FWD_D64_SHAPES[warpgroups]
+    assert any(
+        s in n for n in names for s in shape
+    ), f"the {warpgroups}-warpgroup D=64 forward did not run: {names}"
+
+
 def test_sm90_selection(deterministic_algorithms):
     """On an H100/H200 of a build with the sm_90a kernels (the forward took one), the backward
     takes the sm_90a kernel in the atomic mode, with or without a mask, with a learnable per-head
