@@ -10,7 +10,8 @@
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
 // [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles unless its
 // pages are shorter than a tile: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
-// paged caches of 8192 and 32768 keys)].
+// paged caches of 8192 and 32768 keys)] [--splits N (the timings' splits a (batch, kv head), merged in a
+// cluster where clusters are on and N is at most the largest; default: decode_launch's choice)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
@@ -47,6 +48,7 @@ static int g_cap_tiles = 8;                  // decode_launch's cap_tiles
 static int g_split_tiles = kLongSplitTiles;  // --split-tiles N: decode_launch's long_split_tiles
 static int g_hkv = 8;                        // --hkv N: the timings' kv heads (of 32 query heads)
 static int g_batch = 0;                      // --batch N: time only the shapes of that batch (0: all)
+static int g_splits = 0;                     // --splits N: the timings' splits a (batch, kv head) (0: decode_launch's)
 static bool g_pdl = true;                    // the combine kernel's programmatic launch (launch_combine_kernel)
 static int g_default_cluster = kMaxClusterSplits;  // max_cluster_splits on this GPU (main)
 static int g_max_cluster = kMaxClusterSplits;      // the GPU's largest cluster of splits
@@ -359,7 +361,7 @@ static void time_shape(const char* shape, int batch, int len, int page, void* fl
   for (int rep = 0; rep < 23; ++rep) {
     CHECK_CUDA(cudaMemsetAsync(flush, rep, flush_bytes));
     CHECK_CUDA(cudaEventRecord(start));
-    launch<T, kD, kPaged, Tiles>(p, batch, hkv, 0);
+    launch<T, kD, kPaged, Tiles>(p, batch, hkv, g_splits);
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float t = 0.0f;
@@ -392,8 +394,9 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
                                                            kThreads, kSmem));
   printf(
       "%s: D%d, %d stages, %zu bytes of shared memory, %d CTAs per SM, clusters %s (cap %d tiles), Hkv %d, "
-      "splits of at least %d tiles\n",
-      shape, kD, Tiles::kStages, kSmem, resident, g_clusters ? "on" : "off", g_cap_tiles, g_hkv, g_split_tiles);
+      "splits of at least %d tiles, timed with %d splits (0: decode_launch's)\n",
+      shape, kD, Tiles::kStages, kSmem, resident, g_clusters ? "on" : "off", g_cap_tiles, g_hkv, g_split_tiles,
+      g_splits);
   int failures = checks ? check_shape<T, kD, Tiles>(shape) : 0;
   if (timing) {
     const int shapes[][2] = {{1, 512},    {1, 1024},  {1, 2048},   {1, 4096},   {1, 8192},   {1, 16384},  {1, 32768},
@@ -434,6 +437,8 @@ int main(int argc, char** argv) {
       g_hkv = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--batch") && i + 1 < argc) {
       g_batch = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--splits") && i + 1 < argc) {
+      g_splits = std::max(0, atoi(argv[++i]));
     }
   }
   CHECK_CUDA(cudaMalloc(&g_workspace, kWorkspaceFloats * sizeof(float)));
