@@ -3,7 +3,9 @@
 // strides, 16 bytes a store where the rows are 16-byte aligned, else 4 (two adjacent columns; rows
 // are at least 4-byte aligned: the host checks it); rows past the end (q_len, or keys past kv_len)
 // are never written; an empty row (no visible key) is written as exactly 0, its lse -inf and
-// lse_lo 0 (OnlineSoftmax::finish, softmax.cuh).
+// lse_lo 0 (OnlineSoftmax::finish, softmax.cuh). The forward's output may instead be rounded into a
+// fragment (OutputEpilogue::rounded) that the kernel stores by TMA (Fwd::store_staged), with the same
+// values.
 #pragma once
 
 #include <cstdint>
@@ -85,34 +87,72 @@ __device__ __forceinline__ void store_row(Element* row, bool valid, int lane, co
 // The forward's epilogue: O / l of a consumer thread's two rows (a 64 x D accumulator), lse and
 // lse_lo per row, the sink logit added to the denominator where there are sinks (attn::finish_row,
 // as in every kernel). kNatural: the softmax ran in natural units (a float mask), as the sinks are.
+// Two routes for O: store() from the registers through out's strides; or rounded() into a 16-bit
+// fragment that the kernel stages in shared memory for a TMA store (fwd_kernel.cuh).
 template <typename Element, int kHeadDim, bool kNatural>
 struct OutputEpilogue {
-  // p: out, o_sb / o_sh / o_si, lse, lse_lo, sinks, heads, q_len; t: batch, head; row0: this
-  // thread's first row.
-  template <class P, class T, class FragO>
-  static __device__ __forceinline__ void store(const P& p, const T& t, FragO& o, const float (&row_max)[2],
-                                               const float (&row_sum)[2], float unit, int64_t row0, int lane) {
+  // What each of the thread's two rows is multiplied by, and which of them are empty (no visible
+  // key: written as exactly 0 even if a masked V held NaN, 0 * NaN in P V).
+  struct Rows {
+    float factor[2];
+    bool empty[2];
+  };
+
+  // Finishes the thread's rows and writes their lse and lse_lo. p: lse, lse_lo, sinks, heads,
+  // q_len; t: batch, head; row0: this thread's first row.
+  template <class P, class T>
+  static __device__ __forceinline__ Rows finish(const P& p, const T& t, const float (&row_max)[2],
+                                                const float (&row_sum)[2], float unit, int64_t row0, int lane) {
     using Softmax = OnlineSoftmax<0, kNatural>;
     const int64_t bh = int64_t{t.batch} * p.heads + t.head;
-    Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
     const float sink = p.sinks != nullptr ? p.sinks[t.head] * (kNatural ? 1.0f : attn::kLog2e) : 0.0f;
+    Rows rows;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = Softmax::total(row_sum[r]);
       const int64_t row = row0 + 8 * r;
-      const bool valid = row < p.q_len;
-      const bool empty = sum == 0.0f;
       const attn::RowEnd end = Softmax::finish(row_max[r], sum, unit, p.sinks != nullptr, sink);
-      // An empty row is exactly 0 even if a masked V held NaN (0 * NaN in P V).
-      store_row<kHeadDim / 8>(out + (valid ? row : 0) * p.o_si, valid, lane, [&](int c) {
-        return empty ? 0u : rounded_word<Element>(o(2 * r + 4 * c) * end.factor, o(1 + 2 * r + 4 * c) * end.factor);
-      });
-      if (valid && lane % 4 == 0) {
+      rows.factor[r] = end.factor;
+      rows.empty[r] = sum == 0.0f;
+      if (row < p.q_len && lane % 4 == 0) {
         p.lse[bh * p.q_len + row] = end.lse;
         if (p.lse_lo != nullptr) {
           p.lse_lo[bh * p.q_len + row] = end.lse_lo;
         }
       }
+    }
+    return rows;
+  }
+
+  // Accumulator element i (row (i / 2) % 2 of the thread's two) finished.
+  template <class FragO>
+  static __device__ __forceinline__ float value(const FragO& o, const Rows& rows, int i) {
+    const int r = (i / 2) % 2;
+    return rows.empty[r] ? 0.0f : o(i) * rows.factor[r];
+  }
+
+  // O through out's strides (p: out, o_sb / o_sh / o_si besides finish's), rows past q_len unwritten.
+  template <class P, class T, class FragO>
+  static __device__ __forceinline__ void store(const P& p, const T& t, FragO& o, const float (&row_max)[2],
+                                               const float (&row_sum)[2], float unit, int64_t row0, int lane) {
+    const Rows rows = finish(p, t, row_max, row_sum, unit, row0, lane);
+    Element* out = p.out + t.batch * p.o_sb + t.head * p.o_sh;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + 8 * r;
+      const bool valid = row < p.q_len;
+      store_row<kHeadDim / 8>(out + (valid ? row : 0) * p.o_si, valid, lane, [&](int c) {
+        return rounded_word<Element>(value(o, rows, 2 * r + 4 * c), value(o, rows, 1 + 2 * r + 4 * c));
+      });
+    }
+  }
+
+  // O finished and rounded into `out`, a 16-bit fragment of o's layout.
+  template <class FragO, class FragOut>
+  static __device__ __forceinline__ void rounded(const FragO& o, const Rows& rows, FragOut& out) {
+#pragma unroll
+    for (int i = 0; i < decltype(cute::size(o))::value; ++i) {
+      out(i) = Element(value(o, rows, i));
     }
   }
 };

@@ -29,9 +29,10 @@
 //             add a float mask's values (a bias, natural units; the kBias variant) once their
 //             scores are in: by TMA with K into shared memory where the mask has the inputs' 16-bit
 //             type and aligned rows (kBiasTile), else gathered from global memory.
-//   epilogue  O / l rounded to 16 bits, stored from registers through out's strides; lse and
-//             lse_lo (the rounding error of lse) per row, the sink logit added to the
-//             denominator where there are sinks (attn::finish_row, as in every kernel).
+//   epilogue  O / l rounded to 16 bits, staged in the tile's Q buffer and stored by TMA (two Q
+//             buffers), else stored from registers through out's strides; lse and lse_lo (the
+//             rounding error of lse) per row, the sink logit added to the denominator where there
+//             are sinks (attn::finish_row, as in every kernel).
 //   softcap   when given, each tile's scores go through the shared score rule (attn::ScoreRule:
 //             softcap * tanh(scale * dot / softcap), log2 units) before the mask.
 // setmaxnreg moves registers from the producer warpgroup to the consumers.
@@ -117,6 +118,19 @@ struct Fwd {
   using TmaK = typename Traits::template TmaK<kStages>;
   using TmaV = typename Traits::template TmaVt<kStages>;
   using TmaBias = typename Traits::template TmaBias<kStages>;
+  using TmaO = typename Traits::TmaO;
+  using R2SCopyO = typename Traits::R2SCopyO;
+  using SmemLayoutOWg = typename Traits::SmemLayoutOWg;
+  // The output through the tile's Q buffer by TMA (FwdTileConfig::kOutViaQ, store_staged): its
+  // release then waits for the copy to have read it, which with one Q buffer would hold up the next
+  // tile's Q load (those store from registers, OutputEpilogue::store). Both routes in one kernel,
+  // chosen at run time by out's alignment, spilled 44 bytes in the masked variant, so out must suit
+  // TMA here. The stores from registers (a quad's exchange, 64-bit addresses and a bounds test per
+  // row) were a quarter of the forward's warp instructions at S=512 causal (ncu, D = 128, against
+  // cuDNN's 12%). hopper_fwd_check, H200, bf16, D = 128, B x S = 16k, ms, registers -> staged, the
+  // same run: S=512 full 0.152 -> 0.146, causal 0.123 -> 0.123 (static schedule 0.127 -> 0.124);
+  // S=1024 0.248 -> 0.244, 0.174 -> 0.169; S=4096 0.838 -> 0.837, 0.473 -> 0.472.
+  static constexpr bool kOutViaQ = Config::kOutViaQ;
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesBias = kBlockM * kBlockN * sizeof(Element);
@@ -156,6 +170,7 @@ struct Fwd {
     TmaShape shape_q, shape_k, shape_vt;
     Element* out;
     int64_t o_sb, o_sh, o_si;
+    TmaO tma_o;  // kOutViaQ: out as TMA writes it
     float* lse;
     float* lse_lo;
     int heads, group, q_len, kv_len, m_blocks, tiles;
@@ -408,6 +423,50 @@ struct Fwd {
     }
   }
 
+  // The output of a tile through its Q buffer (kOutViaQ; every wgmma reading the buffer has
+  // completed): each warpgroup's rows finished and rounded into its own 64 rows of it by stmatrix,
+  // then one thread of the warpgroup (the one this returns true to) stores them by TMA (rows past
+  // q_len lie outside the tensor: TMA leaves them). The others release the buffer to the producer
+  // at once; that one once the copy has read it (StagedRelease), a tile later.
+  template <class FragO>
+  static __device__ __forceinline__ bool store_staged(const Params& p, const Tile& t, Element* q_buffer, const FragO& o,
+                                                      const typename Epilogue::Rows& ends, int mma_thread, int wg) {
+    Tensor staged = make_fragment_like<Element>(o);
+    Epilogue::rounded(o, ends, staged);
+    R2SCopyO r2s;
+    auto thr = r2s.get_slice(mma_thread);
+    copy(r2s, thr.retile_S(staged), thr.partition_D(make_tensor(make_smem_ptr(q_buffer), SmemLayoutQ{})));
+    cutlass::arch::fence_view_async_shared();  // the stores, visible to TMA
+    named_barrier_sync(kFwdOStaged + wg, 128);
+    if (mma_thread % 128 != 0) {
+      return false;
+    }
+    Tensor sO = make_tensor(make_smem_ptr(q_buffer + wg * Traits::kWgRowsOffset), SmemLayoutOWg{});
+    Tensor gO = local_tile(p.tma_o.get_tma_tensor(p.shape_q)(_, _, t.head, t.batch), Shape<_64, Int<kHeadDim>>{},
+                           make_coord(t.m_block * kMmaWGs + wg, _0{}));
+    auto cta = p.tma_o.get_slice(_0{});
+    copy(p.tma_o, cta.partition_S(sO), cta.partition_D(gO));
+    tma_store_arrive();
+    return true;
+  }
+
+  // The storing thread's release of its last tile's Q buffer, deferred until the next tile's first
+  // product is issued (or its epilogue, or the end): waiting for the copy to read the buffer right
+  // after issuing it stalled that warp at every tile's end.
+  struct StagedRelease {
+    int slot = -1;  // the buffer whose release is pending, or -1
+    __device__ __forceinline__ void hold(int buffer) {
+      slot = buffer;
+    }
+    __device__ __forceinline__ void settle(SharedStorage& smem) {
+      if (slot >= 0) {
+        tma_store_wait<0>();
+        smem.q_empty[slot].arrive();
+        slot = -1;
+      }
+    }
+  };
+
   // The tiles the producer publishes, one after the other: S = Q K^T, the mask, the online
   // softmax and O += P V over each tile's visited key tiles, then the epilogue.
   static __device__ void consume(const Params& p, SharedStorage& smem, Pipeline& pipe_k, Pipeline& pipe_v) {
@@ -440,6 +499,7 @@ struct Fwd {
         return TileVisit{n - 1, attn::kTileVisible, 0};
       }
     };
+    StagedRelease staged_release;  // kOutViaQ
     const int turn_barrier = kFwdTurn + wg;
     const int next_turn_barrier = kFwdTurn + (wg + 1) % kMmaWGs;
     if constexpr (kPingPong) {
@@ -455,6 +515,9 @@ struct Fwd {
       asm volatile("" ::: "memory");
       const int index = *reinterpret_cast<volatile int*>(&smem.tile_index[slot]);
       if (index < 0) {
+        if constexpr (kOutViaQ) {
+          staged_release.settle(smem);
+        }
         break;
       }
       const TileVisit first = read_visit(smem.first_visit[slot]);
@@ -479,7 +542,9 @@ struct Fwd {
 
       const int n = first.position;
       if (n < 0) {
-        q_empty.arrive();
+        if constexpr (!kOutViaQ) {
+          q_empty.arrive();
+        }
       } else {
         // The first visited key tile: S, mask, softmax.
         const uint64_t keep = tile_bits(n, first.tile_class, first.diagonal);
@@ -488,6 +553,9 @@ struct Fwd {
         TileVisit after = visit_after_load(n);
         wgmma_batch<true>(mma_qk, tSrQ, tSrK(_, _, _, read_k.index()), tSrS);
         pass_turn(next_turn_barrier);
+        if constexpr (kOutViaQ) {
+          staged_release.settle(smem);
+        }
         int m = after.position;
         uint64_t keep_m = m >= 0 ? tile_bits(m, after.tile_class, after.diagonal) : ~uint64_t{0};
         uint8_t class_m = after.tile_class;
@@ -497,7 +565,7 @@ struct Fwd {
         if constexpr (!kBiasTile) {
           pipe_k.consumer_release(held_k);
         }
-        if (m < 0) {
+        if (m < 0 && !kOutViaQ) {
           q_empty.arrive();
         }
         score_rule_and_mask(tSrS, p, smem, t, rows, n, keep, first.tile_class, held_k.index(), lane);
@@ -524,7 +592,7 @@ struct Fwd {
           if constexpr (!kBiasTile) {
             pipe_k.consumer_release(held_k);
           }
-          if (next < 0) {
+          if (next < 0 && !kOutViaQ) {
             q_empty.arrive();  // the tile's last read of Q
           }
           score_rule_and_mask(tSrS, p, smem, t, rows, m, keep_m, class_m, held_k.index(), lane);
@@ -549,7 +617,17 @@ struct Fwd {
         pipe_v.consumer_release(read_v);
         ++read_v;
       }
-      Epilogue::store(p, t, tOrO, row_max, row_sum, unit(p), rows.row0, lane);
+      if constexpr (kOutViaQ) {
+        const typename Epilogue::Rows ends = Epilogue::finish(p, t, row_max, row_sum, unit(p), rows.row0, lane);
+        staged_release.settle(smem);  // a tile without visits
+        if (store_staged(p, t, smem.q.data() + slot * cosize_v<SmemLayoutQ>, tOrO, ends, mma_thread, wg)) {
+          staged_release.hold(slot);
+        } else {
+          q_empty.arrive();
+        }
+      } else {
+        Epilogue::store(p, t, tOrO, row_max, row_sum, unit(p), rows.row0, lane);
+      }
     }
   }
 };
@@ -565,6 +643,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) fwd_kernel(const __grid_c
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (Kernel::kOutViaQ) {
+      cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
+    }
     if constexpr (Kernel::kBiasTile) {
       cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
     }
@@ -614,6 +695,18 @@ cudaError_t launch_fwd_variant(const FwdSm90Params& a, cudaStream_t stream) {
                           Shape<Int<D>, Int<Config::kBlockN>>{}, _1{});
   p.out = static_cast<Element*>(a.out);
   p.o_sb = a.o_sb, p.o_sh = a.o_sh, p.o_si = a.o_si;
+  if constexpr (Kernel::kOutViaQ) {
+    // TMA writes out: its address and strides multiples of 16 bytes (a dim of extent 1 takes
+    // tma_view's stride), as attention_fwd_sm90_rejects asks of every call (rows_aligned_16).
+    auto tma_aligned = [](int64_t stride_elements) { return stride_elements * int64_t{sizeof(Element)} % 16 == 0; };
+    if (reinterpret_cast<uintptr_t>(a.out) % 16 != 0 || !tma_aligned(a.o_si) || (a.heads > 1 && !tma_aligned(a.o_sh)) ||
+        (a.batch > 1 && !tma_aligned(a.o_sb))) {
+      return cudaErrorInvalidValue;
+    }
+    Tensor mO = detail::tma_view<Element>(a.out, a.batch, a.heads, a.q_len, D, a.o_sb, a.o_sh, a.o_si);
+    p.tma_o = make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(a.out)), mO.layout()),
+                            typename Kernel::SmemLayoutOWg{}, Shape<_64, Int<D>>{}, _1{});
+  }
   p.lse = a.lse;
   p.lse_lo = a.lse_lo;
   p.heads = a.heads;

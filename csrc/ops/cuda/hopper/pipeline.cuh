@@ -22,6 +22,8 @@ enum NamedBarrier : int {
   // Forward: consumer warpgroup w's ping-pong turn is kFwdTurn + w (at most 3 warpgroups), synced
   // by w and arrived at by its predecessor.
   kFwdTurn = 1,
+  // Forward: consumer warpgroup w staged its output in the Q buffer (kFwdOStaged + w).
+  kFwdOStaged = 4,
   // dK/dV kernel: both consumer warpgroups wrote their dS (kBwdDsWritten + step % 2 where one
   // warpgroup multiplies dQ per step); warpgroup w staged its dQ (kBwdDqStaged + w); both wrote
   // their P^T (64-key tiles shared by both).

@@ -38,6 +38,12 @@ struct FwdTileConfig {
   static constexpr bool kPingPong = kPingPong_;
   // Q buffers: with 2 the next tile's Q loads while the current one is still in use.
   static constexpr int kQStages = kQStages_;
+  // With two, the output of 128 columns or more goes out through the tile's Q buffer by TMA
+  // (Fwd::store_staged), and out must suit TMA (16-byte address and strides: launch_fwd_variant
+  // refuses others). D = 64 lost there (hopper_fwd_check, H200, ms, registers -> staged: three
+  // warpgroups, which spill 72 bytes with it, S=4096 0.569 -> 0.592 full, 0.340 -> 0.359 causal;
+  // S=1024 0.182 -> 0.188, 0.145 -> 0.151; two warpgroups S=512 causal 0.094 -> 0.096).
+  static constexpr bool kOutViaQ = kQStages_ >= 2 && kHeadDim_ >= 128;
 };
 
 // The variant each head dim runs (measured on an H100, benchmarks/notes_attention_cuda.md).
@@ -248,6 +254,11 @@ template <typename Element, class SmemLayout, class TileShape, class GmemStride 
 using TmaLoad = decltype(make_tma_copy(
     SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), TmaShape{}, GmemStride{}),
     SmemLayout{}, TileShape{}, _1{}));
+// The TMA copy type of `Shape` tiles from `SmemLayout` into a (rows, head dim, head, batch) tensor.
+template <typename Element, class SmemLayout, class TileShape, class GmemStride = TmaStride>
+using TmaStore = decltype(make_tma_copy(
+    SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), TmaShape{}, GmemStride{}),
+    SmemLayout{}, TileShape{}, _1{}));
 
 // Issues a wgmma batch C (+)= A B over the K blocks and commits it; the caller waits.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
@@ -329,6 +340,16 @@ struct QueryTileTraits {
   using SmemLayoutBias = SmemLayoutBiasTile<Element, kBlockM, kBlockN, kStages>;
 
   using TmaQ = TmaLoad<Element, SmemLayoutQ, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+  // The output staged in a Q buffer (OutputEpilogue::rounded): each warpgroup's rows, rounded to
+  // 16 bits, written there by stmatrix (four 8 x 8 blocks a call) and stored by one TMA copy of its
+  // 64 rows. A warpgroup's rows are SmemLayoutQ's rows 64 w on (kWgRowsOffset elements on, whole
+  // swizzle atoms: the 128-byte swizzle reads the same there).
+  using R2SCopyO = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmaPV{}));
+  using SmemLayoutOWg =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<_64, Int<kHeadDim>>{}, Stride<_1, Int<kBlockM>>{})));
+  static constexpr int kWgRowsOffset = decltype(get_nonswizzle_portion(SmemLayoutQ{})){}(64, 0);
+  static_assert(kWgRowsOffset * sizeof(Element) % 1024 == 0, "an offset the swizzle leaves alone");
+  using TmaO = TmaStore<Element, SmemLayoutOWg, Shape<_64, Int<kHeadDim>>>;
   template <int kStages>
   using TmaBias = TmaLoad<Element, decltype(take<0, 2>(SmemLayoutBias<kStages>{})), Shape<Int<kBlockM>, Int<kBlockN>>>;
   template <int kStages>
