@@ -73,7 +73,8 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
   }();
   const decode::DecodeLaunch how = decode::decode_launch(
       p.kv_end, batch, hkv, sms * resident, has_clusters(), kPaged && !decode::pages_hold_whole_tiles(p.cache), 8,
-      decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster));
+      decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster), false,
+      decode::split_slots_for(kD, kPaged, sms, sms * resident));
   p.splits = how.splits;
   p.out = o;
 

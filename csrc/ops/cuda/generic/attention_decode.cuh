@@ -276,9 +276,12 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
 // gives each split at least long_split_tiles tiles (twice that from kLongerSplitFromTiles on, unless
 // `row_pages`: a paged cache whose tiles span pages); a shorter one keeps its splits of a tile or
 // two (B1 KV1024 in a cluster: 8 splits of 2 tiles 10.3 us, 2 splits of 8 tiles 15.3).
+// `split_slots` (0: `slots`): the CTAs the splits fill where they are not one cluster
+// (split_slots_for).
 inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, int64_t slots, bool clusters,
                                   bool row_pages, int64_t cap_tiles = 8, int64_t long_split_tiles = kLongSplitTiles,
-                                  int64_t max_cluster = kMaxClusterSplits, bool small_clusters = false) {
+                                  int64_t max_cluster = kMaxClusterSplits, bool small_clusters = false,
+                                  int64_t split_slots = 0) {
   const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
   const int64_t even = slots / (batch * hkv);
   const bool short_cache = tiles <= max_cluster * cap_tiles;
@@ -294,7 +297,24 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
   const int64_t min_tiles = short_cache ? 1 : (longer ? 2 : 1) * long_split_tiles;
   const int64_t by_tiles = (tiles + min_tiles - 1) / min_tiles;
   const int64_t most = by_tiles < 1 ? 1 : (by_tiles > kMaxSplits ? kMaxSplits : by_tiles);
-  return {static_cast<int>(even < 1 ? 1 : (even > most ? most : even)), false};
+  const int64_t fill = (split_slots > 0 ? split_slots : slots) / (batch * hkv);
+  return {static_cast<int>(fill < 1 ? 1 : (fill > most ? most : fill)), false};
+}
+
+// The CTAs the splits of a step fill outside a cluster (decode_launch's split_slots): a contiguous
+// cache at D 128, one an SM (`sms`), each split twice to three times as long, else every
+// resident CTA (`slots`). benchmarks/decode_check.cu, H200, DecodeConfig<128> without clusters,
+// [B, S, Hkv, D] cache, us, resident CTAs (three an SM) -> one an SM: B8 Hkv8 (64 pairs: 6 -> 2
+// splits) KV1024 26.2 -> 23.4, KV4096 54.0 -> 51.6, KV32768 274.2 -> 265.7, KV131072 1018.8 ->
+// 1006.9; B8 Hkv4 (12 -> 4) 21.4 -> 18.8, 38.3 -> 35.3, 151.0 -> 145.1, 525.5 -> 517.5; B32 Hkv4
+// (3 -> 1) KV1024 37.4 -> 32.7, KV4096 86.7 -> 80.9, KV32768 523.5 -> 513.8; [B, Hkv, S, D] B8 Hkv4
+// KV32768 152.2 -> 145.9; B1 mostly within 2% (Hkv8 KV16384 36.2 -> 34.8, KV131072 150.1 -> 144.2;
+// Hkv4 KV131072 95.3 -> 87.6). Through the extension (bench decode, cuDNN in the same run): B8
+// 32:8 KV1024 0.74x -> 0.83x, KV4096 0.91x -> 0.98x. A paged cache keeps them (B8 Hkv8 KV32768,
+// 6 -> 2 splits: pages of 16 288 -> 555 us, of 64 278 -> 289, of 256 275 -> 289). D 64 is not
+// measured this way yet.
+inline int64_t split_slots_for(int head_dim, bool paged, int64_t sms, int64_t slots) {
+  return head_dim == 128 && !paged ? sms : slots;
 }
 
 // Launches the split kernel over (splits, hkv, batch), the splits of each (batch, kv head) one
