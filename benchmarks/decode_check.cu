@@ -12,8 +12,8 @@
 // pages are shorter than a tile: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
 // paged caches of 8192 and 32768 keys)] [--splits N (the timings' splits a (batch, kv head), merged in a
 // cluster where clusters are on and N is at most the largest; default: decode_launch's choice)]
-// [--resident-splits (decode_launch's choice with the splits filling every resident CTA, as before
-// split_slots_for)].
+// [--resident-splits | --sm-splits (decode_launch's choice with the splits filling every resident
+// CTA, as before split_slots_for, or one CTA an SM whatever the head dim and cache)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
 // 64 and 256 in a shuffled block table), GQA 1, 4 and 8 with 1-2 query tokens, causal, a window,
 // softcap, sinks, and split counts 1 (the split kernel writes out itself), 3 (merged in a
@@ -56,7 +56,8 @@ static int g_default_cluster = kMaxClusterSplits;  // max_cluster_splits on this
 static int g_max_cluster = kMaxClusterSplits;      // the GPU's largest cluster of splits
 static bool g_step_rule = true;                    // step_max_cluster decides a step's (else g_max_cluster)
 static bool g_small_clusters = false;              // decode_launch's small_clusters (a candidate)
-static bool g_resident_splits = false;             // --resident-splits: split_slots of every resident CTA
+static int g_split_slots =
+    0;  // --resident-splits (1): every resident CTA; --sm-splits (2): one an SM; 0: split_slots_for
 
 template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
 static auto* split_kernel() {
@@ -81,7 +82,9 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
         decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
                       kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
                       g_step_rule ? step_max_cluster(batch, hkv, sms, g_max_cluster) : g_max_cluster, g_small_clusters,
-                      g_resident_splits ? 0 : split_slots_for(kD, kPaged, sms, int64_t{sms} * std::max(resident, 1)));
+                      g_split_slots == 1   ? 0
+                      : g_split_slots == 2 ? sms
+                                           : split_slots_for(kD, kPaged, sms, int64_t{sms} * std::max(resident, 1)));
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -432,7 +435,9 @@ int main(int argc, char** argv) {
     if (!strcmp(argv[i], "--no-timing")) {
       timing = false;
     } else if (!strcmp(argv[i], "--resident-splits")) {
-      g_resident_splits = true;
+      g_split_slots = 1;
+    } else if (!strcmp(argv[i], "--sm-splits")) {
+      g_split_slots = 2;
     } else if (!strcmp(argv[i], "--no-checks")) {
       checks = false;
     } else if (!strcmp(argv[i], "--only") && i + 1 < argc) {

@@ -311,8 +311,9 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
 // KV32768 152.2 -> 145.9; B1 mostly within 2% (Hkv8 KV16384 36.2 -> 34.8, KV131072 150.1 -> 144.2;
 // Hkv4 KV131072 95.3 -> 87.6). Through the extension (bench decode, cuDNN in the same run): B8
 // 32:8 KV1024 0.74x -> 0.83x, KV4096 0.91x -> 0.98x. A paged cache keeps them (B8 Hkv8 KV32768,
-// 6 -> 2 splits: pages of 16 288 -> 555 us, of 64 278 -> 289, of 256 275 -> 289). D 64 is not
-// measured this way yet.
+// 6 -> 2 splits: pages of 16 288 -> 555 us, of 64 278 -> 289, of 256 275 -> 289), and so does D 64,
+// whose tiles carry half the bytes (decode_check --sm-splits: B8 Hkv8 KV4096 34.6 -> 39.6,
+// KV32768 153.2 -> 188.1; B1 Hkv8 KV32768 35.8 -> 41.1; only B32 Hkv8 gained, KV1024 36.4 -> 32.1).
 inline int64_t split_slots_for(int head_dim, bool paged, int64_t sms, int64_t slots) {
   return head_dim == 128 && !paged ? sms : slots;
 }
