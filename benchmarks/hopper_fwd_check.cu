@@ -12,8 +12,9 @@
 // tile_order.h)]. For each kernel variant: fresh random inputs (never zeros), outputs poisoned with
 // NaN, the kernel, then a float64 CPU reference over odd shapes (Q/KV in 1, 17, 97, 1025, 4096;
 // causal shifts -5, 0, +7 and ones that empty every row; GQA 4:1; transposed-view and padded
-// strides, the latter with an output 4-byte but not 16-byte aligned) comparing out, lse, lse +
-// lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 (or
+// strides, the latter with an output 4-byte but not 16-byte aligned where the epilogue stores from
+// registers, and where it stores by TMA a check that such an output is refused) comparing out, lse,
+// lse + lse_lo, and fully masked rows (out exactly 0, lse -inf, lse_lo 0). Then B=4 H=16 S=4096 (or
 // --seq) causal and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal
 // counting half the flops. Exit status 1 when any check fails.
 #include <algorithm>
