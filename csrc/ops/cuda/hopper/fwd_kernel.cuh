@@ -157,6 +157,7 @@ struct Fwd {
     cutlass::arch::ClusterTransactionBarrier q_full[kQStages];
     cutlass::arch::ClusterBarrier q_empty[kQStages];
     int tile_index[kQStages];
+    Tile tile[kQStages];                // its coordinates and key tiles (the producer's tile_at)
     TileVisit first_visit[kQStages];    // the tile's first visited key tile, published with its index
     TileVisit next_visit[kVisitSlots];  // kMasked: per K load, the visit after it
   };
@@ -212,14 +213,14 @@ struct Fwd {
       }
       ++q_loads;
       if (index >= p.tiles) {
-        publish_tile(smem, slot, -1, TileVisit{-1, attn::kTileMasked, 0});
+        publish_tile(smem, slot, -1, Tile{}, TileVisit{-1, attn::kTileMasked, 0});
         q_full.arrive();
         break;
       }
       const Tile t = Scheduler::tile_at(p, index);
       const int lowest = kMasked ? p.mask_tiles.first_visible_at(t.batch, t.head, t.m_block) : 0;
       const TileVisit first = visit_after(p, t, t.n_blocks, lowest);
-      publish_tile(smem, slot, index, first);
+      publish_tile(smem, slot, index, t, first);
       if (first.position < 0) {  // no key visible to any row: the consumers write the empty rows alone
         q_full.arrive();
         index = Scheduler::next_tile(p, index);
@@ -313,9 +314,13 @@ struct Fwd {
 
   // The store stays before the q_full arrive (release; the consumers' wait acquires): CUTLASS's
   // barrier asm has no memory clobber, so the compiler is told here.
-  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index,
+  // The tile's coordinates go with it: the consumers would otherwise each repeat tile_at's
+  // divisions at every tile's start, before its first product.
+  static __device__ __forceinline__ void publish_tile(SharedStorage& smem, int slot, int index, const Tile& t,
                                                       const TileVisit& first) {
     *reinterpret_cast<volatile int*>(&smem.tile_index[slot]) = index;
+    volatile int* coordinates = reinterpret_cast<volatile int*>(&smem.tile[slot]);
+    coordinates[0] = t.m_block, coordinates[1] = t.head, coordinates[2] = t.batch, coordinates[3] = t.n_blocks;
     write_visit(smem.first_visit[slot], first);
   }
 
@@ -525,7 +530,8 @@ struct Fwd {
       auto& q_empty = smem.q_empty[slot];
       Tensor tSrQ = wg_qk.partition_fragment_A(  // (MMA, 1, D / 16) descriptors
           make_tensor(make_smem_ptr(smem.q.data() + slot * cosize_v<SmemLayoutQ>), SmemLayoutQ{}));
-      const Tile t = Scheduler::tile_at(p, index);
+      const volatile int* published = reinterpret_cast<volatile int*>(&smem.tile[slot]);
+      const Tile t{published[0], published[1], published[2], published[3]};
       ThreadRows rows;
       rows.row_in_tile = 64 * wg + 16 * warp_in_wg + lane / 4;
       rows.row0 = int64_t{t.m_block} * kBlockM + rows.row_in_tile;
