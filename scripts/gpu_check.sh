@@ -92,8 +92,10 @@ run_pytest() {
   # over the workers (an xdist without the option keeps its default chunks).
   python -m pytest --help 2>/dev/null | grep -q -- --maxschedchunk && chunk=(--maxschedchunk 1)
   # -v: a line per test as it ends (with xdist "[gwN] [ P%] FAILED tests/..."), so a run cut by
-  # its time limit still names its failures.
-  timeout -k 10 "$TIMEOUT" python -m pytest -v -rfEs --durations=30 -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
+  # its time limit still names its failures. One CPU thread a worker: with torch's default (every
+  # core) the workers' float64 references oversubscribed the host, and the CUDA attention tests
+  # (668 cases, H200, -n 8 / 12) went from half done in 250 s to all done in 27 s.
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} timeout -k 10 "$TIMEOUT" python -m pytest -v -rfEs --durations=30 -p no:cacheprovider "${per_test[@]}" "${chunk[@]}" \
     -n "$WORKERS" "$@" >"$OUT/pytest_$name.log" 2>&1
   local rc=$?
   local line
