@@ -317,6 +317,41 @@ def test_bench_model_each_model_runs_its_own_implementation():
         ), f"the {impl} model runs {layer_config._attn_implementation}"
 
 
+def test_bench_model_times_the_four_configurations():
+    """The whole-model target names four configurations (padded or not, eager or compiled): the
+    compiled training step is timed with and without padding (it was padded only). The compiled
+    callables are built, not run (torch.compile compiles at the first call)."""
+    pytest.importorskip("transformers")
+    import types
+
+    import torch
+    from safeattn import _bench_model
+
+    args = types.SimpleNamespace(
+        vocab=64,
+        hidden=32,
+        mlp=64,
+        layers=1,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        seq=16,
+        batch=2,
+        impl=["sdpa", "safeattn"],
+        compile=True,
+    )
+    table, failed = _bench_model.cases(args, torch.device("cpu"), torch.float32)
+    assert not failed, failed
+    assert set(table) == {
+        (phase, padded, False) for phase in ("train step", "prefill") for padded in (True, False)
+    } | {("train step", True, True), ("train step", False, True)}, sorted(table)
+    for key, impls in table.items():
+        assert set(impls) == {"sdpa", "safeattn"}, (key, sorted(impls))
+    args.compile = False
+    table, _ = _bench_model.cases(args, torch.device("cpu"), torch.float32)
+    assert not any(compiled for _, _, compiled in table), "--no-compile: eager cases only"
+
+
 def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
     from safeattn import _cli_bench
 

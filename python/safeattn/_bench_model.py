@@ -2,8 +2,9 @@
 
 The attention implementations of Transformers compared where users feel them: one training step
 (forward with labels, backward; no optimizer, whose step is the same for all) and one prefill
-forward (no cache, last logits only), each with and without left padding, eager and (training,
-padded) with the model under ``torch.compile``. Every implementation runs on the same random
+forward (no cache, last logits only), each with and without left padding, eager, and the
+training step (padded and not) with the model under ``torch.compile``: the four configurations
+of the performance target (padded or not, eager or compiled). Every implementation runs on the same random
 weights and tokens, in the same process, in turns. Median of the repeats (CUDA events on the GPU).
 
     python -m safeattn bench model --device cuda [--markdown]     # the targets' shape (H100: minutes)
@@ -109,10 +110,11 @@ def cases(args, device, dtype):
             table[(phase, padded, False)] = {
                 impl: make(model, input_ids, mask) for impl, model in models.items()
             }
-    if compiled:
-        input_ids, attention_mask = tokens(args, True, device)
-        table[("train step", True, True)] = {
-            impl: train_step(model, input_ids, attention_mask) for impl, model in compiled.items()
+    for padded in (True, False) if compiled else ():
+        input_ids, attention_mask = tokens(args, padded, device)
+        mask = attention_mask if padded else None
+        table[("train step", padded, True)] = {
+            impl: train_step(model, input_ids, mask) for impl, model in compiled.items()
         }
     return table, failed
 
