@@ -292,20 +292,23 @@ def test_bench_serving_tiny_cpu():
     assert "| paged\\|safeattn |" in out, f"the README table escapes the pipe:\n{out}"
 
 
+def _tiny_model_args(**extra):
+    """bench model's arguments for a one-layer Llama of width 32 over 16 tokens."""
+    import types
+
+    shape = dict(vocab=64, hidden=32, mlp=64, layers=1, heads=4, kv_heads=2, head_dim=8, seq=16)
+    return types.SimpleNamespace(**shape, **extra)
+
+
 def test_bench_model_each_model_runs_its_own_implementation():
     """The models are built from one config; each must keep the implementation it was built with
     (Transformers 5 writes it into the config it is given: a shared one made every model run the
     last implementation, and the GPU table compared safeattn with itself)."""
     pytest.importorskip("transformers")
-    import types
-
     import torch
     from safeattn import _bench_model
 
-    args = types.SimpleNamespace(
-        vocab=64, hidden=32, mlp=64, layers=1, heads=4, kv_heads=2, head_dim=8, seq=16
-    )
-    config = _bench_model.model_config(args)
+    config = _bench_model.model_config(_tiny_model_args())
     models = {
         impl: _bench_model.make_model(config, impl, "cpu", torch.float32)
         for impl in ("sdpa", "eager", "safeattn")
@@ -322,24 +325,10 @@ def test_bench_model_times_the_four_configurations():
     compiled training step is timed with and without padding (it was padded only). The compiled
     callables are built, not run (torch.compile compiles at the first call)."""
     pytest.importorskip("transformers")
-    import types
-
     import torch
     from safeattn import _bench_model
 
-    args = types.SimpleNamespace(
-        vocab=64,
-        hidden=32,
-        mlp=64,
-        layers=1,
-        heads=4,
-        kv_heads=2,
-        head_dim=8,
-        seq=16,
-        batch=2,
-        impl=["sdpa", "safeattn"],
-        compile=True,
-    )
+    args = _tiny_model_args(batch=2, impl=["sdpa", "safeattn"], compile=True)
     table, failed = _bench_model.cases(args, torch.device("cpu"), torch.float32)
     assert not failed, failed
     assert set(table) == {
