@@ -4,8 +4,9 @@ The attention implementations of Transformers compared where users feel them: on
 (forward with labels, backward; no optimizer, whose step is the same for all) and one prefill
 forward (no cache, last logits only), each with and without left padding, eager, and the
 training step (padded and not) with the model under ``torch.compile``: the four configurations
-of the performance target (padded or not, eager or compiled). Every implementation runs on the same random
-weights and tokens, in the same process, in turns. Median of the repeats (CUDA events on the GPU).
+of the performance target (padded or not, eager or compiled). Every implementation runs on the
+same random weights and tokens, in the same process, in turns. Median of the repeats (CUDA events
+on the GPU).
 
     python -m safeattn bench model --device cuda [--markdown]     # the targets' shape (H100: minutes)
     python -m safeattn bench model --tiny --no-compile             # a small model, seconds on a CPU

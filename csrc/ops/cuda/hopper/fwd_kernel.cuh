@@ -8,8 +8,8 @@
 //   schedule  tiles in (batch, head)-major order, longest causal rows first within a head; CTA c
 //             starts with tile c, then takes the next from an atomic counter (causal: unequal
 //             tiles stay balanced, and the running tiles share a few heads' K/V in L2) or, with
-//             no counter, tile + grid. The producer publishes each tile index (-1: done) with Q's
-//             mbarrier, so the consumers follow it.
+//             no counter, tile + grid. The producer publishes each tile index (-1: done) and the
+//             tile's coordinates with Q's mbarrier, so the consumers follow it.
 //   producer  one thread issues TMA loads: Q once per tile into one of kQStages buffers (q_full /
 //             q_empty mbarriers; the next tile's Q loads under the current one), then K and V
 //             tiles of kBlockN keys into two kStages-deep mbarrier pipelines, from the last key
