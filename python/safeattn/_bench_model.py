@@ -2,11 +2,10 @@
 
 The attention implementations of Transformers compared where users feel them: one training step
 (forward with labels, backward; no optimizer, whose step is the same for all) and one prefill
-forward (no cache, last logits only), each with and without left padding, eager, and the
-training step (padded and not) with the model under ``torch.compile``: the four configurations
-of the performance target (padded or not, eager or compiled). Every implementation runs on the
-same random weights and tokens, in the same process, in turns. Median of the repeats (CUDA events
-on the GPU).
+forward (no cache, last logits only), each with and without left padding, eager and with the
+model under ``torch.compile``: the four configurations of the performance target (padded or
+not, eager or compiled) for both phases. Every implementation runs on the same random weights
+and tokens, in the same process, in turns. Median of the repeats (CUDA events on the GPU).
 
     python -m safeattn bench model --device cuda [--markdown]     # the targets' shape (H100: minutes)
     python -m safeattn bench model --tiny --no-compile             # a small model, seconds on a CPU
@@ -104,19 +103,15 @@ def cases(args, device, dtype):
         return forward
 
     table = {}
-    for padded in (True, False):
-        input_ids, attention_mask = tokens(args, padded, device)
-        mask = attention_mask if padded else None  # unpadded: no mask at all, as a user would call
-        for phase, make in (("train step", train_step), ("prefill", prefill)):
-            table[(phase, padded, False)] = {
-                impl: make(model, input_ids, mask) for impl, model in models.items()
-            }
-    for padded in (True, False) if compiled else ():
-        input_ids, attention_mask = tokens(args, padded, device)
-        mask = attention_mask if padded else None
-        table[("train step", padded, True)] = {
-            impl: train_step(model, input_ids, mask) for impl, model in compiled.items()
-        }
+    for is_compiled, built in ((False, models), (True, compiled)):
+        for padded in (True, False):
+            input_ids, attention_mask = tokens(args, padded, device)
+            mask = attention_mask if padded else None  # unpadded: no mask at all, as a user would call
+            for phase, make in (("train step", train_step), ("prefill", prefill)):
+                if built:
+                    table[(phase, padded, is_compiled)] = {
+                        impl: make(model, input_ids, mask) for impl, model in built.items()
+                    }
     return table, failed
 
 
