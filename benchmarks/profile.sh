@@ -20,6 +20,10 @@
 #              H=16 D=128 is_causal, PROFILE_CASE to change it): one warm launch of each, every
 #              section and the SASS with executed counts and stalls (ncu_short_*_sass.csv, read by
 #              benchmarks/sass_counts.py): where a short tile's fixed cost goes
+#   decode     one decode step of safeattn (the serving API) beside SDPA cuDNN's at
+#              PROFILE_DECODE="B KV HKV D" (default "1 4096 8 128", Hq=32, bf16): every kernel of
+#              the step (an NVTX range), every section, and the SASS with executed counts and stalls
+#              (ncu_decode_*_sass.csv): what a step spends beside cuDNN's
 # Environment: STAGE_TIMEOUT (seconds per target, default 420).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,9 +98,28 @@ profile_short() {
   done
 }
 
+profile_decode() {
+  local b kv hkv d side impl
+  read -r b kv hkv d <<<"${PROFILE_DECODE:-1 4096 8 128}"
+  for side in ours cudnn; do
+    impl=safeattn
+    [ $side = cudnn ] && impl='SDPA cuDNN'
+    timeout -k 10 "$TIMEOUT" ncu --clock-control none --set full --import-source no --nvtx --nvtx-include profiled/ \
+      -o "$OUT/ncu_decode_$side" -f python benchmarks/profile_attention.py --decode "$kv" --decode-batch "$b" \
+      --decode-kv-heads "$hkv" --head-dim "$d" --impl "$impl" --calls 3 >"$OUT/ncu_decode_$side.log" 2>&1
+    echo "profile decode $side (rc $?): ncu_decode_$side.log"
+    ncu --import "$OUT/ncu_decode_$side.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_decode_${side}_sass.csv" 2>&1
+    ncu --import "$OUT/ncu_decode_$side.ncu-rep" >"$OUT/ncu_decode_$side.txt" 2>&1
+    rm -f "$OUT/ncu_decode_$side.ncu-rep"
+    grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size' \
+      "$OUT/ncu_decode_$side.txt" | cut -c1-150
+  done
+}
+
 for target in "${@:-attention}"; do
   case "$target" in
-    attention | softmax | generic | short) "profile_$target" ;;
-    *) echo "profile: unknown target $target (attention, softmax, generic, short)" ;;
+    attention | softmax | generic | short | decode) "profile_$target" ;;
+    *) echo "profile: unknown target $target (attention, softmax, generic, short, decode)" ;;
   esac
 done

@@ -5,8 +5,10 @@ backward with `is_causal`, then with a dense causal + left-padding bool mask, `-
 so that `ncu -k regex:attention --launch-skip ... --launch-count ...` finds warm kernels of every
 kind (forward, backward rows pre-pass, dK/dV, dQ, mask summary).
 
-Decode (`--decode KV`): the benchmark's decode shape (Q=1, B=8, Hq=32, Hkv=4, D=128, bf16) with the
-given cache length, forward only.
+Decode (`--decode KV`): one decode step (Q=1, Hq=32, bf16; `--decode-batch` B, default 8,
+`--decode-kv-heads` Hkv, default 4, `--head-dim` D) over a full cache of KV keys, as `bench decode`
+times it; `--impl` "safeattn" (the serving API), "SDPA cuDNN" or "SDPA flash". The step after the
+warm calls runs in the NVTX range "profiled".
 
 `--bias 1H|B1`: the prefill shape with is_causal and a learnable bf16 bias, `[1, H, S, S]` or
 `[B, 1, S, S]`, whose gradient the backward computes (as the sweep's bias cases): forward and
@@ -30,7 +32,7 @@ its own pass instead of float32 additions).
 `--table` also prints the per-kernel device times (torch.profiler) of the last call of each kind,
 a narrow line per kernel.
 
-    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV] [--bias 1H|B1]
+    python benchmarks/profile_attention.py [--head-dim 128] [--calls 2] [--decode KV [--decode-batch B] [--decode-kv-heads H]] [--bias 1H|B1]
         [--generic] [--peer flash] [--deterministic] [--table] [--case NAME [--impl NAME] [--forward-only]]
 """
 
@@ -107,19 +109,48 @@ def prefill(head_dim, calls, table, peer=None, bias=None):
             print_kernels(prof, f"prefill D={head_dim} {sorted(kwargs)}{f' bias {bias}' if bias else ''}")
 
 
-def decode(kv_len, calls, table):
-    batch, hq, hkv, dim = 8, 32, 4, 128
-    q = torch.randn(batch, hq, 1, dim, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, hkv, kv_len, dim, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(batch, hkv, kv_len, dim, device="cuda", dtype=torch.bfloat16)
+def decode(kv_len, calls, table, impl="safeattn", batch=8, kv_heads=4, head_dim=128):
+    """One decode step (Q=1, Hq=32, bf16) as `bench decode` times it: safeattn through the serving
+    API on a [B, S, Hkv, D] cache, or an SDPA backend ("SDPA cuDNN", "SDPA flash") on [B, Hkv, S, D]
+    with enable_gqa. The last call runs inside the NVTX range "profiled" (`ncu --nvtx --nvtx-include
+    profiled/` takes every kernel of that one step, whatever the backend names them)."""
+    from safeattn.serving import attention_with_kvcache
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq = 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    q = rand(batch, 1, hq, head_dim)
+    k_cache, v_cache = rand(batch, kv_len, kv_heads, head_dim), rand(batch, kv_len, kv_heads, head_dim)
+    seqlens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    if impl == "safeattn":
+
+        def step():
+            attention_with_kvcache(q, k_cache, v_cache, seqlens)
+
+    else:
+        backend = {"SDPA cuDNN": SDPBackend.CUDNN_ATTENTION, "SDPA flash": SDPBackend.FLASH_ATTENTION}[impl]
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k_cache, v_cache))
+
+        def step():
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
     with torch.no_grad():
         for _ in range(calls):
-            safeattn.attention(q, k, v, enable_gqa=True)
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("profiled")
+        step()
+        torch.cuda.nvtx.range_pop()
         if table:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                safeattn.attention(q, k, v, enable_gqa=True)
+                step()
                 torch.cuda.synchronize()
-            print_kernels(prof, f"decode KV={kv_len}")
+            print_kernels(prof, f"decode B={batch} KV={kv_len} Hkv={kv_heads} D={head_dim} {impl}")
 
 
 def sweep_case(name, impl_name, calls, table, forward_only):
@@ -169,6 +200,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--decode", type=int, default=0, metavar="KV")
+    parser.add_argument("--decode-batch", type=int, default=8)
+    parser.add_argument("--decode-kv-heads", type=int, default=4)
     parser.add_argument("--bias", choices=["1H", "B1"], default=None)
     parser.add_argument("--generic", action="store_true")
     parser.add_argument("--peer", choices=["flash"], default=None)
@@ -183,7 +216,15 @@ def main() -> None:
         if args.case:
             sweep_case(args.case, args.impl, args.calls, args.table, args.forward_only)
         elif args.decode:
-            decode(args.decode, args.calls, args.table)
+            decode(
+                args.decode,
+                args.calls,
+                args.table,
+                args.impl,
+                args.decode_batch,
+                args.decode_kv_heads,
+                args.head_dim,
+            )
         else:
             prefill(args.head_dim, args.calls, args.table, args.peer, args.bias)
     torch.cuda.synchronize()

@@ -329,7 +329,7 @@ def test_bench_model_times_the_four_configurations():
     import torch
     from safeattn import _bench_model
 
-    args = _tiny_model_args(batch=2, impl=["sdpa", "safeattn"], compile=True)
+    args = _tiny_model_args(batch=2, impl=["sdpa", "safeattn"], compile=True, eager=True)
     table, failed = _bench_model.cases(args, torch.device("cpu"), torch.float32)
     assert not failed, failed
     assert set(table) == {
@@ -342,7 +342,10 @@ def test_bench_model_times_the_four_configurations():
         assert set(impls) == {"sdpa", "safeattn"}, (key, sorted(impls))
     args.compile = False
     table, _ = _bench_model.cases(args, torch.device("cpu"), torch.float32)
-    assert not any(compiled for _, _, compiled in table), "--no-compile: eager cases only"
+    assert table and not any(compiled for _, _, compiled in table), "--no-compile: eager cases only"
+    args.compile, args.eager = True, False
+    table, _ = _bench_model.cases(args, torch.device("cpu"), torch.float32)
+    assert table and all(compiled for _, _, compiled in table), "--no-eager: compiled cases only"
 
 
 def test_bench_text_progress_without_tqdm(monkeypatch, capsys):

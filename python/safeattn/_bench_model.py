@@ -9,6 +9,7 @@ and tokens, in the same process, in turns. Median of the repeats (CUDA events on
 
     python -m safeattn bench model --device cuda [--markdown]     # the targets' shape (H100: minutes)
     python -m safeattn bench model --tiny --no-compile             # a small model, seconds on a CPU
+    python -m safeattn bench model --device cuda --no-eager         # the compiled cases alone
 
 Default shape (the model row of the performance targets): 8 layers, hidden 2048, 16 query heads
 over 4 key/value heads of dim 128, MLP 5632, vocabulary 32000, bf16, batch 4 x 4096 tokens;
@@ -103,7 +104,7 @@ def cases(args, device, dtype):
         return forward
 
     table = {}
-    for is_compiled, built in ((False, models), (True, compiled)):
+    for is_compiled, built in ((False, models if args.eager else {}), (True, compiled)):
         for padded in (True, False):
             input_ids, attention_mask = tokens(args, padded, device)
             mask = attention_mask if padded else None  # unpadded: no mask at all, as a user would call
@@ -133,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--impl", nargs="+", default=list(IMPLEMENTATIONS), choices=IMPLEMENTATIONS)
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="eager cases only")
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="compiled cases only")
     parser.add_argument(
         "--tiny",
         action="store_true",
