@@ -43,7 +43,8 @@ const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
   if (a.key.size(1) > 65535 || a.query.size(0) > 65535) {
     return "batch or kv heads above 65535 (grid y and z)";
   }
-  // The gradients are written with 4-byte stores through their strides.
+  // grad_k and grad_v are written by TMA (16-byte aligned start and strides), grad_q through its
+  // strides.
   if (!attn::rows_aligned_16(a.grad_query) || !attn::rows_aligned_16(a.grad_key) ||
       !attn::rows_aligned_16(a.grad_value)) {
     return "a gradient's rows are not 16-byte aligned";

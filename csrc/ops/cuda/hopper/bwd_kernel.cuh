@@ -173,6 +173,12 @@ struct Bwd {
   using R2SCopydS = typename Traits::R2SCopydS;
   using TmaQ = typename Traits::TmaQ;
   using TmaK = typename Traits::TmaK;
+  // dK and dV out through K's and V's buffers by TMA (store_dkv_staged), else from registers
+  // through their strides (store_dkv); the first takes only 16-byte aligned gradients
+  // (launch_bwd_variant refuses others; the extension's always are: attention_bwd_sm90_rejects).
+  static constexpr bool kStagedDkv = Traits::kStagedDkv;
+  using R2SCopydKV = typename Traits::R2SCopydKV;
+  using TmadKV = typename Traits::TmadKV;
   static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element) + kBytesRows;  // + row_shift
   static constexpr uint32_t kBytesKV = 2 * kBlockN * kHeadDim * sizeof(Element);
@@ -228,6 +234,7 @@ struct Bwd {
     bool batch_inner;                    // BwdSm90Params::batch_inner
     TmaBias tma_bias;                    // kBiasTile: the mask as (rows, keys, head, batch)
     TmaShape shape_bias;                 // its head and batch extents are 1 where it broadcasts
+    TmadKV tma_dk, tma_dv;               // kStagedDkv: grad_k and grad_v as TMA writes them
   };
   static_assert(!kMasked || (kBlockM == kBwdMaskTileRows && kBlockN == bwd_key_tile(kHeadDim)),
                 "a masked step is one tile of the mask summary");
@@ -634,6 +641,43 @@ struct Bwd {
     store_rows<kdKVCols>(dv_acc, dv, p.dv_si, key_base, keys_in_tile, lane);
   }
 
+  // dK and dV through K's and V's buffers (kStagedDkv): once neither warpgroup's products read K
+  // or V (each has waited for its last; with no step the producer loads nothing), each rounds its
+  // 64 keys' rows into both buffers by stmatrix and one thread stores the two tiles by TMA (keys
+  // past kv_len lie outside the tensors: TMA leaves them), waiting for the copies before the CTA
+  // ends.
+  template <class FragKV>
+  static __device__ __forceinline__ void store_dkv_staged(const Params& p, SharedStorage& smem, const FragKV& dk_acc,
+                                                          const FragKV& dv_acc, int batch, int kv_head, int key0,
+                                                          int mma_thread) {
+    named_barrier_sync(kBwdDkvStaged, kMmaThreads);
+    Tensor sK = smem_tensor(smem.k.data(), SmemLayoutK{});
+    Tensor sV = smem_tensor(smem.v.data(), SmemLayoutK{});
+    R2SCopydKV r2s;
+    auto thr = r2s.get_slice(mma_thread);
+    auto stage = [&](const FragKV& acc, auto& buffer) {  // one at a time: half the rounded registers
+      Tensor rounded = make_fragment_like<Element>(acc);
+      convert_fragment<Element>(acc, rounded);
+      copy(r2s, thr.retile_S(rounded), thr.partition_D(buffer));
+    };
+    stage(dk_acc, sK);
+    stage(dv_acc, sV);
+    cutlass::arch::fence_view_async_shared();  // the stores, visible to TMA
+    named_barrier_sync(kBwdDkvStaged, kMmaThreads);
+    if (mma_thread == 0) {
+      const int n_block = key0 / kBlockN;
+      const auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+      Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
+      Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
+      auto cta_dk = p.tma_dk.get_slice(_0{});
+      auto cta_dv = p.tma_dv.get_slice(_0{});
+      copy(p.tma_dk, cta_dk.partition_S(sK), cta_dk.partition_D(gdK));
+      copy(p.tma_dv, cta_dv.partition_S(sV), cta_dv.partition_D(gdV));
+      tma_store_arrive();
+      tma_store_wait<0>();
+    }
+  }
+
   static __device__ void consume(const Params& p, const Block& block, SharedStorage& smem, Pipeline& pipe_q,
                                  Pipeline& pipe_do, int steps, int m_begin) {
     const int n_block = block.n_block, kv_head = block.kv_head, batch = block.batch;
@@ -791,7 +835,11 @@ struct Bwd {
     add_pending();
     wait_dq_added(mma_thread, steps);
 
-    store_dkv(p, tdKrdK, tdVrdV, batch, kv_head, key0, keys_in_tile, key_base, dkv_col_base, mma_thread % 32);
+    if constexpr (kStagedDkv) {
+      store_dkv_staged(p, smem, tdKrdK, tdVrdV, batch, kv_head, key0, mma_thread);
+    } else {
+      store_dkv(p, tdKrdK, tdVrdV, batch, kv_head, key0, keys_in_tile, key_base, dkv_col_base, mma_thread % 32);
+    }
   }
 };
 
@@ -810,6 +858,10 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1) bwd_kernel(const __grid_c
     p.prefetch_descriptors();
     if constexpr (Kernel::kBiasTile) {
       cute::prefetch_tma_descriptor(p.tma_bias.get_tma_descriptor());
+    }
+    if constexpr (Kernel::kStagedDkv) {
+      cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
     }
     smem.kv_full.init(1);
   }
@@ -900,6 +952,18 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   p.grad_v = static_cast<Element*>(a.grad_v);
   p.dk_sb = a.dk_sb, p.dk_sh = a.dk_sh, p.dk_si = a.dk_si;
   p.dv_sb = a.dv_sb, p.dv_sh = a.dv_sh, p.dv_si = a.dv_si;
+  if constexpr (Kernel::kStagedDkv) {
+    // TMA writes grad_k and grad_v, as attention_bwd_sm90_rejects asks of every call.
+    if (!detail::tma_writable<Element>(a.grad_k, a.batch, a.kv_heads, a.dk_sb, a.dk_sh, a.dk_si) ||
+        !detail::tma_writable<Element>(a.grad_v, a.batch, a.kv_heads, a.dv_sb, a.dv_sh, a.dv_si)) {
+      return cudaErrorInvalidValue;
+    }
+    using Tile = Shape<Int<Config::kBlockN>, Int<D>>;
+    p.tma_dk = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(a.grad_k, a.batch, a.kv_heads,
+                                                                                   a.kv_len, D, a.dk_sb, a.dk_sh, a.dk_si);
+    p.tma_dv = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(a.grad_v, a.batch, a.kv_heads,
+                                                                                   a.kv_len, D, a.dv_sb, a.dv_sh, a.dv_si);
+  }
   p.mask_tiles = a.mask_tiles;
   p.grad_mask = a.grad_mask;
   p.grad_mask_sb = a.grad_mask_sb, p.grad_mask_sh = a.grad_mask_sh;

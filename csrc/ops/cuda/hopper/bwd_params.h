@@ -74,8 +74,10 @@ struct BwdSm90Params : Sm90Inputs {
   // gradient summed over broadcast dims (grad_mask_adds) is added with atomics all the same.
   bool deterministic = false;
   void* grad_q = nullptr;                   // [B, Hq, Q, D] strided, 4-byte aligned rows
-  void* grad_k = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
-  void* grad_v = nullptr;                   // [B, Hkv, KV, D] strided, 4-byte aligned rows
+  // [B, Hkv, KV, D] strided; written by TMA with 128-key tiles (kStagedDkv): a 16-byte aligned
+  // start and strides of whole 16 bytes (tma_writable), else 4-byte aligned rows.
+  void* grad_k = nullptr;
+  void* grad_v = nullptr;
   int64_t do_sb = 0, do_sh = 0, do_si = 0;  // strides in elements
   int64_t dq_sb = 0, dq_sh = 0, dq_si = 0;
   int64_t dk_sb = 0, dk_sh = 0, dk_si = 0;

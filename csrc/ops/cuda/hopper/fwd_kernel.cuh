@@ -703,16 +703,12 @@ cudaError_t launch_fwd_variant(const FwdSm90Params& a, cudaStream_t stream) {
   p.out = static_cast<Element*>(a.out);
   p.o_sb = a.o_sb, p.o_sh = a.o_sh, p.o_si = a.o_si;
   if constexpr (Kernel::kOutViaQ) {
-    // TMA writes out: its address and strides multiples of 16 bytes (a dim of extent 1 takes
-    // tma_view's stride), as attention_fwd_sm90_rejects asks of every call (rows_aligned_16).
-    auto tma_aligned = [](int64_t stride_elements) { return stride_elements * int64_t{sizeof(Element)} % 16 == 0; };
-    if (reinterpret_cast<uintptr_t>(a.out) % 16 != 0 || !tma_aligned(a.o_si) || (a.heads > 1 && !tma_aligned(a.o_sh)) ||
-        (a.batch > 1 && !tma_aligned(a.o_sb))) {
+    // TMA writes out, as attention_fwd_sm90_rejects asks of every call (rows_aligned_16).
+    if (!detail::tma_writable<Element>(a.out, a.batch, a.heads, a.o_sb, a.o_sh, a.o_si)) {
       return cudaErrorInvalidValue;
     }
-    Tensor mO = detail::tma_view<Element>(a.out, a.batch, a.heads, a.q_len, D, a.o_sb, a.o_sh, a.o_si);
-    p.tma_o = make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(a.out)), mO.layout()),
-                            typename Kernel::SmemLayoutOWg{}, Shape<_64, Int<D>>{}, _1{});
+    p.tma_o = detail::tma_store_view<Element, typename Kernel::SmemLayoutOWg, Shape<_64, Int<D>>>(
+        a.out, a.batch, a.heads, a.q_len, D, a.o_sb, a.o_sh, a.o_si);
   }
   p.lse = a.lse;
   p.lse_lo = a.lse_lo;

@@ -30,6 +30,9 @@ enum NamedBarrier : int {
   kBwdDsWritten = 1,
   kBwdDqStaged = 3,
   kBwdPWritten = 5,
+  // dK/dV kernel: both consumer warpgroups are past their last product, then wrote their dK and
+  // dV rows into K's and V's buffers (Bwd::store_dkv_staged).
+  kBwdDkvStaged = 6,
 };
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

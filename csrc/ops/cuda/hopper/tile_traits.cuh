@@ -208,6 +208,21 @@ auto tma_view(const void* ptr, int batch, int heads, int len, int head_dim, int6
                      make_shape(int32_t{len}, int32_t{head_dim}, int32_t{heads}, int32_t{batch}),
                      make_stride(si, _1{}, tma_dim_stride(heads, sh, plane), tma_dim_stride(batch, sb, plane * heads)));
 }
+// Whether TMA can write a [B, H, L, D] 16-bit tensor at ptr with these strides (elements): a
+// 16-byte aligned start and row, head and batch strides of whole 16 bytes (a dim of extent 1
+// takes tma_view's stride); and the TMA store of `TileShape` tiles from `SmemLayout` into it.
+template <typename Element>
+bool tma_writable(const void* ptr, int batch, int heads, int64_t sb, int64_t sh, int64_t si) {
+  auto aligned = [](int64_t stride) { return stride * int64_t{sizeof(Element)} % 16 == 0; };
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && aligned(si) && (heads == 1 || aligned(sh)) &&
+         (batch == 1 || aligned(sb));
+}
+template <typename Element, class SmemLayout, class TileShape>
+auto tma_store_view(void* ptr, int batch, int heads, int len, int head_dim, int64_t sb, int64_t sh, int64_t si) {
+  Tensor view = tma_view<Element>(ptr, batch, heads, len, head_dim, sb, sh, si);
+  return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)), view.layout()),
+                       SmemLayout{}, TileShape{}, _1{});
+}
 // A float mask as TMA reads its tiles (the kBiasTile variants, bias_tile_fits): (rows, keys,
 // head, batch), a dim the mask broadcasts over of extent 1 (bias_plane picks index 0 there).
 template <typename Element>
@@ -439,6 +454,12 @@ struct KeyTileTraits {
   using TmaQ = TmaLoad<Element, decltype(take<0, 2>(SmemLayoutQ{})), Shape<Int<kBlockM>, Int<kHeadDim>>>;
   using TmaK = TmaLoad<Element, SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
   using TmaBias = TmaLoad<Element, decltype(take<0, 2>(SmemLayoutBias{})), Shape<Int<kBlockM>, Int<kBlockN>>>;
+  // dK and dV staged in K's and V's buffers at the CTA's end (each warpgroup's 64 keys as rows,
+  // rounded to 16 bits by stmatrix) and stored by one TMA copy each: not with 64-key tiles
+  // (kSharedKeys), whose warpgroups split the head dim.
+  static constexpr bool kStagedDkv = !kSharedKeys;
+  using R2SCopydKV = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, TiledMmadKV{}));
+  using TmadKV = TmaStore<Element, SmemLayoutK, Shape<Int<kBlockN>, Int<kHeadDim>>>;
 };
 
 }  // namespace detail
