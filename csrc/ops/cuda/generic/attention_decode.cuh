@@ -384,21 +384,6 @@ inline int max_cluster_splits(Kernel kernel, size_t smem) {
   return clusters > 0 ? kMaxClusterSplitsNonPortable : kMaxClusterSplits;
 }
 
-// 16 bytes of a K or V row, global -> shared, zeros where not valid; kPrefetch: the L2 prefetch
-// size asked with it.
-template <int kPrefetch>
-__device__ __forceinline__ void copy_16(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  const uint32_t dst = attn::smem_address(smem);
-  if constexpr (kPrefetch == 256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-  } else if constexpr (kPrefetch == 128) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
-  } else {
-    attn::cp_async_16(smem, gmem, valid);
-  }
-}
-
 // The final lse of a row (log2 units) from its lse over the keys: the sink logit joins the
 // denominator; NaN stays NaN.
 __device__ __forceinline__ float with_sink(float row_lse2, const float* sinks, int64_t h) {
@@ -708,21 +693,20 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   }
   // Rows [j0, j0 + kTileKeys) from k_rows and v_rows (row r at r * k_si, r * v_si; rows at or
   // past hi_max zero-filled, not read) into stage buffers k_dst and v_dst.
+  // A thread walks its rows of the tile with one pointer (kWalk), and a whole tile, every tile of
+  // the split but the cache's last, loads without the per-chunk row test (kWholeTiles). A 64-bit
+  // offset multiplied out per 16-byte chunk was 40% of the split kernel's instructions at batch 1
+  // (ncu, H200, B=1 KV4096 GQA 32:8 D 128); walking took that step 16.1 -> 15.7 us in
+  // decode_check (other shapes within 1%): with one warp a scheduler, the step waits on its
+  // dependencies and barriers more than it issues.
   auto load_rows = [&](T* k_dst, T* v_dst, const T* k_rows, const T* v_rows, int j0) {
-    if constexpr (Tiles::kPrefetch == 0) {
-      load_tile<T, kTileKeys, kD, kThreads>(k_dst, k_rows, p.k_si, hi_max - j0, tid);
-      load_tile<T, kTileKeys, kD, kThreads>(v_dst, v_rows, p.v_si, hi_max - j0, tid);
-    } else {
-      constexpr int kRounds = kTileKeys * kChunks / kThreads;
-#pragma unroll
-      for (int it = 0; it < kRounds; ++it) {
-        const int c = it * kThreads + tid, r = c / kChunks, ch = c % kChunks;
-        const bool valid = j0 + r < hi_max;
-        const int64_t row = valid ? r : 0;
-        copy_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, k_rows + row * p.k_si + ch * 8, valid);
-        copy_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, v_rows + row * p.v_si + ch * 8, valid);
-      }
-    }
+    using Rows = SmemRows<kD>;
+    static_assert(Rows::kStride == kStride, "decode: the tiles' rows as load_tile lays them out");
+    constexpr int kRounds = load_rounds(kTileKeys, kD, kThreads);
+    load_tile<T, kTileKeys, kD, kThreads, kRounds, Rows, true, true, Tiles::kPrefetch>(k_dst, k_rows, p.k_si,
+                                                                                       hi_max - j0, tid);
+    load_tile<T, kTileKeys, kD, kThreads, kRounds, Rows, true, true, Tiles::kPrefetch>(v_dst, v_rows, p.v_si,
+                                                                                       hi_max - j0, tid);
   };
   // Paged: a key tile in one page (pages_hold_whole_tiles) is one strided run from that page's
   // slot, loaded as a contiguous cache's are, without a page lookup and a 64-bit offset per 16-byte
@@ -752,8 +736,8 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
           const int64_t page = valid ? p.cache.clamp_page(pages[r]) : 0;
           const int64_t k_off = valid ? page * p.k_sb + slot * p.k_si + hk * p.k_sh + ch * 8 : 0;
           const int64_t v_off = valid ? page * p.v_sb + slot * p.v_si + hk * p.v_sh + ch * 8 : 0;
-          copy_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
-          copy_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
+          cp_async_16<Tiles::kPrefetch>(k_dst + r * kStride + ch * 8, static_cast<const T*>(p.k) + k_off, valid);
+          cp_async_16<Tiles::kPrefetch>(v_dst + r * kStride + ch * 8, static_cast<const T*>(p.v) + v_off, valid);
         }
       }
       fetch_pages(n + kStages);

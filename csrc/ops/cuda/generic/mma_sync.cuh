@@ -71,10 +71,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], Row row) {
 }
 
 // 16 bytes global -> shared without registers; `valid` false writes zeros (tile edges), so
-// out-of-range rows never hold garbage that could become NaN in a product.
+// out-of-range rows never hold garbage that could become NaN in a product. kPrefetch (0, 128 or
+// 256): the L2 prefetch size asked with the load (the decode kernel's K and V rows).
+template <int kPrefetch = 0>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  static_assert(kPrefetch == 0 || kPrefetch == 128 || kPrefetch == 256, "cp.async: L2 prefetch of 0, 128 or 256 B");
   const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(smem)), "l"(gmem), "r"(src_bytes));
+  const uint32_t dst = smem_address(smem);
+  if constexpr (kPrefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  } else if constexpr (kPrefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+  }
 }
 // 4 bytes global -> shared (through L1: small indices that neighbouring threads share).
 __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem) {
@@ -144,9 +154,9 @@ constexpr int load_rounds(int rows, int head_dim, int threads) {
 // kChunks rows a step, instead of an offset per round (which the compiler may compute once and
 // hold in registers across a kernel's loop, or spill). kWholeTiles (with kWalk): a tile of kRows
 // valid rows, every tile of a sequence but its last, takes a path of its own without the per-chunk
-// row test and source select.
+// row test and source select. kPrefetch: cp_async_16's L2 prefetch size.
 template <typename T, int kRows, int kHeadDim, int kThreads, int kUnroll = load_rounds(kRows, kHeadDim, kThreads),
-          class Rows = SmemRows<kHeadDim>, bool kWalk = false, bool kWholeTiles = false>
+          class Rows = SmemRows<kHeadDim>, bool kWalk = false, bool kWholeTiles = false, int kPrefetch = 0>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stride, int64_t valid_rows, int tid) {
   constexpr int kChunks = kHeadDim / 8;
   constexpr int kTotal = kRows * kChunks;
@@ -157,7 +167,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
     if (kWholeTiles && valid_rows >= kRows) {
 #pragma unroll kUnroll
       for (int it = 0; it < kTotal / kThreads; ++it) {
-        cp_async_16(dst + Rows::offset(r0 + it * kStep, col), from, true);
+        cp_async_16<kPrefetch>(dst + Rows::offset(r0 + it * kStep, col), from, true);
         from += kStep * row_stride;
       }
       return;
@@ -165,7 +175,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
 #pragma unroll kUnroll
     for (int it = 0; it < kTotal / kThreads; ++it) {
       const bool valid = r0 + it * kStep < valid_rows;
-      cp_async_16(dst + Rows::offset(r0 + it * kStep, col), valid ? from : src, valid);
+      cp_async_16<kPrefetch>(dst + Rows::offset(r0 + it * kStep, col), valid ? from : src, valid);
       from += kStep * row_stride;
     }
   } else {
@@ -178,7 +188,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, int64_t row_stri
       const int r = c / kChunks, ch = c % kChunks;
       const bool valid = r < valid_rows;
       const T* from = valid ? src + r * row_stride + ch * 8 : src;
-      cp_async_16(dst + Rows::offset(r, ch * 8), from, valid);
+      cp_async_16<kPrefetch>(dst + Rows::offset(r, ch * 8), from, valid);
     }
   }
 }

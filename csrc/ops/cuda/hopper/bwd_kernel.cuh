@@ -667,8 +667,10 @@ struct Bwd {
     if (mma_thread == 0) {
       const int n_block = key0 / kBlockN;
       const auto tile = Shape<Int<kBlockN>, Int<kHeadDim>>{};
-      Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
-      Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
+      Tensor gdK =
+          local_tile(p.tma_dk.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
+      Tensor gdV =
+          local_tile(p.tma_dv.get_tma_tensor(p.shape_k)(_, _, kv_head, batch), tile, make_coord(n_block, _0{}));
       auto cta_dk = p.tma_dk.get_slice(_0{});
       auto cta_dv = p.tma_dv.get_slice(_0{});
       copy(p.tma_dk, cta_dk.partition_S(sK), cta_dk.partition_D(gdK));
@@ -959,10 +961,10 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     }
     using Tile = Shape<Int<Config::kBlockN>, Int<D>>;
-    p.tma_dk = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(a.grad_k, a.batch, a.kv_heads,
-                                                                                   a.kv_len, D, a.dk_sb, a.dk_sh, a.dk_si);
-    p.tma_dv = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(a.grad_v, a.batch, a.kv_heads,
-                                                                                   a.kv_len, D, a.dv_sb, a.dv_sh, a.dv_si);
+    p.tma_dk = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(
+        a.grad_k, a.batch, a.kv_heads, a.kv_len, D, a.dk_sb, a.dk_sh, a.dk_si);
+    p.tma_dv = detail::tma_store_view<Element, typename Kernel::SmemLayoutK, Tile>(
+        a.grad_v, a.batch, a.kv_heads, a.kv_len, D, a.dv_sb, a.dv_sh, a.dv_si);
   }
   p.mask_tiles = a.mask_tiles;
   p.grad_mask = a.grad_mask;

@@ -73,7 +73,7 @@ struct BwdSm90Params : Sm90Inputs {
   // Bit-reproducible gradients: dQ by the dQ pass at every head dim (bwd_dq_pass). A float mask's
   // gradient summed over broadcast dims (grad_mask_adds) is added with atomics all the same.
   bool deterministic = false;
-  void* grad_q = nullptr;                   // [B, Hq, Q, D] strided, 4-byte aligned rows
+  void* grad_q = nullptr;  // [B, Hq, Q, D] strided, 4-byte aligned rows
   // [B, Hkv, KV, D] strided; written by TMA with 128-key tiles (kStagedDkv): a 16-byte aligned
   // start and strides of whole 16 bytes (tma_writable), else 4-byte aligned rows.
   void* grad_k = nullptr;
