@@ -10,8 +10,9 @@
 // contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
 // [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles unless its
 // pages are shorter than a tile: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
-// paged caches of 8192 and 32768 keys)] [--splits N (the timings' splits a (batch, kv head), merged in a
-// cluster where clusters are on and N is at most the largest; default: decode_launch's choice)]
+// paged caches of 8192 and 32768 keys)] [--kv N (time only the contiguous caches of N keys, each
+// shape's 23 launches: 3 warm, then 20 timed; for ncu's --launch-skip)] [--splits N (the timings' splits a (batch, kv
+// head), merged in a cluster where clusters are on and N is at most the largest; default: decode_launch's choice)]
 // [--resident-splits | --sm-splits (decode_launch's choice with the splits filling every resident
 // CTA, as before split_slots_for, or one CTA an SM whatever the head dim and cache)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
@@ -50,6 +51,7 @@ static int g_cap_tiles = 8;                  // decode_launch's cap_tiles
 static int g_split_tiles = kLongSplitTiles;  // --split-tiles N: decode_launch's long_split_tiles
 static int g_hkv = 8;                        // --hkv N: the timings' kv heads (of 32 query heads)
 static int g_batch = 0;                      // --batch N: time only the shapes of that batch (0: all)
+static int g_kv = 0;                         // --kv N: time only the caches of N keys (0: all)
 static int g_splits = 0;                     // --splits N: the timings' splits a (batch, kv head) (0: decode_launch's)
 static bool g_pdl = true;                    // the combine kernel's programmatic launch (launch_combine_kernel)
 static int g_default_cluster = kMaxClusterSplits;  // max_cluster_splits on this GPU (main)
@@ -410,9 +412,12 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
                              {1, 131072}, {4, 1024},  {8, 1024},   {8, 4096},   {8, 32768},  {8, 131072}, {32, 1024},
                              {32, 2048},  {32, 4096}, {32, 32768}, {128, 1024}, {128, 4096}, {128, 32768}};
     for (const auto& s : shapes) {
-      if (g_batch == 0 || s[0] == g_batch) {
+      if ((g_batch == 0 || s[0] == g_batch) && (g_kv == 0 || s[1] == g_kv)) {
         time_shape<T, kD, false, Tiles>(shape, s[0], s[1], 0, flush, flush_bytes);
       }
+    }
+    if (g_kv != 0) {  // one contiguous cache length: a shape ncu can pick by launch count
+      return failures;
     }
     if (g_batch == 1) {
       time_shape<T, kD, true, Tiles>(shape, 1, 8192, 256, flush, flush_bytes);
@@ -448,6 +453,8 @@ int main(int argc, char** argv) {
       g_hkv = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--batch") && i + 1 < argc) {
       g_batch = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--kv") && i + 1 < argc) {
+      g_kv = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--splits") && i + 1 < argc) {
       g_splits = std::max(0, atoi(argv[++i]));
     }
