@@ -69,24 +69,33 @@ static auto* split_kernel() {
   return kernel;
 }
 
+// The largest cluster of splits the GPU places for shape Tiles (its shared memory and threads: a
+// shape of one CTA an SM may not get 16), as the extension asks it of each shape.
+template <typename T, int kD, bool kPaged, class Tiles>
+static int shape_max_cluster() {
+  static const int n =
+      max_cluster_splits(split_kernel<T, kD, kPaged, true, Tiles>(), Tiles::template smem_bytes<T, kD>());
+  return n;
+}
+
 // One decode step with shape Tiles: `splits` (0: as the extension chooses) CTAs per (batch, kv
 // head), merged in a cluster or by the combine kernel when more than one.
 template <typename T, int kD, bool kPaged, class Tiles>
 static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= g_max_cluster};  // checks: forced
+  const int max_cluster = std::min(g_max_cluster, shape_max_cluster<T, kD, kPaged, Tiles>());
+  DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= max_cluster};  // checks: forced
   if (splits == 0) {
     int resident = 0, sms = 0;
     CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how =
-        decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
-                      kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
-                      g_step_rule ? step_max_cluster(batch, hkv, sms, g_max_cluster) : g_max_cluster, g_small_clusters,
-                      g_split_slots == 1   ? 0
-                      : g_split_slots == 2 ? sms
-                                           : split_slots_for(kD, kPaged, sms, int64_t{sms} * std::max(resident, 1)));
+    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
+                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
+                        g_step_rule ? step_max_cluster(batch, hkv, sms, max_cluster) : max_cluster, g_small_clusters,
+                        g_split_slots == 1   ? 0
+                        : g_split_slots == 2 ? sms
+                                             : split_slots_for(kD, kPaged, sms, int64_t{sms} * std::max(resident, 1)));
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;

@@ -290,7 +290,7 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
   }
   // Candidate (benchmarks/decode_check.cu): a cluster of the splits one wave gives each pair when
   // fewer than max_cluster fit, if the cache is short for that many.
-  if (small_clusters && clusters && even >= 2 && tiles > 1 && tiles <= even * cap_tiles) {
+  if (small_clusters && clusters && even >= 2 && even <= max_cluster && tiles > 1 && tiles <= even * cap_tiles) {
     return {static_cast<int>(tiles < even ? tiles : even), true};
   }
   const bool longer = !row_pages && tiles >= kLongerSplitFromTiles;
