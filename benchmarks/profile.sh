@@ -33,6 +33,19 @@ TIMEOUT="${STAGE_TIMEOUT:-420}"
 NCU_SECTIONS=(--section SpeedOfLight --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis
   --section MemoryWorkloadAnalysis --section LaunchStats)
 
+# A report's pages for reading here: $OUT/NAME.txt (every section; further ncu --import options
+# after SUMMARY), NAME_sass.csv (the SASS with executed counts and stalls, for
+# benchmarks/sass_counts.py), the report itself removed; then the lines of NAME.txt that SUMMARY
+# (an extended regex) matches, cut to 150 columns.
+ncu_pages() {
+  local name=$1 summary=$2
+  shift 2
+  ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/${name}_sass.csv" 2>&1
+  ncu --import "$OUT/$name.ncu-rep" "$@" >"$OUT/$name.txt" 2>&1
+  rm -f "$OUT/$name.ncu-rep"
+  grep -E "$summary" "$OUT/$name.txt" | cut -c1-150
+}
+
 profile_attention() {
   # Past the first is_causal call (4 kernels): the second one and the first dense-mask call.
   timeout -k 10 "$TIMEOUT" ncu --target-processes all --kernel-name regex:'attention|summarize' \
@@ -64,13 +77,9 @@ profile_generic() {
       --launch-skip 2 --launch-count 2 --print-metric-instances details -o "$OUT/ncu_generic_$side" -f \
       python benchmarks/profile_attention.py "${args[@]}" --head-dim "$d" --calls 2 >"$OUT/ncu_generic_$side.log" 2>&1
     echo "profile generic $side (rc $?): ncu_generic_$side.log"
-    ncu --import "$OUT/ncu_generic_$side.ncu-rep" --print-metric-instances details \
-      >"$OUT/ncu_generic_$side.txt" 2>&1
-    ncu --import "$OUT/ncu_generic_$side.ncu-rep" --page source --csv --print-source sass \
-      >"$OUT/ncu_generic_${side}_sass.csv" 2>&1
-    rm -f "$OUT/ncu_generic_$side.ncu-rep"
-    grep -E '^  [a-zA-Z_:<>]*(attention|flash)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th' \
-      "$OUT/ncu_generic_$side.txt" | cut -c1-150
+    ncu_pages "ncu_generic_$side" \
+      '^  [a-zA-Z_:<>]*(attention|flash)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th' \
+      --print-metric-instances details
   done
 }
 
@@ -89,12 +98,8 @@ profile_short() {
       python benchmarks/profile_attention.py --case "$case" --impl "$impl" --forward-only --calls 3 \
       >"$OUT/ncu_short_$side.log" 2>&1
     echo "profile short $side (rc $?): ncu_short_$side.log"
-    ncu --import "$OUT/ncu_short_$side.ncu-rep" --page source --csv --print-source sass \
-      >"$OUT/ncu_short_${side}_sass.csv" 2>&1
-    ncu --import "$OUT/ncu_short_$side.ncu-rep" >"$OUT/ncu_short_$side.txt" 2>&1
-    rm -f "$OUT/ncu_short_$side.ncu-rep"
-    grep -E '^  [a-zA-Z_:<>]*(fwd_kernel|fprop)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th' \
-      "$OUT/ncu_short_$side.txt" | cut -c1-150
+    ncu_pages "ncu_short_$side" \
+      '^  [a-zA-Z_:<>]*(fwd_kernel|fprop)|Duration|Executed Ipc A|Issue Slots Busy|Registers Per|Compute \(SM\) Th'
   done
 }
 
@@ -108,12 +113,8 @@ profile_decode() {
       -o "$OUT/ncu_decode_$side" -f python benchmarks/profile_attention.py --decode "$kv" --decode-batch "$b" \
       --decode-kv-heads "$hkv" --head-dim "$d" --impl "$impl" --calls 3 >"$OUT/ncu_decode_$side.log" 2>&1
     echo "profile decode $side (rc $?): ncu_decode_$side.log"
-    ncu --import "$OUT/ncu_decode_$side.ncu-rep" --page source --csv --print-source sass \
-      >"$OUT/ncu_decode_${side}_sass.csv" 2>&1
-    ncu --import "$OUT/ncu_decode_$side.ncu-rep" >"$OUT/ncu_decode_$side.txt" 2>&1
-    rm -f "$OUT/ncu_decode_$side.ncu-rep"
-    grep -E '^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size' \
-      "$OUT/ncu_decode_$side.txt" | cut -c1-150
+    ncu_pages "ncu_decode_$side" \
+      '^  [a-zA-Z_]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Grid Size|Block Size'
   done
 }
 
