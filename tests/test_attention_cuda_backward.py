@@ -182,6 +182,35 @@ def test_learnable_bias_gradient_deterministic(bias_shape, kv_heads):
     ), f"{bias_shape}: the deterministic bias gradient differs between calls"
 
 
+@pytest.mark.parametrize("batch", [5, 1])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_bias_gradient_in_its_own_shape(batch, bias_dtype, head_dim, causal):
+    """A learnable bias with an element for every (batch row, query head) ([B, H, Q, KV], or
+    [1, H, Q, KV] at batch 1) has its gradient written by the sm_90a backward in the bias's own
+    shape and dtype, each element once (GradMaskWrite::kOwnShape): several query and key tiles,
+    partial last tiles, GQA, a -inf column and a fully -inf block of tiles (never visited: its
+    gradient must be 0 from the caller's zeros), bit-identical from call to call."""
+    heads, q_len, kv_len = 4, 200, 300
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, torch.bfloat16, DEVICE, seed=head_dim + 3)
+    gen = torch.Generator().manual_seed(13)
+    bias = torch.randn(batch, heads, q_len, kv_len, generator=gen)
+    bias[..., 3] = float("-inf")
+    bias[:, :, :128, 128:256] = float("-inf")  # whole tiles masked: skipped
+    bias = bias.to(DEVICE, bias_dtype).requires_grad_()
+    kwargs = {"enable_gqa": True, "is_causal": causal, "q_offset": kv_len - q_len if causal else 0}
+    _check_against_reference(q, k, v, attn_mask=bias, extra_grad_inputs=(bias,), **kwargs)
+    grads = []
+    for _ in range(2):
+        out, _ = safeattn.attention(q, k, v, attn_mask=bias, **kwargs)
+        grads.append(torch.autograd.grad(out.float().square().sum(), (bias,))[0])
+    assert grads[0].dtype == bias_dtype and grads[0].shape == bias.shape
+    assert torch.all(grads[0][:, :, :128, 128:256] == 0), "a skipped tile's gradient must be 0"
+    assert torch.all(grads[0][..., 3] == 0), "the gradient of a -inf bias element must be 0"
+    assert torch.equal(grads[0], grads[1]), "the bias gradient differs between calls"
+
+
 def _structured_allowed(batch, q_len, kv_len):
     """[batch, 1, Q, KV] bool: causal, documents of 130 tokens, batch 1 left-padded by 70 keys.
 

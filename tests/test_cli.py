@@ -394,7 +394,7 @@ def test_bench_attention_sweep_dry_run_lists_each_axis():
         assert any(part in n for n in names), f"{part.strip()} is swept:\n{out}"
     masks = {n.split()[-1] for n in names}
     want = {"none", "causal", "padding", "window256", "window1024", "window4096", "chunk512", "chunk8192"}
-    want |= {f"packed{n}" for n in (2, 4, 8, 16, 32, 64)} | {"bias1H", "biasB1"}
+    want |= {f"packed{n}" for n in (2, 4, 8, 16, 32, 64)} | {"bias1H", "biasB1", "biasBH"}
     assert want <= masks, f"every mask kind, {sorted(want - masks)} missing:\n{out}"
     for r in rows:
         timed = r[3].split(", ")

@@ -371,11 +371,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   // (Q and KV its own) broadcast over the batch, the heads or both (a learnable [1, H, Q, KV],
   // [B, 1, Q, KV] or [1, 1, Q, KV] bias) can instead go to a backend that sums the broadcast dims
   // itself (sums_broadcast; the CUDA one with atomics, so not under deterministic algorithms): one
-  // zeroed buffer of the mask's own shape [Bm, Hm, Q, KV], no partial sums and no reduction.
+  // zeroed buffer of the mask's own shape [Bm, Hm, Q, KV], no partial sums and no reduction. A
+  // mask with an element for each (batch row, query head) (kAssign's) can have the gradient itself
+  // written in its own dtype by such a backend (kOwnShape): no float32 buffer to fill and cast.
   at::Tensor mask4;
   std::vector<int64_t> partial_sizes;
   bool grad_mask_assign = false;     // GradMaskWrite::kAssign
   bool grad_mask_broadcast = false;  // GradMaskWrite::kSumBroadcast, if the backend takes it
+  bool grad_mask_own_shape = false;  // GradMaskWrite::kOwnShape, if the backend takes it
   int64_t chunk = std::max<int64_t>(batch, 1);
   bool batch_done = false;  // the broadcast-summed gradient below ran the whole batch
   if (attn_mask.has_value()) {
@@ -387,6 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
       // Hm = 1 sums every query head (with GQA all Hq of them, not Hkv group sums).
       grad_mask_broadcast = full_size && (mask4.size(1) == 1 || mask4.size(1) == hq) &&
                             ((mask4.size(0) == 1 && batch > 1) || (mask4.size(1) == 1 && hq > 1));
+      grad_mask_own_shape = grad_mask_assign && mask4.size(0) == batch && mask4.size(1) == hq;
       partial_sizes = {batch, mask_heads, mask4.size(2), mask4.size(3)};
       if (mask4.size(0) == 1) {
         const int64_t row_bytes = mask_heads * mask4.size(2) * mask4.size(3) * c10::elementSize(acc);
@@ -434,7 +438,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     }
     mask_grad_sum = mask_grad_sum.defined() ? mask_grad_sum.add_(partial) : partial;
   };
-  if (grad_mask_broadcast && sums_broadcast != nullptr) {
+  if (grad_mask_own_shape && sums_broadcast != nullptr) {
+    AttentionBwdArgs args = args_for(0, batch, at::Tensor());
+    args.grad_mask_write = GradMaskWrite::kOwnShape;
+    if (sums_broadcast(args)) {
+      args.grad_mask_partial = at::zeros(mask4.sizes(), mask4.options());
+      kernel(args);
+      mask_grad_sum = args.grad_mask_partial;  // the gradient itself, in the mask's dtype
+      batch_done = true;
+    }
+  }
+  if (grad_mask_broadcast && !batch_done && sums_broadcast != nullptr) {
     AttentionBwdArgs args = args_for(0, batch, at::Tensor());
     args.grad_mask_write = GradMaskWrite::kSumBroadcast;
     if (sums_broadcast(args)) {

@@ -84,6 +84,12 @@ enum class GradMaskWrite : uint8_t {
   // contribution added into the element its broadcast dims map to, in any order (only for a
   // backend that says it can: AttentionBwdSumsBroadcastFn).
   kSumBroadcast,
+  // As kAssign (one contribution an element: the mask full-size in Q and KV, with the batch's
+  // and the query heads' dims), but the partial is the gradient itself: the mask's own shape
+  // [B, Hq, Q, KV] and dtype, contiguous, zero-initialised (for the elements no step reaches), so
+  // there is no float32 buffer to fill and cast. Only for a backend that says it can
+  // (AttentionBwdSumsBroadcastFn).
+  kOwnShape,
 };
 
 // What the backward kernel reads and writes. It parallelises over (batch x kv-heads): each
@@ -111,7 +117,7 @@ struct AttentionBwdArgs {
   // reduction to the mask's shape. Hm is Hq when the mask has a head dim, else Hkv (the heads
   // of one kv group are summed by their task); Qm, KVm are Q, KV or 1 (summed in the task).
   // With GradMaskWrite::kSumBroadcast, the mask's own shape [Bm, Hm, Q, KV] instead (Bm 1 or B,
-  // Hm 1 or Hq), zero-initialised.
+  // Hm 1 or Hq), zero-initialised; with kOwnShape, the gradient in the mask's shape and dtype.
   at::Tensor grad_mask_partial;
   // How the kernel writes grad_mask_partial (GradMaskWrite).
   GradMaskWrite grad_mask_write = GradMaskWrite::kAccumulate;
@@ -137,8 +143,8 @@ inline int64_t causal_shift(int64_t q_offset, int64_t kv_offset, int64_t q_len, 
 // shared entry points below, so CPU and CUDA differ only in these two functions.
 using AttentionFwdFn = void (*)(const AttentionFwdArgs& args);
 using AttentionBwdFn = void (*)(const AttentionBwdArgs& args);
-// Whether the backend's kernel takes these arguments with GradMaskWrite::kSumBroadcast (the
-// partial not yet allocated): one buffer of the mask's own shape [Bm, Hm, Q, KV] instead of
+// Whether the backend's kernel takes these arguments with their grad_mask_write, kSumBroadcast or
+// kOwnShape (the partial not yet allocated): one buffer of the mask's own shape instead of
 // per-(batch row, head) partial sums and their reduction over the broadcast dims.
 using AttentionBwdSumsBroadcastFn = bool (*)(const AttentionBwdArgs& args);
 SAFEATTN_DECLARE_ISA_STUB(attention_fwd_cpu_stub, AttentionFwdFn);

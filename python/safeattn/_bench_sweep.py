@@ -14,7 +14,7 @@ Hq = 16, D = 128, S = 4096, causal. The axes (a case on several axes is run once
   window    W 256 and 1024 at S 2k; 256, 1024, 4096 at S 8k and 32k
   chunk     C 512 and 2048 at S 4k; 512, 2048, 8192 at S 32k
   packed    2, 4, 8, 16, 32, 64 documents a row at S 4k; 2, 8, 64 at S 32k
-  bias      bias1H and biasB1 at S 1k, 2k, 4k, 8k
+  bias      bias1H and biasB1 at S 1k, 2k, 4k, 8k; biasBH at S 4k
 
 ``--quick`` keeps a few values of each axis (its extremes: 17 cases, 9 of them with Flex), and
 times fewer calls (10 after 3 warm-up, against 30 after 5).
@@ -29,9 +29,10 @@ than dense"):
   chunkC        causal chunks of C positions; ``MaskDescription(chunk_size=C)``
   packedN       N documents a row (random lengths, a fixed seed), causal within each;
                 ``MaskDescription(packed_ids=..., packed_ids_are_runs=True)``
-  bias1H/biasB1 causal + a learnable bf16 bias ``[1, H, S, S]`` / ``[B, 1, S, S]`` whose gradient
-                the backward computes; peers Flex with the bias captured by a ``score_mod``, and
-                SDPA's memory-efficient kernel with causality drawn into its own copy of the bias
+  bias1H/biasB1/biasBH  causal + a learnable bf16 bias ``[1, H, S, S]`` / ``[B, 1, S, S]`` /
+                ``[B, H, S, S]`` whose gradient the backward computes; peers Flex with the bias
+                captured by a ``score_mod``, and SDPA's memory-efficient kernel with causality
+                drawn into its own copy of the bias
 The described masks (padding, window, chunk, packed) are timed against compiled FlexAttention
 with the same rule as a block mask (built once per case; Flex is compiled once per shape and
 mask, as its users run it). SDPA with a dense mask is left out: with causal + padding at B4 H16
@@ -88,7 +89,7 @@ class SweepCase:
     heads: int
     kv_heads: int
     head_dim: int
-    mask: str  # none, causal, padding, window<W>, chunk<C>, packed<N>, bias1H, biasB1
+    mask: str  # none, causal, padding, window<W>, chunk<C>, packed<N>, bias1H, biasB1, biasBH
     axes: tuple[str, ...] = ()
 
     @property
@@ -105,7 +106,7 @@ class SweepCase:
 
 def mask_kind(mask: str) -> tuple[str, int | None]:
     """("window", 256) for "window256"; ("bias", None) for "bias1H"."""
-    match = re.fullmatch(r"(none|causal|padding|window|chunk|packed|bias)(\d+|1H|B1)?", mask)
+    match = re.fullmatch(r"(none|causal|padding|window|chunk|packed|bias)(\d+|1H|B1|BH)?", mask)
     if match is None:
         raise ValueError(f"unknown sweep mask {mask!r}")
     kind, size = match.groups()
@@ -185,7 +186,8 @@ def sweep_cases(quick: bool = False, tokens: int = 16384) -> list[SweepCase]:
         ],
         "bias": [
             case(seq=s, mask=m) for s in pick((1024, 2048, 4096, 8192), (4096,)) for m in ("bias1H", "biasB1")
-        ],
+        ]
+        + pick([case(mask="biasBH")], []),
     }
     assert tuple(axes) == AXES
     order: dict[tuple, list[str]] = {}
@@ -359,7 +361,9 @@ def build(case: SweepCase, device, dtype) -> tuple[dict[str, Impl | str], int]:
         return impls, pairs
 
     # A learnable bias under causality; bf16 as the model's weights would be.
-    shape = (1, case.heads, seq, seq) if case.mask == "bias1H" else (batch, 1, seq, seq)
+    shape = {"bias1H": (1, case.heads, seq, seq), "biasB1": (batch, 1, seq, seq)}.get(
+        case.mask, (batch, case.heads, seq, seq)
+    )
     bias = (torch.randn(shape, device=device) * 0.5).to(dtype).requires_grad_()
     impls[OURS] = Impl(
         lambda q, k, v: safeattn.attention(q, k, v, attn_mask=bias, is_causal=True, **gqa)[0], (bias,)
@@ -368,6 +372,11 @@ def build(case: SweepCase, device, dtype) -> tuple[dict[str, Impl | str], int]:
 
         def add_bias(score, b, h, q_idx, kv_idx):
             return score + bias[0, h, q_idx, kv_idx]
+
+    elif case.mask == "biasBH":
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + bias[b, h, q_idx, kv_idx]
 
     else:
 

@@ -222,8 +222,9 @@ void attention_run(const AttentionBwdArgs& a) {
   const int64_t gm_heads = gm ? a.grad_mask_partial.size(1) : 0;
   const int64_t gm_q = gm ? a.grad_mask_partial.size(2) : 0;
   const int64_t gm_kv = gm ? a.grad_mask_partial.size(3) : 0;
-  TORCH_INTERNAL_ASSERT(a.grad_mask_write != GradMaskWrite::kSumBroadcast,
-                        "attention backward (CPU): the broadcast dims are summed by the caller here");
+  TORCH_INTERNAL_ASSERT(
+      a.grad_mask_write != GradMaskWrite::kSumBroadcast && a.grad_mask_write != GradMaskWrite::kOwnShape,
+      "attention backward (CPU): the broadcast dims are summed by the caller here");
   const bool assign_mask_grad = a.grad_mask_write == GradMaskWrite::kAssign;
 
   const acc_t scale = static_cast<acc_t>(a.scale);

@@ -274,9 +274,10 @@ void attention_bwd_hopper(const AttentionBwdArgs& a) {
 
 template <typename T>
 void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
-  TORCH_INTERNAL_ASSERT(args.grad_mask_write != GradMaskWrite::kSumBroadcast,
-                        "attention backward (CUDA): a mask gradient summed over broadcast dims in "
-                        "the kernel is only given to the Hopper kernels (attention_bwd_sums_broadcast)");
+  TORCH_INTERNAL_ASSERT(
+      args.grad_mask_write != GradMaskWrite::kSumBroadcast && args.grad_mask_write != GradMaskWrite::kOwnShape,
+      "attention backward (CUDA): a mask gradient summed over broadcast dims in the kernel, or written in "
+      "the mask's own shape, is only given to the Hopper kernels (attention_bwd_sums_broadcast)");
   AttentionBwdArgs a = args;
   a.grad_out = grad_out_without_empty_rows(args);
   const int64_t batch = a.query.size(0), hq = a.query.size(1), q_len = a.query.size(2);

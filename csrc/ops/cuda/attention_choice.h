@@ -23,10 +23,10 @@ namespace safeattn::cuda {
 AttentionChoice choose_attention_fwd(const AttentionFwdArgs& args);
 AttentionChoice choose_attention_bwd(const AttentionBwdArgs& args);
 
-// The question attention_backward_impl asks before it allocates the gradient of a mask broadcast
-// over the batch or the heads (AttentionBwdSumsBroadcastFn, with GradMaskWrite::kSumBroadcast):
-// only the sm_90a kernels add the broadcast dims into one buffer of the mask's shape, so whether
-// choose_attention_bwd takes them (not under deterministic algorithms: the adds are atomics).
+// The question attention_backward_impl asks before it allocates the gradient of a full-size mask
+// (AttentionBwdSumsBroadcastFn, with GradMaskWrite::kOwnShape or kSumBroadcast): only the sm_90a
+// kernels write it in the mask's shape, so whether choose_attention_bwd takes them (kSumBroadcast
+// not under deterministic algorithms: its adds are atomics).
 bool attention_bwd_sums_broadcast(const AttentionBwdArgs& args);
 
 // The mma.sync kernels' predicates (why they cannot take the call, or nullptr), defined beside

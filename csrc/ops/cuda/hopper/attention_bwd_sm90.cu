@@ -24,15 +24,23 @@ const char* attention_bwd_sm90_rejects(const AttentionBwdArgs& a) {
   }
   // Masks are read in place: a float one as a bias, but not with a softcap (its dS recovers the
   // capped score from p, which the bias has moved). The mask's gradient is stored per element
-  // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]) or added into one buffer of
-  // the mask's shape over its broadcast batch and head dims (kSumBroadcast: [Bm, Hm, Q, KV]); a
-  // mask broadcast over queries or keys, or one with Hkv heads, has its gradient summed by the
-  // mma.sync kernels. (AttentionBwdSumsBroadcastFn asks with kSumBroadcast and no buffer yet.)
+  // where each has one slot (GradMaskWrite::kAssign: [B, Hq, Q, KV]), added into one buffer of
+  // the mask's shape over its broadcast batch and head dims (kSumBroadcast: [Bm, Hm, Q, KV]), or
+  // written in the mask's own shape and dtype (kOwnShape: [B, Hq, Q, KV]); a mask broadcast over
+  // queries or keys, or one with Hkv heads, has its gradient summed by the mma.sync kernels.
+  // (AttentionBwdSumsBroadcastFn asks with kOwnShape or kSumBroadcast and no buffer yet.)
   if (attn::natural_units(a.mask) && a.softcap > 0.0) {
     return "a float mask with a softcap";
   }
   if (a.grad_mask_partial.defined() && a.grad_mask_write == GradMaskWrite::kAccumulate) {
     return "the mask's gradient is summed over broadcast dims or a kv group (GradMaskWrite::kAccumulate)";
+  }
+  if (a.grad_mask_write == GradMaskWrite::kOwnShape) {
+    // Written in the mask's dtype.
+    const at::ScalarType dtype = a.mask.scalar_type();
+    if (dtype != a.query.scalar_type() && dtype != at::kFloat) {
+      return "the mask's gradient in its own dtype, neither the inputs' nor float32";
+    }
   }
   if (!a.grad_query.defined() || !a.grad_key.defined() || !a.grad_value.defined()) {
     return "not all of grad_query, grad_key and grad_value are wanted";
@@ -126,7 +134,7 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
     p.dq_mask_tiles = dq_fields.mask_tiles;
   }
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;
-  if (a.grad_mask_partial.defined()) {
+  if (a.grad_mask_partial.defined() && a.grad_mask_write != GradMaskWrite::kOwnShape) {
     // [B, Hq, Q, KV] float32 (kAssign): the kernel writes the visited tiles' elements, the
     // skipped ones stay 0. [Bm, Hm, Q, KV] zeroed by the caller (kSumBroadcast, Bm in {1, B}, Hm
     // in {1, Hq}): it adds every (batch, query head)'s elements into it, a dim of size 1 read
@@ -147,6 +155,20 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
     p.grad_mask_sb = partial_batch == 1 ? 0 : partial_heads * q_len;  // rows of kv_len
     p.grad_mask_sh = partial_heads == 1 ? 0 : q_len;
     p.grad_mask_adds = adds;
+  }
+  if (a.grad_mask_write == GradMaskWrite::kOwnShape && a.grad_mask_partial.defined()) {
+    // The gradient itself, [B, Hq, Q, KV] in the mask's dtype, zeroed by the caller: each element
+    // stored once, float32 as it is, a 16-bit one rounded.
+    const at::Tensor& grad = a.grad_mask_partial;
+    TORCH_INTERNAL_ASSERT(grad.is_contiguous() && grad.size(0) == batch && grad.size(1) == heads &&
+                          grad.size(2) == q_len && grad.size(3) == key.size(2));
+    if (grad.scalar_type() == at::kFloat) {
+      p.grad_mask = grad.data_ptr<float>();
+    } else {
+      p.grad_mask_16 = grad.data_ptr();
+    }
+    p.grad_mask_sb = heads * q_len;  // rows of kv_len
+    p.grad_mask_sh = q_len;
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   attn::with_16bit_type(query, [&](auto type) {

@@ -231,6 +231,7 @@ struct Bwd {
     float* grad_mask;                    // BwdSm90Params::grad_mask (kBias only)
     int64_t grad_mask_sb, grad_mask_sh;  // BwdSm90Params::grad_mask_sb, grad_mask_sh
     bool grad_mask_adds;                 // BwdSm90Params::grad_mask_adds
+    void* grad_mask_16;                  // BwdSm90Params::grad_mask_16 (kBias only)
     bool batch_inner;                    // BwdSm90Params::batch_inner
     TmaBias tma_bias;                    // kBiasTile: the mask as (rows, keys, head, batch)
     TmaShape shape_bias;                 // its head and batch extents are 1 where it broadcasts
@@ -584,9 +585,10 @@ struct Bwd {
   // dS^T = scale P^T (dP^T - delta) over dP^T's registers. With a softcap, d score / d dot =
   // scale (1 - t^2), t = score / softcap_post, the score recovered from p: log2 p + row_shift
   // (p = 0 contributes nothing, whatever its score). With a float mask's gradient, p (dP - delta)
-  // of the step's elements inside [q_len, kv_len) is stored, or added to those of the other
-  // (batch, query head)s that share its element (a mask broadcast over the batch or the heads:
-  // grad_mask_adds). `head` is the query head (the step's, of the CTA's kv group).
+  // of the step's elements inside [q_len, kv_len) is stored (rounded to Element into
+  // grad_mask_16 where that is given), or added to those of the other (batch, query head)s that
+  // share its element (a mask broadcast over the batch or the heads: grad_mask_adds). `head` is
+  // the query head (the step's, of the CTA's kv group).
   template <class FragS>
   static __device__ __forceinline__ void scores_gradient(FragS& dp, const FragS& prob, const Params& p,
                                                          const float* row_shift, const float* delta, int batch,
@@ -601,20 +603,24 @@ struct Bwd {
         const float dscore = pr > 0.0f ? p.score.natural_scale * (1.0f - t * t) : 0.0f;
         dp(i) = dscore * pr * (dp(i) - delta[query_base + MaskKeys::acc_col(i)]);
       }
-    } else if (kBias && p.grad_mask != nullptr) {
+    } else if (kBias && (p.grad_mask != nullptr || p.grad_mask_16 != nullptr)) {
       const int last_row = p.q_len - 1 - row0;
       const bool add = p.grad_mask_adds;
-      float* grad = p.grad_mask + (batch * p.grad_mask_sb + head * p.grad_mask_sh + row0) * p.kv_len + key0;
+      const int64_t base = (batch * p.grad_mask_sb + head * p.grad_mask_sh + row0) * p.kv_len + key0;
+      float* grad = p.grad_mask + base;
+      Element* grad_16 = static_cast<Element*>(p.grad_mask_16) + base;
 #pragma unroll
       for (int i = 0; i < size(dp); ++i) {
         const int key = key_base + MaskKeys::acc_row(i), row = query_base + MaskKeys::acc_col(i);
         const float ds = prob(i) * (dp(i) - delta[query_base + MaskKeys::acc_col(i)]);
         if (key < keys_in_tile && row <= last_row) {
-          float* slot = grad + int64_t{row} * p.kv_len + key;
-          if (add) {
-            atomicAdd(slot, ds);
+          const int64_t at = int64_t{row} * p.kv_len + key;
+          if (p.grad_mask_16 != nullptr) {
+            grad_16[at] = static_cast<Element>(ds);
+          } else if (add) {
+            atomicAdd(grad + at, ds);
           } else {
-            *slot = ds;
+            grad[at] = ds;
           }
         }
         dp(i) = p.score.natural_scale * ds;
@@ -970,6 +976,7 @@ cudaError_t launch_bwd_variant(const BwdSm90Params& a, cudaStream_t stream) {
   p.grad_mask = a.grad_mask;
   p.grad_mask_sb = a.grad_mask_sb, p.grad_mask_sh = a.grad_mask_sh;
   p.grad_mask_adds = a.grad_mask_adds;
+  p.grad_mask_16 = a.grad_mask_16;
   p.batch_inner = a.batch_inner;
   if constexpr (kBiasTile) {  // the mask as TMA reads it (bias_tile_fits), broadcast dims of extent 1
     Tensor mBias = detail::tma_bias_view<Element>(a.mask, a.batch, a.heads, a.q_len, a.kv_len);

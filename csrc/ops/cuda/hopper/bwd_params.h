@@ -97,6 +97,10 @@ struct BwdSm90Params : Sm90Inputs {
   float* grad_mask = nullptr;
   int64_t grad_mask_sb = 0, grad_mask_sh = 0;  // in rows of kv_len; 0 on a dim summed into one
   bool grad_mask_adds = false;
+  // Or, in place of grad_mask, the gradient itself in the inputs' 16-bit type (a mask of that
+  // dtype, GradMaskWrite::kOwnShape): [Bm, Hq, Q, KV] with Bm 1 = batch or B, through the same
+  // strides, each element rounded once from its float32 value; zeroed by the caller.
+  void* grad_mask_16 = nullptr;
   // The CTAs of one (key tile, kv head) for every batch row run side by side (the grid's batch
   // varies fastest in its order): set for a float mask shared by the batch, whose tiles are then
   // read from memory once for the batch and whose summed gradient's atomics meet in L2 (a
