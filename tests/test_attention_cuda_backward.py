@@ -211,6 +211,37 @@ def test_learnable_bias_gradient_in_its_own_shape(batch, bias_dtype, head_dim, c
     assert torch.equal(grads[0], grads[1]), "the bias gradient differs between calls"
 
 
+@pytest.mark.parametrize("bias_shape", [(3, 4, 300, 520), (1, 4, 300, 520)], ids=["BH", "1H"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_learnable_bias_summarised_without_its_values(bias_shape, head_dim, causal):
+    """A bias that requires grad is summarised by causality alone (its values unread: every tile
+    mixed) in the sm_90a forward and backward; the same values without requires_grad are read
+    into the summary (-inf tiles skipped, zero tiles added as nothing). Both routes against the
+    reference, and against each other: -inf tiles, zero tiles, rows that see no key (an all -inf
+    query tile), partial tiles."""
+    batch, heads, q_len, kv_len = 3, 4, 300, 520
+    q, k, v = _qkv(batch, heads, 2, q_len, kv_len, head_dim, torch.bfloat16, DEVICE, seed=head_dim + 29)
+    gen = torch.Generator().manual_seed(17)
+    bias = torch.randn(bias_shape, generator=gen)
+    bias[..., :, 128:256] = float("-inf")  # whole key tiles masked
+    bias[..., 128:192, 256:384] = 0.0  # whole tiles of zeros
+    bias[..., 192:256, :] = float("-inf")  # a query tile of rows that see nothing
+    bias = bias.to(DEVICE, torch.bfloat16)
+    kwargs = {"enable_gqa": True, "is_causal": causal, "q_offset": kv_len - q_len if causal else 0}
+    learnable = bias.clone().requires_grad_()
+    out, lse = _check_against_reference(
+        q, k, v, attn_mask=learnable, extra_grad_inputs=(learnable,), **kwargs
+    )
+    with torch.no_grad():
+        read_out, read_lse = safeattn.attention(q, k, v, attn_mask=bias, **kwargs)
+    torch.testing.assert_close(out, read_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, read_lse, atol=1e-4, rtol=1e-4)
+    assert torch.all(out[:, :, 192:256] == 0) and torch.all(
+        lse[:, :, 192:256].isneginf()
+    ), "rows that see nothing"
+
+
 def _structured_allowed(batch, q_len, kv_len):
     """[batch, 1, Q, KV] bool: causal, documents of 130 tokens, batch 1 left-padded by 70 keys.
 

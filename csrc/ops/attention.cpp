@@ -286,6 +286,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_impl(
   args.value = value;
   if (attn_mask.has_value()) {
     args.mask = mask_as_4d(*attn_mask).expand({batch, hq, q_len, kv_len});
+    args.mask_requires_grad = attn_mask->requires_grad();
   }
   if (key_ranges.has_value()) {
     args.key_ranges = key_ranges->contiguous();

@@ -53,6 +53,9 @@ struct AttentionFwdArgs {
   at::Tensor key;    // [B, Hkv, KV, D], input dtype, any strides
   at::Tensor value;  // [B, Hkv, KV, Dv], input dtype, any strides
   at::Tensor mask;   // undefined, or a [B, Hq, Q, KV] view (stride 0 on broadcast dims)
+  // The caller's mask requires grad (a learnable bias: dense, so a kernel that would summarise its
+  // values to skip tiles finds none and may leave them unread).
+  bool mask_requires_grad = false;
   // Undefined, or [B, Q, 2] int32 with rows of 2 contiguous: the key ranges, ANDed with mask.
   // The sm_90a, decode and CPU kernels read them (the mma.sync ones can: kMmaSyncReadsKeyRanges,
   // cuda/generic/mma_sync.cuh); every other kernel gets with_key_ranges_drawn(args).

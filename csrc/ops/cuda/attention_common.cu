@@ -248,7 +248,7 @@ struct WalkBoundsOut {
 __global__ void __launch_bounds__(kSummaryThreads)
     summarize_mask_tiles_kernel(MaskView mask, int64_t q_len, int64_t kv_len, int block_q, int block_kv,
                                 int64_t heads_m, int64_t q_tiles, int64_t kv_tiles, bool vec16, Causal causal,
-                                uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
+                                bool read_values, uint8_t* out, int16_t* diagonal, WalkBoundsOut bounds) {
   __shared__ int row_count[kMaxDiagonalRows], row_last[kMaxDiagonalRows];
   __shared__ int diag_min, diag_max;
   const int64_t x = blockIdx.x;
@@ -259,6 +259,13 @@ __global__ void __launch_bounds__(kSummaryThreads)
   if (causal.kv_end(i0 + rows, kv_len) <= j0) {
     if (threadIdx.x == 0) {
       out[x] = kTileMasked;
+    }
+    return;
+  }
+  if (!read_values) {  // a dense bias: every tile causality leaves is mixed
+    if (threadIdx.x == 0) {
+      out[x] = kTileMixed;
+      bounds.note_not_masked(x, q_tiles, kv_tiles);
     }
     return;
   }
@@ -525,13 +532,15 @@ WalkBoundsOut walk_bounds_out(const at::Tensor& summary, TileWalkBounds* bounds)
 }  // namespace
 
 at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_kv, at::Tensor* diagonals,
-                                TileWalkBounds* bounds, Causal causal) {
+                                TileWalkBounds* bounds, Causal causal, bool read_values) {
   TORCH_INTERNAL_ASSERT(mask.defined() && mask.dim() == 4 && block_q > 0 && block_kv > 0,
                         "attention (CUDA): summarize_mask_tiles takes a 4-D mask view and positive tile sizes");
+  TORCH_INTERNAL_ASSERT(read_values || mask.is_floating_point(), "attention (CUDA): only a bias's values go unread");
   const MaskView view = make_mask_view(mask);
-  // Broadcast dims of the expanded view have stride 0 (or size 1): summarise them once.
-  const int64_t batch_m = (mask.size(0) == 1 || mask.stride(0) == 0) ? 1 : mask.size(0);
-  const int64_t heads_m = (mask.size(1) == 1 || mask.stride(1) == 0) ? 1 : mask.size(1);
+  // Broadcast dims of the expanded view have stride 0 (or size 1): summarise them once; a summary
+  // whose values go unread is the same for every slice.
+  const int64_t batch_m = (!read_values || mask.size(0) == 1 || mask.stride(0) == 0) ? 1 : mask.size(0);
+  const int64_t heads_m = (!read_values || mask.size(1) == 1 || mask.stride(1) == 0) ? 1 : mask.size(1);
   const int64_t q_len = mask.size(2), kv_len = mask.size(3);
   // A mask broadcast over the queries (a [B, 1, 1, KV] key mask) gives every query tile the
   // same class: one row of tiles, read with stride 0 (make_tile_summary_view). Its tiles are
@@ -565,8 +574,8 @@ at::Tensor summarize_mask_tiles(const at::Tensor& mask, int block_q, int block_k
     diagonal = diagonals->data_ptr<int16_t>();
   }
   summarize_mask_tiles_kernel<<<static_cast<unsigned>(blocks), kSummaryThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, causal, summary.data_ptr<uint8_t>(),
-      diagonal, bounds_out);
+      view, q_len, kv_len, block_q, block_kv, heads_m, q_tiles, kv_tiles, vec16, causal, read_values,
+      summary.data_ptr<uint8_t>(), diagonal, bounds_out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return summary;
 }

@@ -120,8 +120,11 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   at::Tensor summary, diagonals;
   attn::TileWalkBounds bounds;
   bounds.columns = true;
+  // A mask whose gradient is wanted (a learnable bias, dense) is summarised by causality alone,
+  // its values unread.
+  const bool dense_bias = a.grad_mask_partial.defined();
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kBwdMaskTileRows,
-                        hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals, bounds);
+                        hopper::bwd_key_tile(static_cast<int>(head_dim)), summary, diagonals, bounds, dense_bias);
   // The dQ pass walks a query tile's key tiles: its own summary (kDqTileRows rows), with each
   // row's first visible key tile (where its walk down stops).
   at::Tensor dq_summary, dq_diagonals;
@@ -130,7 +133,8 @@ void attention_bwd_sm90(const AttentionBwdArgs& a, const Sm90BwdRows& rows) {
   if (dq_pass && summary.defined()) {
     hopper::BwdSm90Params dq_fields = p;
     attn::set_mask_fields(dq_fields, a.mask, a.key_ranges, hopper::kDqTileRows,
-                          hopper::dq_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals, dq_bounds);
+                          hopper::dq_key_tile(static_cast<int>(head_dim)), dq_summary, dq_diagonals, dq_bounds,
+                          dense_bias);
     p.dq_mask_tiles = dq_fields.mask_tiles;
   }
   p.batch_inner = p.mask.is_bias() && p.mask.stride_b == 0 && batch > 1;

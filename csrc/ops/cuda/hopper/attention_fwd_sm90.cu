@@ -60,8 +60,10 @@ void attention_fwd_sm90(const AttentionFwdArgs& a) {
   at::Tensor summary, diagonals;
   attn::TileWalkBounds bounds;
   bounds.rows = true;
+  // A learnable bias (dense) is summarised by causality alone, its values unread.
   attn::set_mask_fields(p, a.mask, a.key_ranges, hopper::kFwdMaskTileRows,
-                        hopper::fwd_key_tile(static_cast<int>(query.size(3))), summary, diagonals, bounds);
+                        hopper::fwd_key_tile(static_cast<int>(query.size(3))), summary, diagonals, bounds,
+                        a.mask_requires_grad);
   // Causal or masked tiles differ in length: the CTAs take them from a counter (zeroed on the
   // stream, kept alive until the launch is queued; the caching allocator orders its reuse after
   // the kernel).
