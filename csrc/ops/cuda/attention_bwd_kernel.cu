@@ -338,7 +338,9 @@ void attention_bwd_tensor_core(const AttentionBwdArgs& args) {
       return attn::summarize_key_ranges(a.key_ranges, kv_len, a.mask, block_q, block_kv,
                                         diagonals != nullptr ? diagonals : &unused, bounds, p.causal);
     }
-    return attn::summarize_mask_tiles(a.mask, block_q, block_kv, diagonals, bounds);
+    // A mask whose gradient is wanted (a learnable bias, dense): not read for the summary.
+    return attn::summarize_mask_tiles(a.mask, block_q, block_kv, diagonals, bounds, {},
+                                      !(a.grad_mask_partial.defined() && a.mask.is_floating_point()));
   };
   if (a.mask.defined() || a.key_ranges.defined()) {
     attn::BwdTileSizes tiles;

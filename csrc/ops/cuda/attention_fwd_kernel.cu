@@ -73,8 +73,10 @@ void attention_fwd_tensor_cores(const AttentionFwdArgs& a) {
     p.ranges = attn::make_key_range_view(a.key_ranges);
   } else if (a.mask.defined()) {
     // With diagonals: a bool mask's tiles that are one diagonal (a causal mask's, with padding
-    // or not) are tested by a compare, without reading the mask.
-    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, &diagonals, &bounds);
+    // or not) are tested by a compare, without reading the mask. A learnable bias (dense) is not
+    // read for it: every tile mixed.
+    summary = attn::summarize_mask_tiles(a.mask, block_q, block_kv, &diagonals, &bounds, {},
+                                         !(a.mask_requires_grad && a.mask.is_floating_point()));
   }
   if (summary.defined()) {
     p.tiles = attn::make_tile_summary_view(summary, block_q, block_kv, diagonals, bounds);
