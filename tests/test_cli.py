@@ -468,7 +468,7 @@ def test_bench_attention_sweep_report_and_summary(tmp_path):
         (tmp_path / name).write_text(__import__("json").dumps(saved))
         paths.append(str(tmp_path / name))
     out = run("bench", "attention", "--sweep", "--report", *paths)
-    rows = {(r[0], r[1]): r for r in sweep_rows(out)}
+    rows = {(r[0], r[1]): r for r in sweep_rows(out.split("short of a target")[0])}
     assert set(rows) == {(causal, "fwd"), (packed, "fwd"), (packed, "fwd+bwd"), (bias, "fwd+bwd")}, out
     assert rows[(causal, "fwd")][4:7] == [
         "SDPA cuDNN",
@@ -486,6 +486,13 @@ def test_bench_attention_sweep_report_and_summary(tmp_path):
         "- described never slower than dense: worst 0.90x, S=4096 B=4 H=16:16 D=128 packed8 fwd" in out
     ), out
     assert "- learnable bias fwd+bwd >= 1.2x Flex: worst 1.30x, " in out, out
+    # The misses, furthest below first: each (row, target) short of it, and nothing else.
+    short = out.split("short of a target (2):", 1)[1]
+    misses = [line.strip("| ").split(" | ") for line in short.splitlines() if line.startswith("| S=")]
+    assert misses == [
+        [packed, "fwd", "described never slower than dense", "0.90x"],
+        [packed, "fwd+bwd", "described masks >= 1.1x Flex, fwd+bwd", "1.05x"],
+    ], out
 
 
 def test_bench_attention_sweep_time_limit_json_resume(tmp_path, monkeypatch, capsys):

@@ -539,6 +539,17 @@ def summary(records: list[dict]) -> list[str]:
     return lines
 
 
+def shortfalls(records: list[dict]) -> list[list[str]]:
+    """Every (row, target) below the target, the furthest below first: case, pass, target, ratio."""
+    short = []
+    for r in records:
+        for name, threshold, which, other in TARGETS:
+            value = _ratio(r, other) if which(r) else None
+            if value is not None and value < threshold:
+                short.append((value, [r["case"], r["pass"], name, f"{value:.2f}x"]))
+    return [row for _, row in sorted(short, key=lambda pair: pair[0])]
+
+
 def print_report(records: list[dict], meta: dict | None = None) -> None:
     if meta:
         print(
@@ -549,6 +560,10 @@ def print_report(records: list[dict], meta: dict | None = None) -> None:
     print(markdown_table(TABLE_HEADER, [table_row(r) for r in records]))
     print()
     print("\n".join(summary(records)))
+    short = shortfalls(records)
+    if short:
+        print(f"\nshort of a target ({len(short)}):\n")
+        print(markdown_table(["case", "pass", "target", "ratio"], short))
 
 
 # ---- the command -------------------------------------------------------------------------
