@@ -366,8 +366,9 @@ def test_bench_text_progress_without_tqdm(monkeypatch, capsys):
 
 
 def sweep_rows(out: str) -> list[list[str]]:
-    """The rows of a markdown table in `out` (cells stripped), the header and rule left out."""
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    """The rows of the first markdown table in `out` (cells stripped), the header and rule left
+    out; a report's list of rows short of a target, after it, is not part of it."""
+    lines = [line for line in out.split("short of a target")[0].splitlines() if line.startswith("| ")]
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[1:]]
 
 
@@ -468,7 +469,7 @@ def test_bench_attention_sweep_report_and_summary(tmp_path):
         (tmp_path / name).write_text(__import__("json").dumps(saved))
         paths.append(str(tmp_path / name))
     out = run("bench", "attention", "--sweep", "--report", *paths)
-    rows = {(r[0], r[1]): r for r in sweep_rows(out.split("short of a target")[0])}
+    rows = {(r[0], r[1]): r for r in sweep_rows(out)}
     assert set(rows) == {(causal, "fwd"), (packed, "fwd"), (packed, "fwd+bwd"), (bias, "fwd+bwd")}, out
     assert rows[(causal, "fwd")][4:7] == [
         "SDPA cuDNN",

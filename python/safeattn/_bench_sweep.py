@@ -559,6 +559,11 @@ def print_report(records: list[dict], meta: dict | None = None) -> None:
     print()
     print(markdown_table(TABLE_HEADER, [table_row(r) for r in records]))
     print()
+    print_verdict(records)
+
+
+def print_verdict(records: list[dict]) -> None:
+    """The summary, then the rows short of a target: the end of a run and of --report."""
     print("\n".join(summary(records)))
     short = shortfalls(records)
     if short:
@@ -724,7 +729,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(records)} rows of {2 * len(cases)} selected, {time.monotonic() - start:.0f} s")
     for head_dim, count in sorted(skipped.items()):
         print(f"skipped {count} cases of D={head_dim}: {unbuilt[head_dim]}")
-    print("\n".join(summary(records)))
+    print_verdict(records)
     if args.json:
         _write(args.json, {**meta, "stopped": stopped}, records)
     return 0
