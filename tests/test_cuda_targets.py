@@ -3,8 +3,10 @@ for sm_90 never loses the Hopper kernels silently, and that a GPU the build has 
 clear error. The setup.py cases run `setup.py --version` (no compilation): they need the source
 tree, nvcc and a CUDA build of torch, as CI has."""
 
+import atexit
 import functools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ def stand_in_cutlass_include():
     installed (a GPU machine with a carried build may lack it); the cases about a missing CUTLASS
     pass their own SAFEATTN_CUTLASS_INCLUDE."""
     root = Path(tempfile.mkdtemp(prefix="safeattn-cutlass-"))
+    atexit.register(shutil.rmtree, root, True)
     (root / "cute").mkdir()
     (root / "cute" / "tensor.hpp").write_text("// stand-in: setup.py --version reads no header\n")
     return str(root)
