@@ -18,8 +18,9 @@
 // masked, visible, diagonal (a compare, dK/dV kernel) or mixed (read); contiguous, transposed-view and padded input
 // strides), in both dQ modes (atomics from the dK/dV kernel into a float32 buffer, and the deterministic dQ kernel):
 // relative L2 error and max error against the largest reference value, no NaN, and exact zeros where the contract says
-// 0 (dQ of rows with no visible key, dK and dV of keys no row sees). Then B=4 H=16 S=4096 at the shape's head dim,
-// causal and not, timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV
+// 0 (dQ of rows with no visible key, dK and dV of keys no row sees); the grids in the launchers' order (groups of heads,
+// tile_order.h). Then B=4 H=16 S=4096 at the shape's head dim, causal (in that order, then in the grids' own:
+// "causal-hah") and not, timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV
 // kernel and dQ's conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5
 // forwards and causal as half. Exit status 1 when any check fails.
 #include <algorithm>
@@ -53,6 +54,10 @@ static bool g_profile = false;
 static bool g_checks = true;          // --no-checks: timings only
 static bool g_deterministic = false;  // --deterministic: also time the dK/dV kernel + dQ kernel
 static const char* g_only = nullptr;  // --only TEXT[,TEXT...]: the shapes whose name contains one of them
+static bool g_grid_order = true;      // the grids in the launchers' order (tile_order.h); false: their own
+
+using safeattn::cuda::resident_ctas;
+using safeattn::cuda::attn::bwd_detail::grid_head_group;
 
 // The dK/dV kernel of shape Cfg over `batch` batches; atomic: dQ added into p.dq_accum.
 template <typename T, class Cfg>
@@ -62,7 +67,12 @@ static void launch_dkdv(const BwdParams& p, int batch, bool atomic) {
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((p.kv_len + Cfg::kKeys - 1) / Cfg::kKeys), static_cast<unsigned>(p.hkv),
                   static_cast<unsigned>(batch));
-  kernel<<<grid, Cfg::kThreads, smem>>>(p);
+  BwdParams grid_p = p;
+  grid_p.head_group_dkdv = grid_head_group(
+      g_grid_order && (p.causal.enabled || p.tiles_dkdv.ptr != nullptr), grid,
+      atomic ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
+             : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
+  kernel<<<grid, Cfg::kThreads, smem>>>(grid_p);
   CHECK_CUDA(cudaGetLastError());
 }
 
@@ -74,7 +84,10 @@ static void launch_dq(const BwdParams& p, int batch) {
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
   const dim3 grid(static_cast<unsigned>((p.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries), static_cast<unsigned>(p.hq),
                   static_cast<unsigned>(batch));
-  kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(p);
+  BwdParams grid_p = p;
+  grid_p.head_group_dq = grid_head_group(g_grid_order && (p.causal.enabled || p.tiles_dq.ptr != nullptr), grid,
+                                         resident_ctas<&attention_bwd_dq_kernel<T, D, kRanges>>(Tr::kThreads, Tr::kDqSmem));
+  kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(grid_p);
   CHECK_CUDA(cudaGetLastError());
 }
 
@@ -516,13 +529,20 @@ static int check_shape(const char* name, bool timing) {
       if (deterministic && !g_deterministic) {
         continue;
       }
-      for (bool causal : {true, false}) {
+      // Causal twice: in the launchers' order (groups of heads, tile_order.h) and in the grids' own.
+      for (int order = 0; order < 3; ++order) {
+        const bool causal = order < 2;
         const int B = 4, H = 16, S = 4096;
+        g_grid_order = order != 1;
         const float ms = time_shape<T, Cfg>(causal, deterministic, B, H, S);
+        g_grid_order = true;
         if (!g_profile) {
           const double flops = 2.5 * 4.0 * B * H * double(S) * S * Cfg::kHeadDim * (causal ? 0.5 : 1.0);
-          printf("  TIME %-30s D %3d %-9s %s B4 H16 S4096 bwd: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
-                 causal ? "causal" : "noncausal", deterministic ? "determ." : "atomic ", ms, flops / ms / 1e9);
+          printf("  TIME %-30s D %3d %-10s %s B4 H16 S4096 bwd: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
+                 order == 0 ? "causal" : order == 1 ? "causal-hah" : "noncausal", deterministic ? "determ." : "atomic ",
+                 ms, flops / ms / 1e9);
+        } else if (order == 0) {
+          break;
         }
       }
     }

@@ -6,7 +6,7 @@ which the hardware hands out in linear order). A tile with n key (or query) tile
 a n + b us (measured: `hopper_fwd_check --sweep` or `--trace`). Prints the makespan against the
 ideal (all work spread evenly) for the order head after head, each head longest first (head
 group 1), and for groups of at most G heads ordered longest first across the group, among them
-the group head_group_for picks (csrc/ops/cuda/hopper/tile_order.h, mirrored here).
+the group head_group_for picks (csrc/ops/cuda/tile_order.h, mirrored here).
 
     python benchmarks/schedule_sim.py                 # B4 H16 S4096: forward D=128, D=64, backward
     python benchmarks/schedule_sim.py --a 1.2 --b 3   # another cost fit

@@ -1,4 +1,4 @@
-// The sm_90a kernels' causal tile order (ops/cuda/hopper/tile_order.h), checked on the host: every
+// The sm_90a kernels' causal tile order (ops/cuda/tile_order.h), checked on the host: every
 // tile exactly once, head after head when head_group is 1, within each group of heads the longest
 // tiles (rank 0) first, and the groups as equal as they can be; head_group_for's and fwd_head_group's rules.
 #define CATCH_CONFIG_PREFIX_ALL
@@ -6,12 +6,12 @@
 
 #include <vector>
 
-#include "ops/cuda/hopper/tile_order.h"
+#include "ops/cuda/tile_order.h"
 
-using safeattn::cuda::hopper::fwd_head_group;
-using safeattn::cuda::hopper::head_group_for;
-using safeattn::cuda::hopper::longest_first;
-using safeattn::cuda::hopper::TileRank;
+using safeattn::cuda::fwd_head_group;
+using safeattn::cuda::head_group_for;
+using safeattn::cuda::longest_first;
+using safeattn::cuda::TileRank;
 
 CATCH_TEST_CASE("longest_first visits every tile once, longest first within each head group") {
   for (int tiles_per_head : {1, 3, 32}) {

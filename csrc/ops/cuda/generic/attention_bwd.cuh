@@ -67,6 +67,7 @@
 #include "ops/cuda/head_dim_switch.h"
 #include "ops/cuda/mask_view.cuh"
 #include "ops/cuda/score_rule.cuh"
+#include "ops/cuda/tile_order.h"
 
 #ifndef SAFEATTN_STANDALONE
 #include <c10/cuda/CUDAException.h>
@@ -116,7 +117,28 @@ struct BwdParams {
   // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
   ScoreRule score;
   int64_t hq, hkv, q_len, kv_len;
+  // The grids' order (ops/cuda/tile_order.h): with head_group > 1, CTA (x, y, z)'s linear index
+  // read as longest_first's over the (batch, head)s in groups of that many, so that the long
+  // tiles (the dK/dV kernel's first key tiles, the dQ kernel's last query tiles, under
+  // causality) of a group run first and short ones fill the tail; 1: the grid's own order.
+  int head_group_dkdv = 1, head_group_dq = 1;
 };
+
+// The tile, head and batch of this CTA of a (tiles, heads, batches) grid: by longest_first when
+// head_group > 1 (the launcher sets it only for grids of at most INT32_MAX CTAs), rank 0 the
+// longest tile; the grid's own order otherwise.
+struct GridTile {
+  int64_t rank, head, batch;
+};
+__device__ __forceinline__ GridTile grid_tile(int head_group) {
+  if (head_group > 1) {
+    const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    const TileRank r = longest_first(linear, static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z),
+                                     head_group);
+    return {r.rank, r.head % static_cast<int>(gridDim.y), r.head / static_cast<int>(gridDim.y)};
+  }
+  return {blockIdx.x, blockIdx.y, blockIdx.z};
+}
 
 // The dQ kernel's shape for one head dim: 4 warps, each owning 16 queries; the key step is
 // smaller for large head dims so that the dQ accumulator (head_dim floats per thread) plus the
@@ -676,9 +698,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   T* ds_s = reinterpret_cast<T*>(delta_s + kStages * kQueries);
   T* p_s = ds_s + kKeys * kPStride;
 
-  const int64_t j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
-  const int64_t hk = blockIdx.y;
-  const int64_t b = blockIdx.z;
+  // Key tile 0 is the longest under causality (every query sees it): rank 0.
+  const GridTile at_grid = grid_tile(p.head_group_dkdv);
+  const int key_tile = static_cast<int>(at_grid.rank);
+  const int64_t j0 = at_grid.rank * kKeys;
+  const int64_t hk = at_grid.head;
+  const int64_t b = at_grid.batch;
   const int64_t group = p.hq / p.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
@@ -720,11 +745,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   // not walked.
   auto next_step = [&](Step at) {
     while (steps > at.index) {
-      if (at.q_tile >= p.tiles_dkdv.query_end_at(b, at.h, blockIdx.x)) {
+      if (at.q_tile >= p.tiles_dkdv.query_end_at(b, at.h, key_tile)) {
         at.index += q_tiles - at.q_tile;  // the next head's first tile
         at.q_tile = first_tile;
         ++at.h;
-      } else if (p.tiles_dkdv.at(b, at.h, at.q_tile, blockIdx.x) == kTileMasked) {
+      } else if (p.tiles_dkdv.at(b, at.h, at.q_tile, key_tile) == kTileMasked) {
         at = advance(at);
       } else {
         break;
@@ -790,7 +815,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const int64_t h = step.h;
     const int64_t q_tile = step.q_tile;
     const int64_t i0 = q_tile * kQueries;
-    const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, blockIdx.x);
+    const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, key_tile);
     const bool plain = plain_tile(p, tile_class, i0, kQueries, j0, kKeys);
     // kFoldScale's cases, in log2 units without softcap: a plain tile (folded), or one whose only
     // per-element tests are the causal rule, the sequence ends and a mask's diagonal (bounded: the
@@ -878,7 +903,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
         int col_last[kQTiles][2];
         TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0, kKeys);
         if (tile_class == kTileDiagonal) {  // query r sees keys c <= r + the mask's diagonal too
-          bounds.diagonal = min(bounds.diagonal, p.tiles_dkdv.diagonal_at(b, h, q_tile, blockIdx.x));
+          bounds.diagonal = min(bounds.diagonal, p.tiles_dkdv.diagonal_at(b, h, q_tile, key_tile));
         }
 #pragma unroll
         for (int t = 0; t < kQTiles; ++t) {
@@ -1023,12 +1048,13 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   T* k_s = do_s + kQueries * kStride;  // [2][kKeys][kStride]
   T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
 
-  // Last query tile first: with causal it sees the most keys, and the long CTAs should start
-  // early rather than form the tail of the grid.
-  const int64_t q_tile = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x);
+  // Last query tile first (rank 0): with causal it sees the most keys, and the long CTAs should
+  // start early rather than form the tail of the grid.
+  const GridTile at_grid = grid_tile(p.head_group_dq);
+  const int64_t q_tile = static_cast<int64_t>(gridDim.x) - 1 - at_grid.rank;
   const int64_t i0 = q_tile * kQueries;
-  const int64_t h = blockIdx.y;
-  const int64_t b_rel = blockIdx.z;
+  const int64_t h = at_grid.head;
+  const int64_t b_rel = at_grid.batch;
   const int64_t b = p.batch_begin + b_rel;
   const int64_t hk = h / (p.hq / p.hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1190,6 +1216,18 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   }
 }
 
+// The head group of a (tiles, heads, batches) grid of which resident_ctas CTAs run at once:
+// head_group_for's (tile_order.h) where its tiles differ in length (`uneven`: causality or a mask
+// summary) and it has at most INT32_MAX CTAs (longest_first's arithmetic); 1 otherwise. The
+// forward's L2-sized groups lost in the sm_90a backward (notes: "Causal tile order").
+inline int grid_head_group(bool uneven, dim3 grid, int resident_ctas) {
+  const int64_t heads = int64_t{grid.y} * grid.z;
+  if (!uneven || heads * grid.x > INT32_MAX) {
+    return 1;
+  }
+  return head_group_for(static_cast<int>(grid.x), static_cast<int>(heads), resident_ctas);
+}
+
 #ifndef SAFEATTN_STANDALONE
 // The dK/dV kernel of shape Cfg; params.dq_accum set: the atomic mode, dQ added by this kernel
 // (the caller then skips the dQ kernel).
@@ -1201,7 +1239,12 @@ void launch_dkdv_shape(const BwdParams& params, int64_t batch, cudaStream_t stre
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((params.kv_len + Cfg::kKeys - 1) / Cfg::kKeys),
                   static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
-  kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
+  BwdParams grid_p = params;
+  grid_p.head_group_dkdv = grid_head_group(
+      params.causal.enabled || params.tiles_dkdv.ptr != nullptr, grid,
+      atomic_dq ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
+                : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(grid_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1242,7 +1285,13 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
     const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),
                     static_cast<unsigned>(params.hq), static_cast<unsigned>(launch.batch_count));
-    kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(params);
+    BwdParams grid_p = params;
+    grid_p.head_group_dq = bwd_detail::grid_head_group(
+        params.causal.enabled || params.tiles_dq.ptr != nullptr, grid,
+        kernel == &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, true>
+            ? resident_ctas<&bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, true>>(Tr::kThreads, Tr::kDqSmem)
+            : resident_ctas<&bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, false>>(Tr::kThreads, Tr::kDqSmem));
+    kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(grid_p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -49,6 +49,7 @@
 #include "ops/cuda/head_dim_switch.h"
 #include "ops/cuda/mask_view.cuh"
 #include "ops/cuda/score_rule.cuh"
+#include "ops/cuda/tile_order.h"
 
 #if defined(SAFEATTN_ATTN_FWD_DEFINE_KERNELS) && !defined(SAFEATTN_STANDALONE)
 #include <c10/cuda/CUDAException.h>
@@ -83,6 +84,11 @@ struct FwdParams {
   // tests each element against its row's interval.
   KeyRangeView ranges;
   TileSummaryView tiles;  // null ptr without a mask or key ranges
+  // The CTAs' order (ops/cuda/tile_order.h): CTA c computes longest_first(c, query tiles, B * Hq,
+  // head_group)'s tile, its rank 0 the head's last query tile. 1: head after head, each head's last
+  // tile first; larger: the last tiles of a group of heads first, then the next to last, and so on,
+  // so that short tiles fill the grid's tail under causality or a mask summary.
+  int head_group = 1;
 };
 
 // A forward tile shape: kBlockM queries x kBlockN keys a CTA, kWarps warps of kMTiles 16-row MMA
@@ -547,10 +553,12 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   const int tid = threadIdx.x, warp = tid / 32;
   const Lanes ln(tid % 32);
   const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
-  // Consecutive CTAs are the query tiles of one head, so the CTAs resident together share the
-  // K/V of a few heads in L2; within a head the longest (under causal, latest) tiles go first.
-  const int64_t q_tile = q_tiles - 1 - static_cast<int64_t>(blockIdx.x) % q_tiles;
-  const int64_t bh = static_cast<int64_t>(blockIdx.x) / q_tiles;
+  // The CTAs resident together hold the query tiles of a few heads (p.head_group's), whose K/V
+  // share the L2; the longest (under causality, the latest) tiles go first.
+  const TileRank order = longest_first(static_cast<int>(blockIdx.x), static_cast<int>(q_tiles),
+                                       static_cast<int>(p.batch_heads), p.head_group);
+  const int64_t q_tile = q_tiles - 1 - order.rank;
+  const int64_t bh = order.head;
   const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
   const int64_t i0 = q_tile * kBlockM;
   const int rows = static_cast<int>(p.q_len - i0 < kBlockM ? p.q_len - i0 : kBlockM);
@@ -731,7 +739,15 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t q_tiles = (p.q_len + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int64_t blocks = q_tiles * p.batch_heads;
   TORCH_CHECK(blocks <= 0x7fffffffLL, "attention (CUDA): too many query tiles (", blocks, ")");
-  kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(p);
+  FwdParams grid_p = p;
+  if (p.causal.enabled || p.tiles.ptr != nullptr) {  // tiles of unequal lengths
+    // K and V bytes per (batch, query head): a kv head's, shared by its group's query heads.
+    grid_p.head_group = fwd_head_group(static_cast<int>(q_tiles), static_cast<int>(p.batch_heads),
+                                       resident_ctas<&attention_fwd_kernel<T, Cfg>>(kThreads, kSmem),
+                                       2LL * p.kv_len * Cfg::kHeadDim * static_cast<long long>(sizeof(T)) / p.group,
+                                       current_l2_bytes());
+  }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, kSmem, stream>>>(grid_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -42,7 +42,7 @@ struct Sm90Inputs {
   // both per element (the mask's bits where there is a mask, the interval's always).
   attn::KeyRangeView key_ranges;
   // Causal (and masked) tiles go longest first within groups of at most head_group (batch,
-  // head)s (hopper/tile_order.h); 0: the direction's own choice; 1: head after head.
+  // head)s (ops/cuda/tile_order.h); 0: the direction's own choice; 1: head after head.
   int head_group = 0;
 };
 

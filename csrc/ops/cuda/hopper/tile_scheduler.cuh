@@ -1,5 +1,5 @@
 // Which tile a CTA of an sm_90a attention kernel computes. Contract: each scheduler maps a CTA (and,
-// for the persistent one, a running index) to a tile, in the order of hopper/tile_order.h under
+// for the persistent one, a running index) to a tile, in the order of ops/cuda/tile_order.h under
 // causality or a mask (the longest tiles first within groups of heads, so the short ones fill the
 // tail), in plain order otherwise; a tile knows the key tiles its rows may see (causality folded
 // in, before any mask summary). P is a kernel's Params: heads, m_blocks, q_len, kv_len, causal,
@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "ops/cuda/hopper/tile_order.h"
+#include "ops/cuda/tile_order.h"
 #include "ops/cuda/pdl.cuh"
 
 namespace safeattn::cuda::hopper::detail {

@@ -1,15 +1,21 @@
-// The order in which the sm_90a kernels take their tiles under causality (hopper/fwd_kernel.cuh's
-// persistent schedule, hopper/bwd_kernel.cuh's grid): plain integer arithmetic, free of torch and
-// CUDA, so tests/cpp checks it on the host and benchmarks/schedule_sim.py simulates it.
+// The order in which the attention kernels take their tiles under causality or a mask summary:
+// the sm_90a kernels (hopper/fwd_kernel.cuh's persistent schedule, hopper/bwd_kernel.cuh's grid)
+// and the generic mma.sync ones (generic/attention_fwd.cuh's and attention_bwd.cuh's grids, read
+// in the hardware's block order). Plain integer arithmetic, free of torch and CUDA, so tests/cpp
+// checks it on the host and benchmarks/schedule_sim.py simulates it; under nvcc, the occupancy
+// query the launchers size the groups with.
 #pragma once
 
+#include <cstddef>
+
 #if defined(__CUDACC__)
+#include <cuda_runtime.h>
 #define SAFEATTN_TILE_ORDER_FN __host__ __device__ inline
 #else
 #define SAFEATTN_TILE_ORDER_FN inline
 #endif
 
-namespace safeattn::cuda::hopper {
+namespace safeattn::cuda {
 
 // Tile `index` of heads x tiles_per_head, where a head's tile of rank 0 is its longest. The heads
 // go in groups of consecutive heads (whose K and V stay in L2 together), group after group: as
@@ -70,6 +76,39 @@ SAFEATTN_TILE_ORDER_FN int fwd_head_group(int tiles_per_head, int heads, int res
   return fit > group ? (fit > heads ? heads : static_cast<int>(fit)) : group;
 }
 
-}  // namespace safeattn::cuda::hopper
+#if defined(__CUDACC__)
+// Host, for the launchers that size the groups: the CTAs of kKernel (threads a CTA, smem bytes of
+// dynamic shared memory, its attribute already set) that run at once on the current GPU, by
+// occupancy (at least one an SM), and that GPU's L2 in bytes (0: unknown). The occupancy is asked
+// once per kernel, on the first GPU that launches it (the order it sizes changes only the time,
+// never a result); a failed query leaves no error behind for the launch check.
+inline int current_device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return value;
+}
+
+template <auto kKernel>
+int resident_ctas(int threads, size_t smem) {
+  static const int per_sm = [&] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, threads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 1;
+    }
+    return n < 1 ? 1 : n;
+  }();
+  return per_sm * current_device_attribute(cudaDevAttrMultiProcessorCount);
+}
+
+inline long long current_l2_bytes() {
+  return current_device_attribute(cudaDevAttrL2CacheSize);
+}
+#endif
+
+}  // namespace safeattn::cuda
 
 #undef SAFEATTN_TILE_ORDER_FN
