@@ -84,10 +84,7 @@ static void launch_dq(const BwdParams& p, int batch) {
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
   const dim3 grid(static_cast<unsigned>((p.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries), static_cast<unsigned>(p.hq),
                   static_cast<unsigned>(batch));
-  BwdParams grid_p = p;
-  grid_p.head_group_dq = grid_head_group(g_grid_order && (p.causal.enabled || p.tiles_dq.ptr != nullptr), grid,
-                                         resident_ctas<&attention_bwd_dq_kernel<T, D, kRanges>>(Tr::kThreads, Tr::kDqSmem));
-  kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(grid_p);
+  kernel<<<grid, Tr::kThreads, Tr::kDqSmem>>>(p);
   CHECK_CUDA(cudaGetLastError());
 }
 

@@ -117,28 +117,12 @@ struct BwdParams {
   // Score units: log2, or natural with a floating mask (attention_common.cuh, exp_of).
   ScoreRule score;
   int64_t hq, hkv, q_len, kv_len;
-  // The grids' order (ops/cuda/tile_order.h): with head_group > 1, CTA (x, y, z)'s linear index
-  // read as longest_first's over the (batch, head)s in groups of that many, so that the long
-  // tiles (the dK/dV kernel's first key tiles, the dQ kernel's last query tiles, under
-  // causality) of a group run first and short ones fill the tail; 1: the grid's own order.
-  int head_group_dkdv = 1, head_group_dq = 1;
+  // The dK/dV grid's order (ops/cuda/tile_order.h, GridCoords): with head_group_dkdv > 1, CTA (x,
+  // y, z)'s linear index read as longest_first's over the (batch, kv head)s in groups of that
+  // many, so that the long key tiles (under causality, the first) of a group run first and short
+  // ones fill the tail; 1: the grid's own order. The dQ kernel keeps its own order.
+  int head_group_dkdv = 1;
 };
-
-// The tile, head and batch of this CTA of a (tiles, heads, batches) grid: by longest_first when
-// head_group > 1 (the launcher sets it only for grids of at most INT32_MAX CTAs), rank 0 the
-// longest tile; the grid's own order otherwise.
-struct GridTile {
-  int64_t rank, head, batch;
-};
-__device__ __forceinline__ GridTile grid_tile(int head_group) {
-  if (head_group > 1) {
-    const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-    const TileRank r = longest_first(linear, static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z),
-                                     head_group);
-    return {r.rank, r.head % static_cast<int>(gridDim.y), r.head / static_cast<int>(gridDim.y)};
-  }
-  return {blockIdx.x, blockIdx.y, blockIdx.z};
-}
 
 // The dQ kernel's shape for one head dim: 4 warps, each owning 16 queries; the key step is
 // smaller for large head dims so that the dQ accumulator (head_dim floats per thread) plus the
@@ -235,7 +219,7 @@ struct BwdTiles {
       sizeof(uint16_t) * kStride * (2 * kKeys + 2 * kStages * kQueries) + sizeof(float) * 3 * kStages * kQueries;
   static constexpr size_t smem_bytes(bool atomic_dq) {
     const int score_tiles = kPInRegs ? (atomic_dq ? 1 : 0) : 2;
-    return kTilesSmem + sizeof(uint16_t) * score_tiles * kKeys * kPStride;
+    return kTilesSmem + sizeof(uint16_t) * score_tiles * kKeys * kPStride + kGridCoordBytes;  // then GridCoords
   }
   // Whether the kernels carry the key ranges' per-element test (WithRanges, mma_sync.cuh).
   static constexpr bool kReadsRanges = false;
@@ -698,12 +682,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   T* ds_s = reinterpret_cast<T*>(delta_s + kStages * kQueries);
   T* p_s = ds_s + kKeys * kPStride;
 
-  // Key tile 0 is the longest under causality (every query sees it): rank 0.
-  const GridTile at_grid = grid_tile(p.head_group_dkdv);
-  const int key_tile = static_cast<int>(at_grid.rank);
-  const int64_t j0 = at_grid.rank * kKeys;
-  const int64_t hk = at_grid.head;
-  const int64_t b = at_grid.batch;
+  // The CTA's key tile (rank 0: under causality the longest, every query sees it), kv head and
+  // batch, read again where used (GridCoords): not held in registers across the query loop.
+  const GridCoords cta = grid_coords(smem_raw + Cfg::smem_bytes(kAtomicDq) - kGridCoordBytes, p.head_group_dkdv);
+  auto j0_at = [&] { return int64_t{cta.rank()} * kKeys; };
   const int64_t group = p.hq / p.hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, tig = lane % 4;
@@ -714,15 +696,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   const int dkv_key0 = warp / Cfg::kDkvCols * Cfg::kDkvWarpKeys;
   const int dkv_col0 = warp % Cfg::kDkvCols * Cfg::kDkvWarpCols;
 
-  const T* k_base = static_cast<const T*>(p.key) + b * p.k_stride_b + hk * p.k_stride_h;
-  const T* v_base = static_cast<const T*>(p.value) + b * p.v_stride_b + hk * p.v_stride_h;
-  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(k_s, k_base, p.k_stride_s, j0, p.kv_len);
-  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(v_s, v_base, p.v_stride_s, j0, p.kv_len);
+  const T* k_base = static_cast<const T*>(p.key) + cta.batch() * p.k_stride_b + cta.head() * p.k_stride_h;
+  const T* v_base = static_cast<const T*>(p.value) + cta.batch() * p.v_stride_b + cta.head() * p.v_stride_h;
+  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(k_s, k_base, p.k_stride_s, j0_at(), p.kv_len);
+  load_rows<T, Rows, kHeadDim, kKeys, kThreads>(v_s, v_base, p.v_stride_s, j0_at(), p.kv_len);
   cp_async_commit();
 
   // Queries before first_query(j0) see no key of this tile (j0 is its smallest key).
   const int64_t q_tiles = (p.q_len + kQueries - 1) / kQueries;
-  const int64_t first_tile = p.causal.first_query(j0, p.q_len) / kQueries;
+  const int64_t first_tile = p.causal.first_query(j0_at(), p.q_len) / kQueries;
   const int64_t tiles_per_head = q_tiles - first_tile;
   const int64_t steps = group * tiles_per_head;
 
@@ -745,11 +727,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   // not walked.
   auto next_step = [&](Step at) {
     while (steps > at.index) {
-      if (at.q_tile >= p.tiles_dkdv.query_end_at(b, at.h, key_tile)) {
+      if (at.q_tile >= p.tiles_dkdv.query_end_at(cta.batch(), at.h, cta.rank())) {
         at.index += q_tiles - at.q_tile;  // the next head's first tile
         at.q_tile = first_tile;
         ++at.h;
-      } else if (p.tiles_dkdv.at(b, at.h, at.q_tile, key_tile) == kTileMasked) {
+      } else if (p.tiles_dkdv.at(cta.batch(), at.h, at.q_tile, cta.rank()) == kTileMasked) {
         at = advance(at);
       } else {
         break;
@@ -760,12 +742,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   auto prefetch = [&](const Step& at, int buf) {
     const int64_t h = at.h;
     const int64_t i0 = at.q_tile * kQueries;
-    const T* q_base = static_cast<const T*>(p.query) + b * p.q_stride_b + h * p.q_stride_h;
-    const T* do_base = static_cast<const T*>(p.grad_out) + b * p.do_stride_b + h * p.do_stride_h;
+    const T* q_base = static_cast<const T*>(p.query) + cta.batch() * p.q_stride_b + h * p.q_stride_h;
+    const T* do_base = static_cast<const T*>(p.grad_out) + cta.batch() * p.do_stride_b + h * p.do_stride_h;
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(q_s + buf * kQueries * kStride, q_base, p.q_stride_s, i0, p.q_len);
     load_rows<T, Rows, kHeadDim, kQueries, kThreads>(do_s + buf * kQueries * kStride, do_base, p.do_stride_s, i0,
                                                      p.q_len);
-    const int64_t row0 = (b * p.hq + h) * p.q_len;
+    const int64_t row0 = (cta.batch() * p.hq + h) * p.q_len;
     // By cp.async, in the group of the step's tiles: a plain load would hold the thread until the
     // value arrives (its store to shared memory waits on it), and with one Q/dO buffer it stood
     // before the step's dQ (ncu, H200, D=64: 6% of the dK/dV kernel's stall samples).
@@ -803,7 +785,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   zero_fill(dk_acc);
   zero_fill(dv_acc);
 
-  Step step = next_step(Step{0, hk * group, first_tile});
+  Step step = next_step(Step{0, cta.head() * group, first_tile});
   if (steps > step.index) {
     prefetch(step, 0);
   }
@@ -815,8 +797,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     const int64_t h = step.h;
     const int64_t q_tile = step.q_tile;
     const int64_t i0 = q_tile * kQueries;
-    const uint8_t tile_class = p.tiles_dkdv.at(b, h, q_tile, key_tile);
-    const bool plain = plain_tile(p, tile_class, i0, kQueries, j0, kKeys);
+    const uint8_t tile_class = p.tiles_dkdv.at(cta.batch(), h, q_tile, cta.rank());
+    const bool plain = plain_tile(p, tile_class, i0, kQueries, j0_at(), kKeys);
     // kFoldScale's cases, in log2 units without softcap: a plain tile (folded), or one whose only
     // per-element tests are the causal rule, the sequence ends and a mask's diagonal (bounded: the
     // causal diagonal, the last tiles of odd lengths, a bool mask's kTileDiagonal tiles), made in
@@ -901,9 +883,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       } else if (Cfg::kFoldScale && bounded) {
         // The last visible key row of each of the thread's columns, from its first row key_row0 + g.
         int col_last[kQTiles][2];
-        TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0, kKeys);
+        TileBounds bounds = tile_bounds(p.causal, p.q_len, p.kv_len, i0, kQueries, j0_at(), kKeys);
         if (tile_class == kTileDiagonal) {  // query r sees keys c <= r + the mask's diagonal too
-          bounds.diagonal = min(bounds.diagonal, p.tiles_dkdv.diagonal_at(b, h, q_tile, key_tile));
+          bounds.diagonal = min(bounds.diagonal, p.tiles_dkdv.diagonal_at(cta.batch(), h, q_tile, cta.rank()));
         }
 #pragma unroll
         for (int t = 0; t < kQTiles; ++t) {
@@ -924,10 +906,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
       } else {
         load_columns(lse_t, tig, col_shift);
         load_columns(delta_t, tig, col_delta);
+        const int64_t b = cta.batch(), j_first = j0_at() + key_row0;
         to_p_and_ds([&](int mt, int t, int e, float& dscore) {
           const int col = t * 8 + 2 * tig + (e & 1);
           const int64_t i = i0 + q0 + col;
-          const int64_t j = j0 + key_row0 + mt * 16 + g + (e >> 1) * 8;
+          const int64_t j = j_first + mt * 16 + g + (e >> 1) * 8;
           return fast_exp2(
               exp2_arg<Cfg::kReadsRanges>(p, plain, st[mt][t][e], b, h, i, j, col_shift[t][e & 1], lo_t[col], dscore));
         });
@@ -996,7 +979,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
     if constexpr (kAtomicDq) {
       __syncthreads();  // every warp's dS'^T is in ds_s; no warp reads Q, dO or the row values
       prefetch_single();
-      add_step_dq<T, Cfg>(p, ds_s, k_s, b, h, i0, warp, lane);
+      add_step_dq<T, Cfg>(p, ds_s, k_s, cta.batch(), h, i0, warp, lane);
       if constexpr (kStages == 2) {
         __syncthreads();  // ds_s and the other buffer are refilled by the next step
       }
@@ -1009,13 +992,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_bwd_
   cp_async_wait<0>();
 
   // Rows g and g + 8 of each of this warp's 16-key blocks, columns 2 * tig (+1) of every n-tile.
-  T* gk = static_cast<T*>(p.grad_key) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
-  T* gv = static_cast<T*>(p.grad_value) + ((b * p.hkv + hk) * p.kv_len) * kHeadDim;
+  T* gk = static_cast<T*>(p.grad_key) + ((cta.batch() * p.hkv + cta.head()) * p.kv_len) * kHeadDim;
+  T* gv = static_cast<T*>(p.grad_value) + ((cta.batch() * p.hkv + cta.head()) * p.kv_len) * kHeadDim;
+  const int64_t j_first = j0_at() + dkv_key0;
 #pragma unroll
   for (int mt = 0; mt < kDkvMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t j = j0 + dkv_key0 + mt * 16 + g + half * 8;
+      const int64_t j = j_first + mt * 16 + g + half * 8;
       if (j >= p.kv_len) {
         continue;
       }
@@ -1048,13 +1032,13 @@ __global__ void __launch_bounds__(DqConfig<kHeadDim>::kThreads) attention_bwd_dq
   T* k_s = do_s + kQueries * kStride;  // [2][kKeys][kStride]
   T* v_s = k_s + 2 * kKeys * kStride;  // [2][kKeys][kStride]
 
-  // Last query tile first (rank 0): with causal it sees the most keys, and the long CTAs should
-  // start early rather than form the tail of the grid.
-  const GridTile at_grid = grid_tile(p.head_group_dq);
-  const int64_t q_tile = static_cast<int64_t>(gridDim.x) - 1 - at_grid.rank;
+  // Last query tile first: with causal it sees the most keys, and the long CTAs should start
+  // early rather than form the tail of the grid. Head after head: the dK/dV kernel's order by
+  // groups (GridCoords) cost this kernel spills at 255 registers, and it runs only deterministic.
+  const int64_t q_tile = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x);
   const int64_t i0 = q_tile * kQueries;
-  const int64_t h = at_grid.head;
-  const int64_t b_rel = at_grid.batch;
+  const int64_t h = blockIdx.y;
+  const int64_t b_rel = blockIdx.z;
   const int64_t b = p.batch_begin + b_rel;
   const int64_t hk = h / (p.hq / p.hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -1285,13 +1269,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdLaunch& launch, cuda
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Tr::kDqSmem)));
     const dim3 grid(static_cast<unsigned>((params.q_len + Tr::kDqQueries - 1) / Tr::kDqQueries),
                     static_cast<unsigned>(params.hq), static_cast<unsigned>(launch.batch_count));
-    BwdParams grid_p = params;
-    grid_p.head_group_dq = bwd_detail::grid_head_group(
-        params.causal.enabled || params.tiles_dq.ptr != nullptr, grid,
-        kernel == &bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, true>
-            ? resident_ctas<&bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, true>>(Tr::kThreads, Tr::kDqSmem)
-            : resident_ctas<&bwd_detail::attention_bwd_dq_kernel<T, kHeadDim, false>>(Tr::kThreads, Tr::kDqSmem));
-    kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(grid_p);
+    kernel<<<grid, Tr::kThreads, Tr::kDqSmem, stream>>>(params);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "ops/cuda/tile_order.h"
+
 namespace safeattn::cuda::attn {
 
 // ---- tensor-core and async-copy wrappers (sm_80 and later) -----------------------------------
@@ -243,5 +245,68 @@ struct WithRanges : Tiles {
 // [B, 1, Q, KV]: quadratic in a packed batch's tokens). nvcc 13.0 leaves the kernels without
 // ranges as they were beside them (sm_90 SASS: the same instructions, parameter offsets aside).
 constexpr bool kMmaSyncReadsKeyRanges = true;
+
+// ---- a CTA's place in the grid's order (ops/cuda/tile_order.h) ------------------------------
+
+// The tile, head and batch a CTA computes, kept in kGridCoordBytes at the end of its dynamic
+// shared memory and re-read (volatile) wherever used. blockIdx itself can be read again at any
+// point for free, so the kernels never held it in registers; coordinates computed from it
+// (longest_first's) stayed live across the key loop at 255 registers and spilled: the D = 128
+// dK/dV kernel's stack went 24 -> 120 bytes and the dQ kernel's 0 -> 40 (nvcc 13.0, sm_90).
+constexpr size_t kGridCoordBytes = 16;
+
+struct GridCoords {
+  const volatile int* s;
+  __device__ __forceinline__ int rank() const {  // the tile: rank 0 the longest (tile_order.h)
+    return s[0];
+  }
+  __device__ __forceinline__ int64_t head() const {
+    return s[1];
+  }
+  __device__ __forceinline__ int64_t batch() const {
+    return s[2];
+  }
+};
+
+// CTA (x, y, z) of a (tiles, heads, batches) grid: longest_first's tile of its linear index over
+// the heads x batches when head_group > 1 (the launchers set it only for grids of at most
+// INT32_MAX CTAs), else (x, y, z) itself. `slot`: kGridCoordBytes of shared memory that nothing
+// else uses. Written by thread 0; the barrier makes it visible to the CTA.
+__device__ __forceinline__ GridCoords grid_coords(unsigned char* slot, int head_group) {
+  int* s = reinterpret_cast<int*>(slot);
+  if (threadIdx.x == 0) {
+    int rank = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), batch = static_cast<int>(blockIdx.z);
+    if (head_group > 1) {
+      const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+      const TileRank r = longest_first(linear, static_cast<int>(gridDim.x),
+                                       static_cast<int>(gridDim.y * gridDim.z), head_group);
+      rank = r.rank;
+      head = r.head % static_cast<int>(gridDim.y);
+      batch = r.head / static_cast<int>(gridDim.y);
+    }
+    s[0] = rank;
+    s[1] = head;
+    s[2] = batch;
+  }
+  __syncthreads();
+  return GridCoords{s};
+}
+
+// CTA x of a one-dimensional grid of batch_heads x tiles CTAs (the forward's: its (batch, head)s
+// may pass gridDim.y's limit): longest_first's tile, and its (batch, head) as head() of `heads`
+// and batch().
+__device__ __forceinline__ GridCoords grid_coords(unsigned char* slot, int64_t tiles, int64_t batch_heads,
+                                                  int64_t heads, int head_group) {
+  int* s = reinterpret_cast<int*>(slot);
+  if (threadIdx.x == 0) {
+    const TileRank r = longest_first(static_cast<int>(blockIdx.x), static_cast<int>(tiles),
+                                     static_cast<int>(batch_heads), head_group);
+    s[0] = r.rank;
+    s[1] = static_cast<int>(r.head % heads);
+    s[2] = static_cast<int>(r.head / heads);
+  }
+  __syncthreads();
+  return GridCoords{s};
+}
 
 }  // namespace safeattn::cuda::attn
