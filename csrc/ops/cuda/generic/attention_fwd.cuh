@@ -122,8 +122,8 @@ struct FwdTiles {
   // interleaved, 112 -> 88 swizzled, nvcc 13.0 sm_90); the padded shapes keep an offset per
   // round, which spills less there (FwdConfig<128>: 28 bytes against 44).
   static constexpr bool kWalkLoads = kSwizzle || (kInterleaved && kStages == 2);
-  static constexpr size_t smem_bytes(size_t element_size) {  // the tiles, then the grid coordinates
-    return static_cast<size_t>(kSmemRows) * Rows::kStride * element_size + kGridCoordBytes;
+  static constexpr size_t smem_bytes(size_t element_size) {
+    return static_cast<size_t>(kSmemRows) * Rows::kStride * element_size;
   }
   // Whether the kernel carries the code that reads a mask and its tile summary (WithoutMask below),
   // and the one that tests key ranges (WithRanges, mma_sync.cuh).
@@ -554,14 +554,13 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   const Lanes ln(tid % 32);
   const int64_t q_tiles = (p.q_len + kBlockM - 1) / kBlockM;
   // The CTAs resident together hold the query tiles of a few heads (p.head_group's), whose K/V
-  // share the L2; the longest (under causality, the latest) tiles go first. The tile's query tile,
-  // batch and head are read again where used (GridCoords), not held across the key loop.
-  const GridCoords at = grid_coords(smem_raw + Cfg::smem_bytes(sizeof(T)) - kGridCoordBytes, q_tiles,
-                                    p.batch_heads, p.heads, p.head_group);
-  auto q_tile_at = [&] { return q_tiles - 1 - at.rank(); };
-  auto i0_at = [&] { return q_tile_at() * kBlockM; };
-  const int64_t b = at.batch(), h = at.head(), hk = h / p.group;  // the prologue's
-  const int64_t i0 = i0_at();
+  // share the L2; the longest (under causality, the latest) tiles go first.
+  const TileRank order = longest_first(static_cast<int>(blockIdx.x), static_cast<int>(q_tiles),
+                                       static_cast<int>(p.batch_heads), p.head_group);
+  const int64_t q_tile = q_tiles - 1 - order.rank;
+  const int64_t bh = order.head;
+  const int64_t b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int64_t i0 = q_tile * kBlockM;
   const int rows = static_cast<int>(p.q_len - i0 < kBlockM ? p.q_len - i0 : kBlockM);
   const int warp_row0 = warp * kMTiles * 16;
   // Warps whose rows all lie past q_len (short query tiles, decoding) only help load.
@@ -582,7 +581,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   const int64_t n_tiles = (kv_end + kBlockN - 1) / kBlockN;
   auto next_tile = [&](int64_t j) {
     if constexpr (Cfg::kReadsMask) {
-      while (j < n_tiles && p.tiles.at(at.batch(), at.head(), q_tile_at(), j) == kTileMasked) {
+      while (j < n_tiles && p.tiles.at(b, h, q_tile, j) == kTileMasked) {
         ++j;
       }
     }
@@ -608,7 +607,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
   load_tile<T, kBlockM, D, kThreads, kQRounds, Rows, kWalk>(s_q, q_base + i0 * p.q_si, p.q_si, rows, tid);
   // From the row's first key tile not masked (the summary's record; 0 without a mask): the keys
   // left padding or a window hides from it are not walked one load at a time.
-  int64_t tile = Cfg::kReadsMask ? next_tile(p.tiles.first_visible_at(at.batch(), at.head(), q_tile_at())) : 0;
+  int64_t tile = Cfg::kReadsMask ? next_tile(p.tiles.first_visible_at(b, h, q_tile)) : 0;
   int64_t fetch = tile;  // the next tile whose K and V are loaded (staged)
   if constexpr (Cfg::kInterleaved) {
     if (tile < n_tiles) {
@@ -693,9 +692,9 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
       if (!fold_scale) {
         p.score.score_all<kMTiles * kBlockN / 8 * 4>(&s_acc[0][0][0]);
       }
-      const uint8_t tile_class = Cfg::kReadsMask ? p.tiles.at(at.batch(), at.head(), q_tile_at(), tile) : uint8_t{kTileVisible};
-      if (tile_class != kTileVisible || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0_at(), j0 + kBlockN)) {
-        mask_tile<Cfg>(s_acc, p, at.batch(), at.head(), q_tile_at(), tile, tile_class, warp_row0, ln);
+      const uint8_t tile_class = Cfg::kReadsMask ? p.tiles.at(b, h, q_tile, tile) : uint8_t{kTileVisible};
+      if (tile_class != kTileVisible || j0 + kBlockN > p.kv_len || !p.causal.tile_all_visible(i0, j0 + kBlockN)) {
+        mask_tile<Cfg>(s_acc, p, b, h, q_tile, tile, tile_class, warp_row0, ln);
       }
       softmax_tile<Cfg>(s_acc, o_acc, row_max, row_sum, unit);
     }
@@ -722,7 +721,7 @@ __global__ void __launch_bounds__(Cfg::kWarps * 32, Cfg::kMinBlocks) attention_f
     }
   }
   cp_async_wait<0>();
-  store_tile<T, Cfg>(o_acc, row_max, row_sum, fold_scale ? p.score.scale : 1.0f, p, at.batch(), at.head(), i0_at(), rows, s_q, warp_row0, ln);
+  store_tile<T, Cfg>(o_acc, row_max, row_sum, fold_scale ? p.score.scale : 1.0f, p, b, h, i0, rows, s_q, warp_row0, ln);
 }
 
 #ifndef SAFEATTN_STANDALONE

@@ -249,10 +249,13 @@ constexpr bool kMmaSyncReadsKeyRanges = true;
 // ---- a CTA's place in the grid's order (ops/cuda/tile_order.h) ------------------------------
 
 // The tile, head and batch a CTA computes, kept in kGridCoordBytes at the end of its dynamic
-// shared memory and re-read (volatile) wherever used. blockIdx itself can be read again at any
-// point for free, so the kernels never held it in registers; coordinates computed from it
-// (longest_first's) stayed live across the key loop at 255 registers and spilled: the D = 128
-// dK/dV kernel's stack went 24 -> 120 bytes and the dQ kernel's 0 -> 40 (nvcc 13.0, sm_90).
+// shared memory and re-read (volatile) wherever used: the dK/dV kernel's. blockIdx itself can be
+// read again at any point for free, so the kernels never held it in registers; coordinates
+// computed from it (longest_first's) stayed live across the query loop at 255 registers and
+// spilled: the D = 128 dK/dV kernel's stack went 24 -> 120 bytes (224 bytes of spill stores), and
+// the backward through the extension (fwd+bwd less fwd; H200, B4 H16 S4096 causal) 2.77 -> 2.91
+// ms; with GridCoords 0 bytes and 2.65 ms. The forward keeps its coordinates in registers: there GridCoords grew the
+// D = 64 large shape's stack 32 -> 72 bytes and its causal forward 0.478 -> 0.519 ms.
 constexpr size_t kGridCoordBytes = 16;
 
 struct GridCoords {
@@ -287,23 +290,6 @@ __device__ __forceinline__ GridCoords grid_coords(unsigned char* slot, int head_
     s[0] = rank;
     s[1] = head;
     s[2] = batch;
-  }
-  __syncthreads();
-  return GridCoords{s};
-}
-
-// CTA x of a one-dimensional grid of batch_heads x tiles CTAs (the forward's: its (batch, head)s
-// may pass gridDim.y's limit): longest_first's tile, and its (batch, head) as head() of `heads`
-// and batch().
-__device__ __forceinline__ GridCoords grid_coords(unsigned char* slot, int64_t tiles, int64_t batch_heads,
-                                                  int64_t heads, int head_group) {
-  int* s = reinterpret_cast<int*>(slot);
-  if (threadIdx.x == 0) {
-    const TileRank r = longest_first(static_cast<int>(blockIdx.x), static_cast<int>(tiles),
-                                     static_cast<int>(batch_heads), head_group);
-    s[0] = r.rank;
-    s[1] = static_cast<int>(r.head % heads);
-    s[2] = static_cast<int>(r.head / heads);
   }
   __syncthreads();
   return GridCoords{s};
