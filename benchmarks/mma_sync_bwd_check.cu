@@ -18,10 +18,10 @@
 // masked, visible, diagonal (a compare, dK/dV kernel) or mixed (read); contiguous, transposed-view and padded input
 // strides), in both dQ modes (atomics from the dK/dV kernel into a float32 buffer, and the deterministic dQ kernel):
 // relative L2 error and max error against the largest reference value, no NaN, and exact zeros where the contract says
-// 0 (dQ of rows with no visible key, dK and dV of keys no row sees); the grids in the launchers' order (groups of heads,
-// tile_order.h). Then B=4 H=16 S=4096 at the shape's head dim, causal (in that order, then in the grids' own:
-// "causal-hah") and not, timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the dK/dV
-// kernel and dQ's conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5
+// 0 (dQ of rows with no visible key, dK and dV of keys no row sees); the grids in the launchers' order (groups of
+// heads, tile_order.h). Then B=4 H=16 S=4096 at the shape's head dim, causal (in that order, then in the grids' own:
+// "causal-hah") and not, timed with CUDA events (3 warm-ups, median of 20; the atomic mode: dq_accum's zeroing, the
+// dK/dV kernel and dQ's conversion to the input dtype, not the rows pre-pass), TFLOP/s with the backward counted as 2.5
 // forwards and causal as half. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
@@ -68,10 +68,10 @@ static void launch_dkdv(const BwdParams& p, int batch, bool atomic) {
   const dim3 grid(static_cast<unsigned>((p.kv_len + Cfg::kKeys - 1) / Cfg::kKeys), static_cast<unsigned>(p.hkv),
                   static_cast<unsigned>(batch));
   BwdParams grid_p = p;
-  grid_p.head_group_dkdv = grid_head_group(
-      g_grid_order && (p.causal.enabled || p.tiles_dkdv.ptr != nullptr), grid,
-      atomic ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
-             : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
+  grid_p.head_group_dkdv =
+      grid_head_group(g_grid_order && (p.causal.enabled || p.tiles_dkdv.ptr != nullptr), grid,
+                      atomic ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
+                             : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
   kernel<<<grid, Cfg::kThreads, smem>>>(grid_p);
   CHECK_CUDA(cudaGetLastError());
 }
@@ -536,8 +536,10 @@ static int check_shape(const char* name, bool timing) {
         if (!g_profile) {
           const double flops = 2.5 * 4.0 * B * H * double(S) * S * Cfg::kHeadDim * (causal ? 0.5 : 1.0);
           printf("  TIME %-30s D %3d %-10s %s B4 H16 S4096 bwd: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
-                 order == 0 ? "causal" : order == 1 ? "causal-hah" : "noncausal", deterministic ? "determ." : "atomic ",
-                 ms, flops / ms / 1e9);
+                 order == 0   ? "causal"
+                 : order == 1 ? "causal-hah"
+                              : "noncausal",
+                 deterministic ? "determ." : "atomic ", ms, flops / ms / 1e9);
         } else if (order == 0) {
           break;
         }

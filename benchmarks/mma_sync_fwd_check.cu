@@ -14,8 +14,8 @@
 // masked, visible, diagonal (a compare, not read) or mixed; key ranges for the WithRanges kernels), comparing out and
 // lse, and fully masked rows (out exactly 0, lse -inf, or the sink); the grid in groups of heads (tile_order.h). Then
 // B=4 H=16 S=4096 at the shape's head dim, causal (in the launcher's order of the CTAs, then head after head:
-// "causal-hah") and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the flops. Exit
-// status 1 when any check fails.
+// "causal-hah") and not, timed with CUDA events (3 warm-ups, median of 20), TFLOP/s with causal counting half the
+// flops. Exit status 1 when any check fails.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -287,11 +287,11 @@ static float time_shape(bool causal, int B, int H, int S, int head_group = 0) {
   const int q_tiles = (S + Cfg::kBlockM - 1) / Cfg::kBlockM;
   p.head_group = head_group > 0 || !causal
                      ? (head_group > 0 ? head_group : 1)
-                     : safeattn::cuda::fwd_head_group(
-                           q_tiles, B * H,
-                           safeattn::cuda::resident_ctas<&attention_fwd_kernel<T, Cfg>>(
-                               Cfg::kWarps * 32, Cfg::smem_bytes(sizeof(T))),
-                           2LL * S * D * static_cast<long long>(sizeof(T)), safeattn::cuda::current_l2_bytes());
+                     : safeattn::cuda::fwd_head_group(q_tiles, B * H,
+                                                      safeattn::cuda::resident_ctas<&attention_fwd_kernel<T, Cfg>>(
+                                                          Cfg::kWarps * 32, Cfg::smem_bytes(sizeof(T))),
+                                                      2LL * S * D * static_cast<long long>(sizeof(T)),
+                                                      safeattn::cuda::current_l2_bytes());
   float median = 0.0f;
   if (g_profile) {
     launch<T, Cfg>(p);
@@ -369,7 +369,10 @@ static int check_shape(const char* name, bool timing) {
       if (!g_profile) {
         const double flops = 4.0 * B * H * double(S) * S * Cfg::kHeadDim * (causal ? 0.5 : 1.0);
         printf("  TIME %-28s D %3d %-9s B4 H16 S4096: %.3f ms  %.0f TFLOP/s\n", name, Cfg::kHeadDim,
-               order == 0 ? "causal" : order == 1 ? "causal-hah" : "noncausal", ms, flops / ms / 1e9);
+               order == 0   ? "causal"
+               : order == 1 ? "causal-hah"
+                            : "noncausal",
+               ms, flops / ms / 1e9);
       }
       if (g_profile) {
         break;

@@ -127,22 +127,20 @@ __global__ void read_bulk(const unsigned char* __restrict__ src, size_t tiles, i
     const unsigned char* base = src + tile * tile_bytes;
     const uint32_t dst = smem_u32(smem + stage * tile_bytes);
     for (int r = threadIdx.x; r < rows; r += 32) {
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-              dst + r * bytes),
-          "l"(base + size_t{static_cast<unsigned>(r)} * bytes), "r"(bytes), "r"(bar)
-          : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                       dst + r * bytes),
+                   "l"(base + size_t{static_cast<unsigned>(r)} * bytes), "r"(bytes), "r"(bar)
+                   : "memory");
     }
   };
   auto wait = [&](int stage, unsigned phase) {
     const uint32_t bar = smem_u32(&full[stage]);
     unsigned done = 0;
     while (!done) {
-      asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-          : "=r"(done)
-          : "r"(bar), "r"(phase)
-          : "memory");
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done)
+                   : "r"(bar), "r"(phase)
+                   : "memory");
     }
   };
   if (threadIdx.x < 32) {
@@ -202,8 +200,8 @@ static void run_pipelines(const unsigned char* buf, size_t bytes, int sms, int o
     }
     CHECK_CUDA(cudaFuncSetAttribute(read_cp_async<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
-    CHECK_CUDA(cudaFuncSetAttribute(read_bulk<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(smem)));
+    CHECK_CUDA(
+        cudaFuncSetAttribute(read_bulk<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     const size_t tiles = bytes / tile;
     for (int ctas = 1; ctas <= 4; ++ctas) {
       int fit = 0;
@@ -212,13 +210,13 @@ static void run_pipelines(const unsigned char* buf, size_t bytes, int sms, int o
         break;
       }
       const int grid = sms * ctas;
-      const double cp = time_tbs([&] { read_cp_async<kStages><<<grid, kThreads, smem>>>(buf, tiles, tile, sink); },
-                                 tiles * tile);
+      const double cp =
+          time_tbs([&] { read_cp_async<kStages><<<grid, kThreads, smem>>>(buf, tiles, tile, sink); }, tiles * tile);
       printf("cp.async  %d CTA/SM  tile %5d  stages %d  (%3zu KB in flight an SM)        %.2f TB/s\n", ctas, tile,
              kStages, static_cast<size_t>(kStages - 1) * tile * ctas / 1024, cp);
       for (int rows : {0, 256, 128}) {
-        const double bulk = time_tbs(
-            [&] { read_bulk<kStages><<<grid, kThreads, smem>>>(buf, tiles, tile, rows, sink); }, tiles * tile);
+        const double bulk =
+            time_tbs([&] { read_bulk<kStages><<<grid, kThreads, smem>>>(buf, tiles, tile, rows, sink); }, tiles * tile);
         printf("bulk      %d CTA/SM  tile %5d  stages %d  rows %3d                        %.2f TB/s\n", ctas, tile,
                kStages, rows, bulk);
       }

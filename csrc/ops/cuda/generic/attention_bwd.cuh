@@ -1224,10 +1224,10 @@ void launch_dkdv_shape(const BwdParams& params, int64_t batch, cudaStream_t stre
   const dim3 grid(static_cast<unsigned>((params.kv_len + Cfg::kKeys - 1) / Cfg::kKeys),
                   static_cast<unsigned>(params.hkv), static_cast<unsigned>(batch));
   BwdParams grid_p = params;
-  grid_p.head_group_dkdv = grid_head_group(
-      params.causal.enabled || params.tiles_dkdv.ptr != nullptr, grid,
-      atomic_dq ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
-                : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
+  grid_p.head_group_dkdv =
+      grid_head_group(params.causal.enabled || params.tiles_dkdv.ptr != nullptr, grid,
+                      atomic_dq ? resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, true>>(Cfg::kThreads, smem)
+                                : resident_ctas<&attention_bwd_dkdv_kernel<T, Cfg, false>>(Cfg::kThreads, smem));
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(grid_p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -281,8 +281,8 @@ __device__ __forceinline__ GridCoords grid_coords(unsigned char* slot, int head_
     int rank = static_cast<int>(blockIdx.x), head = static_cast<int>(blockIdx.y), batch = static_cast<int>(blockIdx.z);
     if (head_group > 1) {
       const int linear = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
-      const TileRank r = longest_first(linear, static_cast<int>(gridDim.x),
-                                       static_cast<int>(gridDim.y * gridDim.z), head_group);
+      const TileRank r =
+          longest_first(linear, static_cast<int>(gridDim.x), static_cast<int>(gridDim.y * gridDim.z), head_group);
       rank = r.rank;
       head = r.head % static_cast<int>(gridDim.y);
       batch = r.head / static_cast<int>(gridDim.y);

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "ops/cuda/tile_order.h"
 #include "ops/cuda/pdl.cuh"
+#include "ops/cuda/tile_order.h"
 
 namespace safeattn::cuda::hopper::detail {
 
