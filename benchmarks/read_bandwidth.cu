@@ -28,14 +28,7 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK_CUDA(x)                                                                                    \
-  do {                                                                                                   \
-    cudaError_t err_ = (x);                                                                              \
-    if (err_ != cudaSuccess) {                                                                           \
-      fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(err_), __FILE__, __LINE__, #x); \
-      exit(2);                                                                                           \
-    }                                                                                                    \
-  } while (0)
+#include "check_common.h"  // CHECK_CUDA
 
 constexpr int kThreads = 128;
 
