@@ -254,8 +254,9 @@ constexpr bool kMmaSyncReadsKeyRanges = true;
 // computed from it (longest_first's) stayed live across the query loop at 255 registers and
 // spilled: the D = 128 dK/dV kernel's stack went 24 -> 120 bytes (224 bytes of spill stores), and
 // the backward through the extension (fwd+bwd less fwd; H200, B4 H16 S4096 causal) 2.77 -> 2.91
-// ms; with GridCoords 0 bytes and 2.65 ms. The forward keeps its coordinates in registers: there GridCoords grew the
-// D = 64 large shape's stack 32 -> 72 bytes and its causal forward 0.478 -> 0.519 ms.
+// ms; with GridCoords 0 bytes and 2.65 ms. The forward keeps its coordinates in registers: there
+// GridCoords grew the D = 64 large shape's stack 32 -> 72 bytes and its causal forward 0.478 ->
+// 0.519 ms.
 constexpr size_t kGridCoordBytes = 16;
 
 struct GridCoords {
