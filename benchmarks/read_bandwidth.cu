@@ -64,30 +64,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int kStages>
-__global__ void read_cp_async(const unsigned char* __restrict__ src, size_t tiles, int tile_bytes, unsigned* sink) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int chunks = tile_bytes / 16;
-  auto issue = [&](size_t tile, int stage) {
-    const unsigned char* base = src + tile * tile_bytes;
-    const uint32_t dst = smem_u32(smem + stage * tile_bytes);
-    for (int c = threadIdx.x; c < chunks; c += kThreads) {
-      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst + c * 16), "l"(base + c * 16));
-    }
-  };
+// The pipeline the cp.async kernels share: `count` tiles, tile n issued by issue(n, stage)
+// kStages - 1 tiles ahead, one commit group a tile, each consumed by one word a thread.
+template <int kStages, class Issue>
+__device__ unsigned cp_async_pipeline(int count, const unsigned char* smem, int tile_bytes, Issue issue) {
   for (int s = 0; s < kStages - 1; ++s) {
-    const size_t t = blockIdx.x + size_t{gridDim.x} * s;
-    if (t < tiles) {
-      issue(t, s);
+    if (s < count) {
+      issue(s, s);
     }
     asm volatile("cp.async.commit_group;");
   }
   unsigned acc = 0;
-  int n = 0;
-  for (size_t t = blockIdx.x; t < tiles; t += gridDim.x, ++n) {
-    const size_t ahead = t + size_t{gridDim.x} * (kStages - 1);
-    if (ahead < tiles) {
-      issue(ahead, (n + kStages - 1) % kStages);
+  for (int n = 0; n < count; ++n) {
+    if (n + kStages - 1 < count) {
+      issue(n + kStages - 1, (n + kStages - 1) % kStages);
     }
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
@@ -95,6 +85,22 @@ __global__ void read_cp_async(const unsigned char* __restrict__ src, size_t tile
     acc ^= reinterpret_cast<const unsigned*>(smem + (n % kStages) * tile_bytes)[threadIdx.x];
     __syncthreads();
   }
+  return acc;
+}
+
+template <int kStages>
+__global__ void read_cp_async(const unsigned char* __restrict__ src, size_t tiles, int tile_bytes, unsigned* sink) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int chunks = tile_bytes / 16;
+  // This CTA's tiles: blockIdx.x, + gridDim.x, ...
+  const int count = blockIdx.x < tiles ? static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x) : 0;
+  const unsigned acc = cp_async_pipeline<kStages>(count, smem, tile_bytes, [&](int n, int stage) {
+    const unsigned char* base = src + (blockIdx.x + size_t{gridDim.x} * n) * tile_bytes;
+    const uint32_t dst = smem_u32(smem + stage * tile_bytes);
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;" ::"r"(dst + c * 16), "l"(base + c * 16));
+    }
+  });
   if (acc == 0x9e3779b9u) {
     sink[0] = acc;
   }
@@ -178,7 +184,7 @@ __global__ void read_cache_rows(const unsigned char* __restrict__ src, int seq, 
   const int row_end = min(seq, row_begin + rows_per_split);
   const int tiles = row_begin < row_end ? (row_end - row_begin + kRows - 1) / kRows : 0;
   const int chunks_per_row = row_bytes / 16, tile_bytes = kRows * row_bytes;
-  auto issue = [&](int tile, int stage) {
+  const unsigned acc = cp_async_pipeline<kStages>(tiles, smem, tile_bytes, [&](int tile, int stage) {
     const uint32_t dst = smem_u32(smem + stage * tile_bytes);
     for (int c = threadIdx.x; c < kRows * chunks_per_row; c += kThreads) {
       const int r = row_begin + tile * kRows + c / chunks_per_row;
@@ -188,24 +194,7 @@ __global__ void read_cache_rows(const unsigned char* __restrict__ src, int seq, 
                      "l"(src + row * row_bytes + (c % chunks_per_row) * 16));
       }
     }
-  };
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < tiles) {
-      issue(s, s);
-    }
-    asm volatile("cp.async.commit_group;");
-  }
-  unsigned acc = 0;
-  for (int t = 0; t < tiles; ++t) {
-    if (t + kStages - 1 < tiles) {
-      issue(t + kStages - 1, (t + kStages - 1) % kStages);
-    }
-    asm volatile("cp.async.commit_group;");
-    asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
-    __syncthreads();
-    acc ^= reinterpret_cast<const unsigned*>(smem + (t % kStages) * tile_bytes)[threadIdx.x];
-    __syncthreads();
-  }
+  });
   if (acc == 0x9e3779b9u) {
     sink[0] = acc;
   }
