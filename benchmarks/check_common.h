@@ -91,12 +91,15 @@ __global__ void fill_uniform(T* p, size_t n, uint64_t seed, float amplitude) {
   }
 }
 
-// Whether `name` contains one of the comma-separated texts of `only` (a harness's --only).
+// Whether `name` contains one of the comma-separated texts of `only` (a harness's --only), or is one
+// of them written after "=" (the exact name).
 static bool selected(const char* name, const char* only) {
   std::string list(only);
   for (size_t start = 0; start <= list.size();) {
     const size_t end = std::min(list.find(',', start), list.size());
-    if (end > start && strstr(name, list.substr(start, end - start).c_str()) != nullptr) {
+    const std::string item = list.substr(start, end - start);
+    if (!item.empty() &&
+        (item[0] == '=' ? item.compare(1, std::string::npos, name) == 0 : strstr(name, item.c_str()) != nullptr)) {
       return true;
     }
     start = end + 1;

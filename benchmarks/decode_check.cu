@@ -7,12 +7,14 @@
 //        benchmarks/decode_check.cu -o decode_check
 //
 // Run: ./decode_check [--no-timing] [--no-checks] [--only TEXT[,TEXT...] (shapes whose name
-// contains one of them)] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
+// contains one of them, or is one written after "=")] [--hkv N (the timings' kv heads, of 32 query heads; default 8)]
 // [--split-tiles N (each split of a long cache at least N key tiles, 2N from 512 tiles unless its
 // pages are shorter than a tile: decode_launch's long_split_tiles)] [--batch N (time only that batch's shapes; 1 adds
 // paged caches of 8192 and 32768 keys)] [--kv N (time only the contiguous caches of N keys, each
 // shape's 23 launches: 3 warm, then 20 timed; for ncu's --launch-skip)] [--splits N (the timings' splits a (batch, kv
 // head), merged in a cluster where clusters are on and N is at most the largest; default: decode_launch's choice)]
+// [--paged N (each timed contiguous cache again as pages of N tokens, right after it)] [--ordered-pages (the
+// timings' block tables list each sequence's pages in order, not shuffled)]
 // [--resident-splits | --sm-splits (decode_launch's choice with the splits filling every resident
 // CTA, as before split_slots_for, or one CTA an SM whatever the head dim and cache)].
 // Checks: a KV cache of 3 sequences (lengths 0, odd and full), contiguous or paged (pages of 16,
@@ -59,43 +61,48 @@ static int g_max_cluster = kMaxClusterSplits;      // the GPU's largest cluster 
 static bool g_step_rule = true;                    // step_max_cluster decides a step's (else g_max_cluster)
 static bool g_small_clusters = false;              // decode_launch's small_clusters (a candidate)
 static int g_split_slots =
-    0;  // --resident-splits (1): every resident CTA; --sm-splits (2): one an SM; 0: split_slots_for
+    0;                  // --resident-splits (1): every resident CTA; --sm-splits (2): one an SM; 0: split_slots_for
+static int g_page = 0;  // --paged N: each timed contiguous shape again over pages of N
+static bool g_ordered_pages = false;  // --ordered-pages: the timings' block tables list pages in order
 
-template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
+template <typename T, int kD, KvRows kRows, bool kCluster, class Tiles>
 static auto* split_kernel() {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  auto kernel = &attention_decode_split_kernel<T, kD, kPaged, kCluster, Tiles>;
+  auto kernel = &attention_decode_split_kernel<T, kD, kRows, kCluster, Tiles>;
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   return kernel;
 }
 
 // The largest cluster of splits the GPU places for shape Tiles (its shared memory and threads: a
 // shape of one CTA an SM may not get 16), as the extension asks it of each shape.
-template <typename T, int kD, bool kPaged, class Tiles>
+template <typename T, int kD, KvRows kRows, class Tiles>
 static int shape_max_cluster() {
   static const int n =
-      max_cluster_splits(split_kernel<T, kD, kPaged, true, Tiles>(), Tiles::template smem_bytes<T, kD>());
+      max_cluster_splits(split_kernel<T, kD, kRows, true, Tiles>(), Tiles::template smem_bytes<T, kD>());
   return n;
 }
 
 // One decode step with shape Tiles: `splits` (0: as the extension chooses) CTAs per (batch, kv
-// head), merged in a cluster or by the combine kernel when more than one.
-template <typename T, int kD, bool kPaged, class Tiles>
-static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
+// head), merged in a cluster or by the combine kernel when more than one; the kernel instance for
+// p.cache's rows (kv_rows_of), as the extension picks it.
+template <typename T, int kD, KvRows kRows, class Tiles>
+static void launch_rows(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  const int max_cluster = std::min(g_max_cluster, shape_max_cluster<T, kD, kPaged, Tiles>());
+  constexpr bool kPaged = kRows != KvRows::kContiguous;
+  const int max_cluster = std::min(g_max_cluster, shape_max_cluster<T, kD, kRows, Tiles>());
   DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= max_cluster};  // checks: forced
   if (splits == 0) {
     int resident = 0, sms = 0;
-    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kPaged, false, Tiles>(),
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, kRows, false, Tiles>(),
                                                              kThreads, kSmem));
     CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    how = decode_launch(p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters,
-                        kPaged && !pages_hold_whole_tiles(p.cache), g_cap_tiles, g_split_tiles,
-                        g_step_rule ? step_max_cluster(batch, hkv, sms, max_cluster) : max_cluster, g_small_clusters,
-                        g_split_slots == 1   ? 0
-                        : g_split_slots == 2 ? sms
-                                             : split_slots_for(kD, kPaged, sms, int64_t{sms} * std::max(resident, 1)));
+    how = decode_launch(
+        p.kv_end, batch, hkv, int64_t{sms} * std::max(resident, 1), g_clusters, kRows == KvRows::kPageRows, g_cap_tiles,
+        g_split_tiles, g_step_rule ? step_max_cluster(batch, hkv, sms, max_cluster) : max_cluster, g_small_clusters,
+        g_split_slots == 1 ? 0
+        : g_split_slots == 2
+            ? sms
+            : split_slots_for(kD, kRows, p.kv_end, batch * hkv, sms, int64_t{sms} * std::max(resident, 1)));
   }
   p.splits = how.splits;
   const int64_t total_rows = batch * p.hq * p.q_len;
@@ -106,13 +113,23 @@ static void launch(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
   p.o_part = g_workspace;
   p.lse_part = g_workspace + total_rows * p.splits * kD;
   if (how.cluster) {
-    CHECK_CUDA(launch_split_kernel(split_kernel<T, kD, kPaged, true, Tiles>(), p, batch, hkv, kSmem, 0, true));
+    CHECK_CUDA(launch_split_kernel(split_kernel<T, kD, kRows, true, Tiles>(), p, batch, hkv, kSmem, 0, true));
   } else {
-    CHECK_CUDA(launch_split_kernel(split_kernel<T, kD, kPaged, false, Tiles>(), p, batch, hkv, kSmem, 0, false));
+    CHECK_CUDA(launch_split_kernel(split_kernel<T, kD, kRows, false, Tiles>(), p, batch, hkv, kSmem, 0, false));
   }
   if (p.splits > 1 && !how.cluster) {
     CHECK_CUDA((launch_combine_kernel<T, kD>(p, total_rows, 0, g_pdl)));
   }
+}
+
+template <typename T, int kD, bool kPaged, class Tiles>
+static void launch(const DecodeParams& p, int64_t batch, int64_t hkv, int splits) {
+  with_kv_rows(kv_rows_of(p.cache), [&](auto rows) {
+    constexpr KvRows kRows = decltype(rows)::value;
+    if constexpr ((kRows != KvRows::kContiguous) == kPaged) {  // the instances of this call's cache
+      launch_rows<T, kD, kRows, Tiles>(p, batch, hkv, splits);
+    }
+  });
 }
 
 // A cache of `batch` sequences: q [B, Sq, Hq, D]; k, v [B, C, Hkv, D] or [pages, page, Hkv, D].
@@ -344,7 +361,9 @@ static void time_shape(const char* shape, int batch, int len, int page, void* fl
   std::mt19937 rng(7);
   std::vector<int> perm(num_pages);
   std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
+  if (!g_ordered_pages) {
+    std::shuffle(perm.begin(), perm.end(), rng);
+  }
   for (size_t e = 0; e < table.size(); ++e)
     table[e] = perm[e];
   d_seqlens = upload(seqlens);
@@ -408,8 +427,8 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
   }
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
   int resident = 0;
-  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, split_kernel<T, kD, false, false, Tiles>(),
-                                                           kThreads, kSmem));
+  CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &resident, split_kernel<T, kD, KvRows::kContiguous, false, Tiles>(), kThreads, kSmem));
   printf(
       "%s: D%d, %d stages, %zu bytes of shared memory, %d CTAs per SM, clusters %s (cap %d tiles), Hkv %d, "
       "splits of at least %d tiles, timed with %d splits (0: decode_launch's)\n",
@@ -423,6 +442,9 @@ static int run_shape(const char* shape, bool checks, bool timing, void* flush, s
     for (const auto& s : shapes) {
       if ((g_batch == 0 || s[0] == g_batch) && (g_kv == 0 || s[1] == g_kv)) {
         time_shape<T, kD, false, Tiles>(shape, s[0], s[1], 0, flush, flush_bytes);
+        if (g_page != 0) {
+          time_shape<T, kD, true, Tiles>(shape, s[0], s[1], g_page, flush, flush_bytes);
+        }
       }
     }
     if (g_kv != 0) {  // one contiguous cache length: a shape ncu can pick by launch count
@@ -464,6 +486,14 @@ int main(int argc, char** argv) {
       g_batch = atoi(argv[++i]);
     } else if (!strcmp(argv[i], "--kv") && i + 1 < argc) {
       g_kv = atoi(argv[++i]);
+    } else if (!strcmp(argv[i], "--paged") && i + 1 < argc) {
+      g_page = atoi(argv[++i]);
+      if (g_page < 1 || (g_page & (g_page - 1)) != 0) {
+        fprintf(stderr, "decode_check: --paged takes a power of two\n");
+        return 2;
+      }
+    } else if (!strcmp(argv[i], "--ordered-pages")) {
+      g_ordered_pages = true;
     } else if (!strcmp(argv[i], "--splits") && i + 1 < argc) {
       g_splits = std::max(0, atoi(argv[++i]));
     }
@@ -471,8 +501,8 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaMalloc(&g_workspace, kWorkspaceFloats * sizeof(float)));
   {
     using Tiles = DecodeConfig<128>;
-    g_default_cluster = g_max_cluster = max_cluster_splits(split_kernel<__nv_bfloat16, 128, false, true, Tiles>(),
-                                                           Tiles::smem_bytes<__nv_bfloat16, 128>());
+    g_default_cluster = g_max_cluster = max_cluster_splits(
+        split_kernel<__nv_bfloat16, 128, KvRows::kContiguous, true, Tiles>(), Tiles::smem_bytes<__nv_bfloat16, 128>());
     printf("clusters of up to %d splits\n", g_default_cluster);
   }
   const size_t flush_bytes = size_t{256} << 20;

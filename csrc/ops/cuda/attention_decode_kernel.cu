@@ -33,17 +33,17 @@ bool has_clusters() {
   return at::cuda::getCurrentDeviceProperties()->major >= 9;
 }
 
-template <typename T, int kD, bool kPaged, bool kCluster, class Tiles>
+template <typename T, int kD, decode::KvRows kRows, bool kCluster, class Tiles>
 void launch_split(const DecodeParams& p, int64_t batch, int64_t hkv, cudaStream_t stream) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, kCluster, Tiles>;
+  auto kernel = &decode::attention_decode_split_kernel<T, kD, kRows, kCluster, Tiles>;
   if constexpr (kSmem > 48 * 1024) {  // each call: the attribute belongs to the current device
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
   }
   C10_CUDA_CHECK(decode::launch_split_kernel(kernel, p, batch, hkv, kSmem, stream, kCluster));
 }
 
-template <typename T, int kD, bool kPaged, class Tiles>
+template <typename T, int kD, decode::KvRows kRows, class Tiles>
 void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_t hkv, int64_t sms,
                    at::TensorOptions options) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
@@ -53,7 +53,7 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
   // fewer keys than kv_end: its splits then share those (the kernel divides them), and some may
   // get none.
   static const int resident = [&] {
-    auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, false, Tiles>;
+    auto kernel = &decode::attention_decode_split_kernel<T, kD, kRows, false, Tiles>;
     if (kSmem > 48 * 1024) {
       C10_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
@@ -64,17 +64,17 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
   }();
   // The largest cluster of splits (sm_90: 16 where the GPU places one, decode::max_cluster_splits).
   static const int gpu_max_cluster = [&] {
-    auto kernel = &decode::attention_decode_split_kernel<T, kD, kPaged, true, Tiles>;
+    auto kernel = &decode::attention_decode_split_kernel<T, kD, kRows, true, Tiles>;
     if (kSmem > 48 * 1024) {
       C10_CUDA_CHECK(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
     }
     return has_clusters() ? decode::max_cluster_splits(kernel, kSmem) : decode::kMaxClusterSplits;
   }();
-  const decode::DecodeLaunch how = decode::decode_launch(
-      p.kv_end, batch, hkv, sms * resident, has_clusters(), kPaged && !decode::pages_hold_whole_tiles(p.cache), 8,
-      decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster), false,
-      decode::split_slots_for(kD, kPaged, sms, sms * resident));
+  const decode::DecodeLaunch how =
+      decode::decode_launch(p.kv_end, batch, hkv, sms * resident, has_clusters(), kRows == decode::KvRows::kPageRows, 8,
+                            decode::kLongSplitTiles, decode::step_max_cluster(batch, hkv, sms, gpu_max_cluster), false,
+                            decode::split_slots_for(kD, kRows, p.kv_end, batch * hkv, sms, sms * resident));
   p.splits = how.splits;
   p.out = o;
 
@@ -90,9 +90,9 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
     p.lse_part = lse_part.data_ptr<float>();
   }
   if (how.cluster) {
-    launch_split<T, kD, kPaged, true, Tiles>(p, batch, hkv, stream);
+    launch_split<T, kD, kRows, true, Tiles>(p, batch, hkv, stream);
   } else {
-    launch_split<T, kD, kPaged, false, Tiles>(p, batch, hkv, stream);
+    launch_split<T, kD, kRows, false, Tiles>(p, batch, hkv, stream);
   }
   if (workspace) {
     C10_CUDA_CHECK((decode::launch_combine_kernel<T, kD>(p, total_rows, stream, has_clusters())));
@@ -109,14 +109,14 @@ void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, c
     constexpr int kD = decltype(dim)::value;
     auto launch = [&](auto tiles) {
       using Tiles = decltype(tiles);
-      const bool paged = p.cache.block_table != nullptr;
-      if (dtype == at::kBFloat16) {
-        paged ? launch_decode<__nv_bfloat16, kD, true, Tiles>(p, o, batch, hkv, sms, options)
-              : launch_decode<__nv_bfloat16, kD, false, Tiles>(p, o, batch, hkv, sms, options);
-      } else {
-        paged ? launch_decode<__half, kD, true, Tiles>(p, o, batch, hkv, sms, options)
-              : launch_decode<__half, kD, false, Tiles>(p, o, batch, hkv, sms, options);
-      }
+      decode::with_kv_rows(decode::kv_rows_of(p.cache), [&](auto rows) {
+        constexpr decode::KvRows kRows = decltype(rows)::value;
+        if (dtype == at::kBFloat16) {
+          launch_decode<__nv_bfloat16, kD, kRows, Tiles>(p, o, batch, hkv, sms, options);
+        } else {
+          launch_decode<__half, kD, kRows, Tiles>(p, o, batch, hkv, sms, options);
+        }
+      });
     };
     if constexpr (decode::DecodeWaveShape<kD, 1>::kHas) {
       if (wave_ctas == 1) {

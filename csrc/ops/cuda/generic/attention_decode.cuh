@@ -266,6 +266,39 @@ inline __host__ __device__ bool pages_hold_whole_tiles(const KvCacheView& cache)
   return cache.page_shift >= 0 && cache.page_size >= kTileKeys;
 }
 
+// How the split kernel finds a key's K and V rows, an instance each: a contiguous cache (or K and
+// V tensors); a paged cache whose pages hold whole tiles (one block-table entry a tile, the tile
+// loaded as a contiguous one); a paged cache of shorter pages (an entry and a row offset a key).
+// One paged instance with both loads in its loop ran 14% more instructions than the contiguous
+// one and stalled on instruction fetch (ncu, H200, B1 KV4096 GQA 32:8 D 128, pages of 256: 20.3
+// us against 14.0; no-instruction stalls 167 samples against 64). Split (decode_check, L2
+// flushed, pages of 256, B1 GQA 32:8 D 128, us): KV8192 24.9 -> 23.4, KV32768 54.1 -> 53.0,
+// KV131072 152.7 -> 150.2 (contiguous 22.3, 50.2, 142.0).
+enum class KvRows { kContiguous, kPageTiles, kPageRows };
+
+inline KvRows kv_rows_of(const KvCacheView& cache) {
+  if (cache.block_table == nullptr) {
+    return KvRows::kContiguous;
+  }
+  return pages_hold_whole_tiles(cache) ? KvRows::kPageTiles : KvRows::kPageRows;
+}
+
+// f(std::integral_constant<KvRows, rows>{}): the instance for `rows`.
+template <class F>
+inline void with_kv_rows(KvRows rows, F&& f) {
+  switch (rows) {
+    case KvRows::kContiguous:
+      f(std::integral_constant<KvRows, KvRows::kContiguous>{});
+      return;
+    case KvRows::kPageTiles:
+      f(std::integral_constant<KvRows, KvRows::kPageTiles>{});
+      return;
+    case KvRows::kPageRows:
+      f(std::integral_constant<KvRows, KvRows::kPageRows>{});
+      return;
+  }
+}
+
 // Splits per (batch, kv head): one wave of `slots` resident CTAs over batch x hkv, at most
 // kMaxSplits. With `clusters` (sm_90), a step with few (batch, kv head) pairs (one wave would give
 // each more than max_cluster splits) over a short cache (at most cap_tiles key tiles a split at
@@ -314,8 +347,23 @@ inline DecodeLaunch decode_launch(int64_t kv_end, int64_t batch, int64_t hkv, in
 // 6 -> 2 splits: pages of 16 288 -> 555 us, of 64 278 -> 289, of 256 275 -> 289), and so does D 64,
 // whose tiles carry half the bytes (decode_check --sm-splits: B8 Hkv8 KV4096 34.6 -> 39.6,
 // KV32768 153.2 -> 188.1; B1 Hkv8 KV32768 35.8 -> 41.1; only B32 Hkv8 gained, KV1024 36.4 -> 32.1).
-inline int64_t split_slots_for(int head_dim, bool paged, int64_t sms, int64_t slots) {
-  return head_dim == 128 && !paged ? sms : slots;
+// Pages holding whole tiles (KvRows::kPageTiles) take one CTA an SM while its splits stay within
+// kPagedSmSplitTiles tiles: decode_check (H200, L2 flushed, pages of 256, us, resident -> SMs,
+// two runs alike; the contiguous cache in brackets): B8 Hkv8 KV1024 25.5 -> 22.7 (21.5), KV4096
+// 52.6 -> 50.5 (49.2); B1 Hkv4 KV131072 (62 tiles a split) 94.7 -> 86.9 (84.7); B1 Hkv8 KV16384
+// 35.6 -> 34.4 (33.0); but longer splits lose: B8 Hkv8 KV32768 (256 tiles) 269 -> 279 (259),
+// KV131072 1011 -> 1062, B8 Hkv4 KV131072 518 -> 542, B1 Hkv8 KV131072 (128) 148.0 -> 149.6.
+constexpr int64_t kPagedSmSplitTiles = 64;
+inline int64_t split_slots_for(int head_dim, KvRows rows, int64_t kv_end, int64_t pairs, int64_t sms, int64_t slots) {
+  if (head_dim != 128 || rows == KvRows::kPageRows) {
+    return slots;
+  }
+  if (rows == KvRows::kContiguous) {
+    return sms;
+  }
+  const int64_t tiles = (kv_end + kTileKeys - 1) / kTileKeys;
+  const int64_t splits = sms / pairs < 1 ? 1 : sms / pairs;
+  return (tiles + splits - 1) / splits <= kPagedSmSplitTiles ? sms : slots;
 }
 
 // Launches the split kernel over (splits, hkv, batch), the splits of each (batch, kv head) one
@@ -599,12 +647,13 @@ __device__ __forceinline__ void merge_warps(const DecodeParams& p, const WarpSta
   }
 }
 
-// kPaged: K and V rows through p.cache's block table (a separate instance: the contiguous one
-// keeps its registers). kCluster: launched with the splits of each (batch, kv head) as one thread
-// block cluster (sm_90), which merge their partials themselves (merge_warps).
-template <typename T, int kD, bool kPaged, bool kCluster, class Tiles = DecodeConfig<kD>>
+// kRows: where K and V rows are (kv_rows_of(p.cache)). kCluster: launched with the splits of each
+// (batch, kv head) as one thread block cluster (sm_90), which merge their partials themselves
+// (merge_warps).
+template <typename T, int kD, KvRows kRows, bool kCluster, class Tiles = DecodeConfig<kD>>
 __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_split_kernel(const DecodeParams p) {
   using namespace attn;  // mma, ldmatrix, cp.async, fast_exp2
+  constexpr bool kPaged = kRows != KvRows::kContiguous;
   constexpr int kStages = Tiles::kStages;
   constexpr int kStride = padded_row(kD);
   constexpr int kChunks = kD / 8;   // 16-byte chunks per row
@@ -659,10 +708,12 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   const int n_local = min(split * per_split + per_split, n_tiles) - min(split * per_split, n_tiles);
   auto tile_of = [&](int n) { return tile_begin + n; };
 
-  // Paged: the page of each key of the split's tile n into its slot of s_page, as this thread's
-  // part of the next commit group (rows past the split's keys are not looked up).
+  // Paged: the page of each key of the split's tile n (of its first key, whole-tile pages) into its
+  // slot of s_page, as this thread's part of the next commit group (rows past the split's keys are
+  // not looked up).
   auto fetch_pages = [&](int n) {
-    if (kPaged && tid < kTileKeys) {
+    constexpr int kEntries = kRows == KvRows::kPageTiles ? 1 : kTileKeys;
+    if (kPaged && tid < kEntries) {
       const int j = tile_of(n) * kTileKeys + tid;
       if (n < n_local && j < hi_max) {
         cp_async_4(s_page + n % Tiles::kPageSlots * kTileKeys + tid, p.cache.table_entry(b, j));
@@ -708,25 +759,24 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
     load_tile<T, kTileKeys, kD, kThreads, kRounds, Rows, true, true, Tiles::kPrefetch>(v_dst, v_rows, p.v_si,
                                                                                        hi_max - j0, tid);
   };
-  // Paged: a key tile in one page (pages_hold_whole_tiles) is one strided run from that page's
-  // slot, loaded as a contiguous cache's are, without a page lookup and a 64-bit offset per 16-byte
-  // chunk (benchmarks/decode_check.cu, H200, L2 flushed, pages of 256, us: B=1 GQA 8:1 KV8192
-  // D 128 29.9 -> 22.7 and D 64 21.8 -> 18.1, the contiguous cache 19.7 and 16.7; B=8 GQA 4:1
-  // KV32768 D 128 284 -> 275, contiguous 273).
-  const bool page_tiles = kPaged && pages_hold_whole_tiles(p.cache);
   // The split's tile n's K and V rows (rows at or past hi_max zero-filled, not read), and, paged,
   // the pages of its tile n + kStages, in one commit group.
+  // Paged, whole-tile pages: a key tile is one strided run from its page's slot, loaded as a
+  // contiguous cache's are, without a page lookup and a 64-bit offset per 16-byte chunk
+  // (benchmarks/decode_check.cu, H200, L2 flushed, pages of 256, us: B=1 GQA 8:1 KV8192 D 128
+  // 29.9 -> 22.7 and D 64 21.8 -> 18.1, the contiguous cache 19.7 and 16.7; B=8 GQA 4:1 KV32768
+  // D 128 284 -> 275, contiguous 273).
   auto load_kv = [&](int n, int stage) {
     const int j0 = tile_of(n) * kTileKeys;
     T* k_dst = s_k + stage * kTileKeys * kStride;
     T* v_dst = s_v + stage * kTileKeys * kStride;
     if constexpr (kPaged) {
-      const int* pages = s_page + n % Tiles::kPageSlots * kTileKeys;
-      if (page_tiles) {
-        const int64_t page = p.cache.clamp_page(pages[0]), slot = p.cache.slot(j0);
+      if constexpr (kRows == KvRows::kPageTiles) {
+        const int64_t page = p.cache.clamp_page(s_page[n % Tiles::kPageSlots * kTileKeys]), slot = p.cache.slot(j0);
         load_rows(k_dst, v_dst, static_cast<const T*>(p.k) + page * p.k_sb + slot * p.k_si + hk * p.k_sh,
                   static_cast<const T*>(p.v) + page * p.v_sb + slot * p.v_si + hk * p.v_sh, j0);
       } else {
+        const int* pages = s_page + n % Tiles::kPageSlots * kTileKeys;
         constexpr int kRounds = kTileKeys * kChunks / kThreads;
         static_assert(kTileKeys * kChunks % kThreads == 0, "decode: whole rounds of 16-byte chunks");
 #pragma unroll
