@@ -88,7 +88,6 @@ static int shape_max_cluster() {
 template <typename T, int kD, KvRows kRows, class Tiles>
 static void launch_rows(DecodeParams p, int64_t batch, int64_t hkv, int splits) {
   constexpr size_t kSmem = Tiles::template smem_bytes<T, kD>();
-  constexpr bool kPaged = kRows != KvRows::kContiguous;
   const int max_cluster = std::min(g_max_cluster, shape_max_cluster<T, kD, kRows, Tiles>());
   DecodeLaunch how{splits, g_clusters && splits > 1 && splits <= max_cluster};  // checks: forced
   if (splits == 0) {
