@@ -683,8 +683,18 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
   const int a_row = (lane % 8) + 8 * ((lane / 8) % 2), a_col = 8 * (lane / 16);
   const int k_row = (lane % 8) + 8 * (lane / 16), k_col = 8 * ((lane / 8) % 2);
 
-  const T* k_base = static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh;
-  const T* v_base = static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh;
+  const T* k_head = static_cast<const T*>(p.k) + hk * p.k_sh;  // paged: this kv head's rows of page 0
+  const T* v_head = static_cast<const T*>(p.v) + hk * p.v_sh;
+  const T* k_base = k_head + b * p.k_sb;
+  const T* v_base = v_head + b * p.v_sb;
+  // Whole-tile pages: this sequence's block-table row (pages of a power of two). With it and k_head,
+  // a tile's entry and rows cost a shift, a clamp and two products: the page lookup's 64-bit
+  // products and branches per tile (table_entry, slot) were what a paged split at one CTA an SM
+  // spent beside a contiguous one (ncu, H200, B8 KV32768 GQA 32:8 D 128, two splits a kv head:
+  // 48.8M warp instructions against 43.1M, 276 us against 250). decode_check, L2 flushed, pages of
+  // 256, us (contiguous in brackets): that step 281.7 -> 270.1 (259.0), KV131072 1073.6 -> 1028.6
+  // (984.5); B1 GQA 32:8 KV4096 17.2 -> 16.7 (16.3); B1 GQA 32:4 KV131072 87.1 -> 84.9 (84.1).
+  const int* table_row = kRows == KvRows::kPageTiles ? p.cache.block_table + b * p.cache.table_stride : nullptr;
   // The keys some row of this CTA sees, [lo_min, hi_max), and those every row sees, [lo_max,
   // hi_min): the splits share the first equally, and tiles inside the second need no range test.
   // Keys at or past hi_max are not read (zero-filled in shared memory): a cache's unused slots,
@@ -716,7 +726,9 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
     if (kPaged && tid < kEntries) {
       const int j = tile_of(n) * kTileKeys + tid;
       if (n < n_local && j < hi_max) {
-        cp_async_4(s_page + n % Tiles::kPageSlots * kTileKeys + tid, p.cache.table_entry(b, j));
+        const int* entry =
+            kRows == KvRows::kPageTiles ? table_row + (j >> p.cache.page_shift) : p.cache.table_entry(b, j);
+        cp_async_4(s_page + n % Tiles::kPageSlots * kTileKeys + tid, entry);
       }
     }
   };
@@ -772,9 +784,9 @@ __global__ void __launch_bounds__(kThreads, Tiles::kMinBlocks) attention_decode_
     T* v_dst = s_v + stage * kTileKeys * kStride;
     if constexpr (kPaged) {
       if constexpr (kRows == KvRows::kPageTiles) {
-        const int64_t page = p.cache.clamp_page(s_page[n % Tiles::kPageSlots * kTileKeys]), slot = p.cache.slot(j0);
-        load_rows(k_dst, v_dst, static_cast<const T*>(p.k) + page * p.k_sb + slot * p.k_si + hk * p.k_sh,
-                  static_cast<const T*>(p.v) + page * p.v_sb + slot * p.v_si + hk * p.v_sh, j0);
+        const int64_t page = p.cache.clamp_page(s_page[n % Tiles::kPageSlots * kTileKeys]);
+        const int slot = j0 & (p.cache.page_size - 1);
+        load_rows(k_dst, v_dst, k_head + page * p.k_sb + slot * p.k_si, v_head + page * p.v_sb + slot * p.v_si, j0);
       } else {
         const int* pages = s_page + n % Tiles::kPageSlots * kTileKeys;
         constexpr int kRounds = kTileKeys * kChunks / kThreads;
