@@ -64,9 +64,10 @@ std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_bloc
 // Private to the tests (safeattn._C._decode_wave_ctas): the CTAs an SM of the wave shape
 // (DecodeWaveShape) a decode step of head dim d over kv_end keys with batch x hkv (batch, kv head)
 // pairs takes on a GPU with `sms` SMs and `smem_per_block` bytes of shared memory a block, over a
-// paged cache or a contiguous one, 0 for the default shape (decode::wave_config_ctas).
+// paged cache whose pages are shorter than a key tile (`row_pages`) or another one, 0 for the
+// default shape (decode::wave_config_ctas).
 int64_t decode_wave_ctas(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
-                         int64_t smem_per_block, bool paged);
+                         int64_t smem_per_block, bool row_pages);
 // Streaming multiprocessors of a device (the current one by default), for grid sizes.
 int64_t multiprocessor_count(int device);
 int64_t multiprocessor_count();

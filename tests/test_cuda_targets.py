@@ -249,15 +249,16 @@ def test_generic_large_shapes_where_measured(gpu):
 # shared memory of one CTA in KB. A step takes the shape of the fewest CTAs an SM whose wave
 # (SMs x CTAs an SM) its (batch, kv head) pairs fill half of to all of, over at most 4096 keys,
 # where that many CTAs fit a block's limit; else the default shape (0).
-# (head dim, CTAs an SM) -> (KB of one CTA, whether a paged cache takes it).
+# (head dim, CTAs an SM) -> (KB of one CTA, whether a paged cache of pages shorter than a key tile
+# takes it; pages of whole tiles take every shape).
 DECODE_WAVE_SHAPES = {(128, 1): (142, True), (64, 1): (187, False), (64, 2): (113, True)}
 
 
-def expected_wave_ctas(head_dim, keys, pairs, sms, per_block, paged):
+def expected_wave_ctas(head_dim, keys, pairs, sms, per_block, row_pages):
     for ctas in (1, 2):
         kb, pages = DECODE_WAVE_SHAPES.get((head_dim, ctas), (0, False))
         wave = sms * ctas
-        fits = kb and ctas * kb * KB <= per_block and (pages or not paged)
+        fits = kb and ctas * kb * KB <= per_block and (pages or not row_pages)
         if fits and 2 * pairs >= wave and pairs <= wave and keys <= 4096:
             return ctas
     return 0
@@ -271,7 +272,7 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
     only on GPUs whose blocks may take their shared memory: D=128's one CTA of 142 KB never on the
     99 KB GPUs (RTX 30/40/50, L4, L40S), whose launch of it would fail; D=64's one CTA of 187 KB
     and two of 113 KB an SM only on the 227 KB ones (H100/H200, B200); the one-CTA D=64 shape
-    never over a paged cache (its page fetches ran slower there)."""
+    never over pages shorter than a key tile (their per-key page fetches ran slower there)."""
     from safeattn import _testing
 
     per_block, _ = GPU_SMEM[gpu]
@@ -279,15 +280,15 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
         for pairs in sorted(
             {1, sms // 3, sms // 2 - 1, sms // 2, sms - 1, sms, sms + 1, 3 * sms // 2, 2 * sms, 2 * sms + 1}
         ):
-            for keys, paged in ((1024, False), (1024, True), (4096, False), (4097, False)):
-                want = expected_wave_ctas(head_dim, keys, pairs, sms, per_block, paged)
-                got = _testing.decode_wave_ctas(head_dim, keys, pairs, 1, sms, per_block, paged)
-                assert got == want, (gpu, sms, pairs, keys, paged)
+            for keys, row_pages in ((1024, False), (1024, True), (4096, False), (4097, False)):
+                want = expected_wave_ctas(head_dim, keys, pairs, sms, per_block, row_pages)
+                got = _testing.decode_wave_ctas(head_dim, keys, pairs, 1, sms, per_block, row_pages)
+                assert got == want, (gpu, sms, pairs, keys, row_pages)
     big = gpu in {"9.0 (H100, H200)", "10.0 (B200)"}
     # As measured on the H200 (132 SMs): B32 x 4 kv heads (128 pairs), B32 x 8 (256), B8 x 8 (64).
     if head_dim == 64:
         assert _testing.decode_wave_ctas(64, 1024, 32, 4, 132, per_block) == (1 if big else 0)
-        assert _testing.decode_wave_ctas(64, 1024, 32, 4, 132, per_block, paged=True) == 0
+        assert _testing.decode_wave_ctas(64, 1024, 32, 4, 132, per_block, row_pages=True) == 0
         assert _testing.decode_wave_ctas(64, 1024, 32, 8, 132, per_block) == (2 if big else 0)
     if head_dim == 128:
         fits = gpu in LARGE_SMEM_GPUS

@@ -497,6 +497,50 @@ def test_cuda_decode_sixteen_split_clusters(page_size, length):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("page_size", [0, 16, 256])
+def test_cuda_decode_d64_wave_shape_and_pages(page_size):
+    """D=64 with (batch, kv head) pairs filling three quarters of the SMs over a short cache: a
+    contiguous cache and pages holding whole key tiles take the one-CTA wave shape (ten tiles in
+    flight, DecodeWaveShape<64, 1>) on the GPUs it fits (H100/H200); pages of 16, whose keys are
+    looked up one by one, keep the default shape. The values against the reference either way,
+    NaN in the unused slots, lengths ending inside a tile and a page, an empty sequence."""
+    from safeattn import _testing
+
+    props = torch.cuda.get_device_properties("cuda")
+    sms, hkv = props.multi_processor_count, 4
+    batch = max(2, 3 * sms // 4 // hkv)
+    seqlens = [(977 * b + 300) % 1500 for b in range(batch - 1)] + [0]
+    case = _case(
+        seqlens,
+        1,
+        1,
+        8 * hkv,
+        hkv,
+        64,
+        torch.bfloat16,
+        "cuda",
+        paged=page_size > 0,
+        page_size=page_size or 16,
+        capacity=1536,
+        poison=float("nan"),
+    )
+    _check(*case, causal=True)
+    per_block = getattr(props, "shared_memory_per_block_optin", 0)
+    if _testing.decode_wave_ctas(64, 1536, batch, hkv, sms, per_block) != 1:
+        return  # no room for the shape on this GPU: the values above are the test
+    q, k_cache, v_cache, cache_seqlens, k, v, table = case
+    names = cuda_kernel_names(
+        lambda: safeattn.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table=table, causal=True
+        ),
+        warmup=True,
+    )
+    wave = ("DecodeTiles<10, 1, 128", "DecodeTilesILi10ELi1ELi128")
+    took = any(w in n for n in names for w in wave)
+    assert took == (page_size != 16), names
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("paged", [False, True])
 def test_cuda_decode_one_split_writes_out_itself(paged):
     """Enough (batch, kv head) pairs to fill the GPU: one split each, and the split kernel writes

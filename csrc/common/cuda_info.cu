@@ -58,9 +58,9 @@ std::vector<int64_t> generic_tile_shapes(int64_t head_dim, int64_t smem_per_bloc
 }
 
 int64_t decode_wave_ctas(int64_t head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms,
-                         int64_t smem_per_block, bool paged) {
+                         int64_t smem_per_block, bool row_pages) {
   return decode::wave_config_ctas(static_cast<int>(head_dim), kv_end, batch, hkv, sms,
-                                  static_cast<size_t>(smem_per_block), paged);
+                                  static_cast<size_t>(smem_per_block), row_pages);
 }
 
 std::vector<int> attention_head_dims(bool backward, bool sm90) {

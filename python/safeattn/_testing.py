@@ -59,15 +59,22 @@ def generic_tile_shapes(
 
 
 def decode_wave_ctas(
-    head_dim: int, kv_end: int, batch: int, kv_heads: int, sms: int, smem_per_block: int, paged: bool = False
+    head_dim: int,
+    kv_end: int,
+    batch: int,
+    kv_heads: int,
+    sms: int,
+    smem_per_block: int,
+    row_pages: bool = False,
 ) -> int:
     """The CTAs an SM of the decode kernel's wave shape (DecodeWaveShape: many tiles in flight) that
-    a decode step over a contiguous (or ``paged``) cache takes on a GPU with ``sms`` SMs and
-    ``smem_per_block`` bytes of shared memory a block may opt into; 0 where it takes the default
-    shape."""
+    a decode step takes on a GPU with ``sms`` SMs and ``smem_per_block`` bytes of shared memory a
+    block may opt into, over a contiguous cache or one of pages holding whole key tiles (64 tokens
+    or more, a power of two), or with ``row_pages`` over shorter pages; 0 where it takes the
+    default shape."""
     if not hasattr(_C, "_decode_wave_ctas"):
         raise RuntimeError("this build of safeattn has no CUDA kernels")
-    return int(_C._decode_wave_ctas(head_dim, kv_end, batch, kv_heads, sms, smem_per_block, paged))
+    return int(_C._decode_wave_ctas(head_dim, kv_end, batch, kv_heads, sms, smem_per_block, row_pages))
 
 
 @contextlib.contextmanager

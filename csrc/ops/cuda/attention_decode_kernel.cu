@@ -102,15 +102,16 @@ void launch_decode(DecodeParams p, const DecodeOutputs& o, int64_t batch, int64_
 void run_decode(at::ScalarType dtype, int64_t head_dim, const DecodeParams& p, const DecodeOutputs& o, int64_t batch,
                 int64_t hkv, at::TensorOptions options) {
   const int64_t sms = multiprocessor_count();
+  const decode::KvRows rows = decode::kv_rows_of(p.cache);
   const int wave_ctas = decode::wave_config_ctas(static_cast<int>(head_dim), p.kv_end, batch, hkv, sms,
                                                  at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin,
-                                                 p.cache.block_table != nullptr);
+                                                 rows == decode::KvRows::kPageRows);
   with_head_dim<kDecodeHeadDims>(head_dim, [&](auto dim) {
     constexpr int kD = decltype(dim)::value;
     auto launch = [&](auto tiles) {
       using Tiles = decltype(tiles);
-      decode::with_kv_rows(decode::kv_rows_of(p.cache), [&](auto rows) {
-        constexpr decode::KvRows kRows = decltype(rows)::value;
+      decode::with_kv_rows(rows, [&](auto kv_rows) {
+        constexpr decode::KvRows kRows = decltype(kv_rows)::value;
         if (dtype == at::kBFloat16) {
           launch_decode<__nv_bfloat16, kD, kRows, Tiles>(p, o, batch, hkv, sms, options);
         } else {

@@ -112,12 +112,15 @@ using DecodeConfig = DecodeTiles<2, 3, 128>;
 // D 64 from half a wave to one wave of one CTA an SM: 10 stages (187 KB), contiguous caches only.
 // decode_check, B32 Hkv4 (128 pairs), three runs, us: KV1024 24.2 -> 19.2, 26.0 -> 20.8, 25.6 ->
 // 21.3; KV2048 36.7 -> 31.7, 36.9 -> 31.4; KV4096 53.7 -> 48.4, 54.0 -> 49.9, 54.9 -> 50.9; but
-// paged16 KV2048 38.0 -> 66.1 (61.7 in the third run; the two-CTA shape 44.4): its page fetches do
-// not keep up, so a paged cache keeps DecodeConfig (kPaged false). Through the extension (bench
-// decode, cuDNN in the same run): B32 Hkv4 KV1024 19.0 -> 17.4 us (0.64x -> 0.79x), KV4096 45.6 ->
-// 45.3.
+// paged16 KV2048 38.0 -> 66.1 (61.7 in the third run; the two-CTA shape 44.4): its per-key page
+// fetches do not keep up, so pages shorter than a tile keep DecodeConfig (kPageRows false). Through
+// the extension (bench decode, cuDNN in the same run): B32 Hkv4 KV1024 19.0 -> 17.4 us (0.64x ->
+// 0.79x), KV4096 45.6 -> 45.3. Whole-tile pages take it (their own instance, KvRows::kPageTiles):
+// B32 Hkv4 pages of 256, KV1024 / 2048 / 4096, 24.3 / 35.8 / 54.7 -> 20.7 / 31.6 / 52.7 us
+// (contiguous 18.8 / 29.5 / 47.9); pages of 64 25.2 / 36.2 / 55.2 -> 20.9 / 32.1 / 52.2.
 // DecodeWaveShape<kD, kCtas>: the head dim's shape of kCtas CTAs an SM, if it has one (kHas), and
-// whether a paged cache takes it (kPaged). A head dim without any runs DecodeConfig everywhere.
+// whether a paged cache of pages shorter than a key tile takes it (kPageRows; whole-tile pages take
+// every shape). A head dim without any runs DecodeConfig everywhere.
 template <int kD, int kCtas>
 struct DecodeWaveShape {
   static constexpr bool kHas = false;
@@ -126,19 +129,19 @@ template <>
 struct DecodeWaveShape<128, 1> {
   using type = DecodeTiles<4, 1, 128>;
   static constexpr bool kHas = true;
-  static constexpr bool kPaged = true;  // B32 Hkv4: paged 24.7 / 75.4 us, contiguous 24.0 / 70.5
+  static constexpr bool kPageRows = true;  // B32 Hkv4: paged 24.7 / 75.4 us, contiguous 24.0 / 70.5
 };
 template <>
 struct DecodeWaveShape<64, 1> {
   using type = DecodeTiles<10, 1, 128>;
   static constexpr bool kHas = true;
-  static constexpr bool kPaged = false;
+  static constexpr bool kPageRows = false;
 };
 template <>
 struct DecodeWaveShape<64, 2> {
   using type = DecodeTiles<6, 1, 128>;
   static constexpr bool kHas = true;
-  static constexpr bool kPaged = true;  // B32 Hkv8 paged16 KV2048 56.3 -> 55.3 us
+  static constexpr bool kPageRows = true;  // B32 Hkv8 paged16 KV2048 56.3 -> 55.3 us
 };
 constexpr int kMaxWaveCtas = 2;  // the most CTAs an SM of any wave shape
 template <int kD, int kCtas>
@@ -148,16 +151,16 @@ constexpr int64_t kWaveMaxKeys = 4096;  // the longest cache measured faster on 
 // `smem_optin`: the shared memory a block of the GPU may opt into. A shape is taken only where its
 // kCtas CTAs fit an SM as measured (D 128's 142 KB and D 64's two of 113 KB are over the 99 KB of
 // sm_86 / sm_89 / sm_120; D 64's 187 KB and its two of 113 KB over sm_80's 163 KB), else
-// DecodeConfig.
+// DecodeConfig. `row_pages`: a paged cache whose pages are shorter than a key tile.
 template <int kD, int kCtas>
-inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
+inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool row_pages) {
   using Shape = DecodeWaveShape<kD, kCtas>;
   if constexpr (!Shape::kHas) {
     return false;
   } else {
     const int64_t wave = sms * kCtas;
     return kCtas * Shape::type::template smem_bytes<__half, kD>() <= smem_optin && 2 * pairs >= wave && pairs <= wave &&
-           kv_end <= kWaveMaxKeys && (Shape::kPaged || !paged);
+           kv_end <= kWaveMaxKeys && (Shape::kPageRows || !row_pages);
   }
 }
 
@@ -165,21 +168,21 @@ inline bool uses_wave_shape(int64_t kv_end, int64_t pairs, int64_t sms, size_t s
 // of pairs (half a wave to a wave) of one and two CTAs an SM do not overlap but at sms pairs, where
 // the one-CTA shape is taken.
 template <int kD>
-inline int wave_shape_ctas(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool paged) {
-  if (uses_wave_shape<kD, 1>(kv_end, pairs, sms, smem_optin, paged)) {
+inline int wave_shape_ctas(int64_t kv_end, int64_t pairs, int64_t sms, size_t smem_optin, bool row_pages) {
+  if (uses_wave_shape<kD, 1>(kv_end, pairs, sms, smem_optin, row_pages)) {
     return 1;
   }
-  return uses_wave_shape<kD, 2>(kv_end, pairs, sms, smem_optin, paged) ? 2 : 0;
+  return uses_wave_shape<kD, 2>(kv_end, pairs, sms, smem_optin, row_pages) ? 2 : 0;
 }
 
 inline int wave_config_ctas(int head_dim, int64_t kv_end, int64_t batch, int64_t hkv, int64_t sms, size_t smem_optin,
-                            bool paged) {
+                            bool row_pages) {
   const int64_t pairs = batch * hkv;
   switch (head_dim) {
     case 64:
-      return wave_shape_ctas<64>(kv_end, pairs, sms, smem_optin, paged);
+      return wave_shape_ctas<64>(kv_end, pairs, sms, smem_optin, row_pages);
     case 128:
-      return wave_shape_ctas<128>(kv_end, pairs, sms, smem_optin, paged);
+      return wave_shape_ctas<128>(kv_end, pairs, sms, smem_optin, row_pages);
     default:
       return 0;
   }
