@@ -251,7 +251,7 @@ def test_generic_large_shapes_where_measured(gpu):
 # where that many CTAs fit a block's limit; else the default shape (0).
 # (head dim, CTAs an SM) -> (KB of one CTA, whether a paged cache of pages shorter than a key tile
 # takes it; pages of whole tiles take every shape).
-DECODE_WAVE_SHAPES = {(128, 1): (142, True), (64, 1): (187, False), (64, 2): (113, True)}
+DECODE_WAVE_SHAPES = {(128, 1): (142, False), (64, 1): (187, False), (64, 2): (113, True)}
 
 
 def expected_wave_ctas(head_dim, keys, pairs, sms, per_block, row_pages):
@@ -271,8 +271,8 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
     """The decode kernel's wave shapes are taken where they were measured faster on an H200 and
     only on GPUs whose blocks may take their shared memory: D=128's one CTA of 142 KB never on the
     99 KB GPUs (RTX 30/40/50, L4, L40S), whose launch of it would fail; D=64's one CTA of 187 KB
-    and two of 113 KB an SM only on the 227 KB ones (H100/H200, B200); the one-CTA D=64 shape
-    never over pages shorter than a key tile (their per-key page fetches ran slower there)."""
+    and two of 113 KB an SM only on the 227 KB ones (H100/H200, B200); the one-CTA shapes never
+    over pages shorter than a key tile (their per-key page fetches ran slower there)."""
     from safeattn import _testing
 
     per_block, _ = GPU_SMEM[gpu]
@@ -293,5 +293,6 @@ def test_decode_wave_shape_where_measured_and_it_fits(gpu, head_dim):
     if head_dim == 128:
         fits = gpu in LARGE_SMEM_GPUS
         assert _testing.decode_wave_ctas(128, 1024, 32, 4, 132, per_block) == (1 if fits else 0)
+        assert _testing.decode_wave_ctas(128, 1024, 32, 4, 132, per_block, row_pages=True) == 0
         assert _testing.decode_wave_ctas(128, 1024, 32, 8, 132, per_block) == 0
     assert _testing.decode_wave_ctas(head_dim, 1024, 8, 8, 132, per_block) == 0

@@ -129,7 +129,9 @@ template <>
 struct DecodeWaveShape<128, 1> {
   using type = DecodeTiles<4, 1, 128>;
   static constexpr bool kHas = true;
-  static constexpr bool kPageRows = true;  // B32 Hkv4: paged 24.7 / 75.4 us, contiguous 24.0 / 70.5
+  // B32 Hkv4, pages of 256: 24.7 / 75.4 us, contiguous 24.0 / 70.5. Pages of 16 lose on it
+  // (decode_check, L2 flushed, B32 Hkv4 KV2048: 73.4 us against DecodeConfig's 57.3).
+  static constexpr bool kPageRows = false;
 };
 template <>
 struct DecodeWaveShape<64, 1> {
